@@ -1,0 +1,321 @@
+"""The engine and its step loop: schedule -> forward -> process logits -> select -> stop -> emit."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import pluggy
+import torch
+
+from decodekit.config import EngineConfig
+from decodekit.core.blocks import BlockAllocator
+from decodekit.core.detokenizer import IncrementalDetokenizer
+from decodekit.core.kv_cache import PagedKVCache
+from decodekit.core.runner import ForwardItem, ModelRunner, model_geometry
+from decodekit.core.scheduler import Scheduler, SchedulerOutput
+from decodekit.core.sequence import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
+from decodekit.errors import ConfigError, RequestError
+from decodekit.models import LoadedModel
+from decodekit.params import SamplingParams
+from decodekit.processors import BatchView, LogitsProcessor, apply_processors
+from decodekit.registry import Registry
+from decodekit.stopping import StoppingCriterion
+
+log = logging.getLogger("decodekit.engine")
+
+
+class Engine:
+    """A continuous-batching engine over one model. Not thread-safe: one thread calls `add_request`/`step`.
+
+    Args:
+        loaded: the model and tokenizer (see `decodekit.models.load_model`).
+        config: limits and memory.
+        registry: processors, stopping criteria and strategies from the plugins.
+        plugin_manager: for lifecycle hooks.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, registry: Registry,
+                 plugin_manager: pluggy.PluginManager) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.config = config
+        self.registry = registry
+        self.hooks = plugin_manager.hook
+        geometry = model_geometry(loaded.model)
+        self.max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
+        per_block = PagedKVCache.bytes_per_token(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                                                 loaded.dtype) * config.block_size
+        num_blocks = config.kv_cache_memory // per_block
+        if num_blocks < 2:
+            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes holds fewer than 2 blocks of "
+                              f"{per_block} bytes; raise it")
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.kv_cache = PagedKVCache(geometry.num_layers, num_blocks, config.block_size, geometry.num_kv_heads,
+                                     geometry.head_dim, loaded.dtype, loaded.device)
+        self.runner = ModelRunner(loaded.model, self.kv_cache)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy)
+        self.processors: list[LogitsProcessor] = registry.defaults("processors")
+        self.stopping_criteria: list[StoppingCriterion] = registry.defaults("stopping_criteria")
+        self.default_strategy = registry.get("strategies", "sample").factory()
+        self.eos_token_ids = _eos_token_ids(loaded)
+        self.requests: dict[str, Request] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._appended: list[Sequence] = []
+        self._emitted: dict[int, int] = {}
+        self._counter = 0
+        self.step_count = 0
+        torch.manual_seed(config.seed)
+        log.info("engine: %s, %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
+                 loaded.name, str(loaded.dtype).removeprefix("torch."), num_blocks, config.block_size,
+                 self.kv_cache.pool.numel() * self.kv_cache.pool.element_size() / 2**20, self.max_model_len)
+        self.hooks.decodekit_engine_started(engine=self)
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        """Queue a prompt (text or token ids). A bad request is finished with an error at the next step."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = str(self._counter)
+        self._counter += 1
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = list(self.tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else list(prompt)
+        request = Request(request_id, text, ids, params, priority)
+        self.requests[request_id] = request
+        error = self._validate(request)
+        for index in range(params.n if error is None else 1):
+            seq = Sequence(request, list(ids), len(ids))
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.loaded.device).manual_seed(params.seed + index)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            request.sequences.append(seq)
+        request.strategy = self.default_strategy
+        if error is not None:
+            self._finish_request_with_error(request, error)
+        else:
+            self.scheduler.add(request)
+            self.hooks.decodekit_request_added(engine=self, request=request)
+        return request
+
+    def _validate(self, request: Request) -> str | None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_model_len:
+            return f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens"
+        vocab = self.loaded.model.config.get_text_config().vocab_size
+        if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
+            return f"the prompt has token ids outside the vocabulary [0, {vocab})"
+        if request.params.n > 1:
+            return "n > 1 needs the parallel sampling strategy, which this engine does not provide yet"
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its output finishes with reason "abort". Returns False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        self.scheduler.remove(request)
+        for seq in request.sequences:
+            if not seq.finished:
+                self._finish_sequence(seq, "abort")
+        self._emit_final(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running (or has an output not yet returned by `step`)."""
+        return self.scheduler.has_work() or bool(self._pending_outputs)
+
+    # ---- the step loop -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs (deltas and finished requests) it produced."""
+        sched = self.scheduler.schedule()
+        for request in sched.failed:
+            self._finish_request_with_error(request, request.error or "failed")
+        if not sched.empty:
+            logits = self._forward(sched)
+            if logits is not None:
+                self._select(sched, logits)
+                self._stop()
+        outputs = self._emit()
+        self.step_count += 1
+        self.hooks.decodekit_step_finished(engine=self, outputs=outputs)
+        return outputs
+
+    def _forward(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        now = time.perf_counter()
+        items = []
+        for s in sched.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+            items.append(ForwardItem(seq.token_ids[start : start + s.num_tokens], start,
+                                     self.allocator.block_table(seq.seq_id), 1 if s.completes else 0))
+        try:
+            logits = self.runner.forward(items, self.allocator.take_pending_copies())
+        except Exception as exc:  # a failed forward fails this step's requests, not the engine
+            log.exception("forward pass failed")
+            for request in {s.seq.request.request_id: s.seq.request for s in sched.scheduled}.values():
+                self._finish_request_with_error(request, f"model forward failed: {exc!r}")
+            return None
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.allocator.mark_computed(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed_tokens)
+        return logits
+
+    def _select(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        rows = [s.seq for s in sched.scheduled if s.completes]
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, seq in enumerate(rows):
+            groups[id(seq.request.strategy)].append(i)
+        for indices in groups.values():
+            seqs = [rows[i] for i in indices]
+            strategy = seqs[0].request.strategy
+            part = logits if len(indices) == len(rows) else logits[indices]
+            try:
+                strategy.select(self, seqs, part)
+            except Exception:
+                # Isolate the failing request(s): retry one by one so only the culprits fail.
+                for i, seq in zip(indices, seqs):
+                    if seq.finished or (seq in self._appended):
+                        continue
+                    try:
+                        strategy.select(self, [seq], logits[i : i + 1])
+                    except Exception as exc:
+                        log.warning("request %s failed in %s: %r", seq.request.request_id, strategy.name, exc)
+                        self.scheduler.remove(seq.request)
+                        self._finish_request_with_error(seq.request, f"{strategy.name} failed: {exc!r}")
+
+    # StepContext, used by strategies
+    def batch_view(self, seqs: list[Sequence]) -> BatchView:
+        """The processors' view of these sequences."""
+        return BatchView([s.request.params for s in seqs], [s.token_ids for s in seqs],
+                         [s.num_prompt_tokens for s in seqs], self.eos_token_ids, self.loaded.device)
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Apply the engine's processors, in order, to the rows of these sequences."""
+        greedy = [s.request.params.greedy for s in seqs]
+        return apply_processors(self.processors, logits, self.batch_view(seqs), greedy)
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        """Append a generated token; stopping runs at the end of the step."""
+        seq.token_ids.append(token_id)
+        self._appended.append(seq)
+
+    def _stop(self) -> None:
+        now = time.perf_counter()
+        for seq in self._appended:
+            request = seq.request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            delta = seq.detokenizer.add(seq.token_ids[-1:])
+            seq.state["new_text_len"] = len(delta)
+            seq.text = seq.detokenizer.text
+            decision = None
+            for criterion in self.stopping_criteria:
+                if criterion.is_active(request.params):
+                    decision = criterion.check(seq, request.params, self.eos_token_ids)
+                    if decision is not None:
+                        break
+            if decision is not None:
+                cut = decision.truncate_text_at
+                self._finish_sequence(seq, decision.finish_reason, decision.stop_reason,
+                                      None if cut is None else seq.text[:cut])
+            elif len(seq.token_ids) >= self.max_model_len:
+                self._finish_sequence(seq, "length")
+        for request in {id(s.request): s.request for s in self._appended}.values():
+            request.metrics.num_generated_tokens = sum(s.num_generated for s in request.sequences)
+            if request.finished and request.error is None:
+                self.scheduler.remove(request)
+                self._emit_final(request)
+
+    def _finish_sequence(self, seq: Sequence, reason: str, stop_reason: str | int | None = None,
+                         text: str | None = None) -> None:
+        if text is None:
+            seq.detokenizer.flush()
+            text = seq.detokenizer.text
+        seq.text = text
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.free_sequence(seq)
+
+    def _finish_request_with_error(self, request: Request, error: str) -> None:
+        request.error = error
+        self.scheduler.remove(request)
+        for seq in request.sequences:
+            if not seq.finished:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "error"
+                self.scheduler.free_sequence(seq)
+        self._emit_final(request)
+
+    # ---- outputs -------------------------------------------------------------------------------------------
+    def _holdback(self, seq: Sequence) -> int:
+        # Text that may still turn out to be the start of a stop string is not streamed yet.
+        stops = seq.request.params.stop
+        return 0 if seq.finished or not stops else max(len(s) for s in stops) - 1
+
+    def _output(self, request: Request, final: bool) -> RequestOutput:
+        outputs, deltas, delta_ids = [], [], []
+        for index, seq in enumerate(request.sequences):
+            visible = seq.text[: max(0, len(seq.text) - self._holdback(seq))]
+            emitted = self._emitted.get(seq.seq_id, 0)
+            ids_emitted = self._emitted.get(-seq.seq_id - 1, 0)
+            deltas.append(visible[emitted:])
+            delta_ids.append(seq.generated_ids[ids_emitted:])
+            self._emitted[seq.seq_id] = max(emitted, len(visible))
+            self._emitted[-seq.seq_id - 1] = seq.num_generated
+            outputs.append(CompletionOutput(index, visible if not seq.finished else seq.text, seq.generated_ids,
+                                            seq.finish_reason, seq.stop_reason))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
+                             request.metrics, request.error, deltas, delta_ids)
+
+    def _emit_final(self, request: Request) -> None:
+        request.metrics.finished_time = time.perf_counter()
+        output = self._output(request, final=True)
+        self._pending_outputs.append(output)
+        for seq in request.sequences:
+            self._emitted.pop(seq.seq_id, None)
+            self._emitted.pop(-seq.seq_id - 1, None)
+        self.requests.pop(request.request_id, None)
+        self.hooks.decodekit_request_finished(engine=self, request=request, output=output)
+
+    def _emit(self) -> list[RequestOutput]:
+        outputs = self._pending_outputs
+        done = {o.request_id for o in outputs}
+        for request in {id(s.request): s.request for s in self._appended}.values():
+            if request.request_id not in done and not request.finished:
+                outputs.append(self._output(request, final=False))
+        self._pending_outputs = []
+        self._appended = []
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        """Queue depth, running requests, KV usage and preemptions right now."""
+        used = self.allocator.num_blocks - self.allocator.num_free_blocks
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "kv_blocks_used": used,
+            "kv_blocks_total": self.allocator.num_blocks,
+            "kv_usage": used / self.allocator.num_blocks,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.step_count,
+        }
+
+
+def _eos_token_ids(loaded: LoadedModel) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = getattr(loaded.model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), getattr(loaded.tokenizer, "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.extend(source if isinstance(source, (list, tuple)) else [source])
+    return tuple(dict.fromkeys(int(i) for i in ids))

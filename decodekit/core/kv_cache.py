@@ -1,0 +1,212 @@
+"""The KV cache tensors and the paged attention that reads them, plugged into unmodified transformers models.
+
+Two public seams of transformers are used, nothing private:
+- `PagedKVCache` is a `transformers.Cache`: the model's attention layers call `update(k, v, layer_idx)`, which
+  writes the new keys/values into the block pool at this step's slots (`index_copy_`, no allocation).
+- `paged_attention_forward` is registered with `AttentionInterface` as "decodekit_paged"; it attends each
+  query to its own sequence's keys gathered from the pool. Because the name has no mask function registered,
+  transformers skips building a mask and the layout below carries the sequence boundaries instead.
+
+The pool is allocated once: `[layers, 2, num_blocks * block_size, kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "decodekit_paged"
+# Sequences scoring at most this many new tokens are attended together in one padded SDPA call; longer prefill
+# chunks get one call each (the padding would cost more than the Python loop).
+BATCHED_MAX_QUERY = 16
+
+
+@dataclass
+class AttentionLayout:
+    """Where every query token of one forward pass lives and what it may attend to (built once per step).
+
+    Tokens are packed as one row `[1, T]`; `slot_mapping[t]` is the pool slot token t's K/V is written to.
+    """
+
+    slot_mapping: torch.Tensor  # [T] long
+    # batched group: B sequences with short queries, padded to Qmax queries and Lmax keys
+    batched_query_index: torch.Tensor | None  # [B * Qmax] long, packed token of each padded query
+    batched_query_valid: torch.Tensor | None  # [B * Qmax] bool
+    batched_key_slots: torch.Tensor | None  # [B, Lmax] long
+    batched_mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, True = attend
+    batched_shape: tuple[int, int] = (0, 0)  # (B, Qmax)
+    # long prefill chunks, one SDPA each: (token_start, token_end, context_start, key_slots or None)
+    chunks: tuple[tuple[int, int, int, torch.Tensor | None], ...] = ()
+
+
+def build_layout(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
+    device: torch.device,
+) -> tuple[AttentionLayout, torch.Tensor]:
+    """Describe one packed forward pass: sequence i brings `query_lens[i]` new tokens after `context_lens[i]`.
+
+    Returns the layout and the position id of every packed token.
+    """
+    n = len(query_lens)
+    max_blocks = max(len(t) for t in block_tables)
+    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+    q_lens = torch.tensor(query_lens, dtype=torch.long)
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    seq_of_token = torch.repeat_interleave(torch.arange(n), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    positions = ctx[seq_of_token] + (torch.arange(int(q_lens.sum())) - starts[seq_of_token])
+    slot_mapping = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    short = [i for i in range(n) if query_lens[i] <= BATCHED_MAX_QUERY]
+    chunks = []
+    for i in range(n):
+        if query_lens[i] > BATCHED_MAX_QUERY:
+            start = int(starts[i])
+            total = context_lens[i] + query_lens[i]
+            key_slots = None
+            if context_lens[i] > 0:
+                key_slots = _slots(table[i : i + 1], block_size, total)[0].to(device)
+            chunks.append((start, start + query_lens[i], context_lens[i], key_slots))
+
+    layout = AttentionLayout(slot_mapping.to(device), None, None, None, None, (0, 0), tuple(chunks))
+    if short:
+        idx = torch.tensor(short, dtype=torch.long)
+        b_q, b_ctx = q_lens[idx], ctx[idx]
+        q_max = int(b_q.max())
+        l_max = int((b_ctx + b_q).max())
+        offs = torch.arange(q_max)
+        layout.batched_query_valid = (offs[None, :] < b_q[:, None]).reshape(-1).to(device)
+        layout.batched_query_index = (starts[idx][:, None] + torch.minimum(offs[None, :], b_q[:, None] - 1)).reshape(
+            -1
+        ).to(device)
+        layout.batched_key_slots = _slots(table[idx], block_size, l_max).to(device)
+        limit = b_ctx[:, None] + torch.minimum(offs[None, :], b_q[:, None] - 1) + 1  # keys visible per query
+        layout.batched_mask = (torch.arange(l_max)[None, None, :] < limit[:, :, None]).unsqueeze(1).to(device)
+        layout.batched_shape = (len(short), q_max)
+    return layout, positions.to(device)
+
+
+def _slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    offsets = torch.arange(block_size)
+    return (table[:, :, None] * block_size + offsets).reshape(table.shape[0], -1)[:, :length]
+
+
+class PagedKVCache(Cache):
+    """The block pool of keys and values for every layer, exposed to models as a transformers `Cache`.
+
+    Args:
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: pool geometry.
+        dtype, device: where the pool lives.
+    """
+
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        super().__init__(layers=[])
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.pool = torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype,
+                                device=device)
+        self.layout: AttentionLayout | None = None
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Pool bytes one token costs across all layers (keys and values)."""
+        return num_layers * 2 * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values (`[1, kv_heads, T, head_dim]`) into the pool; return them unchanged."""
+        assert self.layout is not None, "PagedKVCache.update called outside an engine forward"
+        slots = self.layout.slot_mapping
+        self.pool[layer_idx, 0].index_copy_(0, slots, key_states[0].transpose(0, 1))
+        self.pool[layer_idx, 1].index_copy_(0, slots, value_states[0].transpose(0, 1))
+        return key_states, value_states
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Apply copy-on-write block copies (src, dst) for every layer."""
+        if not copies:
+            return
+        offsets = torch.arange(self.block_size)
+        src = torch.tensor([s for s, _ in copies])[:, None] * self.block_size + offsets
+        dst = torch.tensor([d for _, d in copies])[:, None] * self.block_size + offsets
+        src, dst = src.reshape(-1).to(self.pool.device), dst.reshape(-1).to(self.pool.device)
+        self.pool[:, :, dst] = self.pool[:, :, src]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Not meaningful for a packed batch of many sequences; the engine always passes position ids."""
+        return 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """The number of slots in the pool."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def is_compileable(self) -> bool:  # type: ignore[override]
+        """The pool is written with data-dependent indices, so compiled full graphs are not supported."""
+        return False
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of packed queries `[1, heads, T, head_dim]` over each sequence's keys in the paged pool.
+
+    Returns `[1, T, heads, head_dim]` as transformers' attention functions do.
+    """
+    cache: PagedKVCache | None = kwargs.get("paged_kv_cache")
+    if cache is None or cache.layout is None:
+        # Called by plain transformers code (e.g. `model.generate` on a model the engine also serves).
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layout = cache.layout
+    k_pool, v_pool = cache.pool[module.layer_idx]  # type: ignore[index]
+    q = query[0]  # [H, T, D]
+    heads, _, dim = q.shape
+    out = query.new_empty(q.shape[1], heads, dim)
+    if layout.batched_query_index is not None:
+        batch, q_max = layout.batched_shape
+        qb = q.index_select(1, layout.batched_query_index).view(heads, batch, q_max, dim).transpose(0, 1)
+        slots = layout.batched_key_slots
+        kb = k_pool[slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
+        vb = v_pool[slots].permute(0, 2, 1, 3)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=layout.batched_mask, scale=scaling,
+                                            enable_gqa=True)
+        ob = ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
+        if q_max == 1:
+            out.index_copy_(0, layout.batched_query_index, ob)
+        else:
+            valid = layout.batched_query_valid
+            out.index_copy_(0, layout.batched_query_index[valid], ob[valid])
+    for start, end, ctx_start, key_slots in layout.chunks:
+        qs = q[:, start:end].unsqueeze(0)
+        if key_slots is None:  # the whole context is this chunk: no gather, plain causal attention
+            ks, vs = key[:, :, start:end], value[:, :, start:end]
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            ks = k_pool[key_slots].permute(1, 0, 2).unsqueeze(0)
+            vs = v_pool[key_slots].permute(1, 0, 2).unsqueeze(0)
+            n_q, n_k = end - start, key_slots.shape[0]
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=ctx_start)
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out[start:end] = os_[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

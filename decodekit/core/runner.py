@@ -1,0 +1,99 @@
+"""The model runner: one packed forward pass for every scheduled sequence, logits only where they are needed."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from decodekit.core.kv_cache import ATTENTION_NAME, PagedKVCache, build_layout
+from decodekit.errors import UnsupportedModelError
+
+log = logging.getLogger("decodekit.runner")
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the KV pool must look like for a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    vocab_size: int
+
+
+def model_geometry(model: Any) -> ModelGeometry:
+    """Read layer count, KV heads, head size and context length from a HF config (refusing what we can't page)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    arch = type(model).__name__
+    for attr in ("attn_logit_softcapping", "layer_types"):
+        value = getattr(config, attr, None)
+        if attr == "layer_types" and value is not None and all(t == "full_attention" for t in value):
+            continue
+        if value:
+            raise UnsupportedModelError(f"{arch}: `{attr}` is not supported by decodekit's paged attention yet")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    max_len = getattr(config, "max_position_embeddings", None) or 2048
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window and window < max_len:
+        log.warning("%s uses a %d-token sliding window; contexts are capped at it for exactness", arch, window)
+        max_len = window
+    return ModelGeometry(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
+                         head_dim, max_len, config.vocab_size)
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's part of a forward: its new tokens after `context_len` cached ones, and logits wanted."""
+
+    token_ids: list[int]
+    context_len: int
+    block_table: list[int]
+    num_logits: int  # logits for the last `num_logits` of the new tokens (0 for a mid-prompt chunk)
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; turns a list of `ForwardItem`s into logits `[sum(num_logits), vocab]`."""
+
+    def __init__(self, model: Any, kv_cache: PagedKVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.pool.device
+        self._config = model.config
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Run one packed forward pass and return float32 logits for the requested positions, in item order."""
+        self.kv_cache.copy_blocks(block_copies)
+        layout, positions = build_layout(
+            [len(it.token_ids) for it in items], [it.context_len for it in items],
+            [it.block_table for it in items], self.kv_cache.block_size, self.device,
+        )
+        flat: list[int] = []
+        logit_index: list[int] = []
+        for it in items:
+            flat.extend(it.token_ids)
+            logit_index.extend(range(len(flat) - it.num_logits, len(flat)))
+        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)[None]
+        self.kv_cache.layout = layout
+        # Switch attention only for this call, so the same model object stays usable by plain transformers
+        # (`generate` with padding masks) between engine steps.
+        previous = self._config._attn_implementation
+        self._config._attn_implementation = ATTENTION_NAME
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions[None],
+                past_key_values=self.kv_cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(logit_index, dtype=torch.long, device=self.device),
+                paged_kv_cache=self.kv_cache,
+            )
+        finally:
+            self._config._attn_implementation = previous
+            self.kv_cache.layout = None
+        return out.logits[0].float()

