@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny in-process models and tokenizers, a fresh plugin manager per test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from decodekit.plugins import get_plugin_manager
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A tiny byte-level BPE tokenizer (vocab 384)."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def model(request):
+    """A tiny random Llama- or Qwen2-style model (2 layers, GQA), float32."""
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    """A tiny random Llama-style model."""
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def plugin_manager():
+    """A fresh plugin manager (defaults only) for one test."""
+    return get_plugin_manager(load_entry_points=False)
+
+
+def random_prompts(count: int, low: int, high: int, vocab: int = 384, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts with lengths drawn from [low, high), avoiding the special ids 0-2."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers `generate` greedy continuation of one prompt (stops at EOS like decodekit)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0)
+    ids = out[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    return ids[: ids.index(eos) + 1] if eos in ids else ids

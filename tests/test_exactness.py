@@ -1,0 +1,51 @@
+"""Greedy decoding is token-exact with transformers `generate`, whatever else is in the batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from decodekit import LLM, SamplingParams
+from tests.conftest import hf_greedy, random_prompts
+
+
+def _check_exact(llm: LLM, model, prompts: list[list[int]], max_tokens: int) -> None:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    for prompt, out in zip(prompts, outs):
+        assert out.error is None
+        assert out.token_ids == hf_greedy(model, prompt, max_tokens), f"prompt of {len(prompt)} tokens differs"
+
+
+def test_greedy_batch_of_16_mixed_lengths_matches_hf_generate(model, tokenizer):
+    # 16 prompts of 3..120 tokens with a 64-token step budget: prefill chunks and decodes share steps,
+    # and requests finish at different steps (EOS or max_tokens).
+    llm = LLM(model, tokenizer, dtype="float32", device="cpu", max_num_batched_tokens=64, block_size=8)
+    _check_exact(llm, model, random_prompts(16, 3, 120, seed=1), max_tokens=48)
+
+
+def test_greedy_matches_hf_generate_under_preemption(llama, tokenizer):
+    # A pool of 40 blocks of 4 tokens cannot hold 12 growing sequences at once: the scheduler must preempt
+    # and recompute, and the tokens must not change.
+    llm = LLM(llama, tokenizer, dtype="float32", device="cpu", kv_cache_memory=40 * 4 * 2 * 2 * 2 * 16 * 4,
+              block_size=4, max_num_batched_tokens=32)
+    assert llm.engine.allocator.num_blocks == 40
+    prompts = random_prompts(12, 5, 40, seed=2)
+    _check_exact(llm, llama, prompts, max_tokens=40)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+def test_greedy_matches_hf_generate_with_shared_prefixes_from_the_prefix_cache(llama, tokenizer):
+    base = random_prompts(1, 40, 41, seed=3)[0]
+    prompts = [base + tail for tail in random_prompts(6, 2, 10, seed=4)]
+    llm = LLM(llama, tokenizer, dtype="float32", device="cpu", block_size=8)
+    _check_exact(llm, llama, prompts[:1], max_tokens=16)
+    outs = llm.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=16))
+    assert all(o.metrics.num_cached_prompt_tokens >= 32 for o in outs), "prefix blocks were not reused"
+    for prompt, out in zip(prompts[1:], outs):
+        assert out.token_ids == hf_greedy(llama, prompt, 16)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_greedy_single_request_matches_hf_for_any_block_size(llama, tokenizer, block_size):
+    llm = LLM(llama, tokenizer, dtype="float32", device="cpu", block_size=block_size)
+    _check_exact(llm, llama, random_prompts(2, 10, 30, seed=5), max_tokens=20)
