@@ -7,7 +7,9 @@ Two public seams of transformers are used, nothing private:
   query to its own sequence's keys gathered from the pool. Because the name has no mask function registered,
   transformers skips building a mask and the layout below carries the sequence boundaries instead.
 
-The pool is allocated once: `[layers, 2, num_blocks * block_size, kv_heads, head_dim]`.
+The pool is allocated once: `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`. Reads gather whole blocks
+(`index_select` over the block dimension: one contiguous copy per block, measured about 10x faster here than
+indexing slot by slot with a 2-D index).
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ class AttentionLayout:
     # batched group: B sequences with short queries, padded to Qmax queries and Lmax keys
     batched_query_index: torch.Tensor | None  # [B * Qmax] long, packed token of each padded query
     batched_query_valid: torch.Tensor | None  # [B * Qmax] bool
-    batched_key_slots: torch.Tensor | None  # [B, Lmax] long
+    batched_blocks: torch.Tensor | None  # [B * max_blocks] long, block ids (padded with block 0)
     batched_mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, True = attend
     batched_shape: tuple[int, int] = (0, 0)  # (B, Qmax)
-    # long prefill chunks, one SDPA each: (token_start, token_end, context_start, key_slots or None)
+    # long prefill chunks, one SDPA each: (token_start, token_end, context_start, block ids or None)
     chunks: tuple[tuple[int, int, int, torch.Tensor | None], ...] = ()
 
 
@@ -69,32 +71,28 @@ def build_layout(
         if query_lens[i] > BATCHED_MAX_QUERY:
             start = int(starts[i])
             total = context_lens[i] + query_lens[i]
-            key_slots = None
+            blocks = None
             if context_lens[i] > 0:
-                key_slots = _slots(table[i : i + 1], block_size, total)[0].to(device)
-            chunks.append((start, start + query_lens[i], context_lens[i], key_slots))
+                blocks = table[i, : -(-total // block_size)].to(device)
+            chunks.append((start, start + query_lens[i], context_lens[i], blocks))
 
     layout = AttentionLayout(slot_mapping.to(device), None, None, None, None, (0, 0), tuple(chunks))
     if short:
         idx = torch.tensor(short, dtype=torch.long)
         b_q, b_ctx = q_lens[idx], ctx[idx]
         q_max = int(b_q.max())
-        l_max = int((b_ctx + b_q).max())
+        n_blocks = -(-int((b_ctx + b_q).max()) // block_size)
+        l_max = n_blocks * block_size
         offs = torch.arange(q_max)
         layout.batched_query_valid = (offs[None, :] < b_q[:, None]).reshape(-1).to(device)
         layout.batched_query_index = (starts[idx][:, None] + torch.minimum(offs[None, :], b_q[:, None] - 1)).reshape(
             -1
         ).to(device)
-        layout.batched_key_slots = _slots(table[idx], block_size, l_max).to(device)
+        layout.batched_blocks = table[idx, :n_blocks].reshape(-1).to(device)
         limit = b_ctx[:, None] + torch.minimum(offs[None, :], b_q[:, None] - 1) + 1  # keys visible per query
         layout.batched_mask = (torch.arange(l_max)[None, None, :] < limit[:, :, None]).unsqueeze(1).to(device)
         layout.batched_shape = (len(short), q_max)
     return layout, positions.to(device)
-
-
-def _slots(table: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
-    offsets = torch.arange(block_size)
-    return (table[:, :, None] * block_size + offsets).reshape(table.shape[0], -1)[:, :length]
 
 
 class PagedKVCache(Cache):
@@ -113,8 +111,10 @@ class PagedKVCache(Cache):
         self.num_layers = num_layers
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.pool = torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype,
+        self.pool = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
                                 device=device)
+        # The same memory seen slot by slot, for writes: [layers, 2, num_blocks * block_size, kv_heads, head_dim].
+        self.slots = self.pool.view(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
         self.layout: AttentionLayout | None = None
 
     @staticmethod
@@ -128,18 +128,16 @@ class PagedKVCache(Cache):
         """Write this step's keys/values (`[1, kv_heads, T, head_dim]`) into the pool; return them unchanged."""
         assert self.layout is not None, "PagedKVCache.update called outside an engine forward"
         slots = self.layout.slot_mapping
-        self.pool[layer_idx, 0].index_copy_(0, slots, key_states[0].transpose(0, 1))
-        self.pool[layer_idx, 1].index_copy_(0, slots, value_states[0].transpose(0, 1))
+        self.slots[layer_idx, 0].index_copy_(0, slots, key_states[0].transpose(0, 1))
+        self.slots[layer_idx, 1].index_copy_(0, slots, value_states[0].transpose(0, 1))
         return key_states, value_states
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write block copies (src, dst) for every layer."""
         if not copies:
             return
-        offsets = torch.arange(self.block_size)
-        src = torch.tensor([s for s, _ in copies])[:, None] * self.block_size + offsets
-        dst = torch.tensor([d for _, d in copies])[:, None] * self.block_size + offsets
-        src, dst = src.reshape(-1).to(self.pool.device), dst.reshape(-1).to(self.pool.device)
+        src = torch.tensor([s for s, _ in copies], device=self.pool.device)
+        dst = torch.tensor([d for _, d in copies], device=self.pool.device)
         self.pool[:, :, dst] = self.pool[:, :, src]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -176,16 +174,17 @@ def paged_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     layout = cache.layout
-    k_pool, v_pool = cache.pool[module.layer_idx]  # type: ignore[index]
+    k_pool, v_pool = cache.pool[module.layer_idx]  # type: ignore[index]  # [num_blocks, bs, KVH, D]
     q = query[0]  # [H, T, D]
     heads, _, dim = q.shape
+    kv_heads = k_pool.shape[2]
     out = query.new_empty(q.shape[1], heads, dim)
     if layout.batched_query_index is not None:
         batch, q_max = layout.batched_shape
         qb = q.index_select(1, layout.batched_query_index).view(heads, batch, q_max, dim).transpose(0, 1)
-        slots = layout.batched_key_slots
-        kb = k_pool[slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
-        vb = v_pool[slots].permute(0, 2, 1, 3)
+        blocks = layout.batched_blocks
+        kb = k_pool.index_select(0, blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)  # [B, KVH, L, D]
+        vb = v_pool.index_select(0, blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=layout.batched_mask, scale=scaling,
                                             enable_gqa=True)
         ob = ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
@@ -194,15 +193,16 @@ def paged_attention_forward(
         else:
             valid = layout.batched_query_valid
             out.index_copy_(0, layout.batched_query_index[valid], ob[valid])
-    for start, end, ctx_start, key_slots in layout.chunks:
+    for start, end, ctx_start, blocks in layout.chunks:
         qs = q[:, start:end].unsqueeze(0)
-        if key_slots is None:  # the whole context is this chunk: no gather, plain causal attention
+        if blocks is None:  # the whole context is this chunk: no gather, plain causal attention
             ks, vs = key[:, :, start:end], value[:, :, start:end]
             os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            ks = k_pool[key_slots].permute(1, 0, 2).unsqueeze(0)
-            vs = v_pool[key_slots].permute(1, 0, 2).unsqueeze(0)
-            n_q, n_k = end - start, key_slots.shape[0]
+            n_q = end - start
+            n_k = ctx_start + n_q
+            ks = k_pool.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].permute(1, 0, 2).unsqueeze(0)
+            vs = v_pool.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].permute(1, 0, 2).unsqueeze(0)
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=ctx_start)
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[start:end] = os_[0].transpose(0, 1)
