@@ -64,4 +64,4 @@ def plugin_origins(pm: pluggy.PluginManager) -> dict[str, str]:
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if pm.get_plugin(ep.name) is not None and ep.dist is not None:
             origin[ep.name] = f"{ep.dist.name}=={ep.dist.version}"
-    return {name: origin.get(name, "registered in-process") for name in (pm.get_name(p) for p in pm.get_plugins()) if name}
+    return {name: origin.get(name, "registered in-process") for name, plugin in pm.list_name_plugin() if plugin}

@@ -36,8 +36,10 @@ class Registry:
     def from_plugin_manager(cls, pm: pluggy.PluginManager) -> Registry:
         """Collect components by calling each registration hook once per plugin."""
         registry = cls()
-        for plugin in pm.get_plugins():
-            plugin_name = pm.get_name(plugin) or repr(plugin)
+        # Registration order (defaults first, then entry points, then in-process) fixes the processor order.
+        for plugin_name, plugin in pm.list_name_plugin():
+            if plugin is None:  # blocked plugin
+                continue
             for hook, table in (
                 ("decodekit_register_processors", registry.processors),
                 ("decodekit_register_stopping_criteria", registry.stopping_criteria),
