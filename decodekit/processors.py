@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+
 import torch
 
 from decodekit.params import SamplingParams
@@ -25,7 +26,7 @@ class BatchView:
     histories: list[list[int]]
     prompt_lens: list[int]
     eos_token_ids: tuple[int, ...] = ()
-    device: torch.device = torch.device("cpu")
+    device: torch.device | str = "cpu"
 
     def __len__(self) -> int:
         return len(self.params)

@@ -32,7 +32,7 @@ def test_async_stream_yields_deltas_that_add_up_to_the_offline_result(async_llm)
     streams = asyncio.run(main())
     for stream in streams:
         assert stream[-1].finished and len(stream[-1].token_ids) == 12
-        assert sum((o.delta_token_ids[0] for o in stream), []) == stream[-1].token_ids
+        assert [t for o in stream for t in o.delta_token_ids[0]] == stream[-1].token_ids
         assert "".join(o.delta_text[0] for o in stream) == stream[-1].text
 
 

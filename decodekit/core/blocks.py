@@ -27,8 +27,17 @@ class OutOfBlocksError(DecodeKitError):
 @dataclass
 class _Table:
     blocks: list[int] = field(default_factory=list)
-    num_hashed: int = 0  # leading blocks that are published under a prefix hash
-    last_hash: int | None = None
+    # The prefix (chain) hash of each leading fully-computed block. Kept per table rather than looked up from the
+    # published blocks: a block computed twice is published only once, so its hash may belong to another block.
+    hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_hashed(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def last_hash(self) -> int | None:
+        return self.hashes[-1] if self.hashes else None
 
 
 class BlockAllocator:
@@ -94,6 +103,10 @@ class BlockAllocator:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self._free[block] = None
+            if self.pending_copies:
+                # A queued copy into a block nobody owns any more is stale; if the block were reused before the
+                # copies are applied, it would race (same dst twice in one batched copy) with the new owner's.
+                self.pending_copies = [c for c in self.pending_copies if c[1] != block]
 
     def _acquire(self, block: int) -> None:
         if self.ref_counts[block] == 0:
@@ -102,7 +115,11 @@ class BlockAllocator:
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """The published blocks that hold a prefix of `token_ids` (at most all but the last token)."""
+        return self._match(token_ids)[0]
+
+    def _match(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         blocks: list[int] = []
+        hashes: list[int] = []
         prev: int | None = None
         bs = self.block_size
         # Leave at least one token to compute: the engine needs the logits at the last prompt position.
@@ -112,8 +129,9 @@ class BlockAllocator:
             if block is None:
                 break
             blocks.append(block)
+            hashes.append(h)
             prev = h
-        return blocks
+        return blocks, hashes
 
     def can_allocate(self, token_ids: Sequence[int], extra_blocks: int = 0) -> bool:
         """Whether `allocate(token_ids)` would succeed while keeping `extra_blocks` blocks free."""
@@ -135,10 +153,10 @@ class BlockAllocator:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not self.can_allocate(token_ids):
             raise OutOfBlocksError(f"sequence {seq_id} needs more KV blocks than are free")
-        cached = self.match_prefix(token_ids)
+        cached, hashes = self._match(token_ids)
         for block in cached:
             self._acquire(block)
-        table = _Table(list(cached), len(cached), self._block_to_hash[cached[-1]] if cached else None)
+        table = _Table(list(cached), hashes)
         self._tables[seq_id] = table
         for _ in range(self.blocks_needed(len(token_ids)) - len(cached)):
             table.blocks.append(self._take_free_block())
@@ -157,6 +175,11 @@ class BlockAllocator:
         shared = [i for i in range(first, min(last + 1, len(table.blocks))) if self.ref_counts[table.blocks[i]] > 1]
         if new_blocks + len(shared) > len(self._free):
             raise OutOfBlocksError(f"sequence {seq_id} needs {new_blocks + len(shared)} more KV blocks")
+        for i in range(first, min(last + 1, len(table.blocks))):
+            if self.ref_counts[table.blocks[i]] == 1:
+                # Written in place: if it is published (e.g. truncated into while shared, and the sharer has
+                # since let go), its cached content is about to change, so it must stop being served.
+                self._unpublish(table.blocks[i])
         for i in shared:
             src = table.blocks[i]
             dst = self._take_free_block()
@@ -183,7 +206,7 @@ class BlockAllocator:
         parent = self._tables[parent_id]
         for block in parent.blocks:
             self._acquire(block)
-        self._tables[child_id] = _Table(list(parent.blocks), parent.num_hashed, parent.last_hash)
+        self._tables[child_id] = _Table(list(parent.blocks), list(parent.hashes))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the slots of the first `num_tokens` tokens (rollback); surplus blocks are released."""
@@ -194,12 +217,12 @@ class BlockAllocator:
         del table.blocks[keep:]
         full = num_tokens // self.block_size
         if table.num_hashed > full:
-            # A published block that will be rewritten must stop being served as a cached prefix.
+            # A published block that will be rewritten must stop being served as a cached prefix (a shared one
+            # keeps its content: the write copies it first, or `ensure_slots` unpublishes it once unshared).
             for block in table.blocks[full : table.num_hashed]:
                 if self.ref_counts[block] == 1:
                     self._unpublish(block)
-            table.num_hashed = full
-            table.last_hash = self._block_to_hash.get(table.blocks[full - 1]) if full else None
+            del table.hashes[full:]
 
     def _unpublish(self, block: int) -> None:
         h = self._block_to_hash.pop(block, None)
@@ -222,8 +245,7 @@ class BlockAllocator:
             if h not in self._hash_to_block and block not in self._block_to_hash:
                 self._hash_to_block[h] = block
                 self._block_to_hash[block] = h
-            table.last_hash = h
-            table.num_hashed = i + 1
+            table.hashes.append(h)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Return and clear the copy-on-write copies queued since the last call."""

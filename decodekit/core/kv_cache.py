@@ -122,7 +122,7 @@ class PagedKVCache(Cache):
         """Pool bytes one token costs across all layers (keys and values)."""
         return num_layers * 2 * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
-    def update(  # type: ignore[override]
+    def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's keys/values (`[1, kv_heads, T, head_dim]`) into the pool; return them unchanged."""
@@ -149,7 +149,7 @@ class PagedKVCache(Cache):
         return self.num_blocks * self.block_size
 
     @property
-    def is_compileable(self) -> bool:  # type: ignore[override]
+    def is_compileable(self) -> bool:
         """The pool is written with data-dependent indices, so compiled full graphs are not supported."""
         return False
 

@@ -98,7 +98,10 @@ class Scheduler:
                 seq.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        # Back to the front of its class: under FCFS it is older than everything waiting; under the priority
+        # policy it must not jump ahead of a waiting request with a better (lower) priority value.
         self.waiting.insert(0, request)
+        self.waiting.sort(key=self._key)
         out.preempted.append(request)
 
     def _victim(self) -> Request:
@@ -139,17 +142,23 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = [s for s in request.sequences if not s.finished]
-            if num_seqs + len(seqs) > self.max_num_seqs:
-                break
             needed = sum(self.allocator.blocks_needed(len(s.token_ids)) for s in seqs)
-            if needed > self.allocator.num_blocks:
-                self.waiting.pop(0)
-                request.error = (
+            error = None
+            if len(seqs) > self.max_num_seqs:
+                error = (f"request has {len(seqs)} sequences but at most {self.max_num_seqs} run at once; "
+                         "raise max_num_seqs or lower n")
+            elif needed > self.allocator.num_blocks:
+                error = (
                     f"request needs {needed} KV blocks but the cache has only {self.allocator.num_blocks}; "
                     "raise the KV cache memory or shorten the prompt"
                 )
+            if error is not None:  # it could never run: fail it rather than block the queue forever
+                self.waiting.pop(0)
+                request.error = error
                 out.failed.append(request)
                 continue
+            if num_seqs + len(seqs) > self.max_num_seqs:
+                break
             if not all(self.allocator.can_allocate(s.token_ids) for s in seqs) or (
                 sum(self.allocator.blocks_needed(len(s.token_ids)) for s in seqs) > self.allocator.num_free_blocks
                 and len(seqs) > 1

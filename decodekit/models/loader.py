@@ -94,7 +94,9 @@ def check_paged_attention_support(model: Any) -> None:
             "(Llama, Qwen2/3, Mistral, Gemma, Phi-3, ...)."
         )
     if getattr(model.config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model; decodekit serves decoder-only LMs")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder model; decodekit serves decoder-only LMs"
+        )
 
 
 def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, **kwargs: Any) -> tuple[Any, Any]:
@@ -105,7 +107,7 @@ def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, **kwar
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {path!r}: {exc}") from exc
-    return model.to(device), tokenizer
+    return model.to(device), tokenizer  # type: ignore[arg-type]
 
 
 def bundled_gguf_path() -> Path:
@@ -131,7 +133,7 @@ def convert_gguf_to_folder(gguf: Path, target: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The layers are plain nn.Linear after dequantization; transformers only refuses to save because the
     # quantizer marker is still attached.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -166,7 +168,8 @@ def builtin_model_loaders() -> list[ModelLoader]:
     return [
         ModelLoader("bundled", lambda s: s.lower() == BUNDLED_MODEL_NAME, _load_bundled),
         ModelLoader("gguf", lambda s: s.lower().endswith(".gguf"), _load_gguf),
-        ModelLoader("hf-folder", lambda s: Path(s).expanduser().is_dir(), lambda s, d, dev: _from_pretrained(s, d, dev)),
+        ModelLoader("hf-folder", lambda s: Path(s).expanduser().is_dir(),
+                    lambda s, d, dev: _from_pretrained(s, d, dev)),
         ModelLoader("hub", lambda s: "/" in s and not Path(s).exists(), lambda s, d, dev: _from_pretrained(s, d, dev)),
     ]
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from decodekit import hookimpl
-from decodekit.processors import BatchView, LogitsProcessor
 from decodekit.params import SamplingParams
+from decodekit.processors import BatchView, LogitsProcessor
 
 
 class MinTokensProcessor(LogitsProcessor):
