@@ -181,8 +181,11 @@ def bench(
 
 
 def main() -> None:
-    """Entry point that turns DecodeKitError into one line and a non-zero exit."""
+    """Entry point: add plugin commands, run, and turn a DecodeKitError into one line and a non-zero exit."""
     try:
+        from decodekit.plugins import get_plugin_manager
+
+        get_plugin_manager().hook.decodekit_register_commands(cli=app)
         app()
     except DecodeKitError as exc:
         err_console.print(f"[bold red]error:[/] {exc}")

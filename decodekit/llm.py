@@ -44,7 +44,7 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [[int(t) for t in items]]  # one prompt given as token ids
+        return [[t for t in items if isinstance(t, int)]]  # one prompt given as token ids
     return items  # type: ignore[return-value]
 
 

@@ -66,3 +66,20 @@ def test_cuda_bf16_chat_names_paris():
     llm = LLM("smollm2-135m-instruct", dtype="bfloat16", device="cuda")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0))
     assert "Paris" in out[0].text
+
+
+def test_cli_generate_prints_paris_as_json_and_bad_input_exits_2():
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "decodekit", "generate", "-p", "What is the capital of France?", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert "Paris" in result["outputs"][0]["text"] and result["summary"]["requests"] == 1
+    bad = subprocess.run([*cmd[:4], "-p", "x", "--top-p", "1.5"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
+    missing = subprocess.run([*cmd[:4], "-p", "x", "--model", "/nonexistent/model.gguf"], capture_output=True, text=True,
+                             timeout=300)
+    assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr

@@ -1,0 +1,5 @@
+"""`python -m decodekit` runs the CLI."""
+
+from decodekit.cli import main
+
+main()
