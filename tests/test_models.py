@@ -1,0 +1,66 @@
+"""Model loading: local folders, GGUF errors, unknown names, dtype choice, unsupported architectures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit import LLM, SamplingParams
+from decodekit.errors import ModelLoadError, UnsupportedModelError
+from decodekit.models import load_model, resolve_dtype
+from tests.conftest import hf_greedy, random_prompts
+
+
+def test_local_hf_folder_loads_and_matches_the_in_memory_model(tmp_path, llama, tokenizer):
+    llama.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    prompt = random_prompts(1, 10, 11, seed=21)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.token_ids == hf_greedy(llama, prompt, 12)
+
+
+def test_missing_gguf_and_unknown_names_give_clear_errors():
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_model("/nonexistent/model.gguf", device="cpu")
+    with pytest.raises(ModelLoadError, match="no model loader accepts 'not-a-model'.*smollm2-135m-instruct"):
+        load_model("not-a-model", device="cpu")
+
+
+def test_explicit_dtypes_and_bad_dtype():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("bfloat16", cpu) is torch.bfloat16 and resolve_dtype("float16", cpu) is torch.float16
+    assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+    with pytest.raises(ModelLoadError, match="`dtype` must be one of"):
+        resolve_dtype("float8", cpu)
+
+
+def test_a_model_without_the_attention_interface_is_refused_by_name():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
+    with pytest.raises(UnsupportedModelError, match="BloomForCausalLM does not route attention"):
+        load_model(model, device="cpu")
+
+
+def test_gpt2_style_absolute_positions_are_exact_too(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                       eos_token_id=2, bos_token_id=1)).eval()
+    llm = LLM(model, tokenizer, dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=32)
+    prompts = random_prompts(6, 3, 60, seed=22)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model, prompt, 16)
+
+
+def test_bf16_engine_runs_and_the_kv_pool_uses_the_model_dtype(llama, tokenizer):
+    import copy
+
+    model = copy.deepcopy(llama)
+    llm = LLM(model, tokenizer, dtype="bfloat16", device="cpu")
+    assert llm.engine.kv_cache.pool.dtype is torch.bfloat16
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5
