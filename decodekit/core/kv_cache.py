@@ -29,7 +29,19 @@ ATTENTION_NAME = "decodekit_paged"
 BATCHED_MAX_QUERY = 16
 
 
-@dataclass
+@dataclass(frozen=True)
+class BatchedGroup:
+    """Sequences with short queries attended in one padded SDPA call (B sequences, Qmax queries, L keys)."""
+
+    query_index: torch.Tensor  # [B * Qmax] long, packed token of each padded query
+    query_valid: torch.Tensor | None  # [B * Qmax] bool; None when every sequence has Qmax queries
+    blocks: torch.Tensor  # [B * n_blocks] long, block ids (padded with block 0)
+    mask: torch.Tensor | None  # [B, 1, Qmax, L] bool, True = attend; None when nothing is masked
+    batch: int
+    q_max: int
+
+
+@dataclass(frozen=True)
 class AttentionLayout:
     """Where every query token of one forward pass lives and what it may attend to (built once per step).
 
@@ -37,12 +49,7 @@ class AttentionLayout:
     """
 
     slot_mapping: torch.Tensor  # [T] long
-    # batched group: B sequences with short queries, padded to Qmax queries and Lmax keys
-    batched_query_index: torch.Tensor | None  # [B * Qmax] long, packed token of each padded query
-    batched_query_valid: torch.Tensor | None  # [B * Qmax] bool
-    batched_blocks: torch.Tensor | None  # [B * max_blocks] long, block ids (padded with block 0)
-    batched_mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, True = attend
-    batched_shape: tuple[int, int] = (0, 0)  # (B, Qmax)
+    groups: tuple[BatchedGroup, ...]
     # long prefill chunks, one SDPA each: (token_start, token_end, context_start, block ids or None)
     chunks: tuple[tuple[int, int, int, torch.Tensor | None], ...] = ()
 
@@ -65,34 +72,56 @@ def build_layout(
     positions = ctx[seq_of_token] + (torch.arange(int(q_lens.sum())) - starts[seq_of_token])
     slot_mapping = table[seq_of_token, positions // block_size] * block_size + positions % block_size
 
-    short = [i for i in range(n) if query_lens[i] <= BATCHED_MAX_QUERY]
     chunks = []
     for i in range(n):
         if query_lens[i] > BATCHED_MAX_QUERY:
             start = int(starts[i])
             total = context_lens[i] + query_lens[i]
-            blocks = None
-            if context_lens[i] > 0:
-                blocks = table[i, : -(-total // block_size)].to(device)
+            blocks = table[i, : -(-total // block_size)].to(device) if context_lens[i] > 0 else None
             chunks.append((start, start + query_lens[i], context_lens[i], blocks))
+    short = sorted((i for i in range(n) if query_lens[i] <= BATCHED_MAX_QUERY),
+                   key=lambda i: context_lens[i] + query_lens[i])
+    groups = tuple(_batched_group(torch.tensor(g), q_lens, ctx, starts, table, block_size, device)
+                   for g in _bucket_by_length(short, [c + q for c, q in zip(context_lens, query_lens)]))
+    return AttentionLayout(slot_mapping.to(device), groups, tuple(chunks)), positions.to(device)
 
-    layout = AttentionLayout(slot_mapping.to(device), None, None, None, None, (0, 0), tuple(chunks))
-    if short:
-        idx = torch.tensor(short, dtype=torch.long)
-        b_q, b_ctx = q_lens[idx], ctx[idx]
-        q_max = int(b_q.max())
-        n_blocks = -(-int((b_ctx + b_q).max()) // block_size)
-        l_max = n_blocks * block_size
-        offs = torch.arange(q_max)
-        layout.batched_query_valid = (offs[None, :] < b_q[:, None]).reshape(-1).to(device)
-        layout.batched_query_index = (starts[idx][:, None] + torch.minimum(offs[None, :], b_q[:, None] - 1)).reshape(
-            -1
-        ).to(device)
-        layout.batched_blocks = table[idx, :n_blocks].reshape(-1).to(device)
-        limit = b_ctx[:, None] + torch.minimum(offs[None, :], b_q[:, None] - 1) + 1  # keys visible per query
-        layout.batched_mask = (torch.arange(l_max)[None, None, :] < limit[:, :, None]).unsqueeze(1).to(device)
-        layout.batched_shape = (len(short), q_max)
-    return layout, positions.to(device)
+
+def _bucket_by_length(order: list[int], lengths: list[int]) -> list[list[int]]:
+    """Split sequences (sorted by length) so padding to a group's longest wastes at most about a third.
+
+    Attention over the KV cache is memory-bound: every padded key is read for nothing, so mixed lengths get a few
+    SDPA calls instead of one padded to the longest.
+    """
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] <= 1.5 * lengths[groups[-1][0]] + 16:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _batched_group(idx: torch.Tensor, q_lens: torch.Tensor, ctx: torch.Tensor, starts: torch.Tensor,
+                   table: torch.Tensor, block_size: int, device: torch.device) -> BatchedGroup:
+    b_q, b_ctx = q_lens[idx], ctx[idx]
+    q_max = int(b_q.max())
+    total = b_ctx + b_q
+    n_blocks = -(-int(total.max()) // block_size)
+    offs = torch.arange(q_max)
+    clamped = torch.minimum(offs[None, :], b_q[:, None] - 1)
+    uniform_q = bool((b_q == q_max).all())
+    limit = b_ctx[:, None] + clamped + 1  # keys visible to each query
+    mask = None
+    if q_max > 1 or not bool((total == n_blocks * block_size).all()):
+        mask = (torch.arange(n_blocks * block_size)[None, None, :] < limit[:, :, None]).unsqueeze(1).to(device)
+    return BatchedGroup(
+        query_index=(starts[idx][:, None] + clamped).reshape(-1).to(device),
+        query_valid=None if uniform_q else (offs[None, :] < b_q[:, None]).reshape(-1).to(device),
+        blocks=table[idx, :n_blocks].reshape(-1).to(device),
+        mask=mask,
+        batch=len(idx),
+        q_max=q_max,
+    )
 
 
 class PagedKVCache(Cache):
@@ -179,20 +208,17 @@ def paged_attention_forward(
     heads, _, dim = q.shape
     kv_heads = k_pool.shape[2]
     out = query.new_empty(q.shape[1], heads, dim)
-    if layout.batched_query_index is not None:
-        batch, q_max = layout.batched_shape
-        qb = q.index_select(1, layout.batched_query_index).view(heads, batch, q_max, dim).transpose(0, 1)
-        blocks = layout.batched_blocks
-        kb = k_pool.index_select(0, blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)  # [B, KVH, L, D]
-        vb = v_pool.index_select(0, blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=layout.batched_mask, scale=scaling,
-                                            enable_gqa=True)
+    for group in layout.groups:
+        batch, q_max = group.batch, group.q_max
+        qb = q.index_select(1, group.query_index).view(heads, batch, q_max, dim).transpose(0, 1)
+        kb = k_pool.index_select(0, group.blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)  # [B,KVH,L,D]
+        vb = v_pool.index_select(0, group.blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scaling, enable_gqa=True)
         ob = ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
-        if q_max == 1:
-            out.index_copy_(0, layout.batched_query_index, ob)
+        if group.query_valid is None:
+            out.index_copy_(0, group.query_index, ob)
         else:
-            valid = layout.batched_query_valid
-            out.index_copy_(0, layout.batched_query_index[valid], ob[valid])
+            out.index_copy_(0, group.query_index[group.query_valid], ob[group.query_valid])
     for start, end, ctx_start, blocks in layout.chunks:
         qs = q[:, start:end].unsqueeze(0)
         if blocks is None:  # the whole context is this chunk: no gather, plain causal attention
