@@ -23,7 +23,7 @@ def test_local_hf_folder_loads_and_matches_the_in_memory_model(tmp_path, llama, 
 def test_missing_gguf_and_unknown_names_give_clear_errors():
     with pytest.raises(ModelLoadError, match="GGUF file not found"):
         load_model("/nonexistent/model.gguf", device="cpu")
-    with pytest.raises(ModelLoadError, match="no model loader accepts 'not-a-model'.*smollm2-135m-instruct"):
+    with pytest.raises(ModelLoadError, match=r"no model loader accepts 'not-a-model'.*smollm2-135m-instruct"):
         load_model("not-a-model", device="cpu")
 
 
