@@ -65,7 +65,6 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._appended: list[Sequence] = []
-        self._emitted: dict[int, int] = {}
         self._counter = 0
         self.step_count = 0
         torch.manual_seed(config.seed)
@@ -215,7 +214,7 @@ class Engine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             delta = seq.detokenizer.add(seq.token_ids[-1:])
-            seq.state["new_text_len"] = len(delta)
+            seq.new_text_len = len(delta)
             seq.text = seq.detokenizer.text
             decision = None
             for criterion in self.stopping_criteria:
@@ -266,12 +265,10 @@ class Engine:
         outputs, deltas, delta_ids = [], [], []
         for index, seq in enumerate(request.sequences):
             visible = seq.text[: max(0, len(seq.text) - self._holdback(seq))]
-            emitted = self._emitted.get(seq.seq_id, 0)
-            ids_emitted = self._emitted.get(-seq.seq_id - 1, 0)
-            deltas.append(visible[emitted:])
-            delta_ids.append(seq.generated_ids[ids_emitted:])
-            self._emitted[seq.seq_id] = max(emitted, len(visible))
-            self._emitted[-seq.seq_id - 1] = seq.num_generated
+            deltas.append(visible[seq.emitted_text_len :])
+            delta_ids.append(seq.generated_ids[seq.emitted_token_count :])
+            seq.emitted_text_len = max(seq.emitted_text_len, len(visible))
+            seq.emitted_token_count = seq.num_generated
             outputs.append(CompletionOutput(index, visible if not seq.finished else seq.text, seq.generated_ids,
                                             seq.finish_reason, seq.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
@@ -281,9 +278,6 @@ class Engine:
         request.metrics.finished_time = time.perf_counter()
         output = self._output(request, final=True)
         self._pending_outputs.append(output)
-        for seq in request.sequences:
-            self._emitted.pop(seq.seq_id, None)
-            self._emitted.pop(-seq.seq_id - 1, None)
         self.requests.pop(request.request_id, None)
         self.hooks.decodekit_request_finished(engine=self, request=request, output=output)
 

@@ -85,6 +85,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     cumulative_logprob: float = 0.0
+    new_text_len: int = 0  # characters the newest token added to `text` (stop strings search only that tail)
+    emitted_text_len: int = 0  # characters already streamed to the caller
+    emitted_token_count: int = 0  # generated tokens already streamed to the caller
     state: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -62,7 +62,7 @@ class StopStringsCriterion(StoppingCriterion):
         if seq.num_generated < params.min_tokens:
             return None
         text = seq.text
-        new_chars = seq.state.get("new_text_len", len(text))
+        new_chars = seq.new_text_len
         best: tuple[int, str] | None = None
         for stop in params.stop:
             idx = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
