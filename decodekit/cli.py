@@ -103,7 +103,7 @@ def generate(
         llm = LLM(model, dtype=dtype, device=device)
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompt]
         start = time.perf_counter()
-        outputs = llm.generate(texts, params)
+        outputs = llm.generate(texts, params, add_special_tokens=not chat)
         wall = time.perf_counter() - start
     except DecodeKitError as exc:
         _fail(str(exc))

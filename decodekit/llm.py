@@ -81,6 +81,7 @@ class LLM:
         *,
         priorities: Sequence[int] | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
+        add_special_tokens: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists), all batched together; outputs in prompt order.
 
@@ -92,7 +93,8 @@ class LLM:
         ids = []
         for i, (prompt, p) in enumerate(zip(prompt_list, param_list)):
             rid = f"gen-{uuid.uuid4().hex[:12]}"
-            self.engine.add_request(prompt, p, request_id=rid, priority=priorities[i] if priorities else 0)
+            self.engine.add_request(prompt, p, request_id=rid, priority=priorities[i] if priorities else 0,
+                                    add_special_tokens=add_special_tokens)
             ids.append(rid)
         finals: dict[str, RequestOutput] = {}
         wanted = set(ids)
@@ -118,7 +120,8 @@ class LLM:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to several."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(conv) for conv in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params)
+        # the template already holds the special tokens
+        return self.generate(prompts, params, add_special_tokens=False)
 
 
 class AsyncLLM:

@@ -75,8 +75,12 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Request:
-        """Queue a prompt (text or token ids). A bad request is finished with an error at the next step."""
+                    request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True) -> Request:
+        """Queue a prompt (text or token ids). A bad request is finished with an error at the next step.
+
+        Text is tokenized with the tokenizer's special tokens (e.g. BOS) unless `add_special_tokens` is False,
+        as for a prompt already rendered by a chat template.
+        """
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(self._counter)
@@ -84,7 +88,10 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        ids = list(self.tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        else:
+            ids = list(prompt)
         request = Request(request_id, text, ids, params, priority)
         self.requests[request_id] = request
         error = self._validate(request)

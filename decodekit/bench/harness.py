@@ -1,0 +1,221 @@
+"""`run_benchmark`: decodekit against baselines, side by side in one process, interleaved, with medians.
+
+One HF model object is loaded once and shared by every system. Each system is warmed up once (untimed);
+then every round gives the same requests to each system in turn (A B C A B C ...). A round's token ids are
+fresh (see `Workload.requests`), so no system serves a repeated prompt from cache. Figures are medians over
+rounds; the ratios decodekit / baseline are medians of the per-round (paired) ratios.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import resource
+import threading
+import time
+from typing import Any
+
+import torch
+
+from decodekit.bench.baselines import SYSTEMS, RunRecord, System, build_system
+from decodekit.bench.report import BenchResult, SystemFigures, median, summarize
+from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
+from decodekit.config import EngineConfig
+from decodekit.errors import ConfigError
+from decodekit.models import BUNDLED_MODEL_NAME, load_model
+
+log = logging.getLogger("decodekit.bench")
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _RssSampler:
+    """Samples this process's resident memory in a thread while a system runs; `peak` is the maximum seen."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.peak = _rss_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-rss", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __enter__(self) -> _RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+def _setup(names: list[str], figures: dict[str, SystemFigures], work: Workload, model: Any, tokenizer: Any,
+           dtype: Any, batch_size: int, options: dict[str, Any]) -> dict[str, System]:
+    """Build and warm up every system; a baseline that fails is reported in its figures and left out."""
+    systems: dict[str, System] = {}
+    for name in names:
+        try:
+            system = build_system(name, model, tokenizer, dtype=dtype, batch_size=batch_size,
+                                  engine_options=options)
+            started = time.perf_counter()
+            system.prepare(work)
+            log.info("%s ready (warm-up %.1fs)", name, time.perf_counter() - started)
+            systems[name] = system
+            figures[name].notes.extend(system.notes)
+        except Exception as exc:
+            figures[name].error = f"setup failed: {exc!r}"
+            log.exception("%s setup failed", name)
+    if "decodekit" not in systems:
+        for system in systems.values():
+            system.close()
+        raise RuntimeError(f"decodekit could not be set up: {figures['decodekit'].error}")
+    return systems
+
+
+def _run_rounds(systems: dict[str, System], figures: dict[str, SystemFigures],
+                records: dict[str, list[RunRecord]], work: Workload, repeats: int, limit_s: float) -> None:
+    """The interleaved rounds: each round's requests go to every live system in turn."""
+    for round_index in range(repeats):
+        requests = work.requests(round_index)
+        for name in list(systems):
+            try:
+                with _RssSampler() as rss:
+                    record = systems[name].run(requests)
+                record.peak_rss_bytes = rss.peak
+            except Exception as exc:
+                figures[name].error = f"round {round_index} failed: {exc!r}"
+                log.exception("%s failed in round %d", name, round_index)
+                systems.pop(name).close()
+                continue
+            records[name].append(record)
+            log.info("round %d %s: %.2fs, %.1f tok/s", round_index, name, record.wall_s,
+                     record.useful_tokens / record.wall_s)
+            if record.wall_s > limit_s and round_index + 1 < repeats:
+                figures[name].notes.append(f"stopped after round {round_index}: {record.wall_s:.0f}s > "
+                                           f"time limit {limit_s:.0f}s")
+                systems.pop(name).close()
+
+
+def _environment() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "machine": platform.machine(),
+        "process_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def run_benchmark(
+    workload: str,
+    *,
+    model: Any = BUNDLED_MODEL_NAME,
+    dtype: Any = "auto",
+    num_requests: int = 64,
+    batch_size: int = 16,
+    output_len: int = 64,
+    repeats: int = 3,
+    baselines: tuple[str, ...] | list[str] | None = None,
+    seed: int = 0,
+    engine_options: dict[str, Any] | None = None,
+    hf_model: Any = None,
+    tokenizer: Any = None,
+    prompt_len: int = 32,
+    time_limit_s: float = 600.0,
+    num_threads: int | None = None,
+) -> BenchResult:
+    """Benchmark decodekit against baselines on one workload; see the module docstring for the method.
+
+    Args:
+        workload: "batch1", "batch", "mixed" or "ttft" (see `decodekit.bench.workloads.make_workload`).
+        model: what to load when `hf_model` is not given (name, folder, .gguf, hub id).
+        dtype: "auto", "float32", "bfloat16", "float16" (the shared model is cast once; every system uses it).
+        num_requests, batch_size, output_len, prompt_len: the workload's size (`batch_size` is also static
+            batching's batch size).
+        repeats: rounds; figures are medians over them.
+        baselines: any of "hf-sequential", "hf-static", "hf-cb"; default depends on the workload
+            (batch1/ttft: hf-sequential; batch: hf-static; mixed: hf-static + hf-cb).
+        seed: the workload seed.
+        engine_options: `EngineConfig` fields for decodekit (kv_cache_memory, max_num_seqs,
+            max_num_batched_tokens, block_size, ...); hf-cb sizes its KV cache and batch limits from them too.
+        hf_model, tokenizer: an already-loaded HF model object and its tokenizer (then `model` is ignored).
+        time_limit_s: a system whose round takes longer than this is not run again (noted in the result).
+        num_threads: torch threads for the run (restored afterwards); default torch's current setting. On a
+            shared 2-core machine, 1 thread is far steadier when a neighbour process is busy.
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be >= 1, got {repeats}")
+    chosen = list(default_baselines(workload) if baselines is None else baselines)
+    unknown = [b for b in chosen if b not in SYSTEMS[1:]]
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {unknown}; choose from {', '.join(SYSTEMS[1:])}")
+    options = dict(engine_options or {})
+    try:
+        EngineConfig(**options)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ConfigError(f"bad engine_options: {exc}") from exc
+    threads_before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        return _benchmark(workload, chosen, model, dtype, hf_model, tokenizer, options, repeats, time_limit_s,
+                          dict(num_requests=num_requests, batch_size=batch_size, output_len=output_len,
+                               prompt_len=prompt_len, seed=seed))
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_model: Any, tokenizer: Any,
+               options: dict[str, Any], repeats: int, time_limit_s: float, sizes: dict[str, int]) -> BenchResult:
+    if hf_model is None:
+        loaded = load_model(model, tokenizer, dtype=dtype)
+        hf_model, tokenizer, model_name = loaded.model, loaded.tokenizer, loaded.name
+    else:
+        if tokenizer is None:
+            raise ValueError("`tokenizer` is needed with `hf_model`")
+        loaded = load_model(hf_model, tokenizer, dtype=dtype)  # casts the shared object in place if asked
+        hf_model, model_name = loaded.model, loaded.name
+    vocab = hf_model.config.get_text_config().vocab_size
+    work = make_workload(workload, tokenizer, vocab_size=vocab, **sizes)
+    names = ["decodekit", *[b for b in chosen if b != "decodekit"]]
+    figures = {n: SystemFigures(n) for n in names}
+    records: dict[str, list[RunRecord]] = {n: [] for n in names}
+    systems = _setup(names, figures, work, hf_model, tokenizer, loaded.dtype, sizes["batch_size"], options)
+    try:
+        _run_rounds(systems, figures, records, work, repeats, time_limit_s)
+    finally:
+        for system in systems.values():
+            system.close()
+    notes: list[str] = []
+    reference = [r.outputs for r in records["decodekit"]]
+    for name in names:
+        summarize(figures[name], records[name], None if name == "decodekit" else reference)
+        if figures[name].rounds and figures[name].useful_tokens != work.total_output_tokens:
+            notes.append(f"{name} produced {figures[name].useful_tokens} useful tokens, "
+                         f"expected {work.total_output_tokens}")
+    ratios: dict[str, float | None] = {}
+    for name in names[1:]:
+        paired = [a.useful_tokens / a.wall_s / (b.useful_tokens / b.wall_s)
+                  for a, b in zip(records["decodekit"], records[name], strict=False)]
+        ratios[name] = median(list(paired))
+    notes.append("TTFT is measured from the round's start (all requests arrive at once); TPOT per request "
+                 "is (last token - first token) / (tokens - 1); peak RSS is the whole process while that "
+                 "system ran (the shared model and decodekit's KV pool stay resident throughout)")
+    dtype_name = str(loaded.dtype).removeprefix("torch.")
+    return BenchResult(work.describe(), model_name, dtype_name, str(loaded.device), repeats, figures, ratios,
+                       options, _environment(), notes)

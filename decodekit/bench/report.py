@@ -1,0 +1,163 @@
+"""Benchmark results: `BenchResult` and its per-system figures, summarized from the rounds, rendered as a rich
+table for people and as JSON for machines."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from decodekit.bench.baselines import RunRecord
+
+MISSING = "-"
+
+
+@dataclass
+class SystemFigures:
+    """One system's figures over the rounds it completed (None where it could not provide one)."""
+
+    name: str
+    rounds: int = 0
+    useful_tokens: int = 0  # per round; equals the workload's requested output tokens
+    computed_tokens: int = 0  # per round, including padding waste
+    wall_s: float | None = None
+    tokens_per_s: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p90_s: float | None = None
+    tpot_p50_s: float | None = None
+    tpot_p90_s: float | None = None
+    peak_rss_mb: float | None = None
+    match_decodekit: float | None = None  # share of requests with decodekit's exact tokens (sanity check)
+    round_tokens_per_s: list[float] = field(default_factory=list)
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BenchResult:
+    """Everything a benchmark measured: per-system figures, ratios decodekit / baseline, and context."""
+
+    workload: dict[str, Any]
+    model: str
+    dtype: str
+    device: str
+    repeats: int
+    systems: dict[str, SystemFigures]
+    ratios: dict[str, float | None]  # baseline name -> median per-round decodekit tok/s / baseline tok/s
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict of the whole result."""
+        return asdict(self)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100) of `values`; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(values: list[float | None]) -> float | None:
+    """The median of the values that are not None; None when there are none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize(fig: SystemFigures, records: list[RunRecord], reference: list[list[list[int]]] | None) -> None:
+    """Fill `fig` from a system's round records (`reference`: decodekit's outputs per round, for matching)."""
+    if not records:
+        return
+    fig.rounds = len(records)
+    fig.useful_tokens = records[0].useful_tokens
+    fig.computed_tokens = records[0].computed_tokens
+    fig.wall_s = median([r.wall_s for r in records])
+    fig.round_tokens_per_s = [r.useful_tokens / r.wall_s for r in records]
+    fig.tokens_per_s = median(list(fig.round_tokens_per_s))
+    if all(r.ttft_s for r in records):
+        fig.ttft_p50_s = median([percentile(r.ttft_s or [], 50) for r in records])
+        fig.ttft_p90_s = median([percentile(r.ttft_s or [], 90) for r in records])
+    if all(r.tpot_s for r in records):
+        fig.tpot_p50_s = median([percentile(r.tpot_s or [], 50) for r in records])
+        fig.tpot_p90_s = median([percentile(r.tpot_s or [], 90) for r in records])
+    peaks = [r.peak_rss_bytes for r in records if r.peak_rss_bytes is not None]
+    fig.peak_rss_mb = max(peaks) / 2**20 if peaks else None
+    if reference is not None:
+        pairs = [(a, b) for rec, ref in zip(records, reference, strict=False)
+                 for a, b in zip(rec.outputs, ref, strict=True)]
+        fig.match_decodekit = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+
+def _ms(value: float | None) -> str:
+    return MISSING if value is None else f"{value * 1000:.1f}"
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return MISSING if value is None else fmt.format(value)
+
+
+def _title(result: BenchResult) -> str:
+    w = result.workload
+    threads = result.environment.get("torch_threads")
+    return (f"{w['name']}: {w['num_requests']} request(s), prompts {w['prompt_len_min']}-"
+            f"{w['prompt_len_max']} tokens, outputs {w['output_len_min']}-{w['output_len_max']} tokens "
+            f"({w['output_tokens']} in all) | {result.model} {result.dtype} on {result.device}, "
+            f"{threads} threads, median of {result.repeats} round(s)")
+
+
+def render_table(result: BenchResult, console: Console | None = None) -> Table:
+    """Print the result as a table (one row per system) followed by its notes; returns the table.
+
+    Args:
+        result: what `run_benchmark` returned.
+        console: where to print (a fresh `rich.console.Console` when None).
+    """
+    console = console or Console()
+    table = Table(title=_title(result), title_justify="left")
+    for header in ("system", "useful tok/s", "decodekit x", "wall s", "TTFT p50 ms", "TTFT p90 ms",
+                   "TPOT p50 ms", "TPOT p90 ms", "peak RSS MiB", "computed/useful", "same tokens"):
+        table.add_column(header, justify="left" if header == "system" else "right")
+    for name, fig in result.systems.items():
+        ratio = MISSING if name == "decodekit" else _num(result.ratios.get(name), "{:.2f}")
+        waste = _num(fig.computed_tokens / fig.useful_tokens, "{:.2f}") if fig.useful_tokens else MISSING
+        match = MISSING if fig.match_decodekit is None else f"{fig.match_decodekit:.0%}"
+        label = name if fig.error is None else f"{name} [red](error)[/red]"
+        table.add_row(label, _num(fig.tokens_per_s), ratio, _num(fig.wall_s, "{:.2f}"),
+                      _ms(fig.ttft_p50_s), _ms(fig.ttft_p90_s), _ms(fig.tpot_p50_s), _ms(fig.tpot_p90_s),
+                      _num(fig.peak_rss_mb, "{:.0f}"), waste, match)
+    console.print(table)
+    for name, fig in result.systems.items():
+        if fig.error:
+            console.print(f"[red]{name}: {fig.error}[/red]")
+        for note in fig.notes:
+            console.print(f"{name}: {note}")
+    for note in result.notes:
+        console.print(f"[dim]{note}[/dim]")
+    return table
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and value != value:  # NaN is not JSON
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def result_json(result: BenchResult) -> str:
+    """The result as an indented JSON document (`BenchResult.to_dict()`, with non-JSON values stringified)."""
+    return json.dumps(_clean(result.to_dict()), indent=2)

@@ -1,0 +1,162 @@
+"""Seeded, deterministic benchmark workloads: token-id prompts of exact lengths, exact output lengths.
+
+A workload fixes the *shape* of the traffic (how many requests, each prompt's and output's length) from its
+seed. The token ids are drawn per round (`Workload.requests(round_index)`) from the tokenizer's ordinary
+vocabulary: every system sees the same ids within a round, but a new round brings new ids, so no system can
+serve a repeated round from a prefix cache filled by the previous one.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+WORKLOADS = ("batch1", "batch", "mixed", "ttft")
+"""The workload names `make_workload` knows."""
+
+MIXED_MIN_LEN = 16
+MIXED_MAX_LEN = 256
+TTFT_PROMPT_LEN = 256
+DEFAULT_PROMPT_LEN = 32
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request: its prompt token ids and exactly how many tokens it must generate."""
+
+    prompt_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class Workload:
+    """The shape of a benchmark's traffic; `requests(r)` gives round r's concrete prompts.
+
+    Attributes:
+        name: one of `WORKLOADS`.
+        prompt_lens: each request's prompt length, in arrival order.
+        output_lens: each request's exact output length.
+        batch_size: the batch size static batching uses for this workload.
+        token_pool: the token ids prompts are drawn from (no special or added tokens).
+        seed: the workload's seed.
+    """
+
+    name: str
+    prompt_lens: list[int]
+    output_lens: list[int]
+    batch_size: int
+    token_pool: list[int] = field(repr=False)
+    seed: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        """How many requests arrive (all at once)."""
+        return len(self.prompt_lens)
+
+    @property
+    def total_output_tokens(self) -> int:
+        """The useful output tokens of one round: the sum of the requested output lengths."""
+        return sum(self.output_lens)
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        """The prompt tokens of one round."""
+        return sum(self.prompt_lens)
+
+    def requests(self, round_index: int = 0) -> list[BenchRequest]:
+        """Round `round_index`'s requests: same lengths every round, fresh (seeded) token ids."""
+        rng = random.Random(f"{self.seed}:{self.name}:{round_index}")
+        return [BenchRequest([rng.choice(self.token_pool) for _ in range(n)], out)
+                for n, out in zip(self.prompt_lens, self.output_lens, strict=True)]
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly summary of the shape."""
+        return {
+            "name": self.name,
+            "num_requests": self.num_requests,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "prompt_tokens": self.total_prompt_tokens,
+            "output_tokens": self.total_output_tokens,
+            "prompt_len_min": min(self.prompt_lens),
+            "prompt_len_max": max(self.prompt_lens),
+            "output_len_min": min(self.output_lens),
+            "output_len_max": max(self.output_lens),
+        }
+
+
+def safe_token_pool(tokenizer: Any, vocab_size: int | None = None) -> list[int]:
+    """Token ids safe to put in a synthetic prompt: inside the vocabulary, and not special or added tokens.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        vocab_size: the model's vocabulary size when it differs from the tokenizer's (ids stay below both).
+    """
+    size = len(tokenizer)
+    if vocab_size is not None:
+        size = min(size, vocab_size)
+    excluded = set(getattr(tokenizer, "all_special_ids", []) or [])
+    excluded.update(int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {}))
+    pool = [i for i in range(size) if i not in excluded]
+    if len(pool) < 2:
+        raise ValueError(f"the tokenizer leaves only {len(pool)} ordinary token ids below {size}")
+    return pool
+
+
+def make_workload(
+    name: str,
+    tokenizer: Any,
+    *,
+    num_requests: int = 64,
+    batch_size: int = 16,
+    output_len: int = 64,
+    prompt_len: int = DEFAULT_PROMPT_LEN,
+    seed: int = 0,
+    vocab_size: int | None = None,
+) -> Workload:
+    """Build a named workload.
+
+    - `batch1`: one request, a `prompt_len`-token prompt (32 by default), `output_len` output tokens.
+    - `batch`: `batch_size` such requests.
+    - `mixed`: `num_requests` requests, prompt and output lengths drawn uniformly from 16..256 (seeded).
+    - `ttft`: one 256-token prompt, 1 output token.
+
+    Args:
+        name: one of `WORKLOADS`.
+        tokenizer: its ordinary vocabulary supplies the prompt ids.
+        num_requests: requests of the `mixed` workload.
+        batch_size: requests of the `batch` workload, and static batching's batch size everywhere.
+        output_len: output length of `batch1` and `batch`.
+        prompt_len: prompt length of `batch1` and `batch`.
+        seed: seeds the lengths (and, with the round index, the token ids).
+        vocab_size: the model's vocabulary size (prompt ids stay below it).
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    for label, value in (("num_requests", num_requests), ("batch_size", batch_size),
+                         ("output_len", output_len), ("prompt_len", prompt_len)):
+        if value < 1:
+            raise ValueError(f"`{label}` must be >= 1, got {value}")
+    pool = safe_token_pool(tokenizer, vocab_size)
+    if name == "batch1":
+        prompts, outputs = [prompt_len], [output_len]
+    elif name == "batch":
+        prompts, outputs = [prompt_len] * batch_size, [output_len] * batch_size
+    elif name == "mixed":
+        rng = random.Random(f"{seed}:mixed-lengths")
+        prompts = [rng.randint(MIXED_MIN_LEN, MIXED_MAX_LEN) for _ in range(num_requests)]
+        outputs = [rng.randint(MIXED_MIN_LEN, MIXED_MAX_LEN) for _ in range(num_requests)]
+    else:  # ttft
+        prompts, outputs = [TTFT_PROMPT_LEN], [1]
+    return Workload(name, prompts, outputs, batch_size, pool, seed)
+
+
+def default_baselines(workload: str) -> tuple[str, ...]:
+    """The baselines that make sense against decodekit for a workload."""
+    return {
+        "batch1": ("hf-sequential",),
+        "batch": ("hf-static",),
+        "mixed": ("hf-static", "hf-cb"),
+        "ttft": ("hf-sequential",),
+    }[workload]
