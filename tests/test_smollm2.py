@@ -32,7 +32,7 @@ def test_chat_answers_the_capital_of_france_with_paris(smol):
 
 def test_greedy_batch_of_16_matches_hf_generate_token_for_token(smol):
     prompts = _prompts(smol)
-    outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
+    outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=20), add_special_tokens=False)
     tok = smol.tokenizer
     lengths = set()
     for prompt, out in zip(prompts, outs):
@@ -54,7 +54,7 @@ def test_greedy_matches_hf_generate_with_preemption_on_the_real_model():
     llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", kv_cache_memory="20MiB", block_size=16,
               max_num_batched_tokens=128)
     prompts = _prompts(llm)[:8]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), add_special_tokens=False)
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == _hf_greedy(llm, llm.tokenizer(prompt, add_special_tokens=False).input_ids, 24)
