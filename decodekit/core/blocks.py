@@ -13,11 +13,24 @@ something else, so a finished request's prompt stays cached while memory allows.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from decodekit.errors import DecodeKitError
+
+
+def block_hash(previous: int | None, tokens: Sequence[int]) -> int:
+    """The prefix key of a block: a 128-bit BLAKE2 digest chained over the previous block's key.
+
+    Python's `hash()` of a tuple of ints is deterministic, so colliding prompts can be crafted to read another
+    prompt's KV; a cryptographic digest makes that infeasible.
+    """
+    prev = b"" if previous is None else previous.to_bytes(16, "little")
+    data = prev + array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
 
 class OutOfBlocksError(DecodeKitError):
@@ -54,7 +67,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        # Free blocks in least-recently-freed order; cached (hashed) ones are reused last so prefixes survive.
+        # Free blocks, reused least-recently-freed first, so a freed prefix stays cached as long as possible.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
         self._block_to_hash: dict[int, int] = {}
@@ -124,7 +137,7 @@ class BlockAllocator:
         bs = self.block_size
         # Leave at least one token to compute: the engine needs the logits at the last prompt position.
         for i in range((len(token_ids) - 1) // bs):
-            h = hash((prev, tuple(token_ids[i * bs : (i + 1) * bs])))
+            h = block_hash(prev, token_ids[i * bs : (i + 1) * bs])
             block = self._hash_to_block.get(h)
             if block is None:
                 break
@@ -240,7 +253,7 @@ class BlockAllocator:
         table = self._tables[seq_id]
         bs = self.block_size
         for i in range(table.num_hashed, min(num_computed // bs, len(table.blocks))):
-            h = hash((table.last_hash, tuple(token_ids[i * bs : (i + 1) * bs])))
+            h = block_hash(table.last_hash, token_ids[i * bs : (i + 1) * bs])
             block = table.blocks[i]
             if h not in self._hash_to_block and block not in self._block_to_hash:
                 self._hash_to_block[h] = block
