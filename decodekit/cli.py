@@ -160,6 +160,7 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Interleaved rounds; medians are reported.")] = 3,
     baseline: Annotated[list[str] | None, typer.Option(help="hf-sequential, hf-static, hf-cb (repeatable).")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Run decodekit and transformers side by side on one workload; print medians and ratios."""
@@ -167,7 +168,8 @@ def bench(
     from decodekit.bench import render_table, result_json, run_benchmark
 
     kwargs: dict[str, Any] = {"model": model, "dtype": dtype, "num_requests": num_requests,
-                              "batch_size": batch_size, "output_len": output_len, "repeats": repeats, "seed": seed}
+                              "batch_size": batch_size, "output_len": output_len, "repeats": repeats, "seed": seed,
+                              "num_threads": threads}
     if baseline:
         kwargs["baselines"] = tuple(baseline)
     try:
