@@ -31,6 +31,7 @@ class RunRecord:
     ttft_s: list[float] | None = None
     tpot_s: list[float] | None = None
     peak_rss_bytes: int | None = None
+    round_index: int = 0
 
 
 def _useful(outputs: list[list[int]], requests: list[BenchRequest]) -> int:

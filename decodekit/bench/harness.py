@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import resource
+import subprocess
 import threading
 import time
 from typing import Any
@@ -93,7 +94,7 @@ def _run_rounds(systems: dict[str, System], figures: dict[str, SystemFigures],
             try:
                 with _RssSampler() as rss:
                     record = systems[name].run(requests)
-                record.peak_rss_bytes = rss.peak
+                record.peak_rss_bytes, record.round_index = rss.peak, round_index
             except Exception as exc:
                 figures[name].error = f"round {round_index} failed: {exc!r}"
                 log.exception("%s failed in round %d", name, round_index)
@@ -108,13 +109,22 @@ def _run_rounds(systems: dict[str, System], figures: dict[str, SystemFigures],
                 systems.pop(name).close()
 
 
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=os.path.dirname(__file__),
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def _environment() -> dict[str, Any]:
     import transformers
 
     return {
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "machine": platform.machine(), "git_commit": _git_commit(),
         "process_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
@@ -202,7 +212,8 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
         for system in systems.values():
             system.close()
     notes: list[str] = []
-    reference = [r.outputs for r in records["decodekit"]]
+    reference = {r.round_index: r.outputs for r in records["decodekit"]}
+    speed = {name: {r.round_index: r.useful_tokens / r.wall_s for r in recs} for name, recs in records.items()}
     for name in names:
         summarize(figures[name], records[name], None if name == "decodekit" else reference)
         if figures[name].rounds and figures[name].useful_tokens != work.total_output_tokens:
@@ -210,8 +221,7 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
                          f"expected {work.total_output_tokens}")
     ratios: dict[str, float | None] = {}
     for name in names[1:]:
-        paired = [a.useful_tokens / a.wall_s / (b.useful_tokens / b.wall_s)
-                  for a, b in zip(records["decodekit"], records[name], strict=False)]
+        paired = [speed["decodekit"][i] / speed[name][i] for i in speed[name] if i in speed["decodekit"]]
         ratios[name] = median(list(paired))
     notes.append("TTFT is measured from the round's start (all requests arrive at once); TPOT per request "
                  "is (last token - first token) / (tokens - 1); peak RSS is the whole process while that "

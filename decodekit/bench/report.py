@@ -74,8 +74,8 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def summarize(fig: SystemFigures, records: list[RunRecord], reference: list[list[list[int]]] | None) -> None:
-    """Fill `fig` from a system's round records (`reference`: decodekit's outputs per round, for matching)."""
+def summarize(fig: SystemFigures, records: list[RunRecord], reference: dict[int, list[list[int]]] | None) -> None:
+    """Fill `fig` from a system's round records (`reference`: decodekit's outputs by round, for matching)."""
     if not records:
         return
     fig.rounds = len(records)
@@ -93,8 +93,8 @@ def summarize(fig: SystemFigures, records: list[RunRecord], reference: list[list
     peaks = [r.peak_rss_bytes for r in records if r.peak_rss_bytes is not None]
     fig.peak_rss_mb = max(peaks) / 2**20 if peaks else None
     if reference is not None:
-        pairs = [(a, b) for rec, ref in zip(records, reference, strict=False)
-                 for a, b in zip(rec.outputs, ref, strict=True)]
+        pairs = [(a, b) for rec in records if rec.round_index in reference
+                 for a, b in zip(rec.outputs, reference[rec.round_index], strict=True)]
         fig.match_decodekit = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
