@@ -80,6 +80,6 @@ def test_cli_generate_prints_paris_as_json_and_bad_input_exits_2():
     assert "Paris" in result["outputs"][0]["text"] and result["summary"]["requests"] == 1
     bad = subprocess.run([*cmd[:4], "-p", "x", "--top-p", "1.5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
-    missing = subprocess.run([*cmd[:4], "-p", "x", "--model", "/nonexistent/model.gguf"], capture_output=True, text=True,
-                             timeout=300)
+    missing = subprocess.run([*cmd[:4], "-p", "x", "--model", "/nonexistent/model.gguf"], capture_output=True,
+                             text=True, timeout=300)
     assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr
