@@ -111,7 +111,6 @@ class Scheduler:
         """Decide this step's work."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        num_seqs = 0
         for request in sorted(self.running, key=self._key):
             if request not in self.running:  # preempted earlier in this loop
                 continue
@@ -130,12 +129,13 @@ class Scheduler:
                 self.allocator.ensure_slots(seq.seq_id, start, start + n)
                 out.scheduled.append(ScheduledSequence(seq, n))
                 budget -= n
-                num_seqs += 1
         if out.preempted:
             # Anything preempted this step was already scheduled-for, or would thrash: retry it next step.
             out.scheduled = [s for s in out.scheduled if s.seq.request in self.running]
             return out
-        self._admit(out, budget, num_seqs)
+        # Admission is limited by the sequences that are running, scheduled this step or not.
+        running_seqs = sum(1 for r in self.running for s in r.sequences if not s.finished)
+        self._admit(out, budget, running_seqs)
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
@@ -159,10 +159,10 @@ class Scheduler:
                 continue
             if num_seqs + len(seqs) > self.max_num_seqs:
                 break
-            if not all(self.allocator.can_allocate(s.token_ids) for s in seqs) or (
-                sum(self.allocator.blocks_needed(len(s.token_ids)) for s in seqs) > self.allocator.num_free_blocks
-                and len(seqs) > 1
-            ):
+            # One sequence may reuse cached prefix blocks; several are checked conservatively (no reuse counted).
+            fits = (self.allocator.can_allocate(seqs[0].token_ids) if len(seqs) == 1
+                    else needed <= self.allocator.num_free_blocks)
+            if not fits:
                 break
             self.waiting.pop(0)
             self.running.append(request)
@@ -173,7 +173,7 @@ class Scheduler:
                 if seq is request.sequences[0] and request.metrics.first_scheduled_time is None:
                     request.metrics.num_cached_prompt_tokens = cached
                 n = min(seq.num_uncomputed, budget)
+                num_seqs += 1
                 if n > 0:
                     out.scheduled.append(ScheduledSequence(seq, n))
                     budget -= n
-                    num_seqs += 1
