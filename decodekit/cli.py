@@ -33,15 +33,10 @@ def _setup_logging(quiet: bool) -> None:
     hf_logging.set_verbosity_error()
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summarize(outputs: list[Any], wall: float) -> dict[str, Any]:
     """Summary figures of a finished batch: requests, tokens, tokens/s, TTFT/TPOT p50/p90, finish reasons."""
+    from decodekit.bench.report import percentile
+
     tokens = sum(len(o.token_ids) for o in outputs)
     ttfts = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
     tpots = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
@@ -51,8 +46,8 @@ def summarize(outputs: list[Any], wall: float) -> dict[str, Any]:
     return {
         "requests": len(outputs), "output_tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else None,
-        "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p90_s": _pct(ttfts, 0.9),
-        "tpot_p50_s": _pct(tpots, 0.5), "tpot_p90_s": _pct(tpots, 0.9),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+        "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90),
         "finish_reasons": reasons,
         "errors": [o.error for o in outputs if o.error],
     }
