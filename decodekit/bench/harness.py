@@ -125,7 +125,6 @@ def _environment() -> dict[str, Any]:
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(), "machine": platform.machine(), "git_commit": _git_commit(),
-        "process_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -192,6 +191,7 @@ def run_benchmark(
 
 def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_model: Any, tokenizer: Any,
                options: dict[str, Any], repeats: int, time_limit_s: float, sizes: dict[str, int]) -> BenchResult:
+    environment = _environment()  # the code and settings as the run starts
     if hf_model is None:
         loaded = load_model(model, tokenizer, dtype=dtype)
         hf_model, tokenizer, model_name = loaded.model, loaded.tokenizer, loaded.name
@@ -226,6 +226,7 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
     notes.append("TTFT is measured from the round's start (all requests arrive at once); TPOT per request "
                  "is (last token - first token) / (tokens - 1); peak RSS is the whole process while that "
                  "system ran (the shared model and decodekit's KV pool stay resident throughout)")
+    environment["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     return BenchResult(work.describe(), model_name, dtype_name, str(loaded.device), repeats, figures, ratios,
-                       options, _environment(), notes)
+                       options, environment, notes)

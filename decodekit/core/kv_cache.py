@@ -204,6 +204,9 @@ def paged_attention_forward(
                                       **kwargs)
     layout = cache.layout
     k_pool, v_pool = cache.pool[module.layer_idx]  # type: ignore[index]  # [num_blocks, bs, KVH, D]
+    # Gather from a 2-D view of the pool (one row per block): byte-identical, measured 1.1-4.8x faster than
+    # index_select on the 4-D tensor.
+    k_rows, v_rows = k_pool.view(k_pool.shape[0], -1), v_pool.view(v_pool.shape[0], -1)
     q = query[0]  # [H, T, D]
     heads, _, dim = q.shape
     kv_heads = k_pool.shape[2]
@@ -211,8 +214,8 @@ def paged_attention_forward(
     for group in layout.groups:
         batch, q_max = group.batch, group.q_max
         qb = q.index_select(1, group.query_index).view(heads, batch, q_max, dim).transpose(0, 1)
-        kb = k_pool.index_select(0, group.blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)  # [B,KVH,L,D]
-        vb = v_pool.index_select(0, group.blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)
+        kb = k_rows.index_select(0, group.blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)  # [B,KVH,L,D]
+        vb = v_rows.index_select(0, group.blocks).view(batch, -1, kv_heads, dim).permute(0, 2, 1, 3)
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scaling, enable_gqa=True)
         ob = ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
         if group.query_valid is None:
@@ -227,8 +230,8 @@ def paged_attention_forward(
         else:
             n_q = end - start
             n_k = ctx_start + n_q
-            ks = k_pool.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].permute(1, 0, 2).unsqueeze(0)
-            vs = v_pool.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].permute(1, 0, 2).unsqueeze(0)
+            ks = k_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].permute(1, 0, 2).unsqueeze(0)
+            vs = v_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].permute(1, 0, 2).unsqueeze(0)
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=ctx_start)
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[start:end] = os_[0].transpose(0, 1)
