@@ -7,6 +7,33 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class ComponentSpec(BaseModel):
+    """A named plugin component and its parameters, as a recipe or request names it.
+
+    Accepted shapes: `"top_k"`, `{"top_k": {"k": 40}}`, or `{"name": "top_k", "params": {"k": 40}}`. The
+    parameters are validated later against the component's own pydantic model (see `decodekit.plan`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Registered name of the component.")
+    params: dict[str, Any] = Field(default_factory=dict, description="The component's parameters.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"name": data}
+        if isinstance(data, dict) and "name" not in data and len(data) == 1:
+            ((name, params),) = data.items()
+            if params is None:
+                params = {}
+            if not isinstance(params, dict):
+                raise ValueError(f"parameters of {name!r} must be a mapping, got {type(params).__name__}")
+            return {"name": name, "params": params}
+        return data
+
+
 class SamplingParams(BaseModel):
     """How to decode one request. Field names follow vLLM/OpenAI so users can carry their settings over.
 
@@ -29,6 +56,16 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating past the model's EOS token.")
     skip_special_tokens: bool = Field(True, description="Drop special tokens from the decoded text.")
     n: int = Field(1, ge=1, description="Number of sequences to return (parallel sampling strategy).")
+    processors: list[ComponentSpec] = Field(
+        default_factory=list,
+        description="Extra logits processors, applied in this order before the temperature/top-k/top-p/min-p ones.",
+    )
+    stopping: list[ComponentSpec] = Field(
+        default_factory=list, description="Extra stopping criteria (EOS, stop ids/strings and max tokens always apply)."
+    )
+    strategy: ComponentSpec | None = Field(
+        None, description="Search strategy; default: parallel sampling when n > 1, else plain sampling/greedy."
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Parameters for processors, stopping criteria or strategies from plugins."
     )

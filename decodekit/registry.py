@@ -22,6 +22,17 @@ class Entry:
     default: bool
     plugin: str
 
+    @property
+    def params_model(self) -> Any:
+        """The pydantic model of the component's parameters (its factory's `Params`), or None."""
+        return getattr(self.factory, "Params", None)
+
+    @property
+    def description(self) -> str:
+        """The first line of the component's docstring."""
+        doc = (getattr(self.factory, "__doc__", None) or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
 
 @dataclass
 class Registry:

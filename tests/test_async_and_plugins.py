@@ -64,13 +64,10 @@ class _Recorder:
         class BanSeven(LogitsProcessor):
             name = "ban_seven"
 
-            def is_active(self, params):
-                return bool(params.extra.get("ban_seven"))
-
             def __call__(self, logits, batch):
                 return logits.index_fill(1, __import__("torch").tensor([7]), -float("inf"))
 
-        register("ban_seven", BanSeven, default=True)
+        register("ban_seven", BanSeven)
 
     @hookimpl
     def decodekit_engine_started(self, engine):
@@ -95,7 +92,7 @@ def test_plugin_hooks_fire_and_a_registered_processor_applies_only_where_asked(p
     plugin_manager.register(recorder, name="recorder")
     llm = LLM(tiny_model("llama"), tiny_tokenizer(), dtype="float32", device="cpu", plugin_manager=plugin_manager)
     outs = llm.generate([[7, 7, 7], [7, 7, 7]], [
-        SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True, extra={"ban_seven": True}),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True, processors=["ban_seven"]),
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
     ])
     assert 7 not in outs[0].token_ids

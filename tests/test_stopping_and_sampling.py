@@ -88,23 +88,21 @@ def test_prompt_longer_than_context_fails_alone(llm):
 
 def test_a_raising_processor_fails_only_its_request(llm):
     from decodekit.processors import LogitsProcessor
+    from decodekit.registry import Entry
 
     class Exploding(LogitsProcessor):
         name = "exploding"
 
-        def is_active(self, params):
-            return params.extra.get("explode", False)
-
         def __call__(self, logits, batch):
             raise RuntimeError("boom")
 
-    llm.engine.processors.append(Exploding())
+    llm.engine.registry.processors["exploding"] = Entry("exploding", Exploding, False, "test")
     try:
         outs = llm.generate([[5, 6, 7], [8, 9, 10]],
                             [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                             SamplingParams(temperature=0, max_tokens=5, extra={"explode": True})])
+                             SamplingParams(temperature=0, max_tokens=5, processors=["exploding"])])
     finally:
-        llm.engine.processors.pop()
+        del llm.engine.registry.processors["exploding"]
     assert outs[0].error is None and len(outs[0].token_ids) == 5
     assert outs[1].finish_reason == "error" and "boom" in (outs[1].error or "")
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks

@@ -40,6 +40,14 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy (same tokenizer) for a forked sequence."""
+        child = IncrementalDetokenizer(self.tokenizer, self.skip_special_tokens)
+        child.token_ids = list(self.token_ids)
+        child.text = self.text
+        child._prefix_offset, child._read_offset = self._prefix_offset, self._read_offset
+        return child
+
     def flush(self) -> str:
         """At the end of a sequence: emit whatever is still held back (even if it is not valid UTF-8)."""
         if self.tokenizer is None or self._read_offset == len(self.token_ids):

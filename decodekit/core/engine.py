@@ -17,12 +17,13 @@ from decodekit.core.kv_cache import PagedKVCache
 from decodekit.core.runner import ForwardItem, ModelRunner, model_geometry
 from decodekit.core.scheduler import Scheduler, SchedulerOutput
 from decodekit.core.sequence import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
-from decodekit.errors import ConfigError, RequestError
+from decodekit.errors import ConfigError, DecodeKitError, RequestError
 from decodekit.models import LoadedModel
 from decodekit.params import SamplingParams
-from decodekit.processors import BatchView, LogitsProcessor, apply_processors
+from decodekit.plan import ComponentInfo, Components
+from decodekit.processors import BatchView, apply_processors
 from decodekit.registry import Registry
-from decodekit.stopping import StoppingCriterion
+from decodekit.strategy import Strategy, StrategyResult
 
 log = logging.getLogger("decodekit.engine")
 
@@ -35,10 +36,11 @@ class Engine:
         config: limits and memory.
         registry: processors, stopping criteria and strategies from the plugins.
         plugin_manager: for lifecycle hooks.
+        draft: a draft model for speculative decoding (same tokenizer as the target).
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, registry: Registry,
-                 plugin_manager: pluggy.PluginManager) -> None:
+                 plugin_manager: pluggy.PluginManager, draft: LoadedModel | None = None) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = config
@@ -58,13 +60,15 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.kv_cache)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy)
-        self.processors: list[LogitsProcessor] = registry.defaults("processors")
-        self.stopping_criteria: list[StoppingCriterion] = registry.defaults("stopping_criteria")
-        self.default_strategy = registry.get("strategies", "sample").factory()
         self.eos_token_ids = _eos_token_ids(loaded)
+        self.vocab_size = int(loaded.model.config.get_text_config().vocab_size)
+        self.draft = draft
+        self.components = Components(registry, ComponentInfo(
+            loaded.tokenizer, self.vocab_size, self.eos_token_ids, loaded.device, loaded.name, draft, self))
+        self.default_criteria = self.components.default_criteria()
         self.requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
-        self._appended: list[Sequence] = []
+        self._appended: dict[Sequence, int] = {}  # sequences that got tokens this step -> how many
         self._counter = 0
         self.step_count = 0
         torch.manual_seed(config.seed)
@@ -95,18 +99,24 @@ class Engine:
         request = Request(request_id, text, ids, params, priority)
         self.requests[request_id] = request
         error = self._validate(request)
-        for index in range(params.n if error is None else 1):
-            seq = Sequence(request, list(ids), len(ids))
-            if params.seed is not None:
-                seq.generator = torch.Generator(device=self.loaded.device).manual_seed(params.seed + index)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-            request.sequences.append(seq)
-        request.strategy = self.default_strategy
+        if error is None:
+            try:
+                request.plan = self.components.resolve(params)
+                request.max_sequences = request.plan.strategy.num_sequences(request.plan.strategy_options, params)
+            except DecodeKitError as exc:
+                error = str(exc)
+        seq = Sequence(request, list(ids), len(ids))
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.loaded.device).manual_seed(params.seed)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        request.sequences.append(seq)
         if error is not None:
             self._finish_request_with_error(request, error)
-        else:
-            self.scheduler.add(request)
-            self.hooks.decodekit_request_added(engine=self, request=request)
+            return request
+        seq.processor_states = [stage.processor.init_state(stage.options, ids) if stage.processor.stateful else None
+                                for stage in request.plan.stages]
+        self.scheduler.add(request)
+        self.hooks.decodekit_request_added(engine=self, request=request)
         return request
 
     def _validate(self, request: Request) -> str | None:
@@ -118,8 +128,6 @@ class Engine:
         vocab = self.loaded.model.config.get_text_config().vocab_size
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             return f"the prompt has token ids outside the vocabulary [0, {vocab})"
-        if request.params.n > 1:
-            return "n > 1 needs the parallel sampling strategy, which this engine does not provide yet"
         return None
 
     def abort(self, request_id: str) -> bool:
@@ -141,6 +149,7 @@ class Engine:
     # ---- the step loop -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs (deltas and finished requests) it produced."""
+        self._propose()
         sched = self.scheduler.schedule()
         for request in sched.failed:
             self._finish_request_with_error(request, request.error or "failed")
@@ -161,8 +170,10 @@ class Engine:
             seq, start = s.seq, s.seq.num_computed_tokens
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
-            items.append(ForwardItem(seq.token_ids[start : start + s.num_tokens], start,
-                                     self.allocator.block_table(seq.seq_id), 1 if s.completes else 0))
+            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+            items.append(ForwardItem(tokens[start : start + s.num_tokens], start,
+                                     self.allocator.block_table(seq.seq_id),
+                                     1 + len(seq.draft_token_ids) if s.completes else 0))
         try:
             logits = self.runner.forward(items, self.allocator.take_pending_copies())
         except Exception as exc:  # a failed forward fails this step's requests, not the engine
@@ -171,75 +182,196 @@ class Engine:
                 self._finish_request_with_error(request, f"model forward failed: {exc!r}")
             return None
         for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.allocator.mark_computed(s.seq.seq_id, s.seq.token_ids, s.seq.num_computed_tokens)
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            self.allocator.mark_computed(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, len(seq.token_ids)))
         return logits
+
+    def _propose(self) -> None:
+        groups: dict[int, list[Sequence]] = defaultdict(list)
+        strategies: dict[int, Strategy] = {}
+        for request in self.scheduler.running:
+            strategy = request.plan.strategy
+            if type(strategy).propose is Strategy.propose:
+                continue
+            for seq in request.sequences:
+                if not seq.finished and seq.num_uncomputed == 1:
+                    groups[id(strategy)].append(seq)
+                    strategies[id(strategy)] = strategy
+        for key, seqs in groups.items():
+            try:
+                strategies[key].propose(self, seqs)
+            except Exception as exc:  # a failing proposer fails its requests, not the engine
+                log.exception("%s: propose failed", strategies[key].name)
+                for request in {id(s.request): s.request for s in seqs}.values():
+                    self._finish_request_with_error(request, f"{strategies[key].name} failed to propose: {exc!r}")
 
     def _select(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
         rows = [s.seq for s in sched.scheduled if s.completes]
+        starts, offset = [], 0
+        for seq in rows:
+            starts.append(offset)
+            offset += 1 + len(seq.draft_token_ids)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, seq in enumerate(rows):
-            groups[id(seq.request.strategy)].append(i)
+            groups[id(seq.request.plan.strategy)].append(i)
+
+        def rows_of(indices: list[int]) -> torch.Tensor:
+            if len(indices) == len(rows):
+                return logits
+            spans = [torch.arange(starts[i], starts[i] + 1 + len(rows[i].draft_token_ids)) for i in indices]
+            return logits[torch.cat(spans).to(logits.device)]
+
         for indices in groups.values():
             seqs = [rows[i] for i in indices]
-            strategy = seqs[0].request.strategy
-            part = logits if len(indices) == len(rows) else logits[indices]
+            strategy = seqs[0].request.plan.strategy
             try:
-                strategy.select(self, seqs, part)
+                strategy.select(self, seqs, rows_of(indices))
             except Exception:
-                # Isolate the failing request(s): retry one by one so only the culprits fail.
-                for i, seq in zip(indices, seqs):
-                    if seq.finished or (seq in self._appended):
+                # Isolate the failing request(s): retry request by request so only the culprits fail.
+                by_request: dict[int, list[int]] = defaultdict(list)
+                for i in indices:
+                    by_request[id(rows[i].request)].append(i)
+                for part in by_request.values():
+                    request = rows[part[0]].request
+                    if request.finished or any(rows[i] in self._appended for i in part):
                         continue
                     try:
-                        strategy.select(self, [seq], logits[i : i + 1])
+                        strategy.select(self, [rows[i] for i in part], rows_of(part))
                     except Exception as exc:
-                        log.warning("request %s failed in %s: %r", seq.request.request_id, strategy.name, exc)
-                        self.scheduler.remove(seq.request)
-                        self._finish_request_with_error(seq.request, f"{strategy.name} failed: {exc!r}")
+                        log.warning("request %s failed in %s: %r", request.request_id, strategy.name, exc)
+                        self._finish_request_with_error(request, f"{strategy.name} failed: {exc!r}")
+        for seq in rows:
+            seq.draft_token_ids = []
 
     # StepContext, used by strategies
     def batch_view(self, seqs: list[Sequence]) -> BatchView:
-        """The processors' view of these sequences."""
-        return BatchView([s.request.params for s in seqs], [s.token_ids for s in seqs],
-                         [s.num_prompt_tokens for s in seqs], self.eos_token_ids, self.loaded.device)
+        """The processors' view of these sequences: one row per scored position (drafts expand a sequence)."""
+        params, histories, prompt_lens, offsets, generators = [], [], [], [], []
+        for seq in seqs:
+            for j in range(1 + len(seq.draft_token_ids)):
+                params.append(seq.request.params)
+                histories.append(seq.token_ids + seq.draft_token_ids[:j] if j else seq.token_ids)
+                prompt_lens.append(seq.num_prompt_tokens)
+                offsets.append(j)
+                generators.append(seq.generator)
+        return BatchView(params, histories, prompt_lens, self.eos_token_ids, self.loaded.device,
+                         draft_offsets=offsets, generators=generators)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Apply the engine's processors, in order, to the rows of these sequences."""
-        greedy = [s.request.params.greedy for s in seqs]
-        return apply_processors(self.processors, logits, self.batch_view(seqs), greedy)
+        """Apply each request's processors, in order, to the rows of these sequences' scored positions."""
+        view = self.batch_view(seqs)
+        positions = [seq for seq in seqs for _ in range(1 + len(seq.draft_token_ids))]
+        return apply_processors(logits, view, [seq.request.plan.stages for seq in positions],
+                                [p.greedy for p in view.params], [seq.processor_states for seq in positions])
 
     def append_token(self, seq: Sequence, token_id: int) -> None:
         """Append a generated token; stopping runs at the end of the step."""
-        seq.token_ids.append(token_id)
-        self._appended.append(seq)
+        self._append(seq, [token_id])
+
+    def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int) -> None:
+        """Keep `num_accepted` draft tokens then `token_id`; roll the rest of the draft back out of the cache."""
+        kept = seq.draft_token_ids[:num_accepted]
+        valid = len(seq.token_ids) + num_accepted  # positions whose keys/values are right
+        seq.draft_token_ids = []
+        seq.num_computed_tokens = valid
+        self.allocator.truncate(seq.seq_id, valid)
+        seq.request.metrics.num_accepted_tokens += num_accepted
+        self._append(seq, [*kept, token_id])
+
+    def _append(self, seq: Sequence, token_ids: list[int]) -> None:
+        seq.token_ids.extend(token_ids)
+        for i, stage in enumerate(seq.request.plan.stages):
+            if stage.processor.stateful:
+                seq.processor_states[i] = stage.processor.update_state(seq.processor_states[i], stage.options,
+                                                                       token_ids)
+        self._appended[seq] = self._appended.get(seq, 0) + len(token_ids)
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A new running sequence sharing `seq`'s tokens and KV blocks (copy-on-write)."""
+        request = seq.request
+        child = Sequence(request, list(seq.token_ids), seq.num_prompt_tokens)
+        child.status = seq.status
+        child.num_computed_tokens = seq.num_computed_tokens
+        child.cumulative_logprob = seq.cumulative_logprob
+        child.detokenizer = seq.detokenizer.fork()
+        child.text = seq.text
+        child.processor_states = [
+            stage.processor.fork_state(state) if stage.processor.stateful else None
+            for stage, state in zip(request.plan.stages, seq.processor_states)
+        ]
+        child.state = dict(seq.state)
+        if self.allocator.has(seq.seq_id):
+            self.allocator.fork(seq.seq_id, child.seq_id)
+        request.sequences.append(child)
+        return child
+
+    def free(self, seq: Sequence) -> None:
+        """Drop a sequence whose request goes on (a pruned beam): its blocks are released, it is not returned."""
+        self.scheduler.free_sequence(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.request.sequences.remove(seq)
+        self._appended.pop(seq, None)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Finish a sequence with a reason ("stop", "length")."""
+        self._finish_sequence(seq, reason, stop_reason)
+
+    def set_results(self, request: Request, results: list[StrategyResult]) -> None:
+        """A strategy's final outputs for a request; its remaining sequences are released."""
+        request.results = results
+        for seq in list(request.sequences):
+            if not seq.finished:
+                self._finish_sequence(seq, results[0].finish_reason if results else "stop")
 
     def _stop(self) -> None:
         now = time.perf_counter()
-        for seq in self._appended:
+        for seq, count in self._appended.items():
             request = seq.request
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            delta = seq.detokenizer.add(seq.token_ids[-1:])
-            seq.new_text_len = len(delta)
-            seq.text = seq.detokenizer.text
-            decision = None
-            for criterion in self.stopping_criteria:
-                if criterion.is_active(request.params):
-                    decision = criterion.check(seq, request.params, self.eos_token_ids)
-                    if decision is not None:
-                        break
-            if decision is not None:
-                cut = decision.truncate_text_at
-                self._finish_sequence(seq, decision.finish_reason, decision.stop_reason,
-                                      None if cut is None else seq.text[:cut])
-            elif len(seq.token_ids) >= self.max_model_len:
-                self._finish_sequence(seq, "length")
+            if seq.finished or request.plan.strategy.handles_stopping:
+                continue
+            new_tokens = seq.token_ids[len(seq.token_ids) - count :]
+            del seq.token_ids[len(seq.token_ids) - count :]
+            # Several tokens may arrive at once (speculative decoding): check after each, drop what follows a stop.
+            for token in new_tokens:
+                seq.token_ids.append(token)
+                if self._check_stop(seq):
+                    break
         for request in {id(s.request): s.request for s in self._appended}.values():
-            request.metrics.num_generated_tokens = sum(s.num_generated for s in request.sequences)
+            request.metrics.num_generated_tokens = (
+                sum(len(r.token_ids) for r in request.results) if request.results is not None
+                else sum(s.num_generated for s in request.sequences))
             if request.finished and request.error is None:
                 self.scheduler.remove(request)
                 self._emit_final(request)
+
+    def _check_stop(self, seq: Sequence) -> bool:
+        request = seq.request
+        delta = seq.detokenizer.add(seq.token_ids[-1:])
+        seq.new_text_len = len(delta)
+        seq.text = seq.detokenizer.text
+        decision = None
+        for criterion in self.default_criteria:
+            if criterion.is_active(request.params):
+                decision = criterion.check(seq, request.params, self.eos_token_ids)
+                if decision is not None:
+                    break
+        if decision is None:
+            for criterion, options in request.plan.criteria:
+                decision = criterion.check(seq, request.params, self.eos_token_ids, options)
+                if decision is not None:
+                    break
+        if decision is not None:
+            cut = decision.truncate_text_at
+            self._finish_sequence(seq, decision.finish_reason, decision.stop_reason,
+                                  None if cut is None else seq.text[:cut])
+            return True
+        if len(seq.token_ids) >= self.max_model_len:
+            self._finish_sequence(seq, "length")
+            return True
+        return False
 
     def _finish_sequence(self, seq: Sequence, reason: str, stop_reason: str | int | None = None,
                          text: str | None = None) -> None:
@@ -269,6 +401,16 @@ class Engine:
         return 0 if seq.finished or not stops else max(len(s) for s in stops) - 1
 
     def _output(self, request: Request, final: bool) -> RequestOutput:
+        if request.results is not None:
+            skip = request.params.skip_special_tokens
+            outputs = [
+                CompletionOutput(i, self.tokenizer.decode(r.token_ids, skip_special_tokens=skip),
+                                 list(r.token_ids), r.finish_reason, r.stop_reason, score=r.score)
+                for i, r in enumerate(request.results)
+            ]
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
+                                 request.metrics, request.error, [o.text for o in outputs],
+                                 [o.token_ids for o in outputs])
         outputs, deltas, delta_ids = [], [], []
         for index, seq in enumerate(request.sequences):
             visible = seq.text[: max(0, len(seq.text) - self._holdback(seq))]
@@ -277,12 +419,17 @@ class Engine:
             seq.emitted_text_len = max(seq.emitted_text_len, len(visible))
             seq.emitted_token_count = seq.num_generated
             outputs.append(CompletionOutput(index, visible if not seq.finished else seq.text, seq.generated_ids,
-                                            seq.finish_reason, seq.stop_reason))
+                                            seq.finish_reason, seq.stop_reason, seq.cumulative_logprob or None))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
                              request.metrics, request.error, deltas, delta_ids)
 
     def _emit_final(self, request: Request) -> None:
         request.metrics.finished_time = time.perf_counter()
+        if request.plan is not None:
+            try:
+                request.plan.strategy.on_request_finished(request)
+            except Exception:  # cleanup must not take the engine down
+                log.exception("%s: on_request_finished failed", request.plan.strategy.name)
         output = self._output(request, final=True)
         self._pending_outputs.append(output)
         self.requests.pop(request.request_id, None)
@@ -292,10 +439,10 @@ class Engine:
         outputs = self._pending_outputs
         done = {o.request_id for o in outputs}
         for request in {id(s.request): s.request for s in self._appended}.values():
-            if request.request_id not in done and not request.finished:
+            if request.request_id not in done and not request.finished and not request.plan.strategy.handles_stopping:
                 outputs.append(self._output(request, final=False))
         self._pending_outputs = []
-        self._appended = []
+        self._appended = {}
         return outputs
 
     def stats(self) -> dict[str, Any]:

@@ -24,7 +24,8 @@ class ScheduledSequence:
     completes: bool = False  # the chunk reaches the sequence's last token, so its logits are needed
 
     def __post_init__(self) -> None:
-        self.completes = self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+        seq = self.seq
+        self.completes = seq.num_computed_tokens + self.num_tokens == len(seq.token_ids) + len(seq.draft_token_ids)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Scheduler:
                 self.free_sequence(seq)
                 seq.status = SequenceStatus.WAITING
                 seq.num_computed_tokens = 0
+                seq.draft_token_ids.clear()
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the front of its class: under FCFS it is older than everything waiting; under the priority
@@ -115,9 +117,11 @@ class Scheduler:
             if request not in self.running:  # preempted earlier in this loop
                 continue
             for seq in request.sequences:
-                if seq.finished or seq.num_uncomputed == 0 or budget == 0:
+                if seq.finished or seq.num_pending == 0 or budget == 0:
                     continue
-                n = min(seq.num_uncomputed, budget)
+                if seq.draft_token_ids and seq.num_pending > budget:  # drafts are optional: trim them to fit
+                    del seq.draft_token_ids[max(0, budget - seq.num_uncomputed):]
+                n = min(seq.num_pending, budget)
                 start = seq.num_computed_tokens
                 while self.allocator.blocks_to_write(seq.seq_id, start, start + n) > self.allocator.num_free_blocks:
                     victim = self._victim()
@@ -134,7 +138,7 @@ class Scheduler:
             out.scheduled = [s for s in out.scheduled if s.seq.request in self.running]
             return out
         # Admission is limited by the sequences that are running, scheduled this step or not.
-        running_seqs = sum(1 for r in self.running for s in r.sequences if not s.finished)
+        running_seqs = sum(max(r.max_sequences, sum(1 for s in r.sequences if not s.finished)) for r in self.running)
         self._admit(out, budget, running_seqs)
         return out
 
@@ -142,10 +146,11 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = [s for s in request.sequences if not s.finished]
+            width = max(len(seqs), request.max_sequences)
             needed = sum(self.allocator.blocks_needed(len(s.token_ids)) for s in seqs)
             error = None
-            if len(seqs) > self.max_num_seqs:
-                error = (f"request has {len(seqs)} sequences but at most {self.max_num_seqs} run at once; "
+            if width > self.max_num_seqs:
+                error = (f"request has {width} sequences but at most {self.max_num_seqs} run at once; "
                          "raise max_num_seqs or lower n")
             elif needed > self.allocator.num_blocks:
                 error = (
@@ -157,7 +162,7 @@ class Scheduler:
                 request.error = error
                 out.failed.append(request)
                 continue
-            if num_seqs + len(seqs) > self.max_num_seqs:
+            if num_seqs + width > self.max_num_seqs:
                 break
             # One sequence may reuse cached prefix blocks; several are checked conservatively (no reuse counted).
             fits = (self.allocator.can_allocate(seqs[0].token_ids) if len(seqs) == 1
@@ -166,6 +171,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.running.append(request)
+            num_seqs += width
             for seq in seqs:
                 cached = self.allocator.allocate(seq.seq_id, seq.token_ids)
                 seq.num_computed_tokens = cached
@@ -173,7 +179,6 @@ class Scheduler:
                 if seq is request.sequences[0] and request.metrics.first_scheduled_time is None:
                     request.metrics.num_cached_prompt_tokens = cached
                 n = min(seq.num_uncomputed, budget)
-                num_seqs += 1
                 if n > 0:
                     out.scheduled.append(ScheduledSequence(seq, n))
                     budget -= n

@@ -35,6 +35,8 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed
+    num_accepted_tokens: int = 0  # speculative decoding: proposed tokens the target accepted
 
     @property
     def ttft(self) -> float | None:
@@ -63,6 +65,8 @@ class RequestMetrics:
             "generated_tokens": self.num_generated_tokens,
             "cached_prompt_tokens": self.num_cached_prompt_tokens,
             "preemptions": self.num_preemptions,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
         }
 
 
@@ -88,7 +92,9 @@ class Sequence:
     new_text_len: int = 0  # characters the newest token added to `text` (stop strings search only that tail)
     emitted_text_len: int = 0  # characters already streamed to the caller
     emitted_token_count: int = 0  # generated tokens already streamed to the caller
-    state: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)  # per-sequence scratch space for strategies
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed, not yet verified (speculative decoding)
+    processor_states: list[Any] = field(default_factory=list)  # one per stage of the request's plan
 
     @property
     def num_generated(self) -> int:
@@ -106,6 +112,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def num_pending(self) -> int:
+        """Tokens to compute next, drafts included (speculative verification scores them in the same forward)."""
+        return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
+
+    @property
     def finished(self) -> bool:
         """Whether the sequence is done."""
         return self.status is SequenceStatus.FINISHED
@@ -121,6 +132,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     cumulative_logprob: float | None = None
+    score: float | None = None  # the strategy's ranking score (beam search: length-penalized log-probability)
 
 
 @dataclass
@@ -165,7 +177,9 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     sequences: list[Sequence] = field(default_factory=list)
     error: str | None = None
-    strategy: Any = None
+    plan: Any = None  # the resolved `decodekit.plan.Plan`
+    results: list[Any] | None = None  # final outputs a strategy set (`StrategyResult`), else one per sequence
+    max_sequences: int = 1  # sequences the request will run at once (admission counts these)
     metrics: RequestMetrics = field(init=False)
     state: dict[str, Any] = field(default_factory=dict)
 
@@ -175,4 +189,4 @@ class Request:
     @property
     def finished(self) -> bool:
         """All sequences are finished (or the request failed)."""
-        return self.error is not None or all(s.finished for s in self.sequences)
+        return self.error is not None or self.results is not None or all(s.finished for s in self.sequences)

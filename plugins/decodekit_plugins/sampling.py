@@ -1,100 +1,146 @@
-"""Built-in sampling processors: min-tokens, temperature, top-k, top-p, min-p (the `SamplingParams` fields).
+"""Built-in sampling processors behind the `SamplingParams` fields: min-tokens, temperature, top-k, top-p, min-p.
 
-Each reads its parameter per row from the request's `SamplingParams`, so one batch mixes any settings; the math
-is vectorized over rows, with no loop over the vocabulary.
+Each can also be named in a recipe's `processors:` list with its own parameters. Parameters are read per row
+from `batch.options`, so one batch mixes any settings; the math is vectorized over rows, with no loop over the
+vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from decodekit import hookimpl
 from decodekit.params import SamplingParams
 from decodekit.processors import BatchView, LogitsProcessor
 
 
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
 class MinTokensProcessor(LogitsProcessor):
-    """Forbid EOS and `stop_token_ids` until a row has generated `min_tokens` tokens."""
+    """Forbid EOS and `stop_token_ids` until a row has generated `min_tokens` tokens.
+
+    Example (recipe): `processors: [{min_tokens: {min_tokens: 8}}]`
+    """
 
     name = "min_tokens"
+    needs_history = True
 
-    def is_active(self, params: SamplingParams) -> bool:
-        return params.min_tokens > 0
+    class Params(_Params):
+        min_tokens: int = Field(ge=0, description="Tokens to generate before EOS / stop token ids are allowed.")
+
+    @classmethod
+    def from_sampling_params(cls, params: SamplingParams) -> Params | None:
+        return cls.Params(min_tokens=params.min_tokens) if params.min_tokens > 0 else None
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
-        out = logits.clone()
-        for row, params in enumerate(batch.params):
-            if len(batch.generated_ids(row)) < params.min_tokens:
+        out = logits
+        for row, (params, options) in enumerate(zip(batch.params, batch.options)):
+            if len(batch.generated_ids(row)) < options.min_tokens:
                 banned = [t for t in (*batch.eos_token_ids, *params.stop_token_ids) if t < logits.shape[-1]]
-                if not params.ignore_eos or params.stop_token_ids:
+                if banned and (not params.ignore_eos or params.stop_token_ids):
+                    if out is logits:
+                        out = logits.clone()
                     out[row, banned] = -float("inf")
         return out
 
 
 class TemperatureProcessor(LogitsProcessor):
-    """Divide logits by the row's temperature (argmax-invariant)."""
+    """Divide logits by the row's temperature (argmax-invariant).
+
+    Example (recipe): `processors: [{temperature: {temperature: 0.7}}]`
+    """
 
     name = "temperature"
     argmax_invariant = True
 
-    def is_active(self, params: SamplingParams) -> bool:
-        return params.temperature not in (0.0, 1.0)
+    class Params(_Params):
+        temperature: float = Field(gt=0.0, description="Divide logits by this (below 1 sharpens).")
+
+    @classmethod
+    def from_sampling_params(cls, params: SamplingParams) -> Params | None:
+        t = params.temperature
+        return None if t in (0.0, 1.0) else cls.Params(temperature=t)
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
-        return logits / batch.param_tensor("temperature", logits.dtype)[:, None]
+        return logits / batch.option_tensor("temperature", logits.dtype).to(logits.device)[:, None]
 
 
 class TopKProcessor(LogitsProcessor):
-    """Keep tokens whose logit is at least the row's k-th largest (ties kept)."""
+    """Keep tokens whose logit is at least the row's k-th largest (ties kept).
+
+    Example (recipe): `processors: [{top_k: {top_k: 40}}]`
+    """
 
     name = "top_k"
     argmax_invariant = True
 
-    def is_active(self, params: SamplingParams) -> bool:
-        return params.top_k > 0
+    class Params(_Params):
+        top_k: int = Field(ge=1, description="How many of the most likely tokens to keep (ties kept).")
+
+    @classmethod
+    def from_sampling_params(cls, params: SamplingParams) -> Params | None:
+        return cls.Params(top_k=params.top_k) if params.top_k > 0 else None
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
-        k = batch.param_tensor("top_k", torch.long).clamp(max=logits.shape[-1])
+        k = batch.option_tensor("top_k", torch.long).to(logits.device).clamp(max=logits.shape[-1])
         kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
         return logits.masked_fill(logits < kth, -float("inf"))
 
 
 class TopPProcessor(LogitsProcessor):
-    """Keep the smallest set of most likely tokens whose probability reaches the row's `top_p`."""
+    """Keep the smallest set of most likely tokens whose probability reaches the row's `top_p`.
+
+    Example (recipe): `processors: [{top_p: {top_p: 0.9}}]`
+    """
 
     name = "top_p"
     argmax_invariant = True
 
-    def is_active(self, params: SamplingParams) -> bool:
-        return params.top_p < 1.0
+    class Params(_Params):
+        top_p: float = Field(gt=0.0, le=1.0, description="Probability mass to keep.")
+
+    @classmethod
+    def from_sampling_params(cls, params: SamplingParams) -> Params | None:
+        return cls.Params(top_p=params.top_p) if params.top_p < 1.0 else None
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
-        top_p = batch.param_tensor("top_p", logits.dtype)[:, None]
+        top_p = batch.option_tensor("top_p", logits.dtype).to(logits.device)[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        probs = sorted_logits.softmax(dim=-1)
         # drop a token when the tokens before it already reach p (the first token is always kept)
-        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         drop = drop_sorted.scatter(1, order, drop_sorted)
         return logits.masked_fill(drop, -float("inf"))
 
 
 class MinPProcessor(LogitsProcessor):
-    """Keep tokens with probability at least `min_p` times the row's most likely token's."""
+    """Keep tokens with probability at least `min_p` times the row's most likely token's.
+
+    Example (recipe): `processors: [{min_p: {min_p: 0.05}}]`
+    """
 
     name = "min_p"
     argmax_invariant = True
 
-    def is_active(self, params: SamplingParams) -> bool:
-        return params.min_p > 0.0
+    class Params(_Params):
+        min_p: float = Field(gt=0.0, le=1.0, description="Keep tokens with p >= min_p * p_max.")
+
+    @classmethod
+    def from_sampling_params(cls, params: SamplingParams) -> Params | None:
+        return cls.Params(min_p=params.min_p) if params.min_p > 0.0 else None
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * batch.param_tensor("min_p", logits.dtype)[:, None]
+        min_p = batch.option_tensor("min_p", logits.dtype).to(logits.device)[:, None]
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p
         return logits.masked_fill(probs < threshold, -float("inf"))
 
 
 @hookimpl
 def decodekit_register_processors(register):  # type: ignore[no-untyped-def]
-    """Register the built-in sampling processors, in the order the engine applies them by default."""
+    """Register the built-in sampling processors, in the order they run after any listed processors."""
     for proc in (MinTokensProcessor, TemperatureProcessor, TopKProcessor, TopPProcessor, MinPProcessor):
         register(proc.name, proc, default=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from decodekit import hookimpl
 from decodekit.core.sequence import Sequence
 from decodekit.params import SamplingParams
@@ -16,7 +18,8 @@ class EosCriterion(StoppingCriterion):
     def is_active(self, params: SamplingParams) -> bool:
         return not params.ignore_eos
 
-    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> StopDecision | None:
+    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...],
+              options: Any = None) -> StopDecision | None:
         if seq.token_ids[-1] in eos_token_ids and seq.num_generated > params.min_tokens - 1:
             return StopDecision("stop", None)
         return None
@@ -30,7 +33,8 @@ class StopTokenIdsCriterion(StoppingCriterion):
     def is_active(self, params: SamplingParams) -> bool:
         return bool(params.stop_token_ids)
 
-    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> StopDecision | None:
+    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...],
+              options: Any = None) -> StopDecision | None:
         last = seq.token_ids[-1]
         if last in params.stop_token_ids and seq.num_generated >= params.min_tokens:
             return StopDecision("stop", last)
@@ -42,7 +46,8 @@ class MaxTokensCriterion(StoppingCriterion):
 
     name = "max_tokens"
 
-    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> StopDecision | None:
+    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...],
+              options: Any = None) -> StopDecision | None:
         return StopDecision("length") if seq.num_generated >= params.max_tokens else None
 
 
@@ -58,7 +63,8 @@ class StopStringsCriterion(StoppingCriterion):
     def is_active(self, params: SamplingParams) -> bool:
         return bool(params.stop)
 
-    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> StopDecision | None:
+    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...],
+              options: Any = None) -> StopDecision | None:
         if seq.num_generated < params.min_tokens:
             return None
         text = seq.text

@@ -1,24 +1,49 @@
-"""Built-in search strategies: "sample" (greedy when temperature is 0, else sampling)."""
+"""Built-in search strategies: "sample" (greedy at temperature 0, else sampling; parallel sampling when n > 1)."""
 
 from __future__ import annotations
 
 import torch
+from pydantic import BaseModel
 
 from decodekit import hookimpl, select_tokens
 from decodekit.core.sequence import Sequence
+from decodekit.params import SamplingParams
 from decodekit.strategy import StepContext, Strategy
 
 
 class SampleStrategy(Strategy):
-    """One token per sequence per step: the processed argmax (temperature 0) or a seeded sample."""
+    """One token per sequence per step: the processed argmax (temperature 0) or a seeded sample.
+
+    Parallel sampling: a request with `n > 1` prefills its prompt once; at its first token the sequence is forked
+    into `n` sequences that share the prompt's KV blocks (copy-on-write) and each draws its own samples (seeded
+    `seed + i` when the request has a seed).
+    """
 
     name = "sample"
 
+    def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
+        return params.n
+
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
         logits = ctx.process(logits, seqs)
-        greedy = [s.request.params.greedy for s in seqs]
-        tokens = select_tokens(logits, greedy, [s.generator for s in seqs]).tolist()
-        for seq, token in zip(seqs, tokens):
+        rows: list[int] = []
+        targets: list[Sequence] = []
+        for i, seq in enumerate(seqs):
+            rows.append(i)
+            targets.append(seq)
+            params = seq.request.params
+            if params.n > 1 and seq.num_generated == 0 and len(seq.request.sequences) == 1:
+                for k in range(1, params.n):
+                    child = ctx.fork(seq)
+                    if params.seed is not None:
+                        child.generator = torch.Generator(device=logits.device).manual_seed(params.seed + k)
+                    rows.append(i)
+                    targets.append(child)
+        if len(rows) != len(seqs):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        greedy = [s.request.params.greedy for s in targets]
+        tokens = select_tokens(logits, greedy, [s.generator for s in targets]).tolist()
+        for seq, token in zip(targets, tokens):
             ctx.append_token(seq, token)
 
 
