@@ -25,8 +25,10 @@ Message = dict[str, str]
 
 
 def build_engine(model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtype: Any = "auto", device: Any = None,
-                 plugin_manager: pluggy.PluginManager | None = None, **engine_options: Any) -> Engine:
-    """Load a model and build an `Engine` with the installed plugins (see `EngineConfig` for options)."""
+                 plugin_manager: pluggy.PluginManager | None = None, draft: Any = None, draft_dtype: Any = None,
+                 **engine_options: Any) -> Engine:
+    """Load a model (and optionally a draft model for speculative decoding) and build an `Engine` with the
+    installed plugins (see `EngineConfig` for options). The draft must share the target's vocabulary."""
     pm = plugin_manager or get_plugin_manager()
     registry = Registry.from_plugin_manager(pm)
     try:
@@ -36,7 +38,17 @@ def build_engine(model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtyp
     loaded = load_model(model, tokenizer, dtype=dtype, device=device, loaders=registry.model_loaders)
     if loaded.tokenizer is None:
         raise ConfigError("a tokenizer is needed: pass `tokenizer=` with a model object")
-    return Engine(loaded, config, registry, pm)
+    draft_loaded = None
+    if draft is not None:
+        draft_loaded = load_model(draft, loaded.tokenizer, dtype=draft_dtype or dtype, device=loaded.device,
+                                  loaders=registry.model_loaders)
+        target_vocab = loaded.model.config.get_text_config().vocab_size
+        draft_vocab = draft_loaded.model.config.get_text_config().vocab_size
+        if len(draft_loaded.tokenizer) != len(loaded.tokenizer) or draft_vocab != target_vocab:
+            raise ConfigError(f"the draft model {draft_loaded.name!r} does not share the target's vocabulary "
+                              f"(draft {draft_vocab} ids, target {target_vocab}); speculative decoding needs the "
+                              "same tokenizer")
+    return Engine(loaded, config, registry, pm, draft=draft_loaded)
 
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -65,13 +77,16 @@ class LLM:
         tokenizer: the tokenizer, when `model` is a model object.
         dtype: "auto" (bf16 where the hardware runs it natively, else fp32), "float32", "bfloat16", "float16".
         device: "cpu" or "cuda" (default: CUDA when available).
+        draft: a draft model for speculative decoding (same forms as `model`; same tokenizer as the target).
+        draft_dtype: the draft's dtype (default: `dtype`).
         **engine_options: `EngineConfig` fields, e.g. `kv_cache_memory="512MiB"`, `max_num_seqs=64`.
     """
 
     def __init__(self, model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtype: Any = "auto",
-                 device: Any = None, plugin_manager: pluggy.PluginManager | None = None, **engine_options: Any):
+                 device: Any = None, plugin_manager: pluggy.PluginManager | None = None, draft: Any = None,
+                 draft_dtype: Any = None, **engine_options: Any):
         self.engine = build_engine(model, tokenizer, dtype=dtype, device=device, plugin_manager=plugin_manager,
-                                   **engine_options)
+                                   draft=draft, draft_dtype=draft_dtype, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
     def generate(
