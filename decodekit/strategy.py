@@ -35,6 +35,7 @@ class StepContext(Protocol):
     """What the engine offers a strategy during one step."""
 
     eos_token_ids: tuple[int, ...]
+    max_model_len: int
 
     def batch_view(self, seqs: list[Sequence]) -> BatchView:
         """The processors' view of these sequences (one row per scored position)."""

@@ -322,7 +322,12 @@ class Engine:
         request.results = results
         for seq in list(request.sequences):
             if not seq.finished:
-                self._finish_sequence(seq, results[0].finish_reason if results else "stop")
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = results[0].finish_reason if results else "stop"
+                self.scheduler.free_sequence(seq)
+        request.metrics.num_generated_tokens = sum(len(r.token_ids) for r in results)
+        self.scheduler.remove(request)
+        self._emit_final(request)
 
     def _stop(self) -> None:
         now = time.perf_counter()
@@ -343,7 +348,7 @@ class Engine:
             request.metrics.num_generated_tokens = (
                 sum(len(r.token_ids) for r in request.results) if request.results is not None
                 else sum(s.num_generated for s in request.sequences))
-            if request.finished and request.error is None:
+            if request.finished and request.error is None and request.request_id in self.requests:
                 self.scheduler.remove(request)
                 self._emit_final(request)
 

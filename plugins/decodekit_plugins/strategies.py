@@ -1,4 +1,4 @@
-"""Built-in search strategies: "sample" (greedy at temperature 0, else sampling; parallel sampling when n > 1)."""
+"""Built-in search strategies: "sample" (greedy, sampling, parallel sampling when n > 1) and "beam_search"."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from decodekit import hookimpl, select_tokens
 from decodekit.core.sequence import Sequence
 from decodekit.params import SamplingParams
 from decodekit.strategy import StepContext, Strategy
+from decodekit_plugins.beam_search import BeamSearchStrategy
 
 
 class SampleStrategy(Strategy):
@@ -51,3 +52,4 @@ class SampleStrategy(Strategy):
 def decodekit_register_strategies(register):  # type: ignore[no-untyped-def]
     """Register the built-in strategies."""
     register(SampleStrategy.name, SampleStrategy)
+    register(BeamSearchStrategy.name, BeamSearchStrategy)
