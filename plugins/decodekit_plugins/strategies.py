@@ -1,4 +1,4 @@
-"""Built-in search strategies: "sample" (greedy, sampling, parallel sampling when n > 1) and "beam_search"."""
+"""Built-in search strategies: "sample" (greedy, sampling, n > 1 forks), "beam_search" and "speculative"."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from decodekit.core.sequence import Sequence
 from decodekit.params import SamplingParams
 from decodekit.strategy import StepContext, Strategy
 from decodekit_plugins.beam_search import BeamSearchStrategy
+from decodekit_plugins.speculative import SpeculativeStrategy
 
 
 class SampleStrategy(Strategy):
@@ -53,3 +54,4 @@ def decodekit_register_strategies(register):  # type: ignore[no-untyped-def]
     """Register the built-in strategies."""
     register(SampleStrategy.name, SampleStrategy)
     register(BeamSearchStrategy.name, BeamSearchStrategy)
+    register(SpeculativeStrategy.name, SpeculativeStrategy)

@@ -1,0 +1,124 @@
+"""Speculative decoding: greedy output identical to the target's own greedy output, lossless sampling, rollback."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from decodekit_plugins.speculative import SpeculativeStrategy, ngram_proposal
+
+from decodekit import LLM, SamplingParams
+from decodekit.models.tiny import tiny_model
+from tests.conftest import random_prompts
+
+
+def _repetitive_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase, so n-gram lookup finds matches."""
+    base = random_prompts(count, 4, 9, seed=seed)
+    return [(p * 4)[:30] for p in base]
+
+
+def _spec(proposer: str = "ngram", k: int = 4, adaptive: bool = False, **sampling) -> SamplingParams:
+    return SamplingParams(strategy={"speculative": {"proposer": proposer, "num_speculative_tokens": k,
+                                                    "adaptive": adaptive}}, **sampling)
+
+
+def test_ngram_proposal_continues_the_latest_earlier_occurrence():
+    assert ngram_proposal([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 1, 3) == [7, 5, 1]
+    assert ngram_proposal([4, 5, 6], 2, 1, 3) == []
+    assert ngram_proposal([8, 1, 8], 4, 1, 2) == [1, 8]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_ngram_speculative_greedy_equals_plain_greedy(llama, tokenizer, batch, adaptive):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = _repetitive_prompts(batch, seed=batch)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    spec = llm.generate(prompts, _spec("ngram", 4, adaptive, max_tokens=24, temperature=0))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_draft_equal_to_target_is_accepted_fully_and_matches_greedy(llama, tokenizer, batch):
+    llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
+    prompts = random_prompts(batch, 3, 30, seed=5)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    spec = llm.generate(prompts, _spec("draft", 5, max_tokens=20, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    drafted = sum(o.metrics.num_draft_tokens for o in spec)
+    assert drafted > 0 and sum(o.metrics.num_accepted_tokens for o in spec) == drafted
+
+
+def test_a_different_draft_model_gives_the_targets_greedy_output(llama, tokenizer):
+    draft = tiny_model("qwen2", seed=3)
+    llm = LLM(llama, tokenizer, draft=draft, kv_cache_memory="16MiB", block_size=4)
+    prompts = random_prompts(8, 3, 30, seed=9)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    spec = llm.generate(prompts, _spec("draft", 3, True, max_tokens=16, temperature=0))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    accepted = sum(o.metrics.num_accepted_tokens for o in spec)
+    assert accepted < sum(o.metrics.num_draft_tokens for o in spec)  # some drafts were rejected and rolled back
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+    proposer = llm.engine.components.get("strategies", "speculative")._draft
+    assert proposer.allocator.num_free_blocks == proposer.allocator.num_blocks
+
+
+def test_speculative_requests_share_the_batch_with_plain_and_beam_requests(llama, tokenizer):
+    llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
+    prompts = _repetitive_prompts(6, seed=2)
+    params = [_spec("ngram", max_tokens=18, temperature=0), _spec("draft", max_tokens=18, temperature=0),
+              SamplingParams(max_tokens=18, temperature=0),
+              SamplingParams(max_tokens=8, temperature=0, strategy={"beam_search": {"num_beams": 3}}),
+              _spec("ngram", max_tokens=10, temperature=0, stop_token_ids=[prompts[4][5]]),
+              SamplingParams(max_tokens=12, seed=4)]
+    mixed = llm.generate(prompts, params)
+    alone = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in mixed] == [o.token_ids for o in alone]
+    plain = llm.generate(prompts[:2], SamplingParams(max_tokens=18, temperature=0))
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in plain]
+
+
+def test_stop_inside_an_accepted_draft_drops_the_tokens_after_it(llama, tokenizer):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompt = _repetitive_prompts(1, seed=4)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].token_ids
+    stop = plain[6]
+    want = plain[: plain.index(stop) + 1]
+    out = llm.generate([prompt], _spec("ngram", 8, max_tokens=20, temperature=0, ignore_eos=True,
+                                       stop_token_ids=[stop]))[0]
+    assert out.token_ids == want and out.finish_reason == "stop"
+    out = llm.generate([prompt], _spec("ngram", 8, max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == plain[:5] and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("with_draft_distribution", [False, True])
+def test_sampled_acceptance_rule_draws_from_the_target_distribution(with_draft_distribution):
+    """Chi-square: the token the rule emits at a drafted position is distributed as the target's p."""
+    vocab, draws = 6, 6000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0], [0.0] * 6])
+    p = torch.softmax(logits[0], dim=-1)
+    q = torch.softmax(torch.tensor([0.0, 2.0, 0.0, 1.0, 0.0, 0.0]), dim=-1)
+
+    seq = SimpleNamespace(state={"spec_q": q[None] if with_draft_distribution else None},
+                          generator=torch.Generator().manual_seed(1234))
+
+    counts = torch.zeros(vocab)
+    draft_gen = torch.Generator().manual_seed(99)
+    for _ in range(draws):
+        d = int(torch.multinomial(q, 1, generator=draft_gen)) if with_draft_distribution else 1
+        accepted, token = SpeculativeStrategy._accept_sampled(seq, [d], logits)  # type: ignore[arg-type]
+        counts[d if accepted == 1 else token] += 1
+    expected = p * draws
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001
+
+
+def test_speculative_refuses_parallel_sampling_and_a_missing_draft_model(llama, tokenizer):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB")
+    outs = llm.generate([[5, 6, 7]] * 2, [_spec("ngram", n=2, max_tokens=4), _spec("draft", max_tokens=4)])
+    assert "parallel sampling (n > 1) cannot be combined" in outs[0].error
+    assert "needs a draft model" in outs[1].error
