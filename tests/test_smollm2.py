@@ -83,3 +83,35 @@ def test_cli_generate_prints_paris_as_json_and_bad_input_exits_2():
     missing = subprocess.run([*cmd[:4], "-p", "x", "--model", "/nonexistent/model.gguf"], capture_output=True,
                              text=True, timeout=300)
     assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_beam_search_matches_hf_generate_on_the_bundled_model(smol):
+    prompts = _prompts(smol)[:3]
+    beam = {"num_beams": 4, "length_penalty": 1.0, "early_stopping": True, "num_return_sequences": 2}
+    outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=12, strategy={"beam_search": beam}),
+                         add_special_tokens=False)
+    model, tok = smol.engine.loaded.model, smol.tokenizer
+    eos = list(smol.engine.eos_token_ids)
+    for prompt, out in zip(prompts, outs):
+        ids = tok(prompt, add_special_tokens=False).input_ids
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, num_beams=4,
+                             early_stopping=True, num_return_sequences=2, output_scores=True,
+                             return_dict_in_generate=True, eos_token_id=eos, pad_token_id=eos[0])
+        want = []
+        for row in ref.sequences[:, len(ids):].tolist():
+            ends = [i for i, t in enumerate(row) if t in eos]
+            want.append(row[: ends[0] + 1] if ends else row)
+        assert [o.token_ids for o in out.outputs] == want
+        assert [o.score for o in out.outputs] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
+
+
+def test_ngram_speculative_greedy_equals_plain_greedy_on_the_bundled_model(smol):
+    passage = ("The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual "
+               "reefs and 900 islands stretching for over 2,300 kilometres.")
+    prompts = [smol.apply_chat_template([{"role": "user", "content": f"{task}\n\n{passage}"}])
+               for task in ("Repeat this text exactly:", "Rewrite this text:")]
+    plain = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=40), add_special_tokens=False)
+    spec = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=40, strategy={"speculative": {
+        "proposer": "ngram", "num_speculative_tokens": 5, "adaptive": True}}), add_special_tokens=False)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_accepted_tokens for o in spec) > 10  # copying text is mostly drafted correctly
