@@ -6,13 +6,19 @@ import json
 import logging
 import sys
 import time
-from typing import Annotated, Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from decodekit.errors import DecodeKitError
+from decodekit.models import BUNDLED_MODEL_NAME
 
 app = typer.Typer(help="decodekit: composable decoding strategies on a paged, continuously batched engine.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -20,8 +26,8 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def _fail(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}")
+def _fail(message: str) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -33,28 +39,8 @@ def _setup_logging(quiet: bool) -> None:
     hf_logging.set_verbosity_error()
 
 
-def summarize(outputs: list[Any], wall: float) -> dict[str, Any]:
-    """Summary figures of a finished batch: requests, tokens, tokens/s, TTFT/TPOT p50/p90, finish reasons."""
-    from decodekit.bench.report import percentile
-
-    tokens = sum(len(o.token_ids) for o in outputs)
-    ttfts = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
-    tpots = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
-    reasons: dict[str, int] = {}
-    for o in outputs:
-        reasons[str(o.finish_reason)] = reasons.get(str(o.finish_reason), 0) + 1
-    return {
-        "requests": len(outputs), "output_tokens": tokens, "wall_s": wall,
-        "tokens_per_s": tokens / wall if wall > 0 else None,
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
-        "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90),
-        "finish_reasons": reasons,
-        "errors": [o.error for o in outputs if o.error],
-    }
-
-
 def render_summary(summary: dict[str, Any]) -> None:
-    """Print the summary table."""
+    """Print the summary table (the figures of `decodekit.recipe_runner.summarize`)."""
     table = Table(title="summary", show_header=False)
 
     def ms(v: float | None) -> str:
@@ -67,6 +53,16 @@ def render_summary(summary: dict[str, Any]) -> None:
     table.add_row("TTFT p50 / p90", f"{ms(summary['ttft_p50_s'])} / {ms(summary['ttft_p90_s'])}")
     table.add_row("TPOT p50 / p90", f"{ms(summary['tpot_p50_s'])} / {ms(summary['tpot_p90_s'])}")
     table.add_row("finish reasons", ", ".join(f"{k}: {v}" for k, v in summary["finish_reasons"].items()))
+    if summary.get("acceptance_rate") is not None:
+        table.add_row("draft acceptance", f"{summary['acceptance_rate']:.1%} "
+                                          f"({summary['accepted_tokens']} of {summary['draft_tokens']} tokens)")
+    if summary.get("speedup_vs_plain") is not None:
+        table.add_row("speedup vs plain sample", f"{summary['speedup_vs_plain']:.2f}x "
+                                                 f"({summary['plain_tokens_per_s']:.1f} tokens/s plain)")
+    if summary.get("errors"):
+        table.add_row("failed requests", str(len(summary["errors"])))
+    if summary.get("bad_inputs"):
+        table.add_row("bad input lines", "\n".join(summary["bad_inputs"]))
     console.print(table)
 
 
@@ -102,6 +98,8 @@ def generate(
         wall = time.perf_counter() - start
     except DecodeKitError as exc:
         _fail(str(exc))
+    from decodekit.recipe_runner import summarize
+
     summary = summarize(outputs, wall)
     if as_json:
         rows = [{"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
@@ -115,23 +113,143 @@ def generate(
 
 
 @app.command()
-def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+def run(
+    recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file (see docs/recipes.md).")],
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="A prompt (repeatable); replaces the "
+                                                     "recipe's inputs.")] = None,
+    prompts: Annotated[Path | None, typer.Option(help="A .jsonl or .txt prompts file; replaces the recipe's "
+                                                 "inputs.")] = None,
+    output: Annotated[Path | None, typer.Option(help="Write one JSON line per request (default: the recipe's "
+                                                "outputs.file).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
+                                                        "(repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and a table.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, less logging.")] = False,
+) -> None:
+    """Run a recipe over its prompts; print the answers and a summary table.
+
+    Exit status: 0 when every request ran; 1 when some input lines were bad or some requests failed (the others
+    still run and are written); 2 when nothing could run (an invalid recipe, a model that does not load).
+    """
+    _setup_logging(quiet or as_json)
+    from decodekit.plan import Components
+    from decodekit.plugins import get_plugin_manager
+    from decodekit.recipe import load_recipe
+    from decodekit.recipe_runner import output_row, read_inputs, run_recipe, summarize
+    from decodekit.registry import Registry
+
+    try:
+        pm = get_plugin_manager()
+        registry = Registry.from_plugin_manager(pm)
+        recipe = load_recipe(recipe_path, overrides or [], registry=registry)
+        requests, bad = read_inputs(recipe, Components(registry), prompt or [], prompts)
+        if not requests:
+            _fail(f"{recipe.source}: no prompts to run: give --prompt, --prompts, or inputs.prompts / inputs.file"
+                  + "".join(f"\n  {b}" for b in bad))
+        for b in bad:
+            err_console.print(f"[yellow]skipped[/] {escape(str(b))}", soft_wrap=True)
+        llm = recipe.build_llm(pm)
+        with _progress(len(requests) * (2 if recipe.outputs.compare_plain else 1), quiet or as_json) as on_output:
+            result = run_recipe(recipe, llm, requests, on_output)
+    except DecodeKitError as exc:
+        _fail(str(exc))
+    summary = summarize(result.outputs, result.wall_s, bad, result.plain_outputs, result.plain_wall_s)
+    rows = [output_row(r, o) for r, o in zip(result.requests, result.outputs)]
+    rows += [{"id": None, "input": b.where, "error": b.message} for b in bad]
+    target = output or (Path(recipe.outputs.file) if recipe.outputs.file else None)
+    if target is not None:
+        try:
+            target.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+        except OSError as exc:
+            _fail(f"cannot write {target}: {exc}")
+    if as_json:
+        print(json.dumps({"recipe": recipe.source, "model": recipe.model, "summary": summary, "outputs": rows}))
+    else:
+        for request, out in zip(result.requests, result.outputs):
+            _print_answer(request.prompt, out)
+        render_summary(summary)
+    if summary["errors"] or bad:
+        raise typer.Exit(1)
+
+
+@contextmanager
+def _progress(total: int, hidden: bool) -> Iterator[Callable[[Any], None]]:
+    """A progress bar on stderr (requests done, tokens/s); yields the engine's `on_output` callback."""
+    columns = (SpinnerColumn(), TextColumn("requests"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[rate]} tokens/s"), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True, disable=hidden) as progress:
+        task = progress.add_task("run", total=total, rate="-")
+        start, tokens = time.perf_counter(), 0
+
+        def on_output(out: Any) -> None:
+            nonlocal tokens
+            tokens += sum(len(ids) for ids in out.delta_token_ids)
+            rate = f"{tokens / max(time.perf_counter() - start, 1e-9):.1f}"
+            progress.update(task, advance=1 if out.finished else 0, rate=rate)
+
+        yield on_output
+
+
+def _print_answer(prompt: str, out: Any) -> None:
+    console.print(f"[bold cyan]>>> {escape(prompt)}[/]", soft_wrap=True, highlight=False)
+    if out.error is not None:
+        console.print(f"[red]error: {escape(out.error)}[/]", soft_wrap=True)
+    elif len(out.outputs) == 1:
+        console.print(escape(out.text), soft_wrap=True, highlight=False)
+    else:
+        for choice in out.outputs:
+            score = "" if choice.score is None else f" (score {choice.score:.3f})"
+            console.print(f"[dim]\\[{choice.index}]{score}[/] {escape(choice.text)}", soft_wrap=True,
+                          highlight=False)
+
+
+recipe_app = typer.Typer(help="Work with recipe files.", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+
+
+@recipe_app.command("check")
+def recipe_check(
+    recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file.")],
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
+                                                        "(repeatable).")] = None,
+) -> None:
+    """Validate a recipe without loading its model, and print it resolved (defaults filled in, the plan in order)."""
+    import yaml
+
+    from decodekit.plugins import get_plugin_manager
+    from decodekit.recipe import describe_recipe, load_recipe
+    from decodekit.registry import Registry
+
+    try:
+        registry = Registry.from_plugin_manager(get_plugin_manager())
+        recipe = load_recipe(recipe_path, overrides or [], registry=registry)
+    except DecodeKitError as exc:
+        _fail(str(exc))
+    print(yaml.safe_dump(describe_recipe(recipe, registry), sort_keys=False, allow_unicode=True), end="")
+    err_console.print(f"[green]{recipe.source}: ok[/]")
+
+
+@app.command()
+def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (with parameter schemas).")] = False,
+            ) -> None:
     """List installed plugins, what each registers, and where it came from."""
     from decodekit.plugins import get_plugin_manager, plugin_origins
     from decodekit.registry import Registry
 
     try:
         pm = get_plugin_manager()
+        registry = Registry.from_plugin_manager(pm)
     except DecodeKitError as exc:
         _fail(str(exc))
-    registry = Registry.from_plugin_manager(pm)
-    origins = plugin_origins(pm)
-    rows: dict[str, dict[str, Any]] = {name: {"origin": origin, "processors": [], "stopping_criteria": [],
-                                              "strategies": []} for name, origin in origins.items()}
-    for kind in ("processors", "stopping_criteria", "strategies"):
+    kinds = ("processors", "stopping_criteria", "strategies")
+    rows: dict[str, dict[str, Any]] = {name: {"origin": origin, **{k: [] for k in kinds}}
+                                       for name, origin in plugin_origins(pm).items()}
+    for kind in kinds:
         for entry in getattr(registry, kind).values():
-            rows.setdefault(entry.plugin, {"origin": "?", "processors": [], "stopping_criteria": [],
-                                           "strategies": []})[kind].append(entry.name)
+            model = entry.params_model
+            rows.setdefault(entry.plugin, {"origin": "?", **{k: [] for k in kinds}})[kind].append({
+                "name": entry.name, "description": entry.description, "default": entry.default,
+                "params": model.model_json_schema() if model is not None else None})
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -139,16 +257,22 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")]
     for col in ("plugin", "from", "processors", "stopping criteria", "strategies"):
         table.add_column(col)
     for name, row in rows.items():
-        table.add_row(name, row["origin"], ", ".join(row["processors"]), ", ".join(row["stopping_criteria"]),
-                      ", ".join(row["strategies"]))
+        table.add_row(name, row["origin"], *(", ".join(e["name"] for e in row[k]) for k in kinds))
     console.print(table)
 
 
 @app.command()
 def bench(
     workload: Annotated[str, typer.Argument(help="batch1, batch, mixed or ttft.")] = "mixed",
-    model: Annotated[str, typer.Option(help="Model to benchmark.")] = "smollm2-135m-instruct",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    recipe_path: Annotated[Path | None, typer.Option("--recipe", help="Take the model, dtype and engine limits "
+                                                     "from this recipe (not its sampling: every system runs the "
+                                                     "same greedy fixed-length requests).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a key of the --recipe: "
+                                                        "key.path=value (repeatable).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model to benchmark (default: the recipe's, else "
+                                              "smollm2-135m-instruct).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16 (default: the recipe's, "
+                                              "else auto).")] = None,
     num_requests: Annotated[int, typer.Option(help="Requests in the mixed workload.")] = 64,
     batch_size: Annotated[int, typer.Option(help="Batch size (batch workload, HF static batches).")] = 16,
     output_len: Annotated[int, typer.Option(help="Output tokens (batch1/batch workloads).")] = 64,
@@ -162,13 +286,18 @@ def bench(
     _setup_logging(True)
     from decodekit.bench import render_table, result_json, run_benchmark
 
-    kwargs: dict[str, Any] = {"model": model, "dtype": dtype, "num_requests": num_requests,
-                              "batch_size": batch_size, "output_len": output_len, "repeats": repeats, "seed": seed,
-                              "num_threads": threads}
+    kwargs: dict[str, Any] = {"num_requests": num_requests, "batch_size": batch_size, "output_len": output_len,
+                              "repeats": repeats, "seed": seed, "num_threads": threads}
     if baseline:
         kwargs["baselines"] = tuple(baseline)
     try:
-        result = run_benchmark(workload, **kwargs)
+        if recipe_path is not None:
+            from decodekit.recipe import load_recipe
+
+            recipe = load_recipe(recipe_path, overrides or [])
+            kwargs["engine_options"] = recipe.engine_options()
+            model, dtype = model or recipe.model, dtype or recipe.dtype
+        result = run_benchmark(workload, model=model or BUNDLED_MODEL_NAME, dtype=dtype or "auto", **kwargs)
     except (DecodeKitError, ValueError) as exc:
         _fail(str(exc))
     if as_json:
@@ -185,7 +314,7 @@ def main() -> None:
         get_plugin_manager().hook.decodekit_register_commands(cli=app)
         app()
     except DecodeKitError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}")
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         sys.exit(2)
 
 

@@ -19,6 +19,10 @@ class ConfigError(DecodeKitError):
     """A parameter, recipe value or option is invalid."""
 
 
+class RecipeError(ConfigError):
+    """A recipe file (or a `--set` override, or a line of its prompts file) is invalid; the message names the key."""
+
+
 class RequestError(DecodeKitError):
     """A single request is invalid (e.g. its prompt is longer than the model's context); it fails alone."""
 

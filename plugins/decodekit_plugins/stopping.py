@@ -1,8 +1,12 @@
-"""Built-in stopping criteria: EOS, stop token ids, max tokens, and stop strings across token boundaries."""
+"""Built-in stopping criteria: EOS, stop token ids, max tokens, stop strings across token boundaries (all on by
+default, reading `SamplingParams`), and a per-request time limit that requests name (`stopping: [time_limit]`)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from decodekit import hookimpl
 from decodekit.core.sequence import Sequence
@@ -80,8 +84,35 @@ class StopStringsCriterion(StoppingCriterion):
         return StopDecision("stop", stop, idx + len(stop) if params.include_stop_str_in_output else idx)
 
 
+class TimeLimitCriterion(StoppingCriterion):
+    """Stop a request `seconds` after it arrived (finish reason "length", stop reason "time_limit").
+
+    The clock starts at arrival, so time spent queued counts: the limit bounds what the caller waits. It is checked
+    after each new token, so a request stops on its first token after the deadline.
+
+    Example (recipe): `stopping: [{time_limit: {seconds: 30}}]`
+    """
+
+    name = "time_limit"
+
+    class Params(BaseModel):
+        """Parameters of `time_limit`."""
+
+        model_config = ConfigDict(extra="forbid")
+
+        seconds: float = Field(gt=0, description="Wall-clock seconds from the request's arrival.")
+
+    def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...],
+              options: Any = None) -> StopDecision | None:
+        if time.perf_counter() - seq.request.arrival_time >= options.seconds:
+            return StopDecision("length", "time_limit")
+        return None
+
+
 @hookimpl
 def decodekit_register_stopping_criteria(register):  # type: ignore[no-untyped-def]
-    """Register the built-in stopping criteria (always on; each checks only the requests that use it)."""
+    """Register the built-in stopping criteria: the default ones (always on; each checks only the requests whose
+    parameters use it) and `time_limit`, which applies to the requests that name it."""
     for crit in (EosCriterion, StopTokenIdsCriterion, MaxTokensCriterion, StopStringsCriterion):
         register(crit.name, crit, default=True)
+    register(TimeLimitCriterion.name, TimeLimitCriterion)

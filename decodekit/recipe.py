@@ -1,0 +1,295 @@
+"""Recipes: one YAML file naming a model (and a draft model), engine limits, sampling defaults, an ordered list of
+logits processors, stopping criteria, a search strategy, the inputs and the outputs.
+
+A recipe is validated completely when it loads, before any model is loaded: its shape by pydantic
+(`extra="forbid"` everywhere, so typos are refused), then every named plugin and its parameters by resolving the
+default `SamplingParams` against the registry (`decodekit.plan.Components.resolve`), which also refuses
+incompatible combinations. Every failure is a `RecipeError` whose message starts with the file and the key:
+`recipes/x.yaml: processors[1].repetition_penalty.penalty: Input should be greater than 0, got -1`.
+
+A recipe only names registered plugins; it is read with a safe YAML loader, so nothing in it executes code. The
+syntax side (YAML, `--set` overrides, error messages) is in `decodekit.recipe_syntax`.
+
+Example:
+    >>> recipe = load_recipe("recipes/sampling.yaml", overrides=["sampling.temperature=0"])
+    >>> llm = recipe.build_llm()
+    >>> llm.generate("Once upon a time", recipe.params_for({"max_tokens": 32}))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import pluggy
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from decodekit.config import EngineConfig
+from decodekit.errors import DecodeKitError, RecipeError
+from decodekit.params import ComponentSpec, SamplingParams
+from decodekit.plan import Components, Plan
+from decodekit.recipe_syntax import apply_override, format_validation_errors, parse_yaml
+from decodekit.registry import Registry
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+COMPONENT_KEYS = ("processors", "stopping", "strategy")
+_SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
+_SPEC: TypeAdapter[ComponentSpec | None] = TypeAdapter(ComponentSpec | None)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class DraftConfig(_Section):
+    """The draft model of speculative decoding (it must share the target model's tokenizer)."""
+
+    model: str = Field(description="Draft model: bundled name, local folder, .gguf file or hub id.")
+    dtype: Dtype = Field("auto", description="The draft's dtype.")
+
+
+class InputsConfig(_Section):
+    """Where a recipe's prompts come from (the command line's --prompt/--prompts replace them)."""
+
+    chat: bool = Field(False, description="Wrap each prompt in the model's chat template.")
+    system: str | None = Field(None, description="System prompt (with chat: true).")
+    prompts: list[str] = Field(default_factory=list, description="Prompts, each one request.")
+    file: str | None = Field(
+        None, description="A .jsonl (one request object per line) or .txt (one prompt per line) file, relative to "
+        "the recipe file.")
+
+    @field_validator("system")
+    @classmethod
+    def _system_needs_chat(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("chat") is False:
+            raise ValueError("a system prompt needs chat: true (it goes into the chat template)")
+        return value
+
+
+class OutputsConfig(_Section):
+    """What a run writes and reports besides the summary."""
+
+    file: str | None = Field(None, description="Write one JSON line per request here (relative to the working "
+                                               "directory; --output overrides it).")
+    compare_plain: bool = Field(False, description="Also run the prompts with the plain `sample` strategy (same "
+                                                   "processors) and report the speedup.")
+
+
+class Recipe(_Section):
+    """A whole recipe. Build one with `load_recipe` (which also checks the plugin names and parameters)."""
+
+    description: str | None = Field(None, description="What the recipe shows (one line).")
+    model: str = Field(description="Model: bundled name, local folder, .gguf file or hub id.")
+    dtype: Dtype = Field("auto", description="auto (bf16 where native, else fp32), float32, bfloat16, float16.")
+    device: str | None = Field(None, description="cpu or cuda (default: cuda when available).")
+    draft: DraftConfig | None = Field(None, description="A draft model for speculative decoding.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine limits and memory.")
+    sampling: SamplingParams = Field(default_factory=SamplingParams,
+                                     description="Default sampling parameters of every request.")
+    processors: list[ComponentSpec] = Field(default_factory=list, description="Logits processors, in order.")
+    stopping: list[ComponentSpec] = Field(default_factory=list, description="Extra stopping criteria.")
+    strategy: ComponentSpec | None = Field(None, description="Search strategy (default: sample).")
+    inputs: InputsConfig = Field(default_factory=InputsConfig, description="The prompts.")
+    outputs: OutputsConfig = Field(default_factory=OutputsConfig, description="What to write and report.")
+
+    _source: Path | None = PrivateAttr(None)
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _memory_is_text_or_bytes(cls, value: Any) -> Any:
+        # `EngineConfig`'s size parser raises TypeError (not a validation error) on other types
+        memory = value.get("kv_cache_memory", 0) if isinstance(value, dict) else 0
+        if isinstance(memory, bool) or not isinstance(memory, (int, str)):
+            raise ValueError(f"kv_cache_memory: expected a size like 1GiB or 512MB, got {memory!r}")
+        return value
+
+    @field_validator("sampling")
+    @classmethod
+    def _components_at_top_level(cls, value: SamplingParams) -> SamplingParams:
+        misplaced = sorted(value.model_fields_set & set(COMPONENT_KEYS))
+        if misplaced:
+            raise ValueError(f"set {', '.join(misplaced)} at the recipe's top level, not under sampling")
+        return value
+
+    @property
+    def source(self) -> str:
+        """The recipe's file as given (or "<recipe>" for one built from a mapping), for messages."""
+        return str(self._source) if self._source is not None else "<recipe>"
+
+    @property
+    def base_dir(self) -> Path:
+        """The folder relative paths in the recipe (inputs.file) are resolved against."""
+        return self._source.parent if self._source is not None else Path.cwd()
+
+    def default_params(self) -> SamplingParams:
+        """The `SamplingParams` every request starts from: `sampling` plus processors, stopping and strategy."""
+        fields = self.sampling.model_dump(exclude_unset=True)
+        return SamplingParams.model_validate(
+            {**fields, "processors": self.processors, "stopping": self.stopping, "strategy": self.strategy})
+
+    def params_for(self, override: Mapping[str, Any] | None = None) -> SamplingParams:
+        """A request's parameters: the recipe's defaults with `override` merged over them (see `merge_params`)."""
+        return merge_params(self.default_params(), override or {})
+
+    def engine_options(self) -> dict[str, Any]:
+        """The `EngineConfig` fields the recipe sets (the engine's defaults apply to the rest)."""
+        return self.engine.model_dump(exclude_unset=True)
+
+    def build_llm(self, plugin_manager: pluggy.PluginManager | None = None) -> Any:
+        """Load the recipe's model (and draft) into an `LLM`."""
+        from decodekit.llm import LLM
+
+        return LLM(self.model, dtype=self.dtype, device=self.device, plugin_manager=plugin_manager,
+                   draft=self.draft.model if self.draft else None,
+                   draft_dtype=self.draft.dtype if self.draft else None, **self.engine_options())
+
+
+def plain_params(params: SamplingParams) -> SamplingParams:
+    """The same request with the plain `sample` strategy (what `outputs.compare_plain` measures against)."""
+    return params.model_copy(update={"strategy": ComponentSpec(name="sample")})
+
+
+def merge_params(base: SamplingParams, override: Mapping[str, Any]) -> SamplingParams:
+    """Merge a request's overrides over recipe defaults.
+
+    `override` holds `SamplingParams` fields; each replaces the default. `processors` and `stopping` entries
+    named in both keep the recipe's position with their parameters merged (the override's win); new names are
+    appended. `strategy` replaces the recipe's.
+
+    Raises:
+        RecipeError: an override is not a valid field or value (the message names the key).
+    """
+    if not isinstance(override, Mapping):
+        raise RecipeError(f"overrides must be a mapping of sampling fields, got {type(override).__name__}")
+    fields = base.model_dump(exclude_unset=True, exclude=set(COMPONENT_KEYS))
+    fields.update({k: v for k, v in override.items() if k not in COMPONENT_KEYS})
+    merged: dict[str, Any] = {
+        "processors": _merge_specs(base.processors, override.get("processors"), "processors"),
+        "stopping": _merge_specs(base.stopping, override.get("stopping"), "stopping"),
+        "strategy": base.strategy,
+    }
+    if "strategy" in override:
+        merged["strategy"] = _validate(_SPEC, override["strategy"], "strategy")
+    try:
+        return SamplingParams.model_validate({**fields, **merged})
+    except ValidationError as exc:
+        raise RecipeError(format_validation_errors(exc, SamplingParams)) from None
+
+
+def _merge_specs(base: list[ComponentSpec], override: Any, key: str) -> list[ComponentSpec]:
+    if override is None:
+        return list(base)
+    merged = list(base)
+    for spec in _validate(_SPECS, override, key):
+        at = next((i for i, s in enumerate(merged) if s.name == spec.name), None)
+        if at is None:
+            merged.append(spec)
+        else:
+            merged[at] = ComponentSpec(name=spec.name, params={**merged[at].params, **spec.params})
+    return merged
+
+
+def _validate(adapter: TypeAdapter[Any], value: Any, key: str) -> Any:
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_errors(exc, None, prefix=(key,))) from None
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------
+def load_recipe(path: str | Path, overrides: Sequence[str] = (), *,
+                plugin_manager: pluggy.PluginManager | None = None, registry: Registry | None = None) -> Recipe:
+    """Read, override (`key.path=value` items, as `--set` gives them) and fully validate a recipe file.
+
+    Raises:
+        RecipeError: the file is missing or not valid YAML (with the line), a key is unknown, a value is invalid,
+            a plugin name is unknown, or the combination cannot run.
+    """
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{source}: cannot read the recipe: {exc}") from None
+    return recipe_from_data(parse_yaml(text, str(source)), overrides, source=source, plugin_manager=plugin_manager,
+                            registry=registry)
+
+
+def recipe_from_data(data: Any, overrides: Sequence[str] = (), *, source: Path | None = None,
+                     plugin_manager: pluggy.PluginManager | None = None, registry: Registry | None = None) -> Recipe:
+    """Validate an already-parsed recipe mapping (see `load_recipe`)."""
+    label = str(source) if source is not None else "<recipe>"
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else type(data).__name__
+        raise RecipeError(f"{label}: a recipe is a mapping of keys (model, sampling, processors, ...), got {got}")
+    for item in overrides:
+        data = apply_override(data, item)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_errors(exc, Recipe, label)) from None
+    recipe._source = source
+    if recipe.inputs.file is not None and not (recipe.base_dir / recipe.inputs.file).is_file():
+        raise RecipeError(f"{label}: inputs.file: no such file {str(recipe.base_dir / recipe.inputs.file)!r}")
+    check_recipe(recipe, registry or _registry(plugin_manager))
+    return recipe
+
+
+def _registry(plugin_manager: pluggy.PluginManager | None) -> Registry:
+    from decodekit.plugins import get_plugin_manager
+
+    return Registry.from_plugin_manager(plugin_manager or get_plugin_manager())
+
+
+def check_recipe(recipe: Recipe, registry: Registry) -> Plan:
+    """Resolve the recipe's default request (and its plain comparison) against the registry; return the plan.
+
+    Raises:
+        RecipeError: an unknown plugin name (the known ones listed), invalid plugin parameters, or a strategy that
+            refuses the combination.
+    """
+    components = Components(registry)
+    try:
+        params = recipe.default_params()
+        plan = components.resolve(params)
+        if recipe.outputs.compare_plain:
+            components.resolve(plain_params(params))
+    except (DecodeKitError, ValueError) as exc:  # PlanError, or a plugin's own ValueError
+        raise RecipeError(f"{recipe.source}: {exc}") from None
+    return plan
+
+
+def describe_recipe(recipe: Recipe, registry: Registry) -> dict[str, Any]:
+    """The recipe with every default filled in, and its default request's plan: the processors in the order they
+    run (those the sampling fields imply included), the stopping criteria that apply, and the strategy."""
+    components = Components(registry)
+    params = recipe.default_params()
+    plan = check_recipe(recipe, registry)
+
+    def named(name: str, options: BaseModel | None) -> dict[str, Any] | str:
+        return {name: options.model_dump(mode="json")} if options is not None else name
+
+    defaults = [c.name for c in components.default_criteria() if c.is_active(params)]
+    fields = recipe.model_dump(mode="json", exclude=set(COMPONENT_KEYS))
+    fields["sampling"] = {k: v for k, v in fields["sampling"].items() if k not in COMPONENT_KEYS}
+    return {
+        "recipe": recipe.source,
+        **fields,
+        "processors": [{s.name: s.params} for s in recipe.processors],
+        "stopping": [{s.name: s.params} for s in recipe.stopping],
+        "strategy": {recipe.strategy.name: recipe.strategy.params} if recipe.strategy else None,
+        "plan": {
+            "processors": [named(s.processor.name, s.options) for s in plan.stages],
+            "stopping": defaults + [named(c.name, o) for c, o in plan.criteria],
+            "strategy": named(plan.strategy.name, plan.strategy_options),
+        },
+    }

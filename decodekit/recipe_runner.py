@@ -1,0 +1,230 @@
+"""Running a recipe: reading its prompts, generating (and the plain-strategy comparison), the rows written per
+request and the summary figures. The CLI renders what these return; Python users call them directly.
+
+A prompts file with a bad line does not stop the run: the good lines run, and each bad one comes back as a
+`BadInput` naming its line and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from decodekit.core.sequence import RequestOutput
+from decodekit.errors import DecodeKitError, RecipeError
+from decodekit.params import SamplingParams
+from decodekit.plan import Components
+from decodekit.recipe import COMPONENT_KEYS, Recipe, plain_params
+from decodekit.recipe_syntax import format_validation_errors
+
+
+@dataclass
+class RecipeRequest:
+    """One request of a run: its id, the prompt as the user wrote it, and its merged parameters."""
+
+    id: str
+    prompt: str
+    params: SamplingParams
+
+
+@dataclass
+class BadInput:
+    """An input line that was not run: where it is (`prompts.jsonl line 3`) and why."""
+
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+class InputLine(BaseModel):
+    """One line of a .jsonl prompts file: a prompt and its overrides of the recipe's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, description="The prompt (wrapped in the chat template when inputs.chat).")
+    id: str | int | None = Field(None, description="The request's id in the outputs (default: its position).")
+    sampling: dict[str, Any] = Field(default_factory=dict, description="SamplingParams fields to override.")
+    processors: list[Any] | None = Field(None, description="Processors merged over the recipe's, by name.")
+    stopping: list[Any] | None = Field(None, description="Stopping criteria merged over the recipe's, by name.")
+    strategy: Any = Field(None, description="A strategy replacing the recipe's.")
+
+    def overrides(self) -> dict[str, Any]:
+        """The line's overrides in `Recipe.params_for` form."""
+        misplaced = sorted(set(self.sampling) & set(COMPONENT_KEYS))
+        if misplaced:
+            raise RecipeError(f"sampling: set {', '.join(misplaced)} next to sampling, not inside it")
+        out = dict(self.sampling)
+        for key in COMPONENT_KEYS:
+            if key in self.model_fields_set:
+                out[key] = getattr(self, key)
+        return out
+
+
+def read_inputs(recipe: Recipe, components: Components, prompts: Sequence[str] = (),
+                prompts_file: str | Path | None = None) -> tuple[list[RecipeRequest], list[BadInput]]:
+    """The run's requests: `prompts` and `prompts_file` when given (they replace the recipe's inputs), else the
+    recipe's `inputs.prompts` and `inputs.file`. Each request's parameters are merged and resolved here, so a bad
+    line is reported before anything runs.
+
+    Raises:
+        RecipeError: the prompts file is missing, unreadable, or of an unknown kind.
+    """
+    if prompts or prompts_file is not None:
+        texts, file = list(prompts), Path(prompts_file) if prompts_file is not None else None
+    else:
+        texts = list(recipe.inputs.prompts)
+        file = recipe.base_dir / recipe.inputs.file if recipe.inputs.file is not None else None
+    requests = [RecipeRequest(str(i + 1), text, recipe.default_params()) for i, text in enumerate(texts)]
+    bad: list[BadInput] = []
+    if file is not None:
+        for where, line in _file_lines(file):
+            try:
+                requests.append(_request_from_line(recipe, components, line, str(len(requests) + 1)))
+            except DecodeKitError as exc:
+                bad.append(BadInput(where, str(exc)))
+    return requests, bad
+
+
+def _file_lines(file: Path) -> list[tuple[str, Any]]:
+    if file.suffix not in (".jsonl", ".txt"):
+        raise RecipeError(f"{file}: a prompts file is .jsonl (one JSON object per line) or .txt (one prompt per line)")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{file}: cannot read the prompts: {exc}") from None
+    lines = [(f"{file.name} line {n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if file.suffix == ".txt":
+        return lines
+    parsed: list[tuple[str, Any]] = []
+    for where, line in lines:
+        try:
+            parsed.append((where, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            parsed.append((where, RecipeError(f"not valid JSON: {exc.msg} (column {exc.colno})")))
+    return parsed
+
+
+def _request_from_line(recipe: Recipe, components: Components, line: Any, default_id: str) -> RecipeRequest:
+    if isinstance(line, Exception):
+        raise line
+    if isinstance(line, str):  # a .txt line, or a bare JSON string
+        line = {"prompt": line}
+    if not isinstance(line, dict):
+        raise RecipeError(f"expected an object like {{\"prompt\": \"...\"}}, got {type(line).__name__}")
+    try:
+        item = InputLine.model_validate(line)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_errors(exc, InputLine).replace("\n", "; ")) from None
+    params = recipe.params_for(item.overrides())
+    components.resolve(params)  # unknown names, bad plugin parameters and refused combinations fail here
+    return RecipeRequest(default_id if item.id is None else str(item.id), item.prompt, params)
+
+
+@dataclass
+class RunResult:
+    """What a run produced: outputs in request order, its wall time, and the plain-strategy comparison."""
+
+    requests: list[RecipeRequest]
+    outputs: list[RequestOutput]
+    wall_s: float
+    plain_outputs: list[RequestOutput] | None = None
+    plain_wall_s: float | None = None
+
+
+def render_prompts(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest]) -> list[str]:
+    """The prompt texts the engine gets: chat-templated (with the system prompt) when `inputs.chat`."""
+    if not recipe.inputs.chat:
+        return [r.prompt for r in requests]
+    system = [{"role": "system", "content": recipe.inputs.system}] if recipe.inputs.system else []
+    return [llm.apply_chat_template([*system, {"role": "user", "content": r.prompt}]) for r in requests]
+
+
+def run_recipe(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest],
+               on_output: Callable[[RequestOutput], None] | None = None) -> RunResult:
+    """Generate every request in one continuous batch; with `outputs.compare_plain`, run them again with the
+    plain `sample` strategy. Before a comparison, an untimed warm-up prefills every prompt (one token each), so
+    both timed runs find the prompts in the prefix cache and first-call costs favour neither: the ratio compares
+    decoding."""
+    texts = render_prompts(recipe, llm, requests)
+    # A chat template already holds the special tokens (BOS); adding them again would change the prompt.
+    options = {"add_special_tokens": not recipe.inputs.chat, "on_output": on_output}
+    params = [r.params for r in requests]
+    if recipe.outputs.compare_plain and texts:
+        warm_up = SamplingParams(max_tokens=1, temperature=0)
+        llm.generate(texts, warm_up, add_special_tokens=not recipe.inputs.chat)
+    start = time.perf_counter()
+    outputs = llm.generate(texts, params, **options)
+    result = RunResult(list(requests), outputs, time.perf_counter() - start)
+    if recipe.outputs.compare_plain:
+        start = time.perf_counter()
+        result.plain_outputs = llm.generate(texts, [plain_params(p) for p in params], **options)
+        result.plain_wall_s = time.perf_counter() - start
+    return result
+
+
+def output_row(request: RecipeRequest, output: RequestOutput) -> dict[str, Any]:
+    """One JSON line of `--output`: id, prompt, text, token_ids, finish_reason, usage, metrics (and every choice,
+    with its score, when a request returns several)."""
+    completion_tokens = sum(len(o.token_ids) for o in output.outputs)
+    row: dict[str, Any] = {
+        "id": request.id,
+        "prompt": request.prompt,
+        "text": output.text,
+        "token_ids": list(output.token_ids),
+        "finish_reason": output.finish_reason,
+        "stop_reason": output.outputs[0].stop_reason if output.outputs else None,
+        "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
+                  "total_tokens": len(output.prompt_token_ids) + completion_tokens},
+        "metrics": output.metrics.as_dict(),
+    }
+    if len(output.outputs) > 1:
+        row["choices"] = [{"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
+                           "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, "score": o.score,
+                           "cumulative_logprob": o.cumulative_logprob} for o in output.outputs]
+    if output.error is not None:
+        row["error"] = output.error
+    return row
+
+
+def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequence[BadInput] = (),
+              plain_outputs: Sequence[RequestOutput] | None = None, plain_wall: float | None = None) -> dict[str, Any]:
+    """Summary figures: requests, tokens (every choice), tokens/s, TTFT/TPOT p50/p90, finish reasons, the
+    acceptance rate when draft tokens were proposed, the speedup over the plain strategy, and what failed."""
+    from decodekit.bench.report import percentile
+
+    tokens = _tokens(outputs)
+    ttfts = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
+    tpots = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
+    reasons: dict[str, int] = {}
+    for o in outputs:
+        reasons[str(o.finish_reason)] = reasons.get(str(o.finish_reason), 0) + 1
+    drafted = sum(o.metrics.num_draft_tokens for o in outputs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
+    summary: dict[str, Any] = {
+        "requests": len(outputs), "output_tokens": tokens, "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+        "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90),
+        "finish_reasons": reasons,
+        "draft_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "errors": [o.error for o in outputs if o.error],
+        "bad_inputs": [str(b) for b in bad_inputs],
+    }
+    if plain_outputs is not None and plain_wall:
+        plain_rate = _tokens(plain_outputs) / plain_wall
+        summary["plain_tokens_per_s"] = plain_rate
+        summary["speedup_vs_plain"] = summary["tokens_per_s"] / plain_rate if plain_rate and wall > 0 else None
+    return summary
+
+
+def _tokens(outputs: Sequence[RequestOutput]) -> int:
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs)

@@ -1,0 +1,164 @@
+"""Recipe syntax: safe YAML parsing (with line numbers, refusing duplicate keys), `--set key.path=value`
+overrides, and pydantic errors turned into `key.path[i]: message` lines that list the known keys."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from decodekit.errors import RecipeError
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` (no Python objects) that refuses duplicate keys, which PyYAML silently overwrites."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+            seen.add(key)
+        except TypeError:  # an unhashable key; construct_mapping reports it with its position
+            continue
+        if duplicate:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+    loader.flatten_mapping(node)
+    return dict(loader.construct_pairs(node, deep=deep))
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def parse_yaml(text: str, label: str) -> Any:
+    """Parse YAML safely; a syntax error becomes a `RecipeError` with its line and column."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no Python objects
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(p for p in (exc.context, exc.problem) if p)
+        raise RecipeError(f"{label}: YAML syntax error{where}: {what}") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise RecipeError(f"{label}: YAML syntax error: {exc}") from None
+
+
+# ---- --set overrides --------------------------------------------------------------------------------------------
+def parse_value(raw: str) -> Any:
+    """A `--set` value: a YAML scalar or flow collection (`0.5`, `true`, `[a, b]`, `{k: 1}`), else the raw text.
+
+    Text that only parses as a mapping or list by accident (`Answer: briefly`) stays text.
+    """
+    try:
+        value = yaml.load(raw, Loader=_StrictLoader)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, (dict, list)) and not raw.lstrip().startswith(("{", "[")):
+        return raw
+    return value
+
+
+def apply_override(data: dict[str, Any], item: str) -> dict[str, Any]:
+    """Apply one `key.path=value` override to a raw recipe mapping (a copy is returned).
+
+    Digits in the path index lists (`processors.0.top_p.top_p=0.5`); missing mappings are created; an index one
+    past the end appends; a component given by name only (`- top_p`) is expanded when the path goes into it.
+    """
+    key, sep, raw = item.partition("=")
+    path: list[str | int] = [int(p) if p.isascii() and p.isdigit() else p for p in key.strip().split(".")]
+    if not sep or any(p == "" for p in path):
+        raise RecipeError(f"--set {item!r}: expected key.path=value, e.g. sampling.temperature=0")
+    root = _copy(data)
+    value = parse_value(raw)
+    node: Any = root
+    for depth, step in enumerate(path):
+        where = f"--set {key.strip()}: {_dotted(path[:depth]) or 'the recipe'}"
+        here = f"--set {key.strip()}: {_dotted(path[: depth + 1])}"
+        last = depth == len(path) - 1
+        if isinstance(node, list):
+            if not isinstance(step, int) or step > len(node):
+                raise RecipeError(f"{where} is a list of {len(node)}; give an index from 0 to {len(node)}")
+            if step == len(node):
+                node.append(value if last else {})
+            slot: Any = step
+        elif isinstance(node, dict):
+            slot = str(step)
+            if not last and node.get(slot) is None:
+                node[slot] = [] if isinstance(path[depth + 1], int) else {}
+        else:  # only the root can get here, and it is always a mapping
+            raise RecipeError(f"{where} is {node!r}, not a mapping or a list")
+        if last:
+            node[slot] = value
+            break
+        child = node[slot]
+        if isinstance(child, str) and path[depth + 1] == child:  # `- top_p` or `strategy: sample`, by name only
+            child = node[slot] = {child: {}}
+        elif not isinstance(child, (dict, list)):
+            raise RecipeError(f"{here} is {child!r}, not a mapping or a list")
+        node = child
+    return root
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+# ---- error messages ---------------------------------------------------------------------------------------------
+def _dotted(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def format_validation_errors(exc: ValidationError, root: type[BaseModel] | None, label: str = "",
+                             prefix: Sequence[Any] = ()) -> str:
+    """One line per pydantic error: `label: key.path[i]: message, got value`; an unknown key lists the known ones
+    (with a close match when there is one)."""
+    lines = []
+    for err in exc.errors():
+        loc = (*prefix, *err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(root, err["loc"][:-1])
+            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+            message = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
+            message += f"; known: {', '.join(known)}" if known else ""
+        elif err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
+            got = f"got {err.get('input')!r}"
+            message += "" if got in message else f", {got}"
+        path = _dotted(loc)
+        lines.append(": ".join(p for p in (label, path, message) if p))
+    return "\n".join(lines)
+
+
+def _known_keys(root: type[BaseModel] | None, loc: Sequence[Any]) -> list[str]:
+    current: Any = root
+    for part in loc:
+        if isinstance(part, int):
+            args = typing.get_args(current)
+            current = args[0] if args else None
+            continue
+        current = _model_class(current)
+        if current is None or part not in current.model_fields:
+            return []
+        current = current.model_fields[part].annotation
+    model = _model_class(current)
+    return list(model.model_fields) if model is not None else []
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), None)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None

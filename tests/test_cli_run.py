@@ -1,0 +1,241 @@
+"""The command line: `decodekit run` on a tiny model saved to a folder (and once on the bundled model), `recipe
+check`, `plugins --json`, `bench --recipe`, user mistakes, and a third-party plugin installed from its own folder
+and found through its entry point."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from decodekit.cli import app, render_summary
+from decodekit.core.sequence import CompletionOutput, RequestMetrics, RequestOutput
+from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from decodekit.recipe_runner import summarize
+
+ROOT = Path(__file__).parent.parent
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama and its tokenizer (with a chat template) saved as a local HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tiny_model("llama").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _tiny(tiny_dir: Path, max_tokens: int = 6) -> list[str]:
+    """--set options that point a recipe at the tiny model, small and on the CPU."""
+    sets = [f"model={tiny_dir}", "dtype=float32", "device=cpu", "engine.kv_cache_memory=16MiB",
+            f"sampling.max_tokens={max_tokens}"]
+    return [arg for item in sets for arg in ("--set", item)]
+
+
+def _invoke(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+@pytest.mark.parametrize("name", ["quickstart", "sampling"])
+def test_a_shipped_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_dir, tmp_path):
+    recipe = ROOT / "recipes" / f"{name}.yaml"
+    prompts = yaml.safe_load(recipe.read_text())["inputs"]["prompts"]
+    out = tmp_path / "out.jsonl"
+    result = _invoke("run", str(recipe), *_tiny(tiny_dir), "--output", str(out), "--quiet")
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == prompts and [r["id"] for r in rows] == [str(i + 1) for i in
+                                                                                 range(len(prompts))]
+    for row in rows:
+        assert 1 <= len(row["token_ids"]) <= 6 and row["finish_reason"] in ("stop", "length")
+        assert row["usage"]["completion_tokens"] == len(row["token_ids"]) == row["metrics"]["generated_tokens"]
+        assert row["usage"]["total_tokens"] == row["usage"]["prompt_tokens"] + len(row["token_ids"])
+        assert row["metrics"]["ttft_s"] > 0
+    assert all(f">>> {p}" in result.stdout for p in prompts)
+    assert "summary" in result.stdout and f"requests       │ {len(prompts)}" in result.stdout
+
+
+def test_quickstart_on_the_bundled_model_answers_paris_with_a_summary_table():
+    result = _invoke("run", str(ROOT / "recipes" / "quickstart.yaml"), "--prompt", "What is the capital of France?",
+                     "--set", "sampling.temperature=0")
+    assert result.exit_code == 0, result.stderr
+    answer = result.stdout.split(">>> What is the capital of France?\n")[1].split("summary")[0]
+    assert "Paris" in answer
+    for row in ("requests       │ 1", "tokens/s", "TTFT p50 / p90", "TPOT p50 / p90", "finish reasons │ stop: 1"):
+        assert row in result.stdout
+
+
+def test_json_prints_one_object_with_the_summary_and_every_choice(tiny_dir):
+    result = _invoke("run", str(ROOT / "recipes" / "quickstart.yaml"), *_tiny(tiny_dir), "--json",
+                     "--prompt", "a", "--prompt", "b", "--set", "sampling.n=2", "--set", "outputs.compare_plain=true")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["model"] == str(tiny_dir)
+    summary = data["summary"]
+    assert summary["requests"] == 2 and summary["output_tokens"] == sum(
+        len(c["token_ids"]) for r in data["outputs"] for c in r["choices"])
+    assert summary["speedup_vs_plain"] > 0 and summary["acceptance_rate"] is None
+    assert [len(r["choices"]) for r in data["outputs"]] == [2, 2]
+    assert data["outputs"][0]["choices"][0]["token_ids"] == data["outputs"][0]["token_ids"]
+
+
+def test_the_summary_reports_acceptance_when_drafts_were_proposed(capsys):
+    def output(draft: int, accepted: int) -> RequestOutput:
+        metrics = RequestMetrics(0.0, first_token_time=0.1, finished_time=0.5, num_generated_tokens=5,
+                                 num_draft_tokens=draft, num_accepted_tokens=accepted)
+        return RequestOutput("r", "p", [1], [CompletionOutput(0, "t", [3] * 5, "length")], True, metrics)
+
+    summary = summarize([output(8, 6), output(12, 9)], 2.0)
+    assert (summary["draft_tokens"], summary["accepted_tokens"], summary["acceptance_rate"]) == (20, 15, 0.75)
+    assert summary["tokens_per_s"] == 5.0 and summary["finish_reasons"] == {"length": 2}
+    render_summary(summary)
+    assert "draft acceptance │ 75.0% (15 of 20 tokens)" in capsys.readouterr().out
+    assert summarize([output(0, 0)], 1.0)["acceptance_rate"] is None
+
+
+# ---- user mistakes: one message, a non-zero exit, no traceback ----------------------------------------------------
+@pytest.mark.parametrize(("text", "message"), [
+    ("model: m\nsampling:\n  temperature: 0.5\n   top_p: 1\n", "x.yaml: YAML syntax error at line 4, column 9"),
+    ("model: m\nmodle: n\n", "x.yaml: modle: unknown key (did you mean 'model'?)"),
+    ("model: m\nprocessors: [{top_q: {q: 1}}]\n", "x.yaml: processors[0]: unknown processor 'top_q' (did you mean"),
+    ("model: m\nprocessors: [{top_p: {top_p: -1}}]\n", "x.yaml: processors[0].top_p.top_p: Input should be greater"),
+])
+def test_a_bad_recipe_exits_2_with_one_message_and_no_traceback(text, message, tmp_path):
+    (tmp_path / "x.yaml").write_text(text)
+    for command in ("run", "recipe check"):
+        result = _invoke(*command.split(), str(tmp_path / "x.yaml"))
+        assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+        assert result.stderr.startswith("error: ") and message in result.stderr and result.stdout == ""
+        assert "Traceback" not in result.stderr
+
+
+def test_a_missing_model_or_no_prompts_exit_2_with_one_message(tmp_path):
+    (tmp_path / "x.yaml").write_text(f"model: {tmp_path / 'nowhere'}\ninputs: {{prompts: [hi]}}\n")
+    result = _invoke("run", str(tmp_path / "x.yaml"), "--quiet")
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: could not load model '{tmp_path / 'nowhere'}'")
+    assert "Traceback" not in result.stderr
+    (tmp_path / "y.yaml").write_text("model: m\n")
+    result = _invoke("run", str(tmp_path / "y.yaml"))
+    assert result.exit_code == 2 and "no prompts to run" in result.stderr
+
+
+def test_a_prompts_file_with_a_bad_line_runs_the_good_ones_reports_the_bad_one_and_exits_1(tiny_dir, tmp_path):
+    good = {"prompt": "Hello", "id": "a", "sampling": {"max_tokens": 2}}
+    (tmp_path / "p.jsonl").write_text(json.dumps(good) + "\n{\"prompt\": \"x\", \"sampling\": {\"top_p\": 7}}\nbye\n")
+    out = tmp_path / "out.jsonl"
+    result = _invoke("run", str(ROOT / "recipes" / "quickstart.yaml"), *_tiny(tiny_dir), "--quiet",
+                     "--prompts", str(tmp_path / "p.jsonl"), "--output", str(out))
+    assert result.exit_code == 1
+    bad = "p.jsonl line 2: top_p: Input should be less than or equal to 1, got 7"
+    assert f"skipped {bad}" in result.stderr and "Traceback" not in result.stderr
+    assert "bad input lines" in result.stdout and "p.jsonl line 2" in result.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r.get("input"), r.get("error")) for r in rows] == [
+        ("a", None, None), (None, "p.jsonl line 2", bad.split(": ", 1)[1]),
+        (None, "p.jsonl line 3", "not valid JSON: Expecting value (column 1)")]
+    assert 1 <= len(rows[0]["token_ids"]) <= 2
+
+
+def test_recipe_check_prints_the_resolved_recipe_and_its_plan_in_order():
+    result = _invoke("recipe", "check", str(ROOT / "recipes" / "sampling.yaml"), "--set", "sampling.top_k=20")
+    assert result.exit_code == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["sampling"]["top_k"] == 20 and resolved["engine"]["block_size"] == 16  # defaults filled in
+    plan = resolved["plan"]
+    names = [next(iter(p)) if isinstance(p, dict) else p for p in plan["processors"]]
+    assert names[0] == "repetition_penalty" and names[1:] == ["temperature", "top_k", "top_p"]
+    assert {"eos", "max_tokens", "stop_strings"} <= {s for s in plan["stopping"] if isinstance(s, str)}
+    assert {"time_limit": {"seconds": 60.0}} in plan["stopping"] and plan["strategy"] == "sample"
+    assert "sampling.yaml: ok" in result.stderr
+
+
+def test_plugins_json_lists_what_each_plugin_registers_with_parameter_schemas():
+    result = _invoke("plugins", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    stopping = data["decodekit_plugins.stopping"]
+    assert stopping["origin"] == "default (decodekit)"
+    limit = next(e for e in stopping["stopping_criteria"] if e["name"] == "time_limit")
+    assert limit["params"]["properties"]["seconds"]["exclusiveMinimum"] == 0 and limit["default"] is False
+    assert limit["description"].startswith("Stop a request `seconds` after it arrived")
+    table = _invoke("plugins")
+    assert table.exit_code == 0 and "time_limit" in table.stdout
+
+
+def test_bench_takes_the_model_and_engine_limits_from_a_recipe(tiny_dir, tmp_path):
+    (tmp_path / "b.yaml").write_text(f"model: {tiny_dir}\ndtype: float32\nengine: {{max_num_seqs: 4, "
+                                     "kv_cache_memory: 8MiB}\n")
+    result = _invoke("bench", "batch1", "--recipe", str(tmp_path / "b.yaml"), "--repeats", "1", "--output-len", "3",
+                     "--baseline", "hf-sequential", "--threads", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["model"] == str(tiny_dir) and data["engine_options"] == {"max_num_seqs": 4,
+                                                                         "kv_cache_memory": 8 * 2**20}
+
+
+# ---- a third-party plugin from its own folder -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory):
+    """tests/fixtures/plugin_pkg installed (offline, no dependencies) into a private folder: its module and its
+    dist-info with the `decodekit` entry point. The venv is not touched; nothing is left behind."""
+    work = tmp_path_factory.mktemp("plugin")
+    shutil.copytree(ROOT / "tests" / "fixtures" / "plugin_pkg", work / "src")  # the build writes next to sources
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+           "--target", str(work / "site"), str(work / "src")]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    yield work / "site"
+    sys.modules.pop("decodekit_example_plugin", None)
+
+
+PLUGIN_RECIPE = """\
+model: m
+sampling: {temperature: 0, max_tokens: 8, ignore_eos: true}
+processors: [{ban_tokens: {token_ids: [%s]}}]
+stopping: [{token_quota: {tokens: 3}}]
+inputs: {prompts: [The capital of France is]}
+"""
+
+
+def test_a_third_party_plugin_is_found_through_its_entry_point_listed_and_used_by_a_recipe(
+        plugin_site, tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(plugin_site))
+    monkeypatch.delenv("DECODEKIT_PLUGINS", raising=False)
+    listed = json.loads(_invoke("plugins", "--json").stdout)
+    assert listed["example"]["origin"] == "decodekit-example-plugin==0.1.0"
+    assert [e["name"] for e in listed["example"]["processors"]] == ["ban_tokens"]
+    assert [e["name"] for e in listed["example"]["stopping_criteria"]] == ["token_quota"]
+    assert listed["example"]["processors"][0]["params"]["required"] == ["token_ids"]
+
+    def run(banned: int) -> dict:
+        (tmp_path / "r.yaml").write_text(PLUGIN_RECIPE % banned)
+        result = _invoke("run", str(tmp_path / "r.yaml"), "--set", f"model={tiny_dir}", "--set", "dtype=float32",
+                         "--set", "device=cpu", "--set", "engine.kv_cache_memory=16MiB", "--json")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)["outputs"][0]
+
+    free = run(banned=0)
+    assert len(free["token_ids"]) == 3 and free["finish_reason"] == "stop" and free["stop_reason"] == "token_quota"
+    banned = run(banned=free["token_ids"][0])
+    assert free["token_ids"][0] not in banned["token_ids"] and len(banned["token_ids"]) == 3
+
+    monkeypatch.setenv("DECODEKIT_PLUGINS", "example")
+    assert "example" in json.loads(_invoke("plugins", "--json").stdout)
+
+
+def test_an_empty_allow_list_keeps_the_third_party_plugin_out(plugin_site, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(plugin_site))
+    monkeypatch.setenv("DECODEKIT_PLUGINS", "")
+    assert "example" not in json.loads(_invoke("plugins", "--json").stdout)
+    (tmp_path / "r.yaml").write_text(PLUGIN_RECIPE % 5)
+    result = _invoke("recipe", "check", str(tmp_path / "r.yaml"))
+    assert result.exit_code == 2 and "processors[0]: unknown processor 'ban_tokens'" in result.stderr
