@@ -11,6 +11,8 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "M
 
 def parse_bytes(value: int | str) -> int:
     """Parse 1073741824, "1GiB", "512MB" into bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a size like 1GiB or 512MB, got {value!r}")
     if isinstance(value, int):
         return value
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", value)

@@ -12,6 +12,8 @@ import pluggy
 from decodekit.errors import PluginError
 from decodekit.models import ModelLoader
 
+_SINGULAR = {"processors": "processor", "stopping_criteria": "stopping criterion", "strategies": "strategy"}
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -72,7 +74,8 @@ class Registry:
             known = sorted(table)
             close = difflib.get_close_matches(name, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise PluginError(f"unknown {kind.rstrip('s').replace('_', ' ')} {name!r}{hint}; known: {', '.join(known)}")
+            noun = _SINGULAR.get(kind, kind)
+            raise PluginError(f"unknown {noun} {name!r}{hint}; known: {', '.join(known)}")
         return table[name]
 
     def defaults(self, kind: str) -> list[Any]:

@@ -9,7 +9,7 @@ import pytest
 from decodekit import LLM, AsyncLLM, SamplingParams, hookimpl
 from decodekit.errors import PluginError
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from decodekit.plugins import get_plugin_manager
+from decodekit.plugins import DEFAULT_PLUGINS, get_plugin_manager
 from decodekit.registry import Registry
 
 
@@ -126,5 +126,4 @@ def test_allow_list_env_var_keeps_entry_point_plugins_out(monkeypatch):
     monkeypatch.setenv("DECODEKIT_PLUGINS", "")
     pm = get_plugin_manager()
     names = {pm.get_name(p) for p in pm.get_plugins()}
-    assert names == {"decodekit_plugins.sampling", "decodekit_plugins.stopping", "decodekit_plugins.strategies",
-                     "decodekit_plugins.models"}
+    assert names == set(DEFAULT_PLUGINS)

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from decodekit_plugins.speculative import SpeculativeStrategy, ngram_proposal
 
 from decodekit import LLM, SamplingParams
 from decodekit.models.tiny import tiny_model
+from decodekit_plugins.speculative import SpeculativeStrategy, ngram_proposal
 from tests.conftest import random_prompts
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -99,6 +100,11 @@ def check_paged_attention_support(model: Any) -> None:
         )
 
 
+def _looks_like_hub_id(spec: str) -> bool:
+    """`org/name` (one slash, no path-like start) that is not a local path."""
+    return re.fullmatch(r"[\w][\w.-]*/[\w.-]+", spec) is not None and not Path(spec).exists()
+
+
 def _from_pretrained(path: str, dtype: torch.dtype, device: torch.device, **kwargs: Any) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,7 +176,7 @@ def builtin_model_loaders() -> list[ModelLoader]:
         ModelLoader("gguf", lambda s: s.lower().endswith(".gguf"), _load_gguf),
         ModelLoader("hf-folder", lambda s: Path(s).expanduser().is_dir(),
                     lambda s, d, dev: _from_pretrained(s, d, dev)),
-        ModelLoader("hub", lambda s: "/" in s and not Path(s).exists(), lambda s, d, dev: _from_pretrained(s, d, dev)),
+        ModelLoader("hub", _looks_like_hub_id, lambda s, d, dev: _from_pretrained(s, d, dev)),
     ]
 
 
@@ -209,6 +215,9 @@ def load_model(
             check_paged_attention_support(hf_model)
             return LoadedModel(hf_model.eval(), tokenizer or hf_tokenizer, model, torch_dtype, dev)
     names = ", ".join(loader.name for loader in loaders or builtin_model_loaders())
+    if isinstance(model, str) and (model.startswith(("/", "~", ".")) or os.sep in model) and not _looks_like_hub_id(
+            model) and not Path(model).expanduser().exists():
+        raise ModelLoadError(f"no such file or folder: {model!r}")
     raise ModelLoadError(
         f"no model loader accepts {model!r} (tried: {names}); give {BUNDLED_MODEL_NAME!r}, a local folder, "
         "a .gguf file or a hub id like 'org/name'"
