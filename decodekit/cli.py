@@ -149,11 +149,12 @@ def run(
         for b in bad:
             err_console.print(f"[yellow]skipped[/] {escape(str(b))}", soft_wrap=True)
         llm = recipe.build_llm(pm)
-        with _progress(len(requests) * (2 if recipe.outputs.compare_plain else 1), quiet or as_json) as on_output:
+        with _progress(len(requests) * (3 if recipe.outputs.compare_plain else 1), quiet or as_json) as on_output:
             result = run_recipe(recipe, llm, requests, on_output)
     except DecodeKitError as exc:
         _fail(str(exc))
-    summary = summarize(result.outputs, result.wall_s, bad, result.plain_outputs, result.plain_wall_s)
+    summary = summarize(result.outputs, result.wall_s, bad, result.plain_outputs, result.plain_wall_s,
+                        result.strategy_wall_s)
     rows = [output_row(r, o) for r, o in zip(result.requests, result.outputs)]
     rows += [{"id": None, "input": b.where, "error": b.message} for b in bad]
     target = output or (Path(recipe.outputs.file) if recipe.outputs.file else None)

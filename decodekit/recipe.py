@@ -82,7 +82,7 @@ class OutputsConfig(_Section):
     file: str | None = Field(None, description="Write one JSON line per request here (relative to the working "
                                                "directory; --output overrides it).")
     compare_plain: bool = Field(False, description="Also run the prompts with the plain `sample` strategy (same "
-                                                   "processors) and report the speedup.")
+                                                   "processors) and report the speedup (runs A B B A).")
 
 
 class Recipe(_Section):

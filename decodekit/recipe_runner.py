@@ -136,7 +136,8 @@ class RunResult:
     outputs: list[RequestOutput]
     wall_s: float
     plain_outputs: list[RequestOutput] | None = None
-    plain_wall_s: float | None = None
+    plain_wall_s: float | None = None  # mean over the plain runs
+    strategy_wall_s: float | None = None  # mean over the recipe-strategy runs of the comparison
 
 
 def render_prompts(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest]) -> list[str]:
@@ -164,9 +165,18 @@ def run_recipe(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest],
     outputs = llm.generate(texts, params, **options)
     result = RunResult(list(requests), outputs, time.perf_counter() - start)
     if recipe.outputs.compare_plain:
+        # A B B A: the recipe's run, two plain runs, the recipe's strategy again (outputs discarded). On a noisy
+        # machine a single pair can mislead; the mirrored order cancels a drift in machine speed.
+        plain_params_list = [plain_params(p) for p in params]
+        plain_walls = []
+        for _ in range(2):
+            start = time.perf_counter()
+            result.plain_outputs = llm.generate(texts, plain_params_list, **options)
+            plain_walls.append(time.perf_counter() - start)
         start = time.perf_counter()
-        result.plain_outputs = llm.generate(texts, [plain_params(p) for p in params], **options)
-        result.plain_wall_s = time.perf_counter() - start
+        llm.generate(texts, params, add_special_tokens=not recipe.inputs.chat)
+        result.strategy_wall_s = (result.wall_s + time.perf_counter() - start) / 2
+        result.plain_wall_s = sum(plain_walls) / len(plain_walls)
     return result
 
 
@@ -195,9 +205,11 @@ def output_row(request: RecipeRequest, output: RequestOutput) -> dict[str, Any]:
 
 
 def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequence[BadInput] = (),
-              plain_outputs: Sequence[RequestOutput] | None = None, plain_wall: float | None = None) -> dict[str, Any]:
+              plain_outputs: Sequence[RequestOutput] | None = None, plain_wall: float | None = None,
+              strategy_wall: float | None = None) -> dict[str, Any]:
     """Summary figures: requests, tokens (every choice), tokens/s, TTFT/TPOT p50/p90, finish reasons, the
-    acceptance rate when draft tokens were proposed, the speedup over the plain strategy, and what failed."""
+    acceptance rate when draft tokens were proposed, the speedup over the plain strategy (`strategy_wall`: the
+    recipe strategy's mean wall time over the comparison runs, default `wall`), and what failed."""
     from decodekit.bench.report import percentile
 
     tokens = _tokens(outputs)
@@ -222,7 +234,8 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
     if plain_outputs is not None and plain_wall:
         plain_rate = _tokens(plain_outputs) / plain_wall
         summary["plain_tokens_per_s"] = plain_rate
-        summary["speedup_vs_plain"] = summary["tokens_per_s"] / plain_rate if plain_rate and wall > 0 else None
+        own_wall = strategy_wall or wall
+        summary["speedup_vs_plain"] = (tokens / own_wall) / plain_rate if plain_rate and own_wall > 0 else None
     return summary
 
 
