@@ -18,10 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/decodekit generate -q \
-		-p "What is the capital of France?" \
-		-p "Write a haiku about the sea." \
-		-p "Name three primary colors."
+	$(VENV)/bin/decodekit run recipes/speculative.yaml
 
 test: setup
 	$(PY) -m pytest -q

@@ -24,9 +24,13 @@ ENTRY_POINT_GROUP = "decodekit"
 ALLOW_LIST_ENV = "DECODEKIT_PLUGINS"
 DEFAULT_PLUGINS = (
     "decodekit_plugins.sampling",
+    "decodekit_plugins.warpers",
+    "decodekit_plugins.penalties",
+    "decodekit_plugins.biases",
     "decodekit_plugins.stopping",
     "decodekit_plugins.strategies",
     "decodekit_plugins.models",
+    "decodekit_plugins.structured",
 )
 
 
