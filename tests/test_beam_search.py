@@ -79,3 +79,33 @@ def test_beam_search_refuses_sampling_warpers_and_stop_strings(llama, tokenizer)
     assert "warpers (temperature)" in outs[0].error
     assert "stop strings" in outs[1].error
     assert "num_return_sequences (3) must be <= num_beams (2)" in outs[2].error
+
+
+def test_beam_search_with_repetition_penalty_matches_hf(llama, tokenizer):
+    """Processors apply to every beam's log-probabilities, as in transformers."""
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = random_prompts(3, 3, 20, seed=12)
+    params = SamplingParams(max_tokens=10, temperature=0, processors=[{"repetition_penalty": {"penalty": 1.5}}],
+                            strategy={"beam_search": {"num_beams": 3, "num_return_sequences": 2}})
+    eos = list(llm.engine.eos_token_ids)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        ref = llama.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, num_beams=3,
+                             num_return_sequences=2, repetition_penalty=1.5, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=eos)
+        want = []
+        for row in ref.sequences[:, len(prompt):].tolist():
+            ends = [i for i, t in enumerate(row) if t in eos]
+            want.append(row[: ends[0] + 1] if ends else row)
+        assert [o.token_ids for o in out.outputs] == want
+        assert [o.score for o in out.outputs] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
+
+
+def test_beam_search_survives_preemption_with_the_same_results(llama, tokenizer):
+    prompts = random_prompts(6, 20, 40, seed=21)
+    params = _beam(num_beams=3, num_return=2, max_tokens=16)
+    roomy = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4).generate(prompts, params)
+    tight = LLM(llama, tokenizer, kv_cache_memory=48 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4)  # 48 blocks
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [[o.token_ids for o in r.outputs] for r in outs] == [[o.token_ids for o in r.outputs] for r in roomy]
+    assert tight.engine.allocator.num_free_blocks == tight.engine.allocator.num_blocks

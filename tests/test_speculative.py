@@ -122,3 +122,18 @@ def test_speculative_refuses_parallel_sampling_and_a_missing_draft_model(llama, 
     outs = llm.generate([[5, 6, 7]] * 2, [_spec("ngram", n=2, max_tokens=4), _spec("draft", max_tokens=4)])
     assert "parallel sampling (n > 1) cannot be combined" in outs[0].error
     assert "needs a draft model" in outs[1].error
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_with_repetition_penalty_equals_plain_greedy_with_it(llama, tokenizer, proposer):
+    """Processors apply at every verified position, each with the history up to that position."""
+    llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
+    prompts = _repetitive_prompts(8, seed=6)
+    penalty = [{"repetition_penalty": {"penalty": 1.3}}]
+    plain = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, processors=penalty))
+    spec = llm.generate(prompts, _spec(proposer, 4, max_tokens=20, temperature=0, processors=penalty))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    unpenalized = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
+    assert [o.token_ids for o in plain] != [o.token_ids for o in unpenalized]  # the penalty did change the output
+    if proposer == "draft":  # the draft sees the same processors, so a draft equal to the target is always right
+        assert sum(o.metrics.num_accepted_tokens for o in spec) == sum(o.metrics.num_draft_tokens for o in spec)
