@@ -61,6 +61,14 @@ def decodekit_register_strategies(register: Any) -> None:
 
 
 @hookspec
+def decodekit_register_proposers(register: Any) -> None:
+    """Register draft proposers for speculative decoding.
+
+    :param register: ``register(name, factory)``; ``factory()`` builds a :class:`decodekit.strategy.Proposer`.
+    """
+
+
+@hookspec
 def decodekit_register_model_loaders(register: Any) -> None:
     """Register model loaders, tried in registration order before the built-in ones.
 

@@ -95,6 +95,8 @@ class Components:
             except PluginError as exc:
                 raise PlanError(path, str(exc)) from None
             instance = entry.factory()
+            if hasattr(instance, "bind"):  # components that look up other components (a strategy's proposers)
+                instance.bind(self)
             if self.info is not None and hasattr(instance, "setup"):
                 instance.setup(self.info)
             self._built[key] = instance

@@ -12,7 +12,8 @@ import pluggy
 from decodekit.errors import PluginError
 from decodekit.models import ModelLoader
 
-_SINGULAR = {"processors": "processor", "stopping_criteria": "stopping criterion", "strategies": "strategy"}
+_SINGULAR = {"processors": "processor", "stopping_criteria": "stopping criterion", "strategies": "strategy",
+             "proposers": "proposer"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Registry:
     processors: dict[str, Entry] = field(default_factory=dict)
     stopping_criteria: dict[str, Entry] = field(default_factory=dict)
     strategies: dict[str, Entry] = field(default_factory=dict)
+    proposers: dict[str, Entry] = field(default_factory=dict)
     model_loaders: list[ModelLoader] = field(default_factory=list)
 
     @classmethod
@@ -57,6 +59,7 @@ class Registry:
                 ("decodekit_register_processors", registry.processors),
                 ("decodekit_register_stopping_criteria", registry.stopping_criteria),
                 ("decodekit_register_strategies", registry.strategies),
+                ("decodekit_register_proposers", registry.proposers),
             ):
                 impl = getattr(plugin, hook, None)
                 if impl is None:
@@ -68,7 +71,7 @@ class Registry:
         return registry
 
     def get(self, kind: str, name: str) -> Entry:
-        """Look up a component by kind ("processors", "stopping_criteria", "strategies") and name."""
+        """Look up a component by kind ("processors", "stopping_criteria", "strategies", "proposers") and name."""
         table: dict[str, Entry] = getattr(self, kind)
         if name not in table:
             known = sorted(table)

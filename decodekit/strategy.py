@@ -105,3 +105,34 @@ class Strategy:
 
     def on_request_finished(self, request: Request) -> None:
         """Release per-request resources (a draft model's KV blocks, ...)."""
+
+
+class Proposer:
+    """Base class of draft proposers for the `speculative` strategy (registered with
+    `decodekit_register_proposers`, named by `strategy: {speculative: {proposer: NAME, proposer_options: {...}}}`).
+
+    A proposer drafts up to `k` tokens per sequence. It returns, per sequence, the draft and either None (a
+    deterministic proposal) or the `[len(draft), vocab]` probabilities it sampled the draft from (needed by the
+    lossless acceptance rule for sampled requests). Built once per engine; `setup` gets the engine's
+    `ComponentInfo` (tokenizer, draft model, ...).
+    """
+
+    name: ClassVar[str] = "proposer"
+    Params: ClassVar[type[BaseModel] | None] = None
+
+    def setup(self, info: Any) -> None:
+        """Called once with the engine's `ComponentInfo`."""
+
+    def check(self, options: BaseModel | None) -> None:
+        """Refuse a configuration that cannot work here (raise `ValueError` saying why)."""
+
+    def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
+                options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Draft up to `ks[i]` tokens for `seqs[i]` (with `options[i]`, its validated `Params`)."""
+        raise NotImplementedError
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """After verification: only the first `num_valid` tokens of `seq.token_ids` are final."""
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence is finished: free what the proposer holds for it."""

@@ -63,7 +63,7 @@ def test_a_different_draft_model_gives_the_targets_greedy_output(llama, tokenize
     accepted = sum(o.metrics.num_accepted_tokens for o in spec)
     assert accepted < sum(o.metrics.num_draft_tokens for o in spec)  # some drafts were rejected and rolled back
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
-    proposer = llm.engine.components.get("strategies", "speculative")._draft
+    proposer = llm.engine.components.get("proposers", "draft")
     assert proposer.allocator.num_free_blocks == proposer.allocator.num_blocks
 
 
@@ -137,3 +137,36 @@ def test_speculative_with_repetition_penalty_equals_plain_greedy_with_it(llama, 
     assert [o.token_ids for o in plain] != [o.token_ids for o in unpenalized]  # the penalty did change the output
     if proposer == "draft":  # the draft sees the same processors, so a draft equal to the target is always right
         assert sum(o.metrics.num_accepted_tokens for o in spec) == sum(o.metrics.num_draft_tokens for o in spec)
+
+
+def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
+    """Proposers register through the same public hook as everything else; a wrong option names its key."""
+    from decodekit import hookimpl
+    from decodekit.plugins import get_plugin_manager
+    from decodekit.strategy import Proposer
+
+    class RepeatLast(Proposer):
+        name = "repeat_last"
+
+        def propose(self, ctx, seqs, ks, options):
+            return [[s.token_ids[-1]] * k for s, k in zip(seqs, ks)], [None] * len(seqs)
+
+    class Plugin:
+        @hookimpl
+        def decodekit_register_proposers(self, register):
+            register("repeat_last", RepeatLast)
+
+    pm = get_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), "repeat_last_plugin")
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", plugin_manager=pm)
+    prompts = random_prompts(3, 4, 20, seed=8)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    spec = llm.generate(prompts, _spec("repeat_last", 3, max_tokens=12, temperature=0))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+    bad = llm.generate(prompts[:2], [
+        SamplingParams(max_tokens=4, strategy={"speculative": {"proposer": "ngrma"}}),
+        SamplingParams(max_tokens=4, strategy={"speculative": {"proposer": "ngram",
+                                                               "proposer_options": {"prompt_lookup_max": 0}}})])
+    assert "unknown proposer 'ngrma' (did you mean 'ngram'?)" in bad[0].error
+    assert "proposer_options (ngram).prompt_lookup_max" in bad[1].error

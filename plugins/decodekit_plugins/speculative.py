@@ -17,7 +17,7 @@ Proposers:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from decodekit.core.runner import ForwardItem, ModelRunner, model_geometry
 from decodekit.core.sequence import Request, Sequence
 from decodekit.params import SamplingParams
 from decodekit.processors import BatchView, Stage, apply_processors
-from decodekit.strategy import StepContext, Strategy
+from decodekit.strategy import Proposer, StepContext, Strategy
 
 
 class SpeculativeParams(BaseModel):
@@ -38,15 +38,23 @@ class SpeculativeParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    proposer: Literal["ngram", "draft"] = Field("ngram", description="'ngram' (prompt lookup) or 'draft' (a model).")
+    proposer: str = Field("ngram", description="A registered proposer: 'ngram' (prompt lookup), 'draft' (a model).")
+    proposer_options: dict[str, Any] = Field(default_factory=dict, description="The proposer's own parameters.")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="Draft tokens per step (k), or the start of k.")
     adaptive: bool = Field(False, description="Adapt k per sequence: +2 when all are accepted, -1 otherwise.")
     max_speculative_tokens: int = Field(10, ge=1, le=32, description="Upper bound for adaptive k.")
-    prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix to look up.")
-    prompt_lookup_max: int = Field(3, ge=1, description="ngram: longest suffix to look up.")
+
+
+class NgramParams(BaseModel):
+    """Parameters of the `ngram` proposer (vLLM's names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_lookup_min: int = Field(1, ge=1, description="Shortest suffix to look up.")
+    prompt_lookup_max: int = Field(3, ge=1, description="Longest suffix to look up.")
 
     @model_validator(mode="after")
-    def _check(self) -> SpeculativeParams:
+    def _check(self) -> NgramParams:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         return self
@@ -67,25 +75,67 @@ def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[in
     return []
 
 
+class NgramProposer(Proposer):
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last n tokens.
+
+    Example (recipe): `strategy: {speculative: {proposer: ngram, proposer_options: {prompt_lookup_max: 4}}}`
+    """
+
+    name = "ngram"
+    Params = NgramParams
+
+    def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
+                options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        drafts = [ngram_proposal(seq.token_ids, k, o.prompt_lookup_min, o.prompt_lookup_max)
+                  for seq, k, o in zip(seqs, ks, options)]
+        return drafts, [None] * len(seqs)
+
+
 @dataclass
 class _DraftState:
     computed: int = 0  # tokens of seq.token_ids whose keys/values are in the draft's cache
     fed: list[int] = field(default_factory=list)  # draft tokens fed to the draft model this step
 
 
-class DraftModelProposer:
-    """A draft model with its own paged KV cache, proposing for a batch of sequences with k batched forwards."""
+class DraftModelProposer(Proposer):
+    """The engine's draft model (`LLM(draft=...)`, recipe `draft:`), with its own paged KV cache (as many blocks
+    as the target's), proposing for a batch of sequences with k batched forwards. It applies each request's
+    processors to its own logits, so its proposals follow the same constraints as the target.
 
-    def __init__(self, loaded: Any, num_blocks: int, block_size: int) -> None:
-        geometry = model_geometry(loaded.model)
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        self.cache = PagedKVCache(geometry.num_layers, num_blocks, block_size, geometry.num_kv_heads,
-                                  geometry.head_dim, loaded.dtype, loaded.device)
-        self.runner = ModelRunner(loaded.model, self.cache)
+    Example (recipe): `draft: {model: <smaller model, same tokenizer>}` and
+    `strategy: {speculative: {proposer: draft}}`
+    """
+
+    name = "draft"
+
+    def __init__(self) -> None:
+        self.info: Any = None
+        self.allocator: BlockAllocator | None = None
         self.states: dict[int, _DraftState] = {}
 
-    def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[Any]]:
+    def setup(self, info: Any) -> None:
+        self.info = info
+
+    def check(self, options: BaseModel | None) -> None:
+        if self.info is not None and self.info.draft is None:
+            raise ValueError("proposer 'draft' needs a draft model: set `draft:` in the recipe or LLM(draft=...)")
+
+    def _build(self) -> BlockAllocator:
+        if self.allocator is None:
+            loaded, engine = self.info.draft, self.info.engine
+            num_blocks, block_size = engine.allocator.num_blocks, engine.config.block_size
+            geometry = model_geometry(loaded.model)
+            self.allocator = BlockAllocator(num_blocks, block_size)
+            self.cache = PagedKVCache(geometry.num_layers, num_blocks, block_size, geometry.num_kv_heads,
+                                      geometry.head_dim, loaded.dtype, loaded.device)
+            self.runner = ModelRunner(loaded.model, self.cache)
+        return self.allocator
+
+    def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
+                options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Draft `ks[i]` tokens for `seqs[i]`; returns the drafts and, for sampled rows, their q rows `[k, vocab]`."""
+        self._build()
+        assert self.allocator is not None
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = []
@@ -129,48 +179,53 @@ class DraftModelProposer:
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """Keep only the first `num_valid` tokens of `seq` in the draft's cache."""
         state = self.states.get(seq.seq_id)
-        if state is not None and state.computed > num_valid:
+        if state is not None and state.computed > num_valid and self.allocator is not None:
             state.computed = num_valid
             self.allocator.truncate(seq.seq_id, num_valid)
 
     def release(self, seq: Sequence) -> None:
         """Free a finished sequence's draft blocks."""
         self.states.pop(seq.seq_id, None)
-        if self.allocator.has(seq.seq_id):
+        if self.allocator is not None and self.allocator.has(seq.seq_id):
             self.allocator.free(seq.seq_id)
 
 
 class SpeculativeStrategy(Strategy):
     """Speculative decoding (lossless) with an n-gram or draft-model proposer, under continuous batching.
 
-    Example (recipe): `strategy: {speculative: {proposer: ngram, num_speculative_tokens: 4}}`
+    Example (recipe): `strategy: {speculative: {proposer: ngram, num_speculative_tokens: 4, adaptive: true}}`
     """
 
     name = "speculative"
     Params = SpeculativeParams
 
     def __init__(self) -> None:
-        self.info: Any = None
-        self._draft: DraftModelProposer | None = None
+        self.components: Any = None
+        self.proposers: dict[str, Proposer] = {}  # the ones this strategy has used (for rollback and release)
 
-    def setup(self, info: Any) -> None:
-        self.info = info
+    def bind(self, components: Any) -> None:
+        self.components = components
+
+    def _proposer(self, name: str) -> Proposer:
+        proposer: Proposer = self.components.get("proposers", name, "strategy.speculative.proposer")
+        self.proposers[name] = proposer
+        return proposer
 
     def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
         assert isinstance(options, SpeculativeParams)
         if params.n > 1:
             raise ValueError("parallel sampling (n > 1) cannot be combined with speculative decoding")
-        if options.proposer == "draft" and self.info is not None and self.info.draft is None:
-            raise ValueError("proposer 'draft' needs a draft model: set `draft:` in the recipe or LLM(draft=...)")
+        proposer = self._proposer(options.proposer)
+        proposer.check(self._proposer_options(proposer, options))
 
-    def _draft_proposer(self) -> DraftModelProposer:
-        if self._draft is None:
-            engine = self.info.engine
-            self._draft = DraftModelProposer(self.info.draft, engine.allocator.num_blocks, engine.config.block_size)
-        return self._draft
+    @staticmethod
+    def _proposer_options(proposer: Proposer, options: SpeculativeParams) -> Any:
+        from decodekit.plan import validate_options
+
+        return validate_options(proposer, options.proposer_options, f"proposer_options ({proposer.name})")
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
-        by_kind: dict[str, list[tuple[Sequence, int]]] = {"ngram": [], "draft": []}
+        groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
         for seq in seqs:
             options = seq.request.plan.strategy_options
             assert isinstance(options, SpeculativeParams)
@@ -179,18 +234,15 @@ class SpeculativeStrategy(Strategy):
             k = min(k, seq.request.params.max_tokens - seq.num_generated - 1,
                     ctx.max_model_len - len(seq.token_ids) - 1)
             if k > 0:
-                by_kind[options.proposer].append((seq, k))
-        for seq, k in by_kind["ngram"]:
-            options = seq.request.plan.strategy_options
-            assert isinstance(options, SpeculativeParams)
-            seq.draft_token_ids = ngram_proposal(seq.token_ids, k, options.prompt_lookup_min,
-                                                 options.prompt_lookup_max)
-            seq.state["spec_q"] = None
-        if by_kind["draft"]:
-            pairs = by_kind["draft"]
-            drafts, qs = self._draft_proposer().propose(ctx, [s for s, _ in pairs], [k for _, k in pairs])
-            for (seq, _), draft, q in zip(pairs, drafts, qs):
-                seq.draft_token_ids = draft
+                if "spec_proposer_options" not in seq.request.state:
+                    seq.request.state["spec_proposer_options"] = self._proposer_options(
+                        self._proposer(options.proposer), options)
+                groups.setdefault(options.proposer, []).append((seq, k, seq.request.state["spec_proposer_options"]))
+        for name, items in groups.items():
+            drafts, qs = self._proposer(name).propose(ctx, [s for s, _, _ in items], [k for _, k, _ in items],
+                                                     [o for _, _, o in items])
+            for (seq, k, _), draft, q in zip(items, drafts, qs):
+                seq.draft_token_ids = list(draft[:k])
                 seq.state["spec_q"] = q
 
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -212,8 +264,8 @@ class SpeculativeStrategy(Strategy):
             self._account(seq, len(draft), accepted)
             valid = len(seq.token_ids) + accepted
             ctx.accept_draft(seq, accepted, token)
-            if self._draft is not None:
-                self._draft.rollback(seq, valid)
+            for proposer in self.proposers.values():
+                proposer.rollback(seq, valid)
 
     @staticmethod
     def _accept_sampled(seq: Sequence, draft: list[int], rows: torch.Tensor) -> tuple[int, int]:
@@ -247,6 +299,6 @@ class SpeculativeStrategy(Strategy):
             seq.state["spec_k"] = min(k + 2, options.max_speculative_tokens) if accepted == proposed else max(1, k - 1)
 
     def on_request_finished(self, request: Request) -> None:
-        if self._draft is not None:
+        for proposer in self.proposers.values():
             for seq in request.sequences:
-                self._draft.release(seq)
+                proposer.release(seq)

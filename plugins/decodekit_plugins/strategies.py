@@ -10,7 +10,7 @@ from decodekit.core.sequence import Sequence
 from decodekit.params import SamplingParams
 from decodekit.strategy import StepContext, Strategy
 from decodekit_plugins.beam_search import BeamSearchStrategy
-from decodekit_plugins.speculative import SpeculativeStrategy
+from decodekit_plugins.speculative import DraftModelProposer, NgramProposer, SpeculativeStrategy
 
 
 class SampleStrategy(Strategy):
@@ -55,3 +55,10 @@ def decodekit_register_strategies(register):  # type: ignore[no-untyped-def]
     register(SampleStrategy.name, SampleStrategy)
     register(BeamSearchStrategy.name, BeamSearchStrategy)
     register(SpeculativeStrategy.name, SpeculativeStrategy)
+
+
+@hookimpl
+def decodekit_register_proposers(register):  # type: ignore[no-untyped-def]
+    """Register the built-in speculative-decoding proposers."""
+    register(NgramProposer.name, NgramProposer)
+    register(DraftModelProposer.name, DraftModelProposer)
