@@ -9,16 +9,27 @@ Lifecycle hooks run at request and step granularity, never per token per process
 
 The step protocol. `Engine.step()` runs, in this order:
 
+0. propose: strategies that speculate set `seq.draft_token_ids` on their decode-ready sequences (each draft
+   token is one more position to score in this step's forward);
 1. schedule: the scheduler picks running sequences (decodes first, then prefill chunks) under the token budget
    and the free KV blocks, preempting the newest request if blocks run out, then admits waiting requests;
 2. forward: one packed forward pass of the model over every scheduled token, logits only at the positions
-   whose scores are needed;
-3. process logits: each request's processors, in order, over the rows that use them;
-4. select: the request's search strategy turns scores into tokens (and, for other strategies, forks, frees or
-   rollbacks);
-5. stop: stopping criteria check each sequence that got a new token;
+   whose scores are needed (`1 + len(draft)` per sequence that completes);
+3. process logits: each request's processors, in its own order, over the rows that use them (a strategy calls
+   `ctx.process`, so beam search can process log-probabilities and speculation every verified position);
+4. select: the request's search strategy turns scores into actions on the `StepContext`: `append_token`,
+   `accept_draft(seq, n, token)` (keep n drafts, roll the rest back out of the KV cache), `fork(seq)` (a new
+   sequence sharing the blocks copy-on-write), `free(seq)`, `finish(seq, reason)`, `set_results(request, ...)`;
+5. stop: stopping criteria check each new token (several per sequence after speculation; tokens after a stop
+   are dropped), unless the strategy `handles_stopping` itself (beam search);
 6. emit: outputs are built; `decodekit_request_finished` is called for each finished request, then
    `decodekit_step_finished` once.
+
+The strategy contract (`decodekit.strategy.Strategy`): per request, which positions need scores (`propose`) and
+what to do with them (`select`); `check_compatible` refuses combinations it cannot run when a request or recipe
+is planned; `num_sequences` reserves room for forks at admission. Draft proposers (`decodekit.strategy.Proposer`)
+are plugins of the `speculative` strategy. Components are built once per engine; per-request parameters are
+pydantic models (`Params`) validated when the request is planned.
 
 Implementations may accept fewer arguments than a spec lists; always call hooks with keyword arguments.
 """
