@@ -1,0 +1,187 @@
+"""Catalogue biases and masks: logit bias (by token id or by string), bad words, allowed token ids.
+
+None of them is on by default: a request or recipe names them in its `processors:` list. (`min_tokens`, which
+suppresses EOS until a row has generated enough tokens, is a built-in in `sampling.py`.) Strings are turned into
+token ids with the engine's tokenizer, given to `setup`, once per distinct string.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from decodekit import hookimpl
+from decodekit.processors import BatchView, LogitsProcessor
+
+_NEG_INF = -float("inf")
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _UsesTokenizer(LogitsProcessor):
+    """Keeps the engine's tokenizer and vocabulary size (from `setup`) and caches string tokenizations."""
+
+    def __init__(self) -> None:
+        self._tokenizer: Any = None
+        self._vocab_size = 0
+        self._set_up = False
+        self._encoded: dict[str, list[list[int]]] = {}
+
+    def setup(self, info: Any) -> None:
+        """Keep the tokenizer (for strings) and the vocabulary size (to validate token ids)."""
+        self._tokenizer, self._vocab_size, self._set_up = info.tokenizer, info.vocab_size, True
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        if self._vocab_size and any(t >= self._vocab_size for t in ids):
+            raise ValueError(f"{what} must be below the vocabulary size {self._vocab_size}, "
+                             f"got {sorted(t for t in ids if t >= self._vocab_size)}")
+
+    def _check_strings(self, strings: list[str], what: str) -> None:
+        if self._set_up and strings and self._tokenizer is None:
+            raise ValueError(f"{what} need a tokenizer; give token ids instead")
+        if self._tokenizer is not None:
+            for text in strings:
+                self._check_ids([t for ids in self._encode(text) for t in ids], what)
+
+    def _encode(self, text: str) -> list[list[int]]:
+        if text not in self._encoded:
+            if self._tokenizer is None:
+                raise ValueError(f"cannot tokenize {text!r}: the processor has no tokenizer (give token ids)")
+            self._encoded[text] = self._tokenizations(text)
+        return self._encoded[text]
+
+    def _tokenizations(self, text: str) -> list[list[int]]:
+        return [list(self._tokenizer.encode(text, add_special_tokens=False))]
+
+
+class LogitBiasProcessor(_UsesTokenizer):
+    """Add a bias to chosen tokens' logits, named by id (`bias`) or by string (`bias_strings`).
+
+    A string's bias goes to every token of its tokenization, added once per occurrence (llama.cpp server's
+    string logit bias). Biases lie in [-100, 100] as in OpenAI's API; -100 all but bans a token.
+
+    Example (recipe): `processors: [{logit_bias: {bias: {"123": -100}, bias_strings: {" hello": 5}}}]`
+    """
+
+    name = "logit_bias"
+
+    class Params(_Params):
+        bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+            default_factory=dict, description="Token id -> bias added to its logit.")
+        bias_strings: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+            default_factory=dict, description="String -> bias added to each token of its tokenization.")
+
+    def check_options(self, options: Any) -> None:
+        """Token ids must be in the vocabulary; strings need a tokenizer."""
+        self._check_ids(list(options.bias), "`bias` token ids")
+        self._check_strings(list(options.bias_strings), "`bias_strings`")
+
+    def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
+        rows: list[int] = []
+        tokens: list[int] = []
+        values: list[float] = []
+        for row, options in enumerate(batch.options):
+            for token, value in options.bias.items():
+                rows.append(row)
+                tokens.append(token)
+                values.append(value)
+            for text, value in options.bias_strings.items():
+                for token in self._encode(text)[0]:
+                    rows.append(row)
+                    tokens.append(token)
+                    values.append(value)
+        if not rows:
+            return logits
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+
+
+class BadWordsProcessor(_UsesTokenizer):
+    """Forbid token sequences: the last token of a bad word is banned when the history (prompt included) ends with
+    the rest of it; one-token bad words are always banned (transformers' `NoBadWordsLogitsProcessor`, which also
+    ignores a one-token bad word that is an EOS id, so a request can still end).
+
+    `words` are strings, each tokenized as written and with a leading space (vLLM's `bad_words`), so a word is
+    banned at the start of the text and after a space.
+
+    Example (recipe): `processors: [{bad_words: {words: ["darn"], words_ids: [[1, 2], [3]]}}]`
+    """
+
+    name = "bad_words"
+    needs_history = True
+
+    class Params(_Params):
+        words_ids: list[Annotated[list[TokenId], Field(min_length=1)]] = Field(
+            default_factory=list, description="Token-id sequences that must not be generated.")
+        words: list[Annotated[str, Field(min_length=1)]] = Field(
+            default_factory=list, description="Words that must not be generated (tokenized by the engine).")
+
+    def check_options(self, options: Any) -> None:
+        """Token ids must be in the vocabulary; strings need a tokenizer."""
+        self._check_ids([t for ids in options.words_ids for t in ids], "`words_ids`")
+        self._check_strings(options.words, "`words`")
+
+    def _tokenizations(self, text: str) -> list[list[int]]:
+        plain = list(self._tokenizer.encode(text, add_special_tokens=False))
+        spaced = list(self._tokenizer.encode(" " + text.lstrip(), add_special_tokens=False))
+        # vLLM keeps the spaced form only when the space makes a different first token of the same length
+        return [plain, spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [plain]
+
+    def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
+        rows: list[int] = []
+        tokens: list[int] = []
+        eos = {(t,) for t in batch.eos_token_ids}
+        for row, options in enumerate(batch.options):
+            history = batch.histories[row]
+            sequences = [*options.words_ids, *(ids for word in options.words for ids in self._encode(word))]
+            for ids in sequences:
+                prefix = len(ids) - 1
+                if tuple(ids) in eos or prefix > len(history):
+                    continue
+                if prefix == 0 or history[len(history) - prefix :] == ids[:-1]:
+                    rows.append(row)
+                    tokens.append(ids[-1])
+        pairs = [(r, t) for r, t in zip(rows, tokens) if t < logits.shape[-1]]
+        if not pairs:
+            return logits
+        device = logits.device
+        index = (torch.tensor([r for r, _ in pairs], device=device), torch.tensor([t for _, t in pairs], device=device))
+        return logits.index_put(index, torch.tensor(_NEG_INF, dtype=logits.dtype, device=device))
+
+
+class AllowedTokenIdsProcessor(_UsesTokenizer):
+    """Allow only the listed token ids: every other logit becomes -inf (vLLM's `allowed_token_ids`).
+
+    Example (recipe): `processors: [{allowed_token_ids: {token_ids: [11, 12, 13]}}]`
+    """
+
+    name = "allowed_token_ids"
+
+    class Params(_Params):
+        token_ids: list[TokenId] = Field(min_length=1, description="The only token ids that may be generated.")
+
+    def check_options(self, options: Any) -> None:
+        """Token ids must be in the vocabulary."""
+        self._check_ids(options.token_ids, "`token_ids`")
+
+    def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        rows = [r for r, options in enumerate(batch.options) for t in options.token_ids if t < vocab]
+        tokens = [t for options in batch.options for t in options.token_ids if t < vocab]
+        allowed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        allowed[torch.tensor(rows, dtype=torch.long, device=logits.device),
+                torch.tensor(tokens, dtype=torch.long, device=logits.device)] = True
+        return logits.masked_fill(~allowed, _NEG_INF)
+
+
+@hookimpl
+def decodekit_register_processors(register):  # type: ignore[no-untyped-def]
+    """Register the catalogue biases and masks (used only when a request or recipe names them)."""
+    for proc in (LogitBiasProcessor, BadWordsProcessor, AllowedTokenIdsProcessor):
+        register(proc.name, proc)

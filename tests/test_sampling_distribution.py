@@ -1,0 +1,112 @@
+"""Sampling after the warpers draws from the distribution they define: a chi-square goodness-of-fit test over many
+draws of the real pipeline (`Components.resolve` -> `apply_processors` -> `select_tokens`), with fixed seeds so
+the outcome is the same on every run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from decodekit.core.sampler import select_tokens
+from decodekit.params import SamplingParams
+from decodekit.plan import Components
+from decodekit.plugins import get_plugin_manager
+from decodekit.processors import BatchView, apply_processors
+from decodekit.registry import Registry
+
+DRAWS = 20_000
+ALPHA = 1e-3
+ROW = torch.tensor([2.0, 1.6, 1.2, 1.0, 0.5, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0, -float("inf")])
+HISTORY = [0, 1, 1, 5]
+
+
+def p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Chi-square goodness of fit (scipy when installed, else the Wilson-Hilferty approximation)."""
+    counts, exp = observed.double(), expected.double() * observed.sum()
+    try:
+        from scipy.stats import chisquare
+    except ImportError:
+        statistic = float(((counts - exp) ** 2 / exp).sum())
+        k = len(counts) - 1
+        z = ((statistic / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+        return 0.5 * math.erfc(z / math.sqrt(2))
+    return float(chisquare(counts.numpy(), exp.numpy()).pvalue)
+
+
+def components() -> Components:
+    return Components(Registry.from_plugin_manager(get_plugin_manager(load_entry_points=False)))
+
+
+def sample(params: SamplingParams, rows: int = DRAWS, seeded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token counts of `rows` draws from one logits row through a request's pipeline, and the processed rows."""
+    plan = components().resolve(params)
+    batch = BatchView([params] * rows, [HISTORY] * rows, [1] * rows, (11,),
+                      generators=[torch.Generator().manual_seed(i) for i in range(rows)] if seeded else [])
+    states = [[s.processor.init_state(s.options, HISTORY[:1]) if s.processor.stateful else None
+               for s in plan.stages] for _ in range(rows)]
+    torch.manual_seed(1234)
+    processed = apply_processors(ROW.expand(rows, -1), batch, [plan.stages] * rows, [False] * rows, states)
+    tokens = select_tokens(processed, [False] * rows, batch.generators)
+    return torch.bincount(tokens, minlength=len(ROW)), processed
+
+
+def assert_draws_follow(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    support = expected > 0
+    assert int(counts[~support].sum()) == 0, "a token the warpers removed was drawn"
+    assert int(support.sum()) >= 2, "a single-token distribution says nothing about sampling"
+    assert p_value(counts[support], expected[support]) > ALPHA
+
+
+DETERMINISTIC = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k + temperature": SamplingParams(top_k=4, temperature=1.3),
+    "top_p": SamplingParams(top_p=0.8),
+    "min_p": SamplingParams(min_p=0.1),
+    "typical_p": SamplingParams(processors=[{"typical_p": {"mass": 0.8}}]),
+    "epsilon": SamplingParams(processors=[{"epsilon": {"epsilon": 0.01}}]),
+    "eta": SamplingParams(processors=[{"eta": {"epsilon": 0.2}}]),
+    "top_n_sigma": SamplingParams(processors=[{"top_n_sigma": {"n": 1.0}}]),
+    "dynamic_temperature": SamplingParams(processors=[{"dynamic_temperature": {"temperature": 1.0, "delta": 0.5}}]),
+    "mirostat": SamplingParams(processors=[{"mirostat": {"tau": 2.0}}]),
+    "penalties + top_k + top_p": SamplingParams(top_k=8, top_p=0.9, temperature=0.8, processors=[
+        {"repetition_penalty": {"penalty": 1.5}}, {"frequency_penalty": {"penalty": 0.3}}]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DETERMINISTIC))
+def test_sampling_after_warpers_draws_from_the_distribution_they_define(name):
+    counts, processed = sample(DETERMINISTIC[name])
+    assert torch.equal(processed, processed[:1].expand_as(processed)), "one distribution for every row"
+    expected = processed[0].double().softmax(-1)
+    assert int((expected == 0).sum()) > 1 or name.startswith(("temperature", "dynamic", "penalties")), \
+        "the warper should remove something at these settings"
+    assert_draws_follow(counts, expected)
+
+
+def test_xtc_draws_from_its_mixture_of_excluded_and_untouched_distributions():
+    xtc = {"threshold": 0.1, "probability": 0.3}
+    counts, _ = sample(SamplingParams(processors=[{"xtc": xtc}]))
+    _, excluded = sample(SamplingParams(processors=[{"xtc": {**xtc, "probability": 1.0}}]), rows=1)
+    assert int(excluded[0].isinf().sum()) > 1, "at these settings XTC removes the top choices"
+    expected = 0.7 * ROW.double().softmax(-1) + 0.3 * excluded[0].double().softmax(-1)
+    assert_draws_follow(counts, expected)
+
+
+def test_seeded_rows_draw_from_the_distribution_too():
+    params = SamplingParams(top_k=6, processors=[{"xtc": {"threshold": 0.1, "probability": 0.5}}])
+    counts, _ = sample(params, rows=5_000, seeded=True)
+    _, excluded = sample(SamplingParams(processors=[{"xtc": {"threshold": 0.1, "probability": 1.0}}]), rows=1)
+    def top6(row: torch.Tensor) -> torch.Tensor:
+        return row.masked_fill(row < row.topk(6).values[-1], -float("inf")).double().softmax(-1)
+
+    expected = 0.5 * top6(ROW) + 0.5 * top6(excluded[0])
+    assert_draws_follow(counts, expected)
+
+
+def test_the_chi_square_check_rejects_draws_from_another_distribution():
+    counts, _ = sample(SamplingParams(temperature=1.0))
+    wrong = (ROW / 0.9).double().softmax(-1)  # a 10% temperature change is visible at 20,000 draws
+    assert p_value(counts[wrong > 0], wrong[wrong > 0]) < ALPHA
+    assert p_value(counts[wrong > 0], ROW.double().softmax(-1)[wrong > 0]) > ALPHA
