@@ -1,0 +1,261 @@
+"""Structured output: processors that keep generation inside a JSON schema, any JSON object, a regex, a grammar,
+or a list of choices.
+
+Each sequence has its own matcher (its processor state): advanced only on accepted tokens, forked with the
+sequence (beams, parallel samples). Per step, the masks of all constrained rows are filled in one backend call and
+applied as a -inf bias, with no loop over the vocabulary. Once the constraint is complete only EOS is allowed, so
+generation ends through the ordinary EOS criterion. A constraint that cannot compile is refused when the request
+is submitted (or the recipe loaded) with the backend's reason; a token that breaks the constraint mid-way (another
+processor unmasked it) fails that request alone with finish reason "error".
+
+Under speculative verification a sequence spans rows with `draft_offsets` 0..k; the row at offset j gets the mask
+after the first j draft tokens (the backend validates the drafts and rolls back), and rows after a draft the
+constraint rejects allow only EOS (verification never reaches them).
+
+Recipe examples:
+    processors: [{json_schema: {schema: {type: object, properties: {name: {type: string}}, required: [name]}}}]
+    processors: [{regex: {pattern: "[0-9]{3}-[0-9]{4}"}}]
+    processors: [{choice: {choices: [positive, negative, neutral]}}]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from decodekit import hookimpl
+from decodekit.constraints import (
+    DEFAULT_BACKEND,
+    ConstraintBackend,
+    ConstraintError,
+    ConstraintSpec,
+    Matcher,
+    allocate_bitmask,
+    apply_bitmask,
+    backend_class,
+    get_backend,
+)
+from decodekit.processors import BatchView, LogitsProcessor
+
+log = logging.getLogger("decodekit.structured")
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    backend: str = Field(DEFAULT_BACKEND, description="Constraint backend: llguidance, or xgrammar (optional extra).")
+
+
+@dataclass
+class ConstraintState:
+    """A sequence's constraint state: its matcher and the backend that made it."""
+
+    matcher: Matcher
+    backend: str
+
+
+class ConstraintProcessor(LogitsProcessor):
+    """Base class of the constraint processors: subclasses set `name` and `Params` and implement `spec`."""
+
+    stateful = True
+    needs_history = True
+
+    def __init__(self) -> None:
+        self._info: Any = None
+        self._backends: dict[str, ConstraintBackend] = {}
+
+    def spec(self, options: Any) -> ConstraintSpec:
+        """The constraint a request's validated parameters describe."""
+        raise NotImplementedError
+
+    def setup(self, info: Any) -> None:
+        """Build the default backend for the engine's tokenizer and warm it up (once per tokenizer per process),
+        so the first constrained step does not pay for it."""
+        self._info = info
+        try:
+            self.backend(DEFAULT_BACKEND).warmup(getattr(info, "device", "cpu") or "cpu")
+        except Exception:  # e.g. a tokenizer the backend cannot read: each request is refused with the reason
+            log.warning("%s: the %s backend is not usable with this tokenizer", self.name, DEFAULT_BACKEND,
+                        exc_info=True)
+
+    def backend(self, name: str) -> ConstraintBackend:
+        """The named backend for the engine's tokenizer."""
+        if name not in self._backends:
+            if self._info is None or self._info.tokenizer is None:
+                raise ConstraintError(f"the {self.name} processor needs an engine's tokenizer (setup was not called)")
+            self._backends[name] = get_backend(name, self._info.tokenizer, self._info.vocab_size,
+                                               self._info.eos_token_ids)
+        return self._backends[name]
+
+    def check_options(self, options: Any) -> None:
+        """Compile the request's constraint now (cached for its sequences); `ConstraintError` (a `ValueError`)
+        with the backend's reason when it cannot. Without an engine, checks it without a tokenizer."""
+        spec = self.spec(options)
+        try:
+            if self._info is None:
+                backend_class(options.backend).check(spec)
+            else:
+                self.backend(options.backend).compile(spec)
+        except ConstraintError:
+            raise
+        except Exception as exc:  # a backend's unexpected failure still refuses just this request
+            raise ConstraintError(f"the {options.backend} backend failed: {exc!r}") from exc
+
+    def init_state(self, options: Any, prompt_ids: list[int]) -> ConstraintState:
+        # the constraint covers the generated text only, so the prompt is not consumed
+        backend = self.backend(options.backend)
+        return ConstraintState(backend.matcher(backend.compile(self.spec(options))), options.backend)
+
+    def update_state(self, state: ConstraintState, options: Any, token_ids: list[int]) -> ConstraintState:
+        if not state.matcher.consume(token_ids):
+            raise self._rejected(state)
+        return state
+
+    def _rejected(self, state: ConstraintState) -> ConstraintError:
+        # raised when the token arrives, and again at the next step if that one is retried
+        return ConstraintError(f"the {self.name} constraint rejected a token: {state.matcher.error()}")
+
+    def fork_state(self, state: ConstraintState) -> ConstraintState:
+        return ConstraintState(state.matcher.fork(), state.backend)
+
+    def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
+        rows = len(batch)
+        jobs: dict[str, list[tuple[Matcher, int, list[int]]]] = defaultdict(list)
+        seen: set[int] = set()
+        row = 0
+        while row < rows:
+            state: ConstraintState | None = batch.states[row]
+            if state is None:
+                raise ConstraintError(f"the {self.name} processor got a row without its state")
+            if state.matcher.error() is not None:
+                raise self._rejected(state)
+            # the following rows that score later draft positions of the same sequence
+            offset, end = batch.draft_offsets[row], row + 1
+            while end < rows and batch.states[end] is state and batch.draft_offsets[end] == offset + end - row:
+                end += 1
+            history, num_drafts = batch.histories[end - 1], end - 1 - row
+            drafts = history[len(history) - num_drafts :] if num_drafts else []
+            matcher = state.matcher
+            if offset or id(state) in seen:
+                # this row scores after unverified tokens the state has not seen: advance a copy over them
+                matcher = matcher.fork()
+                if not matcher.consume(history[len(history) - num_drafts - offset : len(history) - num_drafts]):
+                    row = end
+                    continue
+            seen.add(id(state))
+            jobs[state.backend].append((matcher, row, drafts))
+            row = end
+        # rows the fill leaves alone (after a rejected draft) allow only EOS; they are never verified
+        first = self.backend(next(iter(jobs), DEFAULT_BACKEND))
+        bitmask = allocate_bitmask(rows, first.vocab_size, first.eos_only, pin=logits.device.type == "cuda")
+        for name, job in jobs.items():
+            self.backend(name).fill_bitmask(job, bitmask)
+        return apply_bitmask(logits, bitmask)
+
+
+class JsonSchemaProcessor(ConstraintProcessor):
+    """Constrain the output to JSON matching a schema.
+
+    An object schema listing `properties` without `additionalProperties` forbids other keys (`strict`, the
+    default); JSON is written with one space after `,` and `:` unless `flexible_whitespace`.
+
+    Example (recipe): `processors: [{json_schema: {schema: {type: object, properties: {age: {type: integer}}}}}]`
+    """
+
+    name = "json_schema"
+
+    class Params(_Params):
+        schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema (a mapping, or JSON text).")
+        strict: bool = Field(True, description="Forbid keys an object schema does not list, unless it sets "
+                                               "additionalProperties.")
+        flexible_whitespace: bool = Field(False, description="Allow any whitespace between JSON tokens.")
+
+        model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+        @field_validator("schema_", mode="before")
+        @classmethod
+        def _parse(cls, value: Any) -> Any:
+            if isinstance(value, str):
+                try:
+                    return json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"the schema is not valid JSON: {exc}") from None
+            return value
+
+    def spec(self, options: Any) -> ConstraintSpec:
+        return ConstraintSpec.json_schema(options.schema_, options.strict, options.flexible_whitespace)
+
+
+class JsonProcessor(ConstraintProcessor):
+    """Constrain the output to any JSON object.
+
+    Example (recipe): `processors: [json]`
+    """
+
+    name = "json"
+
+    class Params(_Params):
+        flexible_whitespace: bool = Field(False, description="Allow any whitespace between JSON tokens.")
+
+    def spec(self, options: Any) -> ConstraintSpec:
+        return ConstraintSpec.json_object(options.flexible_whitespace)
+
+
+class RegexProcessor(ConstraintProcessor):
+    """Constrain the output to fully match a regular expression (the backend's syntax: Rust `regex` for
+    llguidance).
+
+    Example (recipe): `processors: [{regex: {pattern: "(yes|no), because [a-z ]{10,60}\\\\."}}]`
+    """
+
+    name = "regex"
+
+    class Params(_Params):
+        pattern: str = Field(description="The regular expression the whole output must match.")
+
+    def spec(self, options: Any) -> ConstraintSpec:
+        return ConstraintSpec.regex(options.pattern)
+
+
+class GrammarProcessor(ConstraintProcessor):
+    """Constrain the output to a context-free grammar (Lark as llguidance extends it, or llama.cpp's GBNF).
+
+    Example (recipe): `processors: [{grammar: {grammar: "start: NUMBER (\\"+\\" NUMBER)*\\nNUMBER: /[0-9]+/"}}]`
+    """
+
+    name = "grammar"
+
+    class Params(_Params):
+        grammar: str = Field(description="The grammar text.")
+        syntax: Literal["lark", "gbnf"] = Field("lark", description="Grammar syntax: lark or gbnf.")
+
+    def spec(self, options: Any) -> ConstraintSpec:
+        return ConstraintSpec.grammar(options.grammar, options.syntax)
+
+
+class ChoiceProcessor(ConstraintProcessor):
+    """Constrain the output to exactly one of a list of strings.
+
+    Example (recipe): `processors: [{choice: {choices: [positive, negative, neutral]}}]`
+    """
+
+    name = "choice"
+
+    class Params(_Params):
+        choices: list[str] = Field(min_length=1, description="The allowed outputs.")
+
+    def spec(self, options: Any) -> ConstraintSpec:
+        return ConstraintSpec.choice(options.choices)
+
+
+@hookimpl
+def decodekit_register_processors(register):  # type: ignore[no-untyped-def]
+    """Register the structured-output processors (used when a request or recipe names them)."""
+    for proc in (JsonSchemaProcessor, JsonProcessor, RegexProcessor, GrammarProcessor, ChoiceProcessor):
+        register(proc.name, proc)
