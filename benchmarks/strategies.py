@@ -114,8 +114,9 @@ def bench_beam(llm: LLM, repeats: int, num_requests: int = 16, max_tokens: int =
         tokens = sum(len(r) for r in ref)
     h, d = statistics.median(times["hf"]), statistics.median(times["decodekit"])
     lengths = [len(tok(p, add_special_tokens=False).input_ids) for p in prompts]
-    print(f"beam (4 beams, {num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens, {max_tokens} new): HF generate {tokens / h:.1f} tok/s, "
-          f"decodekit {tokens / d:.1f} tok/s, ratio {h / d:.2f}x, same sequences: {same}", flush=True)
+    shape = f"4 beams, {num_requests} requests, prompts {min(lengths)}-{max(lengths)} tokens, {max_tokens} new"
+    print(f"beam ({shape}): HF generate {tokens / h:.1f} tok/s, decodekit {tokens / d:.1f} tok/s, "
+          f"ratio {h / d:.2f}x, same sequences: {same}", flush=True)
 
 
 def main() -> None:

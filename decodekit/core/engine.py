@@ -105,6 +105,9 @@ class Engine:
                 request.max_sequences = request.plan.strategy.num_sequences(request.plan.strategy_options, params)
             except DecodeKitError as exc:
                 error = str(exc)
+            except Exception as exc:  # a plugin failing to set up fails this request, not the caller's batch
+                log.exception("planning request %s failed", request_id)
+                error = f"could not plan the request: {exc!r}"
         seq = Sequence(request, list(ids), len(ids))
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.loaded.device).manual_seed(params.seed)
@@ -113,8 +116,13 @@ class Engine:
         if error is not None:
             self._finish_request_with_error(request, error)
             return request
-        seq.processor_states = [stage.processor.init_state(stage.options, ids) if stage.processor.stateful else None
-                                for stage in request.plan.stages]
+        try:
+            seq.processor_states = [stage.processor.init_state(stage.options, ids) if stage.processor.stateful
+                                    else None for stage in request.plan.stages]
+        except Exception as exc:
+            log.exception("request %s: a processor failed to start", request_id)
+            self._finish_request_with_error(request, f"a processor failed to start: {exc!r}")
+            return request
         self.scheduler.add(request)
         self.hooks.decodekit_request_added(engine=self, request=request)
         return request
@@ -280,11 +288,13 @@ class Engine:
         self._append(seq, [*kept, token_id])
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> None:
-        seq.token_ids.extend(token_ids)
+        # States first: if a stateful processor refuses the tokens, the sequence is left as it was.
+        states = list(seq.processor_states)
         for i, stage in enumerate(seq.request.plan.stages):
             if stage.processor.stateful:
-                seq.processor_states[i] = stage.processor.update_state(seq.processor_states[i], stage.options,
-                                                                       token_ids)
+                states[i] = stage.processor.update_state(states[i], stage.options, token_ids)
+        seq.processor_states = states
+        seq.token_ids.extend(token_ids)
         self._appended[seq] = self._appended.get(seq, 0) + len(token_ids)
 
     def fork(self, seq: Sequence) -> Sequence:

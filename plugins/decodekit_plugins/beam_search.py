@@ -141,6 +141,9 @@ class BeamSearchStrategy(Strategy):
         # Next beams: the best candidates that did not just finish.
         running = top_scores + hits.float() * _NEG
         chosen = running.topk(min(num_beams, keep)).indices.tolist()
+        # A candidate a processor forbade (-inf, e.g. a grammar that allows fewer tokens than there are beams)
+        # never becomes a beam; transformers would carry it along with a -inf score, which can never win.
+        chosen = [c for c in chosen if running[c] != float("-inf")] or chosen[:1]
         state.scores = running[chosen]
 
         # Early-stopping heuristic (transformers' `_check_early_stop_heuristic`), at the new length.
