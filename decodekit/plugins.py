@@ -2,8 +2,9 @@
 
 Third-party plugins are found through the `decodekit` entry-point group. `DECODEKIT_PLUGINS` limits which of
 them load: a comma-separated allow-list of entry-point names, or empty for none. The default plugins (the
-built-in sampling, stopping, strategies and model loaders) always load: the engine cannot decode without them,
-and they use only the public API, like any third-party plugin.
+modules in `DEFAULT_PLUGINS`: sampling processors, warpers, penalties, biases, stopping criteria, strategies and
+proposers, model loaders, structured output) always load: the engine cannot decode without them, and they are
+registered through the same hooks as any third-party plugin.
 """
 
 from __future__ import annotations
