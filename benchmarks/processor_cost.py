@@ -1,6 +1,6 @@
 """What a realistic processor recipe costs per decode step, against plain sampling, at batch 32.
 
-Usage: OMP_NUM_THREADS=1 python benchmarks/processor_cost.py [--batch 32] [--tokens 32] [--repeats 3] [--tiny]
+Usage: OMP_NUM_THREADS=1 python benchmarks/processor_cost.py [--batch 32] [--tokens 32] [--repeats 3] [--tiny] [--chat]
 
 A is plain sampling (temperature 0.8). B adds top-p 0.9, a repetition penalty, a logit bias on ten tokens and a
 stop string (one that does not occur, so every request keeps decoding); B without top-p is timed too, to separate
@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--context", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--tiny", action="store_true", help="the tiny random test model instead of SmolLM2")
+    parser.add_argument("--chat", action="store_true",
+                        help="chat-templated questions as prompts (peaked next-token distributions, as in real use) "
+                             "instead of arbitrary token ids (flat distributions: top-p's worst case)")
     args = parser.parse_args()
     if args.tiny:
         from decodekit.models.tiny import tiny_model, tiny_tokenizer
@@ -59,6 +62,11 @@ def main() -> None:
     engine = llm.engine
     vocab = engine.vocab_size
     prompts = [[(1000 + 7 * i + j) % (vocab - 100) + 100 for j in range(args.context)] for i in range(args.batch)]
+    if args.chat:
+        topics = ["the ocean", "a violin", "Mount Everest", "bread", "the Moon", "a bicycle", "tea", "Paris"]
+        asks = ["Tell me about {}.", "Write a short story about {}.", "What is special about {}?", "Describe {}."]
+        prompts = [llm.tokenizer(llm.apply_chat_template([{"role": "user", "content": asks[i % 4].format(
+            topics[(i // 4) % 8])}]), add_special_tokens=False).input_ids for i in range(args.batch)]
     common = {"temperature": 0.8, "max_tokens": 100_000, "ignore_eos": True}
     plain = SamplingParams(**common)
     no_top_p = SamplingParams(**common, stop=["\n\nTHE END"], processors=[

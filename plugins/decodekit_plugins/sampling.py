@@ -107,41 +107,52 @@ class TopPProcessor(LogitsProcessor):
     def from_sampling_params(cls, params: SamplingParams) -> Params | None:
         return cls.Params(top_p=params.top_p) if params.top_p < 1.0 else None
 
-    #: candidates examined before falling back to a full sort of the vocabulary
-    FAST_CANDIDATES = 256
+    #: candidate counts tried, in order, before a row falls back to a full sort of the vocabulary
+    CANDIDATES: tuple[int, ...] = (256, 4096)
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
         top_p = batch.option_tensor("top_p", logits.dtype).to(logits.device)[:, None]
-        if logits.shape[-1] > self.FAST_CANDIDATES:
-            fast = self._from_candidates(logits, top_p)
-            if fast is not None:
-                return fast
-        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        out = logits
+        pending = torch.arange(logits.shape[0], device=logits.device)
+        for count in self.CANDIDATES:
+            if count >= logits.shape[-1] or pending.numel() == 0:
+                break
+            rows = logits if pending.numel() == logits.shape[0] else logits.index_select(0, pending)
+            masked, exact = self._from_candidates(rows, top_p.index_select(0, pending), count)
+            if bool(exact.all()) and pending.numel() == logits.shape[0]:
+                return masked
+            done = pending[exact]
+            out = out.index_copy(0, done, masked[exact]) if done.numel() else out
+            pending = pending[exact.logical_not()]
+        if pending.numel() == 0:
+            return out
+        rows = logits.index_select(0, pending)
+        sorted_logits, order = rows.sort(dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(dim=-1)
         # drop a token when the tokens before it already reach p (the first token is always kept)
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p.index_select(0, pending)
         drop = drop_sorted.scatter(1, order, drop_sorted)
-        return logits.masked_fill(drop, -float("inf"))
+        return out.index_copy(0, pending, rows.masked_fill(drop, -float("inf")))
 
-    def _from_candidates(self, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-        """The same result from the top candidates only, when the kept set provably lies inside them.
+    @staticmethod
+    def _from_candidates(logits: torch.Tensor, top_p: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The result from the `count` most likely candidates, and which rows it is exact for.
 
-        A full sort of a 49k vocabulary per row dominates a decode step at batch 32; the kept set is usually a
-        few dozen tokens. Candidates are ordered exactly as the stable full sort would (value descending, then
-        index), and the result is used only where the last kept value is strictly above the smallest
-        candidate value, so ties cut off by `topk` cannot matter. Otherwise None (the caller sorts everything).
+        A full sort of a 49k vocabulary per row dominates a decode step at batch 32 (~150 ms here vs ~7 ms for
+        `topk(256)`); the kept set is usually a few dozen tokens. Candidates are ordered exactly as the stable full
+        sort would (value descending, then index), and a row's result is exact when its kept set ends strictly
+        above the smallest candidate value, so ties cut off by `topk` cannot matter.
         """
-        values, index = logits.topk(self.FAST_CANDIDATES, dim=-1)
+        values, index = logits.topk(count, dim=-1)
         index, by_index = index.sort(dim=-1)  # index order first, so the stable value sort breaks ties by index
         values, order = values.gather(1, by_index).sort(dim=-1, descending=True, stable=True)
         index = index.gather(1, order)
         probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
         keep = (probs.cumsum(dim=-1) - probs) < top_p
         last_kept = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0))
-        if not bool((keep[:, -1:].logical_not() & (last_kept > values[:, -1:])).all()):
-            return None
+        exact = (keep[:, -1:].logical_not() & (last_kept > values[:, -1:]))[:, 0]
         drop = torch.ones_like(logits, dtype=torch.bool).scatter(1, index, keep.logical_not())
-        return logits.masked_fill(drop, -float("inf"))
+        return logits.masked_fill(drop, -float("inf")), exact
 
 
 class MinPProcessor(LogitsProcessor):
