@@ -240,3 +240,22 @@ def test_an_empty_allow_list_keeps_the_third_party_plugin_out(plugin_site, tmp_p
     (tmp_path / "r.yaml").write_text(PLUGIN_RECIPE % 5)
     result = _invoke("recipe", "check", str(tmp_path / "r.yaml"))
     assert result.exit_code == 2 and "processors[0]: unknown processor 'ban_tokens'" in result.stderr
+
+
+@pytest.mark.parametrize(("name", "choices"), [("creative", 1), ("speculative", 1), ("beam_search", 2),
+                                               ("parallel_sampling", 4), ("json_output", 1), ("regex", 1)])
+def test_every_other_shipped_recipe_runs_end_to_end_on_a_tiny_model(name, choices, tiny_dir, tmp_path):
+    recipe = ROOT / "recipes" / f"{name}.yaml"
+    prompts = yaml.safe_load(recipe.read_text())["inputs"]["prompts"]
+    out = tmp_path / "out.jsonl"
+    result = _invoke("run", str(recipe), *_tiny(tiny_dir), "--output", str(out), "--quiet")
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+    for row in rows:
+        assert "error" not in row and len(row.get("choices", [row])) == choices
+        assert all(1 <= len(c["token_ids"]) <= 6 for c in row.get("choices", [row]))
+    if name == "speculative":
+        assert "speedup vs plain sample" in result.stdout
+    if name == "beam_search":
+        assert all(c["score"] is not None for r in rows for c in r["choices"])
