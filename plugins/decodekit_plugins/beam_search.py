@@ -96,9 +96,10 @@ class BeamSearchStrategy(Strategy):
         options = request.plan.strategy_options
         assert isinstance(options, BeamSearchParams)
         state: _BeamState | None = request.state.get("beam")
+        device = log_probs.device
         if state is None:  # first token: one live beam (transformers' other initial beams score -1e9)
-            state = _BeamState([seqs[0]], torch.zeros(1), torch.full((options.num_beams,), _NEG),
-                               [None] * options.num_beams)
+            state = _BeamState([seqs[0]], torch.zeros(1, device=device),
+                               torch.full((options.num_beams,), _NEG, device=device), [None] * options.num_beams)
             request.state["beam"] = state
         # After a preemption the beams are recomputed and may finish their prefill in different steps: wait for all.
         state.pending.update({id(s): log_probs[i] for i, s in enumerate(seqs)})
@@ -115,13 +116,13 @@ class BeamSearchStrategy(Strategy):
         keep = min(max(2, 1 + len(eos)) * num_beams, flat.numel())
         top_scores, top_index = flat.topk(keep)
         beam_of, token_of = (top_index // vocab).tolist(), (top_index % vocab).tolist()
-        hits = torch.tensor([at_limit or t in eos for t in token_of])
+        hits = torch.tensor([at_limit or t in eos for t in token_of], device=device)
 
         # Finished hypotheses: among the top num_beams candidates, those that hit EOS or the length limit.
         all_done = all(h is not None for h in state.finished)
         blocked = (all_done and options.early_stopping is True) or not state.heuristic_unsatisfied
         new_final = top_scores / float(generated + 1) ** options.length_penalty
-        eligible = hits & (torch.arange(keep) < num_beams)
+        eligible = hits & (torch.arange(keep, device=device) < num_beams)
         new_final = torch.where(eligible & (not blocked), new_final, new_final + _NEG * 3)
         merged = torch.cat([state.finished_scores, new_final])
         best = merged.topk(num_beams).indices.tolist()
