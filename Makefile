@@ -25,7 +25,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy decodekit
+	$(VENV)/bin/mypy decodekit plugins/decodekit_plugins
 
 bench: setup
 	$(VENV)/bin/decodekit bench mixed

@@ -7,6 +7,7 @@ token ids with the engine's tokenizer, given to `setup`, once per distinct strin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import torch
@@ -181,7 +182,7 @@ class AllowedTokenIdsProcessor(_UsesTokenizer):
 
 
 @hookimpl
-def decodekit_register_processors(register):  # type: ignore[no-untyped-def]
+def decodekit_register_processors(register: Callable[..., None]) -> None:
     """Register the catalogue biases and masks (used only when a request or recipe names them)."""
     for proc in (LogitBiasProcessor, BadWordsProcessor, AllowedTokenIdsProcessor):
         register(proc.name, proc)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from decodekit import hookimpl
 from decodekit.models import builtin_model_loaders
 
 
 @hookimpl
-def decodekit_register_model_loaders(register):  # type: ignore[no-untyped-def]
+def decodekit_register_model_loaders(register: Callable[..., None]) -> None:
     """Register the built-in loaders, in the order they are tried."""
     for loader in builtin_model_loaders():
         register(loader)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Annotated, Any
@@ -343,7 +343,7 @@ def _dry_penalties(histories: list[list[int]], options: list[Any],
 
 
 @hookimpl
-def decodekit_register_processors(register):  # type: ignore[no-untyped-def]
+def decodekit_register_processors(register: Callable[..., None]) -> None:
     """Register the catalogue penalties (used only when a request or recipe names them)."""
     for proc in (RepetitionPenaltyProcessor, PresencePenaltyProcessor, FrequencyPenaltyProcessor,
                  NoRepeatNGramProcessor, DryProcessor):

@@ -7,6 +7,8 @@ vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -179,7 +181,7 @@ class MinPProcessor(LogitsProcessor):
 
 
 @hookimpl
-def decodekit_register_processors(register):  # type: ignore[no-untyped-def]
+def decodekit_register_processors(register: Callable[..., None]) -> None:
     """Register the built-in sampling processors, in the order they run after any listed processors."""
     for proc in (MinTokensProcessor, TemperatureProcessor, TopKProcessor, TopPProcessor, MinPProcessor):
         register(proc.name, proc, default=True)

@@ -4,6 +4,7 @@ default, reading `SamplingParams`), and a per-request time limit that requests n
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -110,7 +111,7 @@ class TimeLimitCriterion(StoppingCriterion):
 
 
 @hookimpl
-def decodekit_register_stopping_criteria(register):  # type: ignore[no-untyped-def]
+def decodekit_register_stopping_criteria(register: Callable[..., None]) -> None:
     """Register the built-in stopping criteria: the default ones (always on; each checks only the requests whose
     parameters use it) and `time_limit`, which applies to the requests that name it."""
     for crit in (EosCriterion, StopTokenIdsCriterion, MaxTokensCriterion, StopStringsCriterion):

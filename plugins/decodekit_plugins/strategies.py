@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from pydantic import BaseModel
 
@@ -50,7 +52,7 @@ class SampleStrategy(Strategy):
 
 
 @hookimpl
-def decodekit_register_strategies(register):  # type: ignore[no-untyped-def]
+def decodekit_register_strategies(register: Callable[..., None]) -> None:
     """Register the built-in strategies."""
     register(SampleStrategy.name, SampleStrategy)
     register(BeamSearchStrategy.name, BeamSearchStrategy)
@@ -58,7 +60,7 @@ def decodekit_register_strategies(register):  # type: ignore[no-untyped-def]
 
 
 @hookimpl
-def decodekit_register_proposers(register):  # type: ignore[no-untyped-def]
+def decodekit_register_proposers(register: Callable[..., None]) -> None:
     """Register the built-in speculative-decoding proposers."""
     register(NgramProposer.name, NgramProposer)
     register(DraftModelProposer.name, DraftModelProposer)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -255,7 +256,7 @@ class ChoiceProcessor(ConstraintProcessor):
 
 
 @hookimpl
-def decodekit_register_processors(register):  # type: ignore[no-untyped-def]
+def decodekit_register_processors(register: Callable[..., None]) -> None:
     """Register the structured-output processors (used when a request or recipe names them)."""
     for proc in (JsonSchemaProcessor, JsonProcessor, RegexProcessor, GrammarProcessor, ChoiceProcessor):
         register(proc.name, proc)

@@ -9,6 +9,7 @@ is vectorized over the rows; per-row parameters come from `batch.options`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -284,7 +285,7 @@ def _next_mu(step: tuple[torch.Tensor, int, torch.Tensor, int], token: int, opti
 
 
 @hookimpl
-def decodekit_register_processors(register):  # type: ignore[no-untyped-def]
+def decodekit_register_processors(register: Callable[..., None]) -> None:
     """Register the catalogue warpers (used only when a request or recipe names them)."""
     for proc in (TypicalPProcessor, TopNSigmaProcessor, EpsilonProcessor, EtaProcessor, XTCProcessor,
                  DynamicTemperatureProcessor, MirostatProcessor):
