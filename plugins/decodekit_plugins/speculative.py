@@ -284,6 +284,8 @@ class SpeculativeStrategy(Strategy):
             else:
                 residual = (residual - q[j]).clamp_min(0.0)
             if float(residual.sum()) <= 0.0:
+                # p <= q everywhere means p == q up to rounding: rejection had probability ~0, so p itself is
+                # the exact residual distribution to draw from
                 residual = probs[j]
             token = select_tokens(residual.log()[None], [False], [gen]).item()
             return j, int(token)
