@@ -106,8 +106,8 @@ _SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "
 
 def forbid_additional_properties(schema: dict[str, Any], _in_all_of: bool = False) -> dict[str, Any]:
     """A copy of `schema` where object schemas listing `properties` without `additionalProperties` forbid extra
-    keys (see the module docstring for the policy). Only schema positions are visited, so a property named
-    `properties` is a name, not a keyword."""
+    keys (see the module docstring for the policy), and the no-op `uniqueItems: false` is dropped. Only schema
+    positions are visited, so a property named `properties` is a name, not a keyword."""
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_KEYS and isinstance(value, dict):
@@ -118,6 +118,8 @@ def forbid_additional_properties(schema: dict[str, Any], _in_all_of: bool = Fals
             value = [forbid_additional_properties(v, _in_all_of=True) if isinstance(v, dict) else v for v in value]
         elif key in _SCHEMA_MAP_KEYS and isinstance(value, dict):
             value = {k: forbid_additional_properties(v) if isinstance(v, dict) else v for k, v in value.items()}
+        elif key == "uniqueItems" and value is False:
+            continue  # asks for nothing; a backend that cannot enforce `uniqueItems: true` must not refuse it
         out[key] = value
     if ("properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out
             and "patternProperties" not in out and not _in_all_of):

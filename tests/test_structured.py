@@ -574,3 +574,11 @@ def test_speculative_decoding_with_json_schemas_gives_the_same_greedy_output(smo
     outs = smol.chat(convs, spec)
     assert [o.token_ids for o in outs] == [o.token_ids for o in one_batch[0][:8]]
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
+def test_the_no_op_unique_items_false_is_dropped_but_unique_items_true_still_refused():
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": False}
+    spec = ConstraintSpec.json_schema(schema, True, False)
+    assert "uniqueItems" not in spec.text
+    kept = ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}, True, False)
+    assert '"uniqueItems":true' in kept.text
