@@ -295,7 +295,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 BackendLoader = Callable[[], type[ConstraintBackend]]
 
 
-def _lazy(path: str) -> BackendLoader:
+def lazy_backend(path: str) -> BackendLoader:
+    """A loader for `"module:Class"`, imported on first use, so an optional backend's library is imported only
+    when a request names it."""
+
     def load() -> type[ConstraintBackend]:
         module, _, attr = path.partition(":")
         cls: type[ConstraintBackend] = getattr(importlib.import_module(module), attr)
@@ -304,11 +307,8 @@ def _lazy(path: str) -> BackendLoader:
     return load
 
 
-# Loaded on first use, so an optional backend's library is imported only when a request names it.
-_BACKENDS: dict[str, BackendLoader] = {
-    "llguidance": _lazy("decodekit_plugins.llguidance_backend:LLGuidanceBackend"),
-    "xgrammar": _lazy("decodekit_plugins.xgrammar_backend:XGrammarBackend"),
-}
+# Filled by plugins (the built-in structured-output plugin registers llguidance and xgrammar on import).
+_BACKENDS: dict[str, BackendLoader] = {}
 _INSTANCES: dict[tuple[str, str, int, tuple[int, ...]], ConstraintBackend] = {}
 _INSTANCES_LOCK = threading.Lock()
 DEFAULT_BACKEND = "llguidance"

@@ -41,8 +41,14 @@ from decodekit.constraints import (
     apply_bitmask,
     backend_class,
     get_backend,
+    lazy_backend,
+    register_backend,
 )
 from decodekit.processors import BatchView, LogitsProcessor
+
+# The backends this plugin provides, by name (their libraries are imported on first use).
+register_backend("llguidance", lazy_backend("decodekit_plugins.llguidance_backend:LLGuidanceBackend"))
+register_backend("xgrammar", lazy_backend("decodekit_plugins.xgrammar_backend:XGrammarBackend"))
 
 log = logging.getLogger("decodekit.structured")
 
