@@ -307,7 +307,8 @@ def lazy_backend(path: str) -> BackendLoader:
     return load
 
 
-# Filled by plugins (the built-in structured-output plugin registers llguidance and xgrammar on import).
+# Filled through the `decodekit_register_constraint_backends` hook when a plugin manager's components are
+# collected (the built-in structured-output plugin registers llguidance and xgrammar).
 _BACKENDS: dict[str, BackendLoader] = {}
 _INSTANCES: dict[tuple[str, str, int, tuple[int, ...]], ConstraintBackend] = {}
 _INSTANCES_LOCK = threading.Lock()
@@ -317,7 +318,7 @@ DEFAULT_BACKEND = "llguidance"
 def register_backend(name: str, loader: BackendLoader) -> None:
     """Make a backend available by name; `loader()` returns its class (import its library lazily there).
 
-    A plugin calls this from its registration hook, e.g. in `decodekit_register_processors`.
+    `Registry.from_plugin_manager` calls it for each plugin's `decodekit_register_constraint_backends`.
     """
     _BACKENDS[name] = loader
 

@@ -80,6 +80,16 @@ def decodekit_register_proposers(register: Any) -> None:
 
 
 @hookspec
+def decodekit_register_constraint_backends(register: Any) -> None:
+    """Register structured-output backends (what the `json_schema`, `regex`, ... processors compile with).
+
+    :param register: ``register(name, loader)``; ``loader()`` returns a
+        :class:`decodekit.constraints.ConstraintBackend` subclass (import the backend's library there, so it is
+        only needed when a request names the backend).
+    """
+
+
+@hookspec
 def decodekit_register_model_loaders(register: Any) -> None:
     """Register model loaders, tried in registration order before the built-in ones.
 

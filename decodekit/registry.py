@@ -9,6 +9,7 @@ from typing import Any
 
 import pluggy
 
+from decodekit.constraints import register_backend
 from decodekit.errors import PluginError
 from decodekit.models import ModelLoader
 
@@ -65,6 +66,9 @@ class Registry:
                 if impl is None:
                     continue
                 impl(register=_registrar(table, plugin_name, hook))
+            backends_impl = getattr(plugin, "decodekit_register_constraint_backends", None)
+            if backends_impl is not None:
+                backends_impl(register=register_backend)
             loaders_impl = getattr(plugin, "decodekit_register_model_loaders", None)
             if loaders_impl is not None:
                 loaders_impl(register=registry.model_loaders.append)

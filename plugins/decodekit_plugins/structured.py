@@ -42,13 +42,8 @@ from decodekit.constraints import (
     backend_class,
     get_backend,
     lazy_backend,
-    register_backend,
 )
 from decodekit.processors import BatchView, LogitsProcessor
-
-# The backends this plugin provides, by name (their libraries are imported on first use).
-register_backend("llguidance", lazy_backend("decodekit_plugins.llguidance_backend:LLGuidanceBackend"))
-register_backend("xgrammar", lazy_backend("decodekit_plugins.xgrammar_backend:XGrammarBackend"))
 
 log = logging.getLogger("decodekit.structured")
 
@@ -266,3 +261,10 @@ def decodekit_register_processors(register: Callable[..., None]) -> None:
     """Register the structured-output processors (used when a request or recipe names them)."""
     for proc in (JsonSchemaProcessor, JsonProcessor, RegexProcessor, GrammarProcessor, ChoiceProcessor):
         register(proc.name, proc)
+
+
+@hookimpl
+def decodekit_register_constraint_backends(register: Callable[..., None]) -> None:
+    """Register the structured-output backends (their libraries are imported when a request names one)."""
+    register("llguidance", lazy_backend("decodekit_plugins.llguidance_backend:LLGuidanceBackend"))
+    register("xgrammar", lazy_backend("decodekit_plugins.xgrammar_backend:XGrammarBackend"))
