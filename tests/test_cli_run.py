@@ -46,16 +46,22 @@ def _invoke(*args: str, env: dict[str, str] | None = None):
     return CliRunner().invoke(app, list(args), env=env)
 
 
-@pytest.mark.parametrize("name", ["quickstart", "sampling"])
-def test_a_shipped_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_dir, tmp_path):
+def _run_shipped(name: str, tiny_dir, tmp_path):
+    """Run a shipped recipe on the tiny model; return its prompts, the CLI result and the --output rows."""
     recipe = ROOT / "recipes" / f"{name}.yaml"
     prompts = yaml.safe_load(recipe.read_text())["inputs"]["prompts"]
     out = tmp_path / "out.jsonl"
     result = _invoke("run", str(recipe), *_tiny(tiny_dir), "--output", str(out), "--quiet")
     assert result.exit_code == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["prompt"] for r in rows] == prompts and [r["id"] for r in rows] == [str(i + 1) for i in
-                                                                                 range(len(prompts))]
+    assert [r["prompt"] for r in rows] == prompts
+    return prompts, result, rows
+
+
+@pytest.mark.parametrize("name", ["quickstart", "sampling"])
+def test_a_shipped_recipe_runs_end_to_end_on_a_tiny_model(name, tiny_dir, tmp_path):
+    prompts, result, rows = _run_shipped(name, tiny_dir, tmp_path)
+    assert [r["id"] for r in rows] == [str(i + 1) for i in range(len(prompts))]
     for row in rows:
         assert 1 <= len(row["token_ids"]) <= 6 and row["finish_reason"] in ("stop", "length")
         assert row["usage"]["completion_tokens"] == len(row["token_ids"]) == row["metrics"]["generated_tokens"]
@@ -245,13 +251,7 @@ def test_an_empty_allow_list_keeps_the_third_party_plugin_out(plugin_site, tmp_p
 @pytest.mark.parametrize(("name", "choices"), [("creative", 1), ("speculative", 1), ("beam_search", 2),
                                                ("parallel_sampling", 4), ("json_output", 1), ("regex", 1)])
 def test_every_other_shipped_recipe_runs_end_to_end_on_a_tiny_model(name, choices, tiny_dir, tmp_path):
-    recipe = ROOT / "recipes" / f"{name}.yaml"
-    prompts = yaml.safe_load(recipe.read_text())["inputs"]["prompts"]
-    out = tmp_path / "out.jsonl"
-    result = _invoke("run", str(recipe), *_tiny(tiny_dir), "--output", str(out), "--quiet")
-    assert result.exit_code == 0, result.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["prompt"] for r in rows] == prompts
+    _, result, rows = _run_shipped(name, tiny_dir, tmp_path)
     for row in rows:
         assert "error" not in row and len(row.get("choices", [row])) == choices
         assert all(1 <= len(c["token_ids"]) <= 6 for c in row.get("choices", [row]))
