@@ -1,11 +1,31 @@
-"""Greedy decoding is token-exact with transformers `generate`, whatever else is in the batch."""
+"""Greedy decoding is token-exact with transformers `generate`, whatever else is in the batch.
+
+Every test runs on both forwards: the model's own transformers modules with the paged attention function, and
+the fused decoder (on a copy of the model, since it re-lays weights in place); the reference is always
+`generate` on the untouched model.
+"""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 
 from decodekit import LLM, SamplingParams
 from tests.conftest import hf_greedy, random_prompts
+
+
+@pytest.fixture(params=[False, True], ids=["transformers-forward", "fused-decoder"])
+def fused(request) -> bool:
+    """Which forward the engine runs."""
+    return request.param
+
+
+def _llm(model, tokenizer, fused: bool, **options) -> LLM:
+    llm = LLM(copy.deepcopy(model) if fused else model, tokenizer, dtype="float32", device="cpu",
+              fused_decoder=fused, **options)
+    assert (llm.engine.runner.fused is not None) == fused
+    return llm
 
 
 def _check_exact(llm: LLM, model, prompts: list[list[int]], max_tokens: int) -> None:
@@ -15,18 +35,18 @@ def _check_exact(llm: LLM, model, prompts: list[list[int]], max_tokens: int) -> 
         assert out.token_ids == hf_greedy(model, prompt, max_tokens), f"prompt of {len(prompt)} tokens differs"
 
 
-def test_greedy_batch_of_16_mixed_lengths_matches_hf_generate(model, tokenizer):
+def test_greedy_batch_of_16_mixed_lengths_matches_hf_generate(model, tokenizer, fused):
     # 16 prompts of 3..120 tokens with a 64-token step budget: prefill chunks and decodes share steps,
     # and requests finish at different steps (EOS or max_tokens).
-    llm = LLM(model, tokenizer, dtype="float32", device="cpu", max_num_batched_tokens=64, block_size=8)
+    llm = _llm(model, tokenizer, fused, max_num_batched_tokens=64, block_size=8)
     _check_exact(llm, model, random_prompts(16, 3, 120, seed=1), max_tokens=48)
 
 
-def test_greedy_matches_hf_generate_under_preemption(llama, tokenizer):
+def test_greedy_matches_hf_generate_under_preemption(llama, tokenizer, fused):
     # A pool of 40 blocks of 4 tokens cannot hold 12 growing sequences at once: the scheduler must preempt
     # and recompute, and the tokens must not change.
-    llm = LLM(llama, tokenizer, dtype="float32", device="cpu", kv_cache_memory=40 * 4 * 2 * 2 * 2 * 16 * 4,
-              block_size=4, max_num_batched_tokens=32)
+    llm = _llm(llama, tokenizer, fused, kv_cache_memory=40 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4,
+               max_num_batched_tokens=32)
     assert llm.engine.allocator.num_blocks == 40
     prompts = random_prompts(12, 5, 40, seed=2)
     _check_exact(llm, llama, prompts, max_tokens=40)
@@ -34,10 +54,10 @@ def test_greedy_matches_hf_generate_under_preemption(llama, tokenizer):
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
 
 
-def test_greedy_matches_hf_generate_with_shared_prefixes_from_the_prefix_cache(llama, tokenizer):
+def test_greedy_matches_hf_generate_with_shared_prefixes_from_the_prefix_cache(llama, tokenizer, fused):
     base = random_prompts(1, 40, 41, seed=3)[0]
     prompts = [base + tail for tail in random_prompts(6, 2, 10, seed=4)]
-    llm = LLM(llama, tokenizer, dtype="float32", device="cpu", block_size=8)
+    llm = _llm(llama, tokenizer, fused, block_size=8)
     _check_exact(llm, llama, prompts[:1], max_tokens=16)
     outs = llm.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=16))
     assert all(o.metrics.num_cached_prompt_tokens >= 32 for o in outs), "prefix blocks were not reused"
@@ -46,6 +66,6 @@ def test_greedy_matches_hf_generate_with_shared_prefixes_from_the_prefix_cache(l
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_greedy_single_request_matches_hf_for_any_block_size(llama, tokenizer, block_size):
-    llm = LLM(llama, tokenizer, dtype="float32", device="cpu", block_size=block_size)
+def test_greedy_single_request_matches_hf_for_any_block_size(llama, tokenizer, block_size, fused):
+    llm = _llm(llama, tokenizer, fused, block_size=block_size)
     _check_exact(llm, llama, random_prompts(2, 10, 30, seed=5), max_tokens=20)

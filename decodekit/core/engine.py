@@ -14,7 +14,7 @@ from decodekit.config import EngineConfig
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.detokenizer import IncrementalDetokenizer
 from decodekit.core.kv_cache import PagedKVCache
-from decodekit.core.runner import ForwardItem, ModelRunner, model_geometry
+from decodekit.core.runner import ForwardItem, ModelRunner, model_geometry, wants_fused_decoder
 from decodekit.core.scheduler import Scheduler, SchedulerOutput
 from decodekit.core.sequence import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
 from decodekit.errors import ConfigError, DecodeKitError, RequestError
@@ -57,7 +57,9 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.kv_cache = PagedKVCache(geometry.num_layers, num_blocks, config.block_size, geometry.num_kv_heads,
                                      geometry.head_dim, loaded.dtype, loaded.device)
-        self.runner = ModelRunner(loaded.model, self.kv_cache)
+        self.runner = ModelRunner(loaded.model, self.kv_cache,
+                                  fused=wants_fused_decoder(loaded.model, config.fused_decoder, loaded.owned),
+                                  prepack_weights=config.prepack_weights)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy)
         self.eos_token_ids = _eos_token_ids(loaded)
@@ -72,9 +74,10 @@ class Engine:
         self._counter = 0
         self.step_count = 0
         torch.manual_seed(config.seed)
-        log.info("engine: %s, %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d",
+        log.info("engine: %s, %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, %s forward",
                  loaded.name, str(loaded.dtype).removeprefix("torch."), num_blocks, config.block_size,
-                 self.kv_cache.pool.numel() * self.kv_cache.pool.element_size() / 2**20, self.max_model_len)
+                 self.kv_cache.pool.numel() * self.kv_cache.pool.element_size() / 2**20, self.max_model_len,
+                 _forward_name(self.runner))
         self.hooks.decodekit_engine_started(engine=self)
 
     # ---- requests ----------------------------------------------------------------------------------------
@@ -482,3 +485,10 @@ def _eos_token_ids(loaded: LoadedModel) -> tuple[int, ...]:
             continue
         ids.extend(source if isinstance(source, (list, tuple)) else [source])
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _forward_name(runner: ModelRunner) -> str:
+    """How the engine runs the model, for the start-up log."""
+    if runner.fused is None:
+        return "transformers"
+    return "fused (prepacked weights)" if runner.fused.prepacked else "fused"

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
 from decodekit.core.kv_cache import ATTENTION_NAME, PagedKVCache, build_layout
-from decodekit.errors import UnsupportedModelError
+from decodekit.errors import ConfigError, UnsupportedModelError
 
 log = logging.getLogger("decodekit.runner")
 
@@ -46,6 +47,43 @@ def model_geometry(model: Any) -> ModelGeometry:
                          head_dim, max_len, config.vocab_size)
 
 
+def wants_fused_decoder(model: Any, setting: bool | None, owned: bool) -> bool:
+    """Whether to run `model` through `FusedDecoder`: `setting` True/False forces it, None means "when decodekit
+    loaded the model itself and its architecture allows" (the fused decoder re-lays weights in place).
+
+    Raises:
+        ConfigError: `setting` is True but the model cannot be fused (the message says why).
+    """
+    reason = fused_decoder_refusal(model)
+    if setting and reason is not None:
+        raise ConfigError(f"fused_decoder: {reason}; set fused_decoder to false or leave it unset")
+    if setting is None and reason is not None:
+        log.info("fused decoder off: %s", reason)
+    return reason is None and (setting if setting is not None else owned)
+
+
+# The largest extra weight copy `prepack_weights` makes by default.
+PREPACK_DEFAULT_LIMIT = 2 << 30
+
+
+def wants_prepacking(model: Any, setting: bool | None) -> bool:
+    """Whether the fused decoder keeps oneDNN-blocked weight copies: only where they work (CPU, float32), and by
+    default only when the copy is at most `PREPACK_DEFAULT_LIMIT` bytes."""
+    weight = model.lm_head.weight
+    if setting is False:
+        return False
+    if not prepacking_available(weight.dtype, weight.device):
+        if setting:
+            log.warning("prepack_weights: oneDNN-blocked weights need float32 on a CPU with oneDNN; %s on %s "
+                        "keeps BLAS products", weight.dtype, weight.device)
+        return False
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if setting is None and size > PREPACK_DEFAULT_LIMIT:
+        log.info("prepack_weights off: a second copy of %.1f GiB of weights is over the default limit", size / 2**30)
+        return False
+    return True
+
+
 @dataclass
 class ForwardItem:
     """One sequence's part of a forward: its new tokens after `context_len` cached ones, and logits wanted."""
@@ -57,13 +95,19 @@ class ForwardItem:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool; turns a list of `ForwardItem`s into logits `[sum(num_logits), vocab]`."""
+    """Owns the model and the KV pool; turns a list of `ForwardItem`s into logits `[sum(num_logits), vocab]`.
 
-    def __init__(self, model: Any, kv_cache: PagedKVCache) -> None:
+    With `fused=True` the model runs through `FusedDecoder` (which re-lays its weights in place); otherwise
+    through its own transformers forward with the paged attention function.
+    """
+
+    def __init__(self, model: Any, kv_cache: PagedKVCache, fused: bool = False,
+                 prepack_weights: bool | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.pool.device
         self._config = model.config
+        self.fused = FusedDecoder(model, wants_prepacking(model, prepack_weights)) if fused else None
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -79,7 +123,13 @@ class ModelRunner:
             flat.extend(it.token_ids)
             logit_index.extend(range(len(flat) - it.num_logits, len(flat)))
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)[None]
+        keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         self.kv_cache.layout = layout
+        if self.fused is not None:
+            try:
+                return self.fused(input_ids[0], positions, self.kv_cache, keep).float()
+            finally:
+                self.kv_cache.layout = None
         # Switch attention only for this call, so the same model object stays usable by plain transformers
         # (`generate` with padding masks) between engine steps.
         previous = self._config._attn_implementation
@@ -90,7 +140,7 @@ class ModelRunner:
                 position_ids=positions[None],
                 past_key_values=self.kv_cache,
                 use_cache=True,
-                logits_to_keep=torch.tensor(logit_index, dtype=torch.long, device=self.device),
+                logits_to_keep=keep,
                 paged_kv_cache=self.kv_cache,
             )
         finally:

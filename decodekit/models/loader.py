@@ -40,6 +40,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     device: torch.device
+    owned: bool = True  # loaded by decodekit (so its weights may be re-laid), not an object the caller passed
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def load_model(
         check_paged_attention_support(model)
         model = model.to(device=dev, dtype=torch_dtype)
         return LoadedModel(model.eval(), tokenizer, getattr(model.config, "name_or_path", "") or type(model).__name__,
-                           torch_dtype, dev)
+                           torch_dtype, dev, owned=False)
     torch_dtype = resolve_dtype(dtype, dev)
     for loader in loaders if loaders is not None else builtin_model_loaders():
         if loader.can_load(model):
