@@ -15,6 +15,7 @@ indexing slot by slot with a 2-D index).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -39,6 +40,9 @@ class BatchedGroup:
     mask: torch.Tensor | None  # [B, 1, Qmax, L] bool, True = attend; None when nothing is masked
     batch: int
     q_max: int
+    # (first, count) when the group's blocks are consecutive ids: the keys are then a view of the pool, no gather
+    # (one sequence decoding alone usually owns consecutive blocks).
+    block_span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,31 +67,34 @@ def build_layout(
 ) -> tuple[AttentionLayout, torch.Tensor]:
     """Describe one packed forward pass: sequence i brings `query_lens[i]` new tokens after `context_lens[i]`.
 
-    Returns the layout and the position id of every packed token.
+    Returns the layout and the position id of every packed token. Built with Python lists and one tensor per
+    field: a decode step has a handful of sequences, and a dozen small tensor ops cost more (measured ~0.4 ms).
     """
     n = len(query_lens)
-    max_blocks = max(len(t) for t in block_tables)
-    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
-    q_lens = torch.tensor(query_lens, dtype=torch.long)
-    ctx = torch.tensor(context_lens, dtype=torch.long)
-    seq_of_token = torch.repeat_interleave(torch.arange(n), q_lens)
-    starts = torch.cumsum(q_lens, 0) - q_lens
-    positions = ctx[seq_of_token] + (torch.arange(int(q_lens.sum())) - starts[seq_of_token])
-    slot_mapping = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+    starts = list(accumulate(query_lens, initial=0))[:n]
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
+        span = range(ctx_len, ctx_len + q_len)
+        positions.extend(span)
+        slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in span)
 
     chunks = []
     for i in range(n):
         if query_lens[i] > BATCHED_MAX_QUERY:
-            start = int(starts[i])
             total = context_lens[i] + query_lens[i]
-            blocks = table[i, : -(-total // block_size)].to(device) if context_lens[i] > 0 else None
-            chunks.append((start, start + query_lens[i], context_lens[i], blocks))
-    short = sorted((i for i in range(n) if query_lens[i] <= BATCHED_MAX_QUERY),
-                   key=lambda i: context_lens[i] + query_lens[i])
-    buckets = _bucket_by_length(short, [c + q for c, q in zip(context_lens, query_lens)])
-    groups = tuple(_batched_group(torch.tensor(g), q_lens, ctx, starts, table, block_size, device) for g in buckets)
+            blocks = (torch.tensor(block_tables[i][: -(-total // block_size)], dtype=torch.long, device=device)
+                      if context_lens[i] > 0 else None)
+            chunks.append((starts[i], starts[i] + query_lens[i], context_lens[i], blocks))
+    totals = [c + q for c, q in zip(context_lens, query_lens)]
+    short = sorted((i for i in range(n) if query_lens[i] <= BATCHED_MAX_QUERY), key=lambda i: totals[i])
+    buckets = _bucket_by_length(short, totals)
+    groups = tuple(_batched_group(g, query_lens, context_lens, starts, block_tables, block_size, device)
+                   for g in buckets)
     in_order = not chunks and len(buckets) == 1 and buckets[0] == list(range(n)) and len(set(query_lens)) == 1
-    return AttentionLayout(slot_mapping.to(device), groups, tuple(chunks), in_order), positions.to(device)
+    layout = AttentionLayout(torch.tensor(slot_mapping, dtype=torch.long, device=device), groups, tuple(chunks),
+                             in_order)
+    return layout, torch.tensor(positions, dtype=torch.long, device=device)
 
 
 def _bucket_by_length(order: list[int], lengths: list[int]) -> list[list[int]]:
@@ -105,25 +112,30 @@ def _bucket_by_length(order: list[int], lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-def _batched_group(idx: torch.Tensor, q_lens: torch.Tensor, ctx: torch.Tensor, starts: torch.Tensor,
-                   table: torch.Tensor, block_size: int, device: torch.device) -> BatchedGroup:
-    b_q, b_ctx = q_lens[idx], ctx[idx]
-    q_max = int(b_q.max())
-    total = b_ctx + b_q
-    n_blocks = -(-int(total.max()) // block_size)
-    offs = torch.arange(q_max)
-    clamped = torch.minimum(offs[None, :], b_q[:, None] - 1)
-    uniform_q = bool((b_q == q_max).all())
-    limit = b_ctx[:, None] + clamped + 1  # keys visible to each query
+def _batched_group(members: list[int], query_lens: list[int], context_lens: list[int], starts: list[int],
+                   block_tables: list[list[int]], block_size: int, device: torch.device) -> BatchedGroup:
+    b_q = [query_lens[i] for i in members]
+    b_ctx = [context_lens[i] for i in members]
+    q_max = max(b_q)
+    totals = [c + q for c, q in zip(b_ctx, b_q)]
+    n_blocks = -(-max(totals) // block_size)
+    # Each padded query slot j of sequence i stands for its query min(j, q_i - 1) (padding repeats the last).
+    clamped = [[min(j, q - 1) for j in range(q_max)] for q in b_q]
+    query_index = [starts[i] + j for i, row in zip(members, clamped) for j in row]
+    uniform_q = all(q == q_max for q in b_q)
+    query_valid = None if uniform_q else torch.tensor([j < q for q in b_q for j in range(q_max)], device=device)
+    blocks = [b for i in members for b in (block_tables[i] + [0] * n_blocks)[:n_blocks]]
     mask = None
-    if q_max > 1 or not bool((total == n_blocks * block_size).all()):
+    if q_max > 1 or any(t != n_blocks * block_size for t in totals):
+        limit = torch.tensor([[c + j + 1 for j in row] for c, row in zip(b_ctx, clamped)])  # keys each query sees
         mask = (torch.arange(n_blocks * block_size)[None, None, :] < limit[:, :, None]).unsqueeze(1).to(device)
     return BatchedGroup(
-        query_index=(starts[idx][:, None] + clamped).reshape(-1).to(device),
-        query_valid=None if uniform_q else (offs[None, :] < b_q[:, None]).reshape(-1).to(device),
-        blocks=table[idx, :n_blocks].reshape(-1).to(device),
+        query_index=torch.tensor(query_index, dtype=torch.long, device=device),
+        query_valid=query_valid,
+        blocks=torch.tensor(blocks, dtype=torch.long, device=device),
+        block_span=(blocks[0], len(blocks)) if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None,
         mask=mask,
-        batch=len(idx),
+        batch=len(members),
         q_max=q_max,
     )
 
@@ -241,8 +253,13 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
         batch, q_max = group.batch, group.q_max
         qb = query if layout.in_order else query.index_select(0, group.query_index)
         qb = qb.view(batch, q_max, heads, dim).transpose(1, 2)  # [B, H, Q, D]
-        kb = k_rows.index_select(0, group.blocks).view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B,KVH,L,D]
-        vb = v_rows.index_select(0, group.blocks).view(batch, -1, kv_heads, dim).transpose(1, 2)
+        if group.block_span is not None:
+            first, count = group.block_span
+            kb, vb = k_rows[first:first + count], v_rows[first:first + count]
+        else:
+            kb, vb = k_rows.index_select(0, group.blocks), v_rows.index_select(0, group.blocks)
+        kb = kb.view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B, KVH, L, D]
+        vb = vb.view(batch, -1, kv_heads, dim).transpose(1, 2)
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scaling, enable_gqa=True)
         ob = ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
         if layout.in_order:
