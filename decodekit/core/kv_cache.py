@@ -43,6 +43,7 @@ class BatchedGroup:
     # (first, count) when the group's blocks are consecutive ids: the keys are then a view of the pool, no gather
     # (one sequence decoding alone usually owns consecutive blocks).
     block_span: tuple[int, int] | None = None
+    key_len: int | None = None  # keys to attend when the group is one single-query sequence (then no mask)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,10 @@ def _batched_group(members: list[int], query_lens: list[int], context_lens: list
     query_valid = None if uniform_q else torch.tensor([j < q for q in b_q for j in range(q_max)], device=device)
     blocks = [b for i in members for b in (block_tables[i] + [0] * n_blocks)[:n_blocks]]
     mask = None
-    if q_max > 1 or any(t != n_blocks * block_size for t in totals):
+    key_len = None
+    if len(members) == 1 and q_max == 1:
+        key_len = totals[0]  # one decoding sequence: cut the keys to its length instead of masking the tail
+    elif q_max > 1 or any(t != n_blocks * block_size for t in totals):
         limit = torch.tensor([[c + j + 1 for j in row] for c, row in zip(b_ctx, clamped)])  # keys each query sees
         mask = (torch.arange(n_blocks * block_size)[None, None, :] < limit[:, :, None]).unsqueeze(1).to(device)
     return BatchedGroup(
@@ -134,6 +138,7 @@ def _batched_group(members: list[int], query_lens: list[int], context_lens: list
         query_valid=query_valid,
         blocks=torch.tensor(blocks, dtype=torch.long, device=device),
         block_span=(blocks[0], len(blocks)) if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None,
+        key_len=key_len,
         mask=mask,
         batch=len(members),
         q_max=q_max,
@@ -258,8 +263,8 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
             kb, vb = k_rows[first:first + count], v_rows[first:first + count]
         else:
             kb, vb = k_rows.index_select(0, group.blocks), v_rows.index_select(0, group.blocks)
-        kb = kb.view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B, KVH, L, D]
-        vb = vb.view(batch, -1, kv_heads, dim).transpose(1, 2)
+        kb = kb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2)  # [B, KVH, L, D]
+        vb = vb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2)
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scaling, enable_gqa=True)
         ob = ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
         if layout.in_order:
