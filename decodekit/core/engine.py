@@ -14,7 +14,7 @@ from decodekit.config import EngineConfig
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.detokenizer import IncrementalDetokenizer
 from decodekit.core.kv_cache import PagedKVCache
-from decodekit.core.runner import ForwardItem, ModelRunner, model_geometry, wants_fused_decoder
+from decodekit.core.runner import ForwardItem, ModelRunner, build_runner, model_geometry
 from decodekit.core.scheduler import Scheduler, SchedulerOutput
 from decodekit.core.sequence import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
 from decodekit.errors import ConfigError, DecodeKitError, RequestError
@@ -57,9 +57,7 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.kv_cache = PagedKVCache(geometry.num_layers, num_blocks, config.block_size, geometry.num_kv_heads,
                                      geometry.head_dim, loaded.dtype, loaded.device)
-        self.runner = ModelRunner(loaded.model, self.kv_cache,
-                                  fused=wants_fused_decoder(loaded.model, config.fused_decoder, loaded.owned),
-                                  prepack_weights=config.prepack_weights)
+        self.runner = build_runner(loaded, self.kv_cache, config)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy)
         self.eos_token_ids = _eos_token_ids(loaded)

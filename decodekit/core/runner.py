@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
+from decodekit.config import EngineConfig
 from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
 from decodekit.core.kv_cache import ATTENTION_NAME, PagedKVCache, build_layout
 from decodekit.errors import ConfigError, UnsupportedModelError
+from decodekit.models.loader import LoadedModel
 
 log = logging.getLogger("decodekit.runner")
 
@@ -82,6 +84,13 @@ def wants_prepacking(model: Any, setting: bool | None) -> bool:
         log.info("prepack_weights off: a second copy of %.1f GiB of weights is over the default limit", size / 2**30)
         return False
     return True
+
+
+def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConfig) -> ModelRunner:
+    """The runner for `loaded` under an engine's `config`: fused or transformers forward, prepacked or not."""
+    return ModelRunner(loaded.model, kv_cache,
+                       fused=wants_fused_decoder(loaded.model, config.fused_decoder, loaded.owned),
+                       prepack_weights=config.prepack_weights)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from decodekit import select_tokens
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.kv_cache import PagedKVCache
-from decodekit.core.runner import ForwardItem, ModelRunner, model_geometry, wants_fused_decoder
+from decodekit.core.runner import ForwardItem, build_runner, model_geometry
 from decodekit.core.sequence import Request, Sequence
 from decodekit.params import SamplingParams
 from decodekit.processors import BatchView, Stage, apply_processors
@@ -128,8 +128,7 @@ class DraftModelProposer(Proposer):
             self.allocator = BlockAllocator(num_blocks, block_size)
             self.cache = PagedKVCache(geometry.num_layers, num_blocks, block_size, geometry.num_kv_heads,
                                       geometry.head_dim, loaded.dtype, loaded.device)
-            self.runner = ModelRunner(loaded.model, self.cache, fused=wants_fused_decoder(
-                loaded.model, engine.config.fused_decoder, loaded.owned), prepack_weights=engine.config.prepack_weights)
+            self.runner = build_runner(loaded, self.cache, engine.config)
         return self.allocator
 
     def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
