@@ -88,7 +88,6 @@ class _FusedLayer:
     qkv: _Matrix
     q_heads: int
     kv_heads: int
-    qk_heads: int  # query plus key heads: the rows of the fused product that get RoPE
     o: _Matrix
     post_norm: torch.Tensor
     post_eps: float
@@ -197,7 +196,7 @@ class FusedDecoder:
         return _FusedLayer(
             input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
             qkv=_Matrix(_fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), qkv_bias, prepack),
-            q_heads=q_heads, kv_heads=kv_heads, qk_heads=q_heads + kv_heads, o=_Matrix(o_t, None, prepack),
+            q_heads=q_heads, kv_heads=kv_heads, o=_Matrix(o_t, None, prepack),
             post_norm=layer.post_attention_layernorm.weight,
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             gate_up=_Matrix(_fuse_columns([mlp.gate_proj, mlp.up_proj]), None, prepack),
@@ -224,8 +223,9 @@ class FusedDecoder:
                cache: PagedKVCache, tokens: int) -> torch.Tensor:
         qkv = layer.qkv(_rms_norm(hidden, layer.input_norm, layer.input_eps))
         head_dim = cos.shape[-1]
-        qk, value = qkv.view(tokens, -1, head_dim).split([layer.qk_heads, layer.kv_heads], dim=1)
-        # RoPE on queries and keys together: one set of elementwise ops for all their heads.
+        # RoPE on queries and keys together (the first q + kv heads of the fused product): one set of
+        # elementwise ops for all their heads.
+        qk, value = qkv.view(tokens, -1, head_dim).split([layer.q_heads + layer.kv_heads, layer.kv_heads], dim=1)
         query, key = _rotate(qk, cos, sin).split([layer.q_heads, layer.kv_heads], dim=1)
         cache.write(index, key, value)
         attended = paged_attention(cache, index, query, key, value, layer.scaling)

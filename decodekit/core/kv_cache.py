@@ -253,22 +253,11 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
     k_rows, v_rows = cache.key_rows[layer_idx], cache.value_rows[layer_idx]
     tokens, heads, dim = query.shape
     kv_heads = key.shape[1]
-    out = query.new_empty(tokens, heads, dim) if not layout.in_order else query
+    if layout.in_order:  # one group, every token in packed order: no gather, no scatter
+        return _attend_group(layout.groups[0], query, k_rows, v_rows, kv_heads, scaling)
+    out = query.new_empty(tokens, heads, dim)
     for group in layout.groups:
-        batch, q_max = group.batch, group.q_max
-        qb = query if layout.in_order else query.index_select(0, group.query_index)
-        qb = qb.view(batch, q_max, heads, dim).transpose(1, 2)  # [B, H, Q, D]
-        if group.block_span is not None:
-            first, count = group.block_span
-            kb, vb = k_rows[first:first + count], v_rows[first:first + count]
-        else:
-            kb, vb = k_rows.index_select(0, group.blocks), v_rows.index_select(0, group.blocks)
-        kb = kb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2)  # [B, KVH, L, D]
-        vb = vb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2)
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scaling, enable_gqa=True)
-        ob = ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
-        if layout.in_order:
-            return ob
+        ob = _attend_group(group, query.index_select(0, group.query_index), k_rows, v_rows, kv_heads, scaling)
         if group.query_valid is None:
             out.index_copy_(0, group.query_index, ob)
         else:
@@ -287,6 +276,23 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[start:end] = os_[0].transpose(0, 1)
     return out
+
+
+def _attend_group(group: BatchedGroup, queries: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                  kv_heads: int, scaling: float | None) -> torch.Tensor:
+    """One padded SDPA call for a group: `queries` `[B * Qmax, heads, D]` in the group's order, same shape out."""
+    batch, q_max = group.batch, group.q_max
+    _, heads, dim = queries.shape
+    qb = queries.view(batch, q_max, heads, dim).transpose(1, 2)  # [B, H, Q, D]
+    if group.block_span is not None:
+        first, count = group.block_span
+        kb, vb = k_rows[first:first + count], v_rows[first:first + count]
+    else:
+        kb, vb = k_rows.index_select(0, group.blocks), v_rows.index_select(0, group.blocks)
+    kb = kb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2)  # [B, KVH, L, D]
+    vb = vb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2)
+    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scaling, enable_gqa=True)
+    return ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
