@@ -40,6 +40,10 @@ class EngineConfig(BaseModel):
         None, description="With the fused decoder on a CPU in float32, keep a second, oneDNN-blocked copy of every "
         "weight for steps of 2-128 rows (batches, speculation, beams: 1.3-1.8x faster products). Default: on "
         "when that copy takes at most 2 GiB.")
+    native_kernels: bool | None = Field(
+        None, description="With the fused decoder on a CPU in float32, run RMSNorm, SiLU-gating and RoPE + KV write "
+        "+ attention of small steps (decode, speculation, beams) as native kernels compiled at first use with the "
+        "system C compiler. Default: on when a compiler is found (else torch ops); true fails without one.")
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

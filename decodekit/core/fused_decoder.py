@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.core.kv_cache import PagedKVCache, paged_attention
+from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels
 
 # Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
 FUSABLE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -159,10 +160,14 @@ class FusedDecoder:
         ValueError: the model is not fusable (see `fused_decoder_refusal`).
     """
 
-    def __init__(self, model: Any, prepack: bool = False) -> None:
+    def __init__(self, model: Any, prepack: bool = False, native: NativeKernels | None = None) -> None:
         reason = fused_decoder_refusal(model)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
+        weight = model.lm_head.weight
+        if native is not None and (weight.dtype != torch.float32 or weight.device.type != "cpu"):
+            raise ValueError(f"native kernels need float32 weights on the CPU, not {weight.dtype} on {weight.device}")
+        self.native = native
         base = model.model
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
@@ -205,18 +210,40 @@ class FusedDecoder:
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                 logit_index: torch.Tensor) -> torch.Tensor:
-        """Forward `[T]` packed tokens at `[T]` positions; return logits `[len(logit_index), vocab]`."""
+                 logit_index: torch.Tensor, plan: DecodeAttentionPlan | None = None) -> torch.Tensor:
+        """Forward `[T]` packed tokens at `[T]` positions; return logits `[len(logit_index), vocab]`.
+
+        With a `plan` (and native kernels) the step's small ops run natively; the runner makes one for steps
+        whose sequences each score a few tokens.
+        """
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim], broadcast over heads
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # see `_rotate`
         tokens = hidden.shape[0]
+        native = self.native
+        if native is not None and plan is not None:
+            plan.set_rope(cos[:, 0], sin[:, 0])
+            for index, layer in enumerate(self.layers):
+                hidden = self._native_layer(native, index, layer, hidden, cache, plan)
+            hidden = native.rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
+            return self.lm_head(hidden)
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, cache, tokens)
         hidden = _rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
         return self.lm_head(hidden)
+
+    @staticmethod
+    def _native_layer(native: NativeKernels, index: int, layer: _FusedLayer, hidden: torch.Tensor,
+                      cache: PagedKVCache, plan: DecodeAttentionPlan) -> torch.Tensor:
+        """`_layer` with its small ops as three native kernels: RMSNorm, RoPE + KV write + attention, SiLU-gating."""
+        qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps))
+        attended = native.rope_cache_attend(qkv, layer.q_heads, layer.kv_heads, cache.key_slots[index],
+                                            cache.value_slots[index], plan, layer.scaling)
+        hidden = layer.o(attended, residual=hidden)
+        gate_up = layer.gate_up(native.rms_norm(hidden, layer.post_norm, layer.post_eps))
+        return layer.down(native.silu_mul(gate_up), residual=hidden)
 
     @staticmethod
     def _layer(index: int, layer: _FusedLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

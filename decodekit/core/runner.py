@@ -10,7 +10,8 @@ import torch
 
 from decodekit.config import EngineConfig
 from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
-from decodekit.core.kv_cache import ATTENTION_NAME, PagedKVCache, build_layout
+from decodekit.core.kv_cache import ATTENTION_NAME, BATCHED_MAX_QUERY, PagedKVCache, build_layout
+from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
 from decodekit.errors import ConfigError, UnsupportedModelError
 from decodekit.models.loader import LoadedModel
 
@@ -64,6 +65,10 @@ def wants_fused_decoder(model: Any, setting: bool | None, owned: bool) -> bool:
     return reason is None and (setting if setting is not None else owned)
 
 
+# Steps of at most this many tokens, each sequence scoring at most BATCHED_MAX_QUERY, run the native kernels
+# (when on); longer ones (prefill chunks, large batches) keep torch's multi-threaded ops and blocked SDPA.
+NATIVE_MAX_TOKENS = 64
+
 # The largest extra weight copy `prepack_weights` makes by default.
 PREPACK_DEFAULT_LIMIT = 2 << 30
 
@@ -86,11 +91,36 @@ def wants_prepacking(model: Any, setting: bool | None) -> bool:
     return True
 
 
+def wants_native_kernels(model: Any, setting: bool | None) -> NativeKernels | None:
+    """The native kernels the fused decoder should use for `model`: only for float32 on a CPU, and by default
+    only where they build (a C compiler is found).
+
+    Raises:
+        ConfigError: `setting` is True but the kernels cannot run here (the message says why).
+    """
+    if setting is False:
+        return None
+    weight = model.lm_head.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if setting:
+            raise ConfigError(f"native_kernels: they run float32 on a CPU, not {weight.dtype} on {weight.device}; "
+                              "set native_kernels to false or leave it unset")
+        return None
+    loaded = load_kernels()
+    if isinstance(loaded, str):
+        if setting:
+            raise ConfigError(f"native_kernels: {loaded}; set native_kernels to false or leave it unset")
+        log.warning("native kernels off (%s): small ops stay in torch", loaded)
+        return None
+    return loaded
+
+
 def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConfig) -> ModelRunner:
-    """The runner for `loaded` under an engine's `config`: fused or transformers forward, prepacked or not."""
-    return ModelRunner(loaded.model, kv_cache,
-                       fused=wants_fused_decoder(loaded.model, config.fused_decoder, loaded.owned),
-                       prepack_weights=config.prepack_weights)
+    """The runner for `loaded` under an engine's `config`: fused or transformers forward, prepacked or not, native
+    kernels or not."""
+    fused = wants_fused_decoder(loaded.model, config.fused_decoder, loaded.owned)
+    return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights,
+                       native=wants_native_kernels(loaded.model, config.native_kernels) if fused else None)
 
 
 @dataclass
@@ -111,12 +141,12 @@ class ModelRunner:
     """
 
     def __init__(self, model: Any, kv_cache: PagedKVCache, fused: bool = False,
-                 prepack_weights: bool | None = None) -> None:
+                 prepack_weights: bool | None = None, native: NativeKernels | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.pool.device
         self._config = model.config
-        self.fused = FusedDecoder(model, wants_prepacking(model, prepack_weights)) if fused else None
+        self.fused = FusedDecoder(model, wants_prepacking(model, prepack_weights), native) if fused else None
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -135,8 +165,14 @@ class ModelRunner:
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         self.kv_cache.layout = layout
         if self.fused is not None:
+            plan = None
+            query_lens = [len(it.token_ids) for it in items]
+            if (self.fused.native is not None and len(flat) <= NATIVE_MAX_TOKENS
+                    and max(query_lens) <= BATCHED_MAX_QUERY):
+                plan = DecodeAttentionPlan(layout.slot_mapping, query_lens, [it.context_len for it in items],
+                                           [it.block_table for it in items], self.kv_cache.block_size)
             try:
-                return self.fused(input_ids[0], positions, self.kv_cache, keep).float()
+                return self.fused(input_ids[0], positions, self.kv_cache, keep, plan).float()
             finally:
                 self.kv_cache.layout = None
         # Switch attention only for this call, so the same model object stays usable by plain transformers

@@ -1,0 +1,161 @@
+/* decodekit's native CPU kernels: the small float32 operations of a decoder layer, one call each.
+ *
+ * At batch 1 a SmolLM2 step spends ~13 ms outside its matrix products, most of it in the dispatch of ~25 small
+ * torch ops per layer (RMSNorm alone is six), not in arithmetic: the data is a few KB. These kernels do that work
+ * in three calls per layer. The products stay with torch's BLAS / oneDNN.
+ *
+ * Built at first use by decodekit/core/native_kernels.py with the system C compiler (-O3 -march=native
+ * -ffp-contract=off) and loaded through ctypes: no Python or torch headers, so a compile takes well under a
+ * second. -ffp-contract=off keeps `a*b + c*d` as two roundings, so RoPE is bit-identical to transformers'; the
+ * reductions (RMSNorm's mean, attention's dots and softmax) are summed in another order than torch's and may
+ * differ in the last bits, as the BLAS products already do between batch sizes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* Dot product of two float vectors: four independent 8-lane accumulators (one chain would wait on the adder's
+ * latency), then a fixed pairwise reduction. */
+static float dot(const float* a, const float* b, int64_t n) {
+    v8f acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        acc0 += load8(a + i) * load8(b + i);
+        acc1 += load8(a + i + 8) * load8(b + i + 8);
+        acc2 += load8(a + i + 16) * load8(b + i + 16);
+        acc3 += load8(a + i + 24) * load8(b + i + 24);
+    }
+    for (; i + 8 <= n; i += 8) acc0 += load8(a + i) * load8(b + i);
+    v8f acc = (acc0 + acc1) + (acc2 + acc3);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+/* o[0:dim] = sum_j p[j] * (base + rows[j])[0:dim]: the probability-weighted sum of n value rows. Each 64-float
+ * slice of the output is kept in eight registers across all rows, instead of being stored and reloaded per row. */
+static void weighted_rows(float* o, const float* p, const float* base, const int64_t* rows, int64_t n, int64_t dim) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= dim; d0 += 64) {
+        v8f acc[8] = {{0}};
+        for (int64_t j = 0; j < n; ++j) {
+            const float* v = base + rows[j] + d0;
+            v8f pj = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
+            for (int k = 0; k < 8; ++k) acc[k] += pj * load8(v + 8 * k);
+        }
+        for (int k = 0; k < 8; ++k) store8(o + d0 + 8 * k, acc[k]);
+    }
+    for (; d0 < dim; ++d0) {
+        float acc = 0;
+        for (int64_t j = 0; j < n; ++j) acc += p[j] * base[rows[j] + d0];
+        o[d0] = acc;
+    }
+}
+/* transformers' LlamaRMSNorm in float32: out = w * (x * 1/sqrt(mean(x^2) + eps)), row by row.
+ * The mean is accumulated in double (torch sums float32 pairwise; both are within an ulp of the exact mean). */
+void dk_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * dim;
+        float* o = out + r * dim;
+        double acc0 = 0, acc1 = 0, acc2 = 0, acc3 = 0;
+        int64_t i = 0;
+        for (; i + 4 <= dim; i += 4) {
+            acc0 += (double)xr[i] * xr[i];
+            acc1 += (double)xr[i + 1] * xr[i + 1];
+            acc2 += (double)xr[i + 2] * xr[i + 2];
+            acc3 += (double)xr[i + 3] * xr[i + 3];
+        }
+        for (; i < dim; ++i) acc0 += (double)xr[i] * xr[i];
+        float variance = (float)(((acc0 + acc1) + (acc2 + acc3)) / (double)dim);
+        float inv = 1.0f / sqrtf(variance + eps);
+        for (i = 0; i < dim; ++i) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the SiLU-gated MLP's activation. */
+void dk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * 2 * inter;
+        const float* u = g + inter;
+        float* o = out + r * inter;
+        for (int64_t i = 0; i < inter; ++i) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    }
+}
+
+/* RoPE in place on one head: x = x*cos + roll(x, D/2)*signed_sin (see fused_decoder._rotate). */
+static void rotate(float* x, const float* cos, const float* signed_sin, int64_t dim, float* tmp) {
+    int64_t half = dim / 2;
+    memcpy(tmp, x, (size_t)dim * sizeof(float));
+    for (int64_t i = 0; i < dim; ++i) {
+        float rolled = tmp[i < half ? i + half : i - half];
+        float a = tmp[i] * cos[i];
+        float b = rolled * signed_sin[i];
+        x[i] = a + b;
+    }
+}
+
+/* One decoder layer's attention for a step whose sequences each score a few new tokens (decode, speculative
+ * verification, beams):
+ *   1. RoPE on every query and key head of `qkv` ([T, (H + 2*KVH) * D], rotated in place);
+ *   2. this step's keys and values written to their pool slots (`kpool`/`vpool` are the layer's [slots, KVH, D]);
+ *   3. each query t attends the first key_len[t] keys of its sequence, whose blocks are
+ *      tables[table_start[t] ...]; the result goes to out [T, H, D].
+ * Every write happens before any read, so queries of one sequence see each other's keys (causality comes from
+ * key_len). Returns 0, or -1 if scratch memory could not be allocated. */
+int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
+                         const float* cos, const float* signed_sin, float* kpool, float* vpool,
+                         const int64_t* slots, const int64_t* tables, const int64_t* table_start,
+                         const int64_t* key_len, int64_t block_size, float scale, float* out) {
+    int64_t width = (heads + 2 * kv_heads) * dim;
+    int64_t group = heads / kv_heads;
+    int64_t max_keys = 1;
+    for (int64_t t = 0; t < tokens; ++t) max_keys = key_len[t] > max_keys ? key_len[t] : max_keys;
+    float* tmp = malloc((size_t)dim * sizeof(float));
+    float* scores = malloc((size_t)(group * max_keys) * sizeof(float));
+    int64_t* rows = malloc((size_t)max_keys * sizeof(int64_t));
+    if (tmp == NULL || scores == NULL || rows == NULL) { free(tmp); free(scores); free(rows); return -1; }
+
+    for (int64_t t = 0; t < tokens; ++t) {
+        float* row = qkv + t * width;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(row + h * dim, cos + t * dim, signed_sin + t * dim, dim, tmp);
+        memcpy(kpool + slots[t] * kv_heads * dim, row + heads * dim, (size_t)(kv_heads * dim) * sizeof(float));
+        memcpy(vpool + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim, (size_t)(kv_heads * dim) * sizeof(float));
+    }
+
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float* q = qkv + t * width;
+        const int64_t* table = tables + table_start[t];
+        int64_t n = key_len[t];
+        /* the pool offset (in floats, kv head 0) of each key, walked block by block: no division per key */
+        for (int64_t j = 0, b = 0; j < n; ++b)
+            for (int64_t i = 0; i < block_size && j < n; ++i, ++j) rows[j] = (table[b] * block_size + i) * kv_heads * dim;
+        for (int64_t g = 0; g < kv_heads; ++g) {
+            const float* qg = q + g * group * dim;
+            /* scores[h][j] = scale * q_h . k_j for the `group` query heads sharing kv head g */
+            for (int64_t j = 0; j < n; ++j) {
+                const float* k = kpool + rows[j] + g * dim;
+                for (int64_t h = 0; h < group; ++h) scores[h * n + j] = dot(qg + h * dim, k, dim) * scale;
+            }
+            for (int64_t h = 0; h < group; ++h) {
+                float* sc = scores + h * n;
+                float m = sc[0];
+                for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
+                float sum = 0;
+                for (int64_t j = 0; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+                float inv = 1.0f / sum;
+                for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
+                weighted_rows(out + (t * heads + g * group + h) * dim, sc, vpool + g * dim, rows, n, dim);
+            }
+        }
+    }
+    free(tmp);
+    free(scores);
+    free(rows);
+    return 0;
+}

@@ -1,0 +1,207 @@
+"""Native CPU kernels for the fused decoder's small float32 ops, compiled at first use and loaded with ctypes.
+
+`kernels()` returns the loaded `NativeKernels`, or None where they cannot run (no C compiler, a failed build, or
+`DECODEKIT_NATIVE_KERNELS=0`); callers then keep their torch ops. The shared library is cached under
+`$DECODEKIT_CACHE_DIR/native` (default `~/.cache/decodekit/native`) keyed by the source, the compiler command
+and this CPU's model and flags, because it is built with `-march=native`.
+
+The kernels (see `native/kernels.c`) do RMSNorm, SiLU-gating, and RoPE + KV write + attention for steps whose
+sequences each score a few tokens. They take raw pointers: every tensor passed must be float32 (int64 for the
+index arrays), contiguous, and on the CPU; the wrappers below check shapes and dtypes once per call where it is
+cheap and leave the rest to their callers, the fused decoder and the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("decodekit.native")
+
+SOURCE = Path(__file__).with_name("native") / "kernels.c"
+# -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
+# bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+
+_p = ctypes.c_void_p
+_i = ctypes.c_int64
+_f = ctypes.c_float
+
+
+def _cpu_identity() -> str:
+    """This CPU's model name and feature flags (the library is compiled for exactly them)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DECODEKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "decodekit")
+    return Path(root) / "native"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build_library(compiler: str) -> Path:
+    """Compile `kernels.c` for this CPU (or reuse the cached build) and return the library's path.
+
+    Raises:
+        RuntimeError: the compiler failed (its output is in the message).
+    """
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode() + _cpu_identity().encode()).hexdigest()
+    target = _cache_dir() / f"decodekit_kernels_{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes (pytest workers, a server and a CLI) never load a
+    # half-written library.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}:\n{done.stderr.strip()}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+class NativeKernels:
+    """The loaded kernels, with thin typed wrappers over their C entry points."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        self.path = path
+        self._rms_norm = lib.dk_rms_norm
+        self._rms_norm.argtypes = [_p, _p, _p, _i, _i, _f]
+        self._rms_norm.restype = None
+        self._silu_mul = lib.dk_silu_mul
+        self._silu_mul.argtypes = [_p, _p, _i, _i]
+        self._silu_mul.restype = None
+        self._attend = lib.dk_rope_cache_attend
+        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _p]
+        self._attend.restype = ctypes.c_int
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' RMSNorm of float32 rows `x` `[rows, dim]` (contiguous) with `weight` `[dim]`."""
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` for float32 `[rows, 2 * inter]` rows holding gate then up."""
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,
+                          value_slots: torch.Tensor, plan: DecodeAttentionPlan, scaling: float) -> torch.Tensor:
+        """RoPE on `qkv`'s query and key heads (in place), KV write to the pool, attention; returns `[T, H * D]`.
+
+        `qkv` is `[T, (heads + 2 * kv_heads) * D]` float32, contiguous; `key_slots`/`value_slots` are one layer's
+        `[slots, kv_heads, D]` pool views; `plan` (with `set_rope` called) says where each query's keys are.
+        """
+        dim = key_slots.shape[-1]
+        if qkv.shape != (plan.tokens, (heads + 2 * kv_heads) * dim) or not qkv.is_contiguous():
+            raise ValueError(f"qkv {tuple(qkv.shape)} does not match the plan's {plan.tokens} tokens")
+        out = qkv.new_empty(plan.tokens, heads * dim)
+        cos, sin, slots, tables, table_start, key_len = plan.pointers
+        status = self._attend(qkv.data_ptr(), plan.tokens, heads, kv_heads, dim, cos, sin, key_slots.data_ptr(),
+                              value_slots.data_ptr(), slots, tables, table_start, key_len, plan.block_size, scaling,
+                              out.data_ptr())
+        if status != 0:
+            raise MemoryError("native attention could not allocate its scratch memory")
+        return out
+
+
+class DecodeAttentionPlan:
+    """Where each query token of a step reads its keys, as int64 arrays the native attention takes.
+
+    Built once per step by the runner (shared by every layer). Only for steps where each sequence scores a few
+    tokens: the kernel attends query by query, which beats SDPA's setup for decodes and loses to its blocked
+    products on long prefill chunks.
+
+    Args:
+        slots: `[T]` int64 pool slot each token's key/value is written to.
+        query_lens, context_lens, block_tables: per sequence, as in `kv_cache.build_layout`.
+        block_size: tokens per block.
+    """
+
+    def __init__(self, slots: torch.Tensor, query_lens: list[int], context_lens: list[int],
+                 block_tables: list[list[int]], block_size: int) -> None:
+        tables: list[int] = []
+        table_start: list[int] = []
+        key_len: list[int] = []
+        for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
+            start = len(tables)
+            tables.extend(table[: -(-(ctx_len + q_len) // block_size)])
+            table_start.extend([start] * q_len)
+            key_len.extend(range(ctx_len + 1, ctx_len + q_len + 1))
+        self.slots = slots
+        self.tables = torch.tensor(tables or [0], dtype=torch.long)
+        self.table_start = torch.tensor(table_start, dtype=torch.long)
+        self.key_len = torch.tensor(key_len, dtype=torch.long)
+        self.block_size = block_size
+        self.tokens = len(key_len)
+        self.cos: torch.Tensor | None = None
+        self.signed_sin: torch.Tensor | None = None
+        self.pointers: tuple[int, ...] = ()
+
+    def set_rope(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        """This step's rotary tables, `[T, head_dim]` each (kept alive here while the kernels read them)."""
+        self.cos, self.signed_sin = cos.contiguous(), signed_sin.contiguous()
+        # The pointers every layer passes, read once per step instead of once per layer.
+        self.pointers = (self.cos.data_ptr(), self.signed_sin.data_ptr(), self.slots.data_ptr(),
+                         self.tables.data_ptr(), self.table_start.data_ptr(), self.key_len.data_ptr())
+
+
+@functools.cache
+def load_kernels() -> NativeKernels | str:
+    """The native kernels for this machine, built once per process (and cached on disk), or why they are off."""
+    setting = os.environ.get("DECODEKIT_NATIVE_KERNELS", "1")
+    if setting.lower() in ("0", "false", "no", "off"):
+        return f"DECODEKIT_NATIVE_KERNELS={setting}"
+    compiler = _compiler()
+    if compiler is None:
+        return "no C compiler (cc, gcc or clang) on PATH"
+    try:
+        return NativeKernels(build_library(compiler))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+        return str(error)
+
+
+def kernels() -> NativeKernels | None:
+    """The native kernels, or None (with the reason logged once) where they cannot be built or are switched off."""
+    loaded = load_kernels()
+    if isinstance(loaded, str):
+        if not _told_why:
+            log.warning("native kernels off: %s; small ops stay in torch", loaded)
+            _told_why.append(loaded)
+        return None
+    return loaded
+
+
+_told_why: list[str] = []
