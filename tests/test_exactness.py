@@ -1,8 +1,8 @@
 """Greedy decoding is token-exact with transformers `generate`, whatever else is in the batch.
 
-Every test runs on both forwards: the model's own transformers modules with the paged attention function, and
-the fused decoder (on a copy of the model, since it re-lays weights in place); the reference is always
-`generate` on the untouched model.
+Every test runs on three forwards: the model's own transformers modules with the paged attention function, the
+fused decoder with its native kernels for small steps, and the fused decoder with torch ops only (on a copy of
+the model, since it re-lays weights in place); the reference is always `generate` on the untouched model.
 """
 
 from __future__ import annotations
@@ -15,16 +15,22 @@ from decodekit import LLM, SamplingParams
 from tests.conftest import hf_greedy, random_prompts
 
 
-@pytest.fixture(params=[False, True], ids=["transformers-forward", "fused-decoder"])
-def fused(request) -> bool:
+@pytest.fixture(params=["transformers", "native", "torch-ops"],
+                ids=["transformers-forward", "fused-native-kernels", "fused-torch-ops"])
+def fused(request) -> str:
     """Which forward the engine runs."""
     return request.param
 
 
-def _llm(model, tokenizer, fused: bool, **options) -> LLM:
-    llm = LLM(copy.deepcopy(model) if fused else model, tokenizer, dtype="float32", device="cpu",
-              fused_decoder=fused, **options)
-    assert (llm.engine.runner.fused is not None) == fused
+def _llm(model, tokenizer, fused: str, **options) -> LLM:
+    if fused == "transformers":
+        llm = LLM(model, tokenizer, dtype="float32", device="cpu", fused_decoder=False, **options)
+        assert llm.engine.runner.fused is None
+        return llm
+    llm = LLM(copy.deepcopy(model), tokenizer, dtype="float32", device="cpu", fused_decoder=True,
+              native_kernels=fused == "native", **options)
+    assert llm.engine.runner.fused is not None
+    assert (llm.engine.runner.fused.native is not None) == (fused == "native")
     return llm
 
 

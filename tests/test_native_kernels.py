@@ -1,0 +1,151 @@
+"""The native kernels: same results as the torch ops they replace, cached builds, and a clean fallback."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodekit import LLM, SamplingParams
+from decodekit.core import native_kernels
+from decodekit.core.fused_decoder import _rms_norm, _rotate
+from decodekit.core.native_kernels import DecodeAttentionPlan, build_library, kernels, load_kernels
+from decodekit.errors import ConfigError
+from tests.conftest import hf_greedy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def native():
+    loaded = kernels()
+    assert loaded is not None, f"the native kernels must build on this machine: {load_kernels()}"
+    return loaded
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), width=st.sampled_from([7, 64, 576, 1000]), scale=st.floats(1e-3, 1e3),
+       eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 2**16))
+def test_native_rms_norm_matches_transformers_to_the_last_bits(native, rows, width, scale, eps, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(rows, width, generator=g) * scale, torch.randn(width, generator=g)
+    # The mean of squares is summed in another order than torch's; the two roundings after it can carry that
+    # to a few ulps (float32 ulps are 6e-8 to 1.2e-7 relative).
+    torch.testing.assert_close(native.rms_norm(x, weight, eps), _rms_norm(x, weight, eps), rtol=5e-7, atol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 6), inter=st.sampled_from([5, 64, 1536]), seed=st.integers(0, 2**16))
+def test_native_silu_gating_matches_torch(native, rows, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(native.silu_mul(gate_up), want, rtol=1e-6, atol=1e-7)
+
+
+def _reference_attention(queries, keys, values, scale):
+    """softmax(q k^T * scale) v in float64 for one query head over its keys."""
+    scores = (queries.double() @ keys.double().T) * scale
+    return (torch.softmax(scores, dim=-1) @ values.double()).float()
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_size=st.sampled_from([1, 4, 16]), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
+       dim=st.sampled_from([8, 64, 72, 128]), query_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+       contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), seed=st.integers(0, 2**16))
+def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native, block_size, kv_heads, group, dim,
+                                                                          query_lens, contexts, seed):
+    heads = kv_heads * group
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    contexts = contexts[: len(query_lens)]
+    need = [-(-(c + q) // block_size) for c, q in zip(contexts, query_lens)]
+    block_ids = rng.sample(range(sum(need) + 8), sum(need))  # scattered, non-consecutive blocks
+    tables, start = [], 0
+    for n in need:
+        tables.append(block_ids[start:start + n])
+        start += n
+    num_slots = (sum(need) + 8) * block_size
+    key_pool, value_pool = (torch.randn(num_slots, kv_heads, dim, generator=g) for _ in range(2))
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, c, q in zip(tables, contexts, query_lens) for p in range(c, c + q)]
+    tokens = len(slots)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    cos, sin = torch.randn(tokens, dim, generator=g), torch.randn(tokens, dim, generator=g)
+
+    # torch: RoPE exactly as the fused decoder does it, then the write
+    qk, value = qkv.view(tokens, -1, dim).split([heads + kv_heads, kv_heads], dim=1)
+    query, key = _rotate(qk, cos[:, None], sin[:, None]).split([heads, kv_heads], dim=1)
+    want_keys, want_values = key_pool.clone(), value_pool.clone()
+    want_keys[slots], want_values[slots] = key, value
+
+    plan = DecodeAttentionPlan(torch.tensor(slots), query_lens, contexts, tables, block_size)
+    plan.set_rope(cos, sin)
+    rotated = qkv.clone()
+    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3)
+
+    assert torch.equal(key_pool, want_keys), "rotated keys must land bit-exactly at their slots"
+    assert torch.equal(value_pool, want_values)
+    assert torch.equal(rotated.view(tokens, -1, dim)[:, :heads], query), "queries are rotated in place, bit-exactly"
+    out = out.view(tokens, heads, dim)
+    token = 0
+    for table, ctx, q_len in zip(tables, contexts, query_lens):
+        order = [table[p // block_size] * block_size + p % block_size for p in range(ctx + q_len)]
+        for j in range(q_len):
+            seen = order[: ctx + j + 1]  # causal: its own context plus this step's earlier tokens
+            for h in range(heads):
+                want = _reference_attention(query[token, h][None], want_keys[seen, h // group],
+                                            want_values[seen, h // group], 0.3)[0]
+                torch.testing.assert_close(out[token, h], want, rtol=1e-5, atol=1e-5)
+            token += 1
+
+
+def test_the_library_is_built_once_and_reused(native, tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    first = build_library("cc")
+    stamp = first.stat().st_mtime_ns
+    assert build_library("cc") == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name], "no partial build is left behind"
+
+
+def test_a_failing_compiler_is_reported_and_the_engine_keeps_torch_ops(llama, tokenizer, tmp_path, monkeypatch):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'kernels.c: error: this compiler is broken' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    native_kernels.load_kernels.cache_clear()
+    try:
+        reason = load_kernels()
+        assert isinstance(reason, str) and "this compiler is broken" in reason
+        with pytest.raises(ConfigError, match=r"(?s)native_kernels: .*failed to build kernels\.c.*compiler is broken"):
+            LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True, native_kernels=True)
+        llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True)
+        assert llm.engine.runner.fused.native is None
+        prompt = random_prompts(1, 5, 20, seed=5)[0]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0]
+        assert out.token_ids == hf_greedy(llama, prompt, 10)
+    finally:
+        native_kernels.load_kernels.cache_clear()
+
+
+def test_native_kernels_can_be_switched_off_by_environment(llama, tokenizer, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_NATIVE_KERNELS", "0")
+    native_kernels.load_kernels.cache_clear()
+    try:
+        assert load_kernels() == "DECODEKIT_NATIVE_KERNELS=0"
+        llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True)
+        assert llm.engine.runner.fused.native is None
+    finally:
+        native_kernels.load_kernels.cache_clear()
+
+
+def test_native_kernels_refuse_bfloat16_with_a_reason(llama, tokenizer):
+    with pytest.raises(ConfigError, match=r"native_kernels: they run float32 on a CPU, not torch\.bfloat16"):
+        LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="bfloat16", fused_decoder=True,
+            native_kernels=True)
+    llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="bfloat16", fused_decoder=True)
+    assert llm.engine.runner.fused.native is None
