@@ -104,7 +104,7 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
 
 
 def test_the_library_is_built_once_and_reused(native, tmp_path, monkeypatch):
-    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     first = build_library("cc")
     stamp = first.stat().st_mtime_ns
     assert build_library("cc") == first and first.stat().st_mtime_ns == stamp
@@ -116,7 +116,7 @@ def test_a_failing_compiler_is_reported_and_the_engine_keeps_torch_ops(llama, to
     broken.write_text("#!/bin/sh\necho 'kernels.c: error: this compiler is broken' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
-    monkeypatch.setenv("DECODEKIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
     native_kernels.load_kernels.cache_clear()
     try:
         reason = load_kernels()

@@ -2,8 +2,8 @@
 
 `kernels()` returns the loaded `NativeKernels`, or None where they cannot run (no C compiler, a failed build, or
 `DECODEKIT_NATIVE_KERNELS=0`); callers then keep their torch ops. The shared library is cached under
-`$DECODEKIT_CACHE_DIR/native` (default `~/.cache/decodekit/native`) keyed by the source, the compiler command
-and this CPU's model and flags, because it is built with `-march=native`.
+`$DECODEKIT_CACHE/native` (default `~/.cache/decodekit/native`, beside the converted models), keyed by the source,
+the compiler command and this CPU's model and flags, because it is built with `-march=native`.
 
 The kernels (see `native/kernels.c`) do RMSNorm, SiLU-gating, and RoPE + KV write + attention for steps whose
 sequences each score a few tokens. They take raw pointers: every tensor passed must be float32 (int64 for the
@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from decodekit.models.loader import cache_dir
 
 log = logging.getLogger("decodekit.native")
 
@@ -48,11 +50,6 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("DECODEKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "decodekit")
-    return Path(root) / "native"
-
-
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -68,7 +65,7 @@ def build_library(compiler: str) -> Path:
     """
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode() + _cpu_identity().encode()).hexdigest()
-    target = _cache_dir() / f"decodekit_kernels_{key[:16]}.so"
+    target = cache_dir() / "native" / f"decodekit_kernels_{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -66,8 +66,10 @@ def wants_fused_decoder(model: Any, setting: bool | None, owned: bool) -> bool:
 
 
 # Steps of at most this many tokens, each sequence scoring at most BATCHED_MAX_QUERY, run the native kernels
-# (when on); longer ones (prefill chunks, large batches) keep torch's multi-threaded ops and blocked SDPA.
-NATIVE_MAX_TOKENS = 64
+# (when on); steps with a prefill chunk keep torch's multi-threaded ops and blocked SDPA. Measured (SmolLM2,
+# benchmarks/profile_decode.py): a batch-64 decode step at context 256 took 620 ms native vs 1162 ms in torch
+# (1 thread); batch 128 at context 64, 763 vs 807 ms (1 thread) and 540 vs 540 ms (2 threads).
+NATIVE_MAX_TOKENS = 512
 
 # The largest extra weight copy `prepack_weights` makes by default.
 PREPACK_DEFAULT_LIMIT = 2 << 30
