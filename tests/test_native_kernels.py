@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from decodekit import LLM, SamplingParams
 from decodekit.core import native_kernels
 from decodekit.core.fused_decoder import _rms_norm, _rotate
-from decodekit.core.native_kernels import DecodeAttentionPlan, build_library, kernels, load_kernels
+from decodekit.core.native_kernels import DecodeAttentionPlan, build_library, find_compiler, load_kernels
 from decodekit.errors import ConfigError
 from tests.conftest import hf_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")
 def native():
-    loaded = kernels()
-    assert loaded is not None, f"the native kernels must build on this machine: {load_kernels()}"
+    loaded = load_kernels()
+    assert not isinstance(loaded, str), f"the native kernels must build on this machine: {loaded}"
     return loaded
 
 
@@ -105,9 +105,11 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
 
 def test_the_library_is_built_once_and_reused(native, tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
-    first = build_library("cc")
+    compiler = find_compiler()
+    assert compiler is not None
+    first = build_library(compiler)
     stamp = first.stat().st_mtime_ns
-    assert build_library("cc") == first and first.stat().st_mtime_ns == stamp
+    assert build_library(compiler) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name], "no partial build is left behind"
 
 
@@ -141,6 +143,16 @@ def test_native_kernels_can_be_switched_off_by_environment(llama, tokenizer, mon
         assert llm.engine.runner.fused.native is None
     finally:
         native_kernels.load_kernels.cache_clear()
+
+
+def test_a_plan_refuses_a_block_table_too_short_for_its_tokens():
+    with pytest.raises(ValueError, match="a block table of 2 blocks cannot hold 9 tokens"):
+        DecodeAttentionPlan(torch.tensor([8]), [1], [8], [[0, 1]], block_size=4)
+
+
+def test_native_kernels_without_the_fused_decoder_are_refused_with_a_reason(llama, tokenizer):
+    with pytest.raises(ConfigError, match="native_kernels: the native kernels run inside the fused decoder"):
+        LLM(llama, tokenizer, device="cpu", native_kernels=True)  # a passed model object is not fused by default
 
 
 def test_native_kernels_refuse_bfloat16_with_a_reason(llama, tokenizer):

@@ -1,7 +1,7 @@
 """Native CPU kernels for the fused decoder's small float32 ops, compiled at first use and loaded with ctypes.
 
-`kernels()` returns the loaded `NativeKernels`, or None where they cannot run (no C compiler, a failed build, or
-`DECODEKIT_NATIVE_KERNELS=0`); callers then keep their torch ops. The shared library is cached under
+`load_kernels()` returns the loaded `NativeKernels`, or the reason they cannot run (no C compiler, a failed build,
+or `DECODEKIT_NATIVE_KERNELS=0`); callers then keep their torch ops. The shared library is cached under
 `$DECODEKIT_CACHE/native` (default `~/.cache/decodekit/native`, beside the converted models), keyed by the source,
 the compiler command and this CPU's model and flags, because it is built with `-march=native`.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -27,8 +26,6 @@ from pathlib import Path
 import torch
 
 from decodekit.models.loader import cache_dir
-
-log = logging.getLogger("decodekit.native")
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
@@ -50,7 +47,8 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _compiler() -> str | None:
+def find_compiler() -> str | None:
+    """The C compiler to build with: `$CC`, else the first of cc, gcc, clang on PATH."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
@@ -102,13 +100,15 @@ class NativeKernels:
         self._attend.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """transformers' RMSNorm of float32 rows `x` `[rows, dim]` (contiguous) with `weight` `[dim]`."""
+        """transformers' RMSNorm of float32 rows `x` `[rows, dim]` with `weight` `[dim]`."""
+        x = x.contiguous()
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` for float32 `[rows, 2 * inter]` rows holding gate then up."""
+        gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
@@ -154,7 +154,10 @@ class DecodeAttentionPlan:
         key_len: list[int] = []
         for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
             start = len(tables)
-            tables.extend(table[: -(-(ctx_len + q_len) // block_size)])
+            needed = -(-(ctx_len + q_len) // block_size)
+            if len(table) < needed:  # the kernel would read past the table: refuse before it runs
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {ctx_len + q_len} tokens")
+            tables.extend(table[:needed])
             table_start.extend([start] * q_len)
             key_len.extend(range(ctx_len + 1, ctx_len + q_len + 1))
         self.slots = slots
@@ -181,24 +184,10 @@ def load_kernels() -> NativeKernels | str:
     setting = os.environ.get("DECODEKIT_NATIVE_KERNELS", "1")
     if setting.lower() in ("0", "false", "no", "off"):
         return f"DECODEKIT_NATIVE_KERNELS={setting}"
-    compiler = _compiler()
+    compiler = find_compiler()
     if compiler is None:
         return "no C compiler (cc, gcc or clang) on PATH"
     try:
         return NativeKernels(build_library(compiler))
     except (RuntimeError, OSError, subprocess.SubprocessError) as error:
         return str(error)
-
-
-def kernels() -> NativeKernels | None:
-    """The native kernels, or None (with the reason logged once) where they cannot be built or are switched off."""
-    loaded = load_kernels()
-    if isinstance(loaded, str):
-        if not _told_why:
-            log.warning("native kernels off: %s; small ops stay in torch", loaded)
-            _told_why.append(loaded)
-        return None
-    return loaded
-
-
-_told_why: list[str] = []

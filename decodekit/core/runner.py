@@ -121,6 +121,9 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
     """The runner for `loaded` under an engine's `config`: fused or transformers forward, prepacked or not, native
     kernels or not."""
     fused = wants_fused_decoder(loaded.model, config.fused_decoder, loaded.owned)
+    if config.native_kernels and not fused:
+        raise ConfigError("native_kernels: the native kernels run inside the fused decoder, which is off for this "
+                          "model; set fused_decoder to true as well, or leave native_kernels unset")
     return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights,
                        native=wants_native_kernels(loaded.model, config.native_kernels) if fused else None)
 
