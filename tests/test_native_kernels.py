@@ -55,9 +55,11 @@ def _reference_attention(queries, keys, values, scale):
 @settings(max_examples=40, deadline=None)
 @given(block_size=st.sampled_from([1, 4, 16]), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
        dim=st.sampled_from([8, 64, 72, 128]), query_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4),
-       contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), seed=st.integers(0, 2**16))
+       contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), max_query=st.sampled_from([2, 16]),
+       seed=st.integers(0, 2**16))
 def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native, block_size, kv_heads, group, dim,
-                                                                          query_lens, contexts, seed):
+                                                                          query_lens, contexts, max_query, seed):
+    # Sequences with more than `max_query` new tokens stand for prefill chunks: rotated and stored, not attended.
     heads = kv_heads * group
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -82,7 +84,8 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
     want_keys, want_values = key_pool.clone(), value_pool.clone()
     want_keys[slots], want_values[slots] = key, value
 
-    plan = DecodeAttentionPlan(torch.tensor(slots), query_lens, contexts, tables, block_size)
+    plan = DecodeAttentionPlan(torch.tensor(slots), query_lens, contexts, tables, block_size, max_query=max_query)
+    assert plan.has_chunks == any(q > max_query for q in query_lens)
     plan.set_rope(cos, sin)
     rotated = qkv.clone()
     out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3)
@@ -94,6 +97,9 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
     token = 0
     for table, ctx, q_len in zip(tables, contexts, query_lens):
         order = [table[p // block_size] * block_size + p % block_size for p in range(ctx + q_len)]
+        if q_len > max_query:
+            token += q_len
+            continue
         for j in range(q_len):
             seen = order[: ctx + j + 1]  # causal: its own context plus this step's earlier tokens
             for h in range(heads):

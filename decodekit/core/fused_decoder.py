@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodekit.core.kv_cache import PagedKVCache, paged_attention
+from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels
 
 # Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
@@ -65,6 +65,10 @@ class _Matrix:
 # (prefill) BLAS on the column-major layout is as fast or faster, so it keeps those.
 _PACK_ROWS_HINT = 64
 _PACKED_MAX_ROWS = 128
+
+# SiLU-gating of more rows than this stays in torch: its `exp` is vectorized (and threaded), the native one is a
+# scalar `expf` per element, which only wins while dispatch dominates.
+NATIVE_GATING_MAX_ROWS = 64
 
 
 def prepacking_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -237,12 +241,26 @@ class FusedDecoder:
     @staticmethod
     def _native_layer(native: NativeKernels, index: int, layer: _FusedLayer, hidden: torch.Tensor,
                       cache: PagedKVCache, plan: DecodeAttentionPlan) -> torch.Tensor:
-        """`_layer` with its small ops as three native kernels: RMSNorm, RoPE + KV write + attention, SiLU-gating."""
+        """`_layer` with its small ops as native kernels: RMSNorm, RoPE + KV write + attention, SiLU-gating.
+
+        Long prefill chunks in the step (the plan leaves them out) are attended by SDPA from the rotated `qkv`, and
+        SiLU-gating of many rows stays with torch's vectorized `exp`.
+        """
+        tokens = hidden.shape[0]
         qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps))
         attended = native.rope_cache_attend(qkv, layer.q_heads, layer.kv_heads, cache.key_slots[index],
                                             cache.value_slots[index], plan, layer.scaling)
+        if plan.has_chunks:
+            assert cache.layout is not None
+            heads = qkv.view(tokens, -1, cache.key_slots[index].shape[-1])
+            query, key, value = heads.split([layer.q_heads, layer.kv_heads, layer.kv_heads], dim=1)
+            attend_chunks(cache.layout, query, key, value, cache.key_rows[index], cache.value_rows[index],
+                          layer.scaling, attended.view(tokens, layer.q_heads, -1))
         hidden = layer.o(attended, residual=hidden)
         gate_up = layer.gate_up(native.rms_norm(hidden, layer.post_norm, layer.post_eps))
+        if tokens > NATIVE_GATING_MAX_ROWS:
+            return layer.down(F.silu(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate:],
+                              residual=hidden)
         return layer.down(native.silu_mul(gate_up), residual=hidden)
 
     @staticmethod

@@ -262,6 +262,17 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
             out.index_copy_(0, group.query_index, ob)
         else:
             out.index_copy_(0, group.query_index[group.query_valid], ob[group.query_valid])
+    attend_chunks(layout, query, key, value, k_rows, v_rows, scaling, out)
+    return out
+
+
+def attend_chunks(layout: AttentionLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  k_rows: torch.Tensor, v_rows: torch.Tensor, scaling: float | None, out: torch.Tensor) -> None:
+    """Attend the layout's long prefill chunks (one SDPA each), writing their rows of `out` `[T, heads, D]`.
+
+    `query`/`key`/`value` are this step's `[T, heads | kv_heads, D]`; `k_rows`/`v_rows` one layer's block rows.
+    """
+    kv_heads, dim = key.shape[1], key.shape[2]
     for start, end, ctx_start, blocks in layout.chunks:
         qs = query[start:end].transpose(0, 1).unsqueeze(0)
         if blocks is None:  # the whole context is this chunk: no gather, plain causal attention
@@ -275,7 +286,6 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(diagonal=ctx_start)
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[start:end] = os_[0].transpose(0, 1)
-    return out
 
 
 def _attend_group(group: BatchedGroup, queries: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,

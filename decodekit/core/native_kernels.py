@@ -119,7 +119,8 @@ class NativeKernels:
         """RoPE on `qkv`'s query and key heads (in place), KV write to the pool, attention; returns `[T, H * D]`.
 
         `qkv` is `[T, (heads + 2 * kv_heads) * D]` float32, contiguous; `key_slots`/`value_slots` are one layer's
-        `[slots, kv_heads, D]` pool views; `plan` (with `set_rope` called) says where each query's keys are.
+        `[slots, kv_heads, D]` pool views; `plan` (with `set_rope` called) says where each query's keys are. The
+        rows of tokens the plan leaves out (key length 0) are not written: the caller attends them.
         """
         dim = key_slots.shape[-1]
         if qkv.shape != (plan.tokens, (heads + 2 * kv_heads) * dim) or not qkv.is_contiguous():
@@ -137,22 +138,33 @@ class NativeKernels:
 class DecodeAttentionPlan:
     """Where each query token of a step reads its keys, as int64 arrays the native attention takes.
 
-    Built once per step by the runner (shared by every layer). Only for steps where each sequence scores a few
-    tokens: the kernel attends query by query, which beats SDPA's setup for decodes and loses to its blocked
-    products on long prefill chunks.
+    Built once per step by the runner (shared by every layer). The native attention serves sequences scoring at
+    most `max_query` tokens (decodes, verification, beams): it attends query by query, which beats SDPA's setup
+    there and loses to its blocked products on long prefill chunks. A longer sequence's tokens get key length 0
+    (the kernel still rotates and stores them) and `has_chunks` tells the caller to attend them itself.
 
     Args:
         slots: `[T]` int64 pool slot each token's key/value is written to.
         query_lens, context_lens, block_tables: per sequence, as in `kv_cache.build_layout`.
         block_size: tokens per block.
+        max_query: the longest query the native attention takes.
+
+    Raises:
+        ValueError: a block table is too short for its sequence's tokens.
     """
 
     def __init__(self, slots: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                 block_tables: list[list[int]], block_size: int) -> None:
+                 block_tables: list[list[int]], block_size: int, max_query: int = 16) -> None:
         tables: list[int] = []
         table_start: list[int] = []
         key_len: list[int] = []
+        self.has_chunks = False
         for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
+            if q_len > max_query:
+                self.has_chunks = True
+                table_start.extend([0] * q_len)
+                key_len.extend([0] * q_len)
+                continue
             start = len(tables)
             needed = -(-(ctx_len + q_len) // block_size)
             if len(table) < needed:  # the kernel would read past the table: refuse before it runs

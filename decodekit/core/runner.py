@@ -65,8 +65,8 @@ def wants_fused_decoder(model: Any, setting: bool | None, owned: bool) -> bool:
     return reason is None and (setting if setting is not None else owned)
 
 
-# Steps of at most this many tokens, each sequence scoring at most BATCHED_MAX_QUERY, run the native kernels
-# (when on); steps with a prefill chunk keep torch's multi-threaded ops and blocked SDPA. Measured (SmolLM2,
+# Steps whose short-query sequences (at most BATCHED_MAX_QUERY new tokens each) bring at most this many tokens
+# run the native kernels (when on); long prefill chunks in the same step keep the blocked SDPA. Measured (SmolLM2,
 # benchmarks/profile_decode.py): a batch-64 decode step at context 256 took 620 ms native vs 1162 ms in torch
 # (1 thread); batch 128 at context 64, 763 vs 807 ms (1 thread) and 540 vs 540 ms (2 threads).
 NATIVE_MAX_TOKENS = 512
@@ -172,10 +172,11 @@ class ModelRunner:
         if self.fused is not None:
             plan = None
             query_lens = [len(it.token_ids) for it in items]
-            if (self.fused.native is not None and len(flat) <= NATIVE_MAX_TOKENS
-                    and max(query_lens) <= BATCHED_MAX_QUERY):
+            if self.fused.native is not None and sum(q for q in query_lens if q <= BATCHED_MAX_QUERY) <= \
+                    NATIVE_MAX_TOKENS:
                 plan = DecodeAttentionPlan(layout.slot_mapping, query_lens, [it.context_len for it in items],
-                                           [it.block_table for it in items], self.kv_cache.block_size)
+                                           [it.block_table for it in items], self.kv_cache.block_size,
+                                           max_query=BATCHED_MAX_QUERY)
             try:
                 return self.fused(input_ids[0], positions, self.kv_cache, keep, plan).float()
             finally:

@@ -100,12 +100,13 @@ static void rotate(float* x, const float* cos, const float* signed_sin, int64_t 
     }
 }
 
-/* One decoder layer's attention for a step whose sequences each score a few new tokens (decode, speculative
- * verification, beams):
- *   1. RoPE on every query and key head of `qkv` ([T, (H + 2*KVH) * D], rotated in place);
- *   2. this step's keys and values written to their pool slots (`kpool`/`vpool` are the layer's [slots, KVH, D]);
- *   3. each query t attends the first key_len[t] keys of its sequence, whose blocks are
- *      tables[table_start[t] ...]; the result goes to out [T, H, D].
+/* One decoder layer's attention for the tokens of a step that belong to sequences scoring a few new tokens
+ * (decode, speculative verification, beams):
+ *   1. RoPE on every query and key head of `qkv` ([T, (H + 2*KVH) * D], rotated in place), all T tokens;
+ *   2. every token's key and value written to its pool slot (`kpool`/`vpool` are the layer's [slots, KVH, D]);
+ *   3. each query t with key_len[t] > 0 attends the first key_len[t] keys of its sequence, whose blocks are
+ *      tables[table_start[t] ...]; the result goes to out [T, H, D]. Tokens with key_len 0 (long prefill chunks,
+ *      which the caller attends with a blocked SDPA) are left untouched in `out`.
  * Every write happens before any read, so queries of one sequence see each other's keys (causality comes from
  * key_len). Returns 0, or -1 if scratch memory could not be allocated. */
 int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -132,6 +133,7 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
         const float* q = qkv + t * width;
         const int64_t* table = tables + table_start[t];
         int64_t n = key_len[t];
+        if (n == 0) continue;
         /* the pool offset (in floats, kv head 0) of each key, walked block by block: no division per key */
         for (int64_t j = 0, b = 0; j < n; ++b)
             for (int64_t i = 0; i < block_size && j < n; ++i, ++j) rows[j] = (table[b] * block_size + i) * kv_heads * dim;
