@@ -2,7 +2,8 @@
  *
  * At batch 1 a SmolLM2 step spends ~13 ms outside its matrix products, most of it in the dispatch of ~25 small
  * torch ops per layer (RMSNorm alone is six), not in arithmetic: the data is a few KB. These kernels do that work
- * in three calls per layer. The products stay with torch's BLAS / oneDNN.
+ * in four calls per layer (two RMSNorms, RoPE + KV write + attention, SiLU-gating). The products stay with
+ * torch's BLAS / oneDNN.
  *
  * Built at first use by decodekit/core/native_kernels.py with the system C compiler (-O3 -march=native
  * -ffp-contract=off) and loaded through ctypes: no Python or torch headers, so a compile takes well under a
@@ -57,6 +58,7 @@ static void weighted_rows(float* o, const float* p, const float* base, const int
         o[d0] = acc;
     }
 }
+
 /* transformers' LlamaRMSNorm in float32: out = w * (x * 1/sqrt(mean(x^2) + eps)), row by row.
  * The mean is accumulated in double (torch sums float32 pairwise; both are within an ulp of the exact mean). */
 void dk_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
