@@ -76,8 +76,11 @@ class DecodekitSystem(System):
             model = copy.deepcopy(model)
             engine_options = {**engine_options, "fused_decoder": True}
             notes.append("fused decoder on its own copy of the weights (the process holds the model twice)")
-        self.notes = tuple(notes)
         self.llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, **engine_options)
+        fused = self.llm.engine.runner.fused
+        if fused is not None:
+            notes.append("native kernels for small ops: " + ("on" if fused.native is not None else "off"))
+        self.notes = tuple(notes)
 
     def prepare(self, workload: Workload) -> None:
         """Run a small prefill + decode batch once so first-call costs stay out of the timing."""
