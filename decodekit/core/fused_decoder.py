@@ -258,10 +258,8 @@ class FusedDecoder:
                           layer.scaling, attended.view(tokens, layer.q_heads, -1))
         hidden = layer.o(attended, residual=hidden)
         gate_up = layer.gate_up(native.rms_norm(hidden, layer.post_norm, layer.post_eps))
-        if tokens > NATIVE_GATING_MAX_ROWS:
-            return layer.down(F.silu(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate:],
-                              residual=hidden)
-        return layer.down(native.silu_mul(gate_up), residual=hidden)
+        gated = _silu_gate(gate_up, layer.intermediate) if tokens > NATIVE_GATING_MAX_ROWS else native.silu_mul(gate_up)
+        return layer.down(gated, residual=hidden)
 
     @staticmethod
     def _layer(index: int, layer: _FusedLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -276,8 +274,12 @@ class FusedDecoder:
         attended = paged_attention(cache, index, query, key, value, layer.scaling)
         hidden = layer.o(attended.reshape(tokens, -1), residual=hidden)
         gate_up = layer.gate_up(_rms_norm(hidden, layer.post_norm, layer.post_eps))
-        activated = F.silu(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate:]
-        return layer.down(activated, residual=hidden)
+        return layer.down(_silu_gate(gate_up, layer.intermediate), residual=hidden)
+
+
+def _silu_gate(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """`silu(gate) * up` from the fused gate/up product's two halves."""
+    return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

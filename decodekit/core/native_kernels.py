@@ -5,10 +5,11 @@ or `DECODEKIT_NATIVE_KERNELS=0`); callers then keep their torch ops. The shared 
 `$DECODEKIT_CACHE/native` (default `~/.cache/decodekit/native`, beside the converted models), keyed by the source,
 the compiler command and this CPU's model and flags, because it is built with `-march=native`.
 
-The kernels (see `native/kernels.c`) do RMSNorm, SiLU-gating, and RoPE + KV write + attention for steps whose
-sequences each score a few tokens. They take raw pointers: every tensor passed must be float32 (int64 for the
-index arrays), contiguous, and on the CPU; the wrappers below check shapes and dtypes once per call where it is
-cheap and leave the rest to their callers, the fused decoder and the tests.
+The kernels (see `native/kernels.c`) do RMSNorm, SiLU-gating, and RoPE + KV write + attention for the sequences
+of a step that score a few tokens each (long prefill chunks are rotated and stored, and attended by the caller).
+They take raw pointers: every tensor passed must be float32 (int64 for the index arrays), contiguous, and on the
+CPU. The wrappers below make inputs contiguous and check the attention's shapes; dtype and device are checked
+once, when the fused decoder is built with them (`FusedDecoder`, `runner.wants_native_kernels`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from decodekit.core.kv_cache import BATCHED_MAX_QUERY
 from decodekit.models.loader import cache_dir
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
@@ -154,7 +156,7 @@ class DecodeAttentionPlan:
     """
 
     def __init__(self, slots: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                 block_tables: list[list[int]], block_size: int, max_query: int = 16) -> None:
+                 block_tables: list[list[int]], block_size: int, max_query: int = BATCHED_MAX_QUERY) -> None:
         tables: list[int] = []
         table_start: list[int] = []
         key_len: list[int] = []

@@ -172,11 +172,10 @@ class ModelRunner:
         if self.fused is not None:
             plan = None
             query_lens = [len(it.token_ids) for it in items]
-            if self.fused.native is not None and sum(q for q in query_lens if q <= BATCHED_MAX_QUERY) <= \
-                    NATIVE_MAX_TOKENS:
+            short_tokens = sum(q for q in query_lens if q <= BATCHED_MAX_QUERY)
+            if self.fused.native is not None and short_tokens <= NATIVE_MAX_TOKENS:
                 plan = DecodeAttentionPlan(layout.slot_mapping, query_lens, [it.context_len for it in items],
-                                           [it.block_table for it in items], self.kv_cache.block_size,
-                                           max_query=BATCHED_MAX_QUERY)
+                                           [it.block_table for it in items], self.kv_cache.block_size)
             try:
                 return self.fused(input_ids[0], positions, self.kv_cache, keep, plan).float()
             finally:
