@@ -220,8 +220,8 @@ class FusedDecoder:
                  logit_index: torch.Tensor, plan: DecodeAttentionPlan | None = None) -> torch.Tensor:
         """Forward `[T]` packed tokens at `[T]` positions; return logits `[len(logit_index), vocab]`.
 
-        With a `plan` (and native kernels) the step's small ops run natively; the runner makes one for steps
-        whose sequences each score a few tokens.
+        With a `plan` (and native kernels) the step's small ops run natively; the runner makes one for every step
+        whose short-query sequences bring at most `runner.NATIVE_MAX_TOKENS` tokens (long chunks in it get SDPA).
         """
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(hidden[None], positions[None])
