@@ -1,22 +1,23 @@
-"""decodekit: a plugin-based decoding-strategy framework for LLMs (paged KV cache, continuous batching, pluggy)."""
+"""decodekit: a plugin-based decoding-strategy framework for LLMs (paged KV cache, continuous batching, pluggy).
+
+The package is three layers (docs/architecture.md): `decodekit.api` (the plugin contracts, depending on nothing
+above), `decodekit.core` (the engine, under the front-ends) and the front-ends (`LLM`/`AsyncLLM`, recipes, the
+CLI, the benchmarks). This module re-exports what users and plugin authors import most.
+"""
 
 from __future__ import annotations
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("decodekit")
-"""Marker for plugin hook implementations: ``@decodekit.hookimpl``."""
-
-# ruff: noqa: E402  (hookimpl must exist before the plugins that import it)
-from decodekit.config import EngineConfig
-from decodekit.core.sampler import select_tokens
-from decodekit.core.sequence import CompletionOutput, RequestMetrics, RequestOutput
-from decodekit.errors import DecodeKitError
+from decodekit.api.errors import DecodeKitError
+from decodekit.api.hookspecs import hookimpl
+from decodekit.api.params import SamplingParams
+from decodekit.api.processors import BatchView, LogitsProcessor
+from decodekit.api.proposer import Proposer
+from decodekit.api.sampling import select_tokens
+from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
+from decodekit.api.stopping import StopDecision, StoppingCriterion
+from decodekit.api.strategy import StepContext, Strategy, StrategyResult
+from decodekit.core.config import EngineConfig
 from decodekit.llm import LLM, AsyncLLM
-from decodekit.params import SamplingParams
-from decodekit.processors import BatchView, LogitsProcessor
-from decodekit.stopping import StopDecision, StoppingCriterion
-from decodekit.strategy import Strategy
 
 __all__ = [
     "LLM",
@@ -26,12 +27,15 @@ __all__ = [
     "DecodeKitError",
     "EngineConfig",
     "LogitsProcessor",
+    "Proposer",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StepContext",
     "StopDecision",
     "StoppingCriterion",
     "Strategy",
+    "StrategyResult",
     "hookimpl",
     "select_tokens",
 ]

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from decodekit.errors import DecodeKitError
+from decodekit.api.errors import DecodeKitError
 from decodekit.models import BUNDLED_MODEL_NAME
 
 app = typer.Typer(help="decodekit: composable decoding strategies on a paged, continuously batched engine.",
@@ -132,11 +132,11 @@ def run(
     still run and are written); 2 when nothing could run (an invalid recipe, a model that does not load).
     """
     _setup_logging(quiet or as_json)
-    from decodekit.plan import Components
-    from decodekit.plugins import get_plugin_manager
+    from decodekit.core.plan import Components
+    from decodekit.core.plugin_manager import get_plugin_manager
+    from decodekit.core.registry import Registry
     from decodekit.recipe import load_recipe
     from decodekit.recipe_runner import output_row, read_inputs, run_recipe, summarize
-    from decodekit.registry import Registry
 
     try:
         pm = get_plugin_manager()
@@ -217,9 +217,9 @@ def recipe_check(
     """Validate a recipe without loading its model, and print it resolved (defaults filled in, the plan in order)."""
     import yaml
 
-    from decodekit.plugins import get_plugin_manager
+    from decodekit.core.plugin_manager import get_plugin_manager
+    from decodekit.core.registry import Registry
     from decodekit.recipe import describe_recipe, load_recipe
-    from decodekit.registry import Registry
 
     try:
         registry = Registry.from_plugin_manager(get_plugin_manager())
@@ -234,8 +234,8 @@ def recipe_check(
 def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (with parameter schemas).")] = False,
             ) -> None:
     """List installed plugins, what each registers, and where it came from."""
-    from decodekit.plugins import get_plugin_manager, plugin_origins
-    from decodekit.registry import Registry
+    from decodekit.core.plugin_manager import get_plugin_manager, plugin_origins
+    from decodekit.core.registry import Registry
 
     try:
         pm = get_plugin_manager()
@@ -310,7 +310,7 @@ def bench(
 def main() -> None:
     """Entry point: add plugin commands, run, and turn a DecodeKitError into one line and a non-zero exit."""
     try:
-        from decodekit.plugins import get_plugin_manager
+        from decodekit.core.plugin_manager import get_plugin_manager
 
         get_plugin_manager().hook.decodekit_register_commands(cli=app)
         app()

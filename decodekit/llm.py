@@ -11,14 +11,14 @@ from typing import Any
 
 import pluggy
 
-from decodekit.config import EngineConfig
+from decodekit.api.errors import ConfigError, DecodeKitError
+from decodekit.api.params import SamplingParams
+from decodekit.api.sequence import RequestOutput
+from decodekit.core.config import EngineConfig
 from decodekit.core.engine import Engine
-from decodekit.core.sequence import RequestOutput
-from decodekit.errors import ConfigError, DecodeKitError
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.core.registry import Registry
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
-from decodekit.params import SamplingParams
-from decodekit.plugins import get_plugin_manager
-from decodekit.registry import Registry
 
 Prompt = str | list[int]
 Message = dict[str, str]

@@ -34,12 +34,12 @@ from pydantic import (
     field_validator,
 )
 
-from decodekit.config import EngineConfig
-from decodekit.errors import DecodeKitError, RecipeError
-from decodekit.params import ComponentSpec, SamplingParams
-from decodekit.plan import Components, Plan
+from decodekit.api.errors import DecodeKitError, RecipeError
+from decodekit.api.params import ComponentSpec, SamplingParams
+from decodekit.core.config import EngineConfig
+from decodekit.core.plan import Components, Plan
+from decodekit.core.registry import Registry
 from decodekit.recipe_syntax import apply_override, format_validation_errors, parse_yaml
-from decodekit.registry import Registry
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 COMPONENT_KEYS = ("processors", "stopping", "strategy")
@@ -245,7 +245,7 @@ def recipe_from_data(data: Any, overrides: Sequence[str] = (), *, source: Path |
 
 
 def _registry(plugin_manager: pluggy.PluginManager | None) -> Registry:
-    from decodekit.plugins import get_plugin_manager
+    from decodekit.core.plugin_manager import get_plugin_manager
 
     return Registry.from_plugin_manager(plugin_manager or get_plugin_manager())
 
@@ -271,14 +271,11 @@ def check_recipe(recipe: Recipe, registry: Registry) -> Plan:
 def describe_recipe(recipe: Recipe, registry: Registry) -> dict[str, Any]:
     """The recipe with every default filled in, and its default request's plan: the processors in the order they
     run (those the sampling fields imply included), the stopping criteria that apply, and the strategy."""
-    components = Components(registry)
-    params = recipe.default_params()
     plan = check_recipe(recipe, registry)
 
     def named(name: str, options: BaseModel | None) -> dict[str, Any] | str:
         return {name: options.model_dump(mode="json")} if options is not None else name
 
-    defaults = [c.name for c in components.default_criteria() if c.is_active(params)]
     fields = recipe.model_dump(mode="json", exclude=set(COMPONENT_KEYS))
     fields["sampling"] = {k: v for k, v in fields["sampling"].items() if k not in COMPONENT_KEYS}
     return {
@@ -289,7 +286,7 @@ def describe_recipe(recipe: Recipe, registry: Registry) -> dict[str, Any]:
         "strategy": {recipe.strategy.name: recipe.strategy.params} if recipe.strategy else None,
         "plan": {
             "processors": [named(s.processor.name, s.options) for s in plan.stages],
-            "stopping": defaults + [named(c.name, o) for c, o in plan.criteria],
+            "stopping": [c.criterion.name if c.default else named(c.criterion.name, c.options) for c in plan.criteria],
             "strategy": named(plan.strategy.name, plan.strategy_options),
         },
     }

@@ -16,10 +16,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from decodekit.core.sequence import RequestOutput
-from decodekit.errors import DecodeKitError, RecipeError
-from decodekit.params import SamplingParams
-from decodekit.plan import Components
+from decodekit.api.errors import DecodeKitError, RecipeError
+from decodekit.api.params import SamplingParams
+from decodekit.api.sequence import RequestOutput
+from decodekit.core.plan import Components
 from decodekit.recipe import COMPONENT_KEYS, Recipe, plain_params
 from decodekit.recipe_syntax import format_validation_errors
 

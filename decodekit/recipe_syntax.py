@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from decodekit.errors import RecipeError
+from decodekit.api.errors import RecipeError
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from decodekit import LLM, SamplingParams
 from decodekit.models.tiny import tiny_model
-from decodekit_plugins.speculative import SpeculativeStrategy, ngram_proposal
+from decodekit_plugins.speculative import accept_sampled, ngram_proposal
 from tests.conftest import random_prompts
 
 
@@ -64,7 +62,7 @@ def test_a_different_draft_model_gives_the_targets_greedy_output(llama, tokenize
     assert accepted < sum(o.metrics.num_draft_tokens for o in spec)  # some drafts were rejected and rolled back
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
     proposer = llm.engine.components.get("proposers", "draft")
-    assert proposer.allocator.num_free_blocks == proposer.allocator.num_blocks
+    assert proposer.model.allocator.num_free_blocks == proposer.model.allocator.num_blocks
 
 
 def test_speculative_requests_share_the_batch_with_plain_and_beam_requests(llama, tokenizer):
@@ -103,14 +101,14 @@ def test_sampled_acceptance_rule_draws_from_the_target_distribution(with_draft_d
     p = torch.softmax(logits[0], dim=-1)
     q = torch.softmax(torch.tensor([0.0, 2.0, 0.0, 1.0, 0.0, 0.0]), dim=-1)
 
-    seq = SimpleNamespace(state={"spec_q": q[None] if with_draft_distribution else None},
-                          generator=torch.Generator().manual_seed(1234))
+    draft_q = q[None] if with_draft_distribution else None
+    generator = torch.Generator().manual_seed(1234)
 
     counts = torch.zeros(vocab)
     draft_gen = torch.Generator().manual_seed(99)
     for _ in range(draws):
         d = int(torch.multinomial(q, 1, generator=draft_gen)) if with_draft_distribution else 1
-        accepted, token = SpeculativeStrategy._accept_sampled(seq, [d], logits)  # type: ignore[arg-type]
+        accepted, token = accept_sampled([d], logits, draft_q, generator)
         counts[d if accepted == 1 else token] += 1
     expected = p * draws
     chi2 = float(((counts - expected) ** 2 / expected).sum())

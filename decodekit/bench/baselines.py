@@ -89,7 +89,7 @@ class DecodekitSystem(System):
 
     def run(self, requests: list[BenchRequest]) -> RunRecord:
         """One `LLM.generate` call with greedy, EOS-ignoring params of each request's exact length."""
-        from decodekit.params import SamplingParams
+        from decodekit.api.params import SamplingParams
 
         params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
         start = time.perf_counter()
@@ -192,7 +192,7 @@ class HFContinuousBatchingSystem(System):
     def __init__(self, model: Any, engine_options: dict[str, Any], page_size: int = 256) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        from decodekit.config import EngineConfig
+        from decodekit.core.config import EngineConfig
 
         self.model = model
         config = EngineConfig(**engine_options)

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from decodekit.api.errors import ConfigError
 from decodekit.bench.baselines import SYSTEMS, RunRecord, System, build_system
 from decodekit.bench.report import BenchResult, SystemFigures, median, summarize
 from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
-from decodekit.config import EngineConfig
-from decodekit.errors import ConfigError
+from decodekit.core.config import EngineConfig
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
 
 log = logging.getLogger("decodekit.bench")

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from decodekit.errors import DecodeKitError
+from decodekit.api.errors import DecodeKitError
 
 
 def block_hash(previous: int | None, tokens: Sequence[int]) -> int:

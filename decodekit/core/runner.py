@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from decodekit.config import EngineConfig
+from decodekit.api.errors import ConfigError, UnsupportedModelError
+from decodekit.api.models import LoadedModel
+from decodekit.core.config import EngineConfig
 from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
 from decodekit.core.kv_cache import ATTENTION_NAME, BATCHED_MAX_QUERY, PagedKVCache, build_layout
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
-from decodekit.errors import ConfigError, UnsupportedModelError
-from decodekit.models.loader import LoadedModel
 
 log = logging.getLogger("decodekit.runner")
 

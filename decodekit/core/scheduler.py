@@ -1,5 +1,9 @@
 """The continuous batcher: which sequences run this step, how many tokens each, and who yields memory.
 
+The scheduler owns where each sequence is: its status (waiting, running, finished), how many of its tokens are in
+the KV cache (`num_computed_tokens`) and its blocks (through the `BlockAllocator`, which only it writes). Other
+modules ask it: `advance` after a forward, `rollback` after a rejected draft, `fork`, `finish_sequence`.
+
 Every step: running requests first (decodes and the rest of their prefill, oldest first), then waiting requests
 are admitted while the token budget, the sequence limit and the free KV blocks allow. A prompt longer than the
 budget is prefilled in chunks over several steps, mixed with other requests' decodes. When a running sequence
@@ -9,10 +13,12 @@ freed and it goes back to the front of the queue to be recomputed later (prefix 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+from decodekit.api.sequence import Request, Sequence, SequenceStatus
+from decodekit.core import drafts
 from decodekit.core.blocks import BlockAllocator
-from decodekit.core.sequence import Request, Sequence, SequenceStatus
 
 
 @dataclass
@@ -25,7 +31,7 @@ class ScheduledSequence:
 
     def __post_init__(self) -> None:
         seq = self.seq
-        self.completes = seq.num_computed_tokens + self.num_tokens == len(seq.token_ids) + len(seq.draft_token_ids)
+        self.completes = self.num_tokens == seq.num_pending
 
 
 @dataclass
@@ -46,7 +52,7 @@ class Scheduler:
     """FCFS or priority continuous batching over a `BlockAllocator`.
 
     Args:
-        allocator: the KV block allocator (the scheduler is its only user).
+        allocator: the KV block allocator (the scheduler is the only module that changes it).
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: the per-step token budget (decodes + prefill chunks).
         policy: "fcfs" (arrival order) or "priority" (lower `priority` value first, then arrival).
@@ -90,6 +96,29 @@ class Scheduler:
         if self.allocator.has(seq.seq_id):
             self.allocator.free(seq.seq_id)
 
+    def finish_sequence(self, seq: Sequence) -> None:
+        """Mark a sequence finished and release its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        self.free_sequence(seq)
+
+    def advance(self, seq: Sequence, num_tokens: int) -> None:
+        """After a forward: `num_tokens` more of the sequence's tokens are in the cache (full blocks get published
+        for prefix caching; draft positions never are)."""
+        seq.num_computed_tokens += num_tokens
+        self.allocator.mark_computed(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, len(seq.token_ids)))
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """Only the first `num_valid` tokens' keys and values are right (the rest were rejected drafts)."""
+        seq.num_computed_tokens = num_valid
+        self.allocator.truncate(seq.seq_id, num_valid)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a copy of `parent`'s tokens) shares `parent`'s blocks copy-on-write and its place."""
+        child.status = parent.status
+        child.num_computed_tokens = parent.num_computed_tokens
+        if self.allocator.has(parent.seq_id):
+            self.allocator.fork(parent.seq_id, child.seq_id)
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         for seq in request.sequences:
@@ -97,7 +126,7 @@ class Scheduler:
                 self.free_sequence(seq)
                 seq.status = SequenceStatus.WAITING
                 seq.num_computed_tokens = 0
-                seq.draft_token_ids.clear()
+                drafts.clear(seq)
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the front of its class: under FCFS it is older than everything waiting; under the priority
@@ -119,8 +148,7 @@ class Scheduler:
             for seq in request.sequences:
                 if seq.finished or seq.num_pending == 0 or budget == 0:
                     continue
-                if seq.draft_token_ids and seq.num_pending > budget:  # drafts are optional: trim them to fit
-                    del seq.draft_token_ids[max(0, budget - seq.num_uncomputed):]
+                drafts.trim(seq, budget)
                 n = min(seq.num_pending, budget)
                 start = seq.num_computed_tokens
                 while self.allocator.blocks_to_write(seq.seq_id, start, start + n) > self.allocator.num_free_blocks:
@@ -172,11 +200,14 @@ class Scheduler:
             self.waiting.pop(0)
             self.running.append(request)
             num_seqs += width
+            first_admission = request.metrics.first_scheduled_time is None
+            if first_admission:
+                request.metrics.first_scheduled_time = time.perf_counter()
             for seq in seqs:
                 cached = self.allocator.allocate(seq.seq_id, seq.token_ids)
                 seq.num_computed_tokens = cached
                 seq.status = SequenceStatus.RUNNING
-                if seq is request.sequences[0] and request.metrics.first_scheduled_time is None:
+                if seq is request.sequences[0] and first_admission:
                     request.metrics.num_cached_prompt_tokens = cached
                 n = min(seq.num_uncomputed, budget)
                 if n > 0:

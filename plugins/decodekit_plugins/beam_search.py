@@ -17,10 +17,11 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from decodekit.core.sequence import Request, Sequence
-from decodekit.params import SamplingParams
-from decodekit.processors import Stage
-from decodekit.strategy import StepContext, Strategy, StrategyResult
+from decodekit.api.params import SamplingParams
+from decodekit.api.processors import Stage
+from decodekit.api.sequence import Request, Sequence
+from decodekit.api.stash import StashKey
+from decodekit.api.strategy import StepContext, Strategy, StrategyResult
 
 _NEG = -1.0e9  # transformers' "impossible" score
 
@@ -57,6 +58,9 @@ class _BeamState:
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # beam rows received, waiting for the others
 
 
+_BEAMS = StashKey[_BeamState]()
+
+
 class BeamSearchStrategy(Strategy):
     """Beam search with transformers' scoring, stopping and early-stopping rules.
 
@@ -66,6 +70,7 @@ class BeamSearchStrategy(Strategy):
     name = "beam_search"
     Params = BeamSearchParams
     handles_stopping = True
+    scores = "logprobs"  # transformers' beam search processes log-probabilities
 
     def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
         assert isinstance(options, BeamSearchParams)
@@ -84,8 +89,7 @@ class BeamSearchStrategy(Strategy):
         assert isinstance(options, BeamSearchParams)
         return options.num_beams
 
-    def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        log_probs = ctx.process(torch.log_softmax(logits.float(), dim=-1), seqs)
+    def select(self, ctx: StepContext, seqs: list[Sequence], log_probs: torch.Tensor) -> None:
         by_request: dict[int, list[int]] = {}
         for i, seq in enumerate(seqs):
             by_request.setdefault(id(seq.request), []).append(i)
@@ -95,12 +99,12 @@ class BeamSearchStrategy(Strategy):
     def _step(self, ctx: StepContext, request: Request, seqs: list[Sequence], log_probs: torch.Tensor) -> None:
         options = request.plan.strategy_options
         assert isinstance(options, BeamSearchParams)
-        state: _BeamState | None = request.state.get("beam")
+        state = request.stash.get(_BEAMS, None)
         device = log_probs.device
         if state is None:  # first token: one live beam (transformers' other initial beams score -1e9)
             state = _BeamState([seqs[0]], torch.zeros(1, device=device),
                                torch.full((options.num_beams,), _NEG, device=device), [None] * options.num_beams)
-            request.state["beam"] = state
+            request.stash[_BEAMS] = state
         # After a preemption the beams are recomputed and may finish their prefill in different steps: wait for all.
         state.pending.update({id(s): log_probs[i] for i, s in enumerate(seqs)})
         if any(id(b) not in state.pending for b in state.beams):

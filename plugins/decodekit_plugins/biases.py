@@ -14,7 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from decodekit import hookimpl
-from decodekit.processors import BatchView, LogitsProcessor
+from decodekit.api.processors import BatchView, LogitsProcessor
 
 _NEG_INF = -float("inf")
 TokenId = Annotated[int, Field(ge=0)]

@@ -15,7 +15,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from decodekit.constraints import ConstraintBackend, ConstraintError, ConstraintSpec, Matcher
+from decodekit.api.constraints import ConstraintBackend, ConstraintError, ConstraintSpec, Matcher
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

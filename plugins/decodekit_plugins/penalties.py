@@ -19,7 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from decodekit import hookimpl
-from decodekit.processors import BatchView, LogitsProcessor
+from decodekit.api.processors import BatchView, LogitsProcessor
 
 _NEG_INF = -float("inf")
 

@@ -13,8 +13,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from decodekit import hookimpl
-from decodekit.params import SamplingParams
-from decodekit.processors import BatchView, LogitsProcessor
+from decodekit.api.params import SamplingParams
+from decodekit.api.processors import BatchView, LogitsProcessor
 
 
 class _Params(BaseModel):

@@ -10,9 +10,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from decodekit import hookimpl
-from decodekit.core.sequence import Sequence
-from decodekit.params import SamplingParams
-from decodekit.stopping import StopDecision, StoppingCriterion
+from decodekit.api.params import SamplingParams
+from decodekit.api.sequence import Sequence
+from decodekit.api.stopping import StopDecision, StoppingCriterion
 
 
 class EosCriterion(StoppingCriterion):

@@ -8,9 +8,9 @@ import torch
 from pydantic import BaseModel
 
 from decodekit import hookimpl, select_tokens
-from decodekit.core.sequence import Sequence
-from decodekit.params import SamplingParams
-from decodekit.strategy import StepContext, Strategy
+from decodekit.api.params import SamplingParams
+from decodekit.api.sequence import Sequence
+from decodekit.api.strategy import StepContext, Strategy
 from decodekit_plugins.beam_search import BeamSearchStrategy
 from decodekit_plugins.speculative import DraftModelProposer, NgramProposer, SpeculativeStrategy
 
@@ -24,12 +24,12 @@ class SampleStrategy(Strategy):
     """
 
     name = "sample"
+    scores = "logits"
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         return params.n
 
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        logits = ctx.process(logits, seqs)
         rows: list[int] = []
         targets: list[Sequence] = []
         for i, seq in enumerate(seqs):
@@ -38,15 +38,12 @@ class SampleStrategy(Strategy):
             params = seq.request.params
             if params.n > 1 and seq.num_generated == 0 and len(seq.request.sequences) == 1:
                 for k in range(1, params.n):
-                    child = ctx.fork(seq)
-                    if params.seed is not None:
-                        child.generator = torch.Generator(device=logits.device).manual_seed(params.seed + k)
+                    child = ctx.fork(seq, seed=None if params.seed is None else params.seed + k)
                     rows.append(i)
                     targets.append(child)
         if len(rows) != len(seqs):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        greedy = [s.request.params.greedy for s in targets]
-        tokens = select_tokens(logits, greedy, [s.generator for s in targets]).tolist()
+        tokens = select_tokens(logits, [s.greedy for s in targets], [s.generator for s in targets]).tolist()
         for seq, token in zip(targets, tokens):
             ctx.append_token(seq, token)
 

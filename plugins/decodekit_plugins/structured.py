@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,8 +31,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from decodekit import hookimpl
-from decodekit.constraints import (
+from decodekit.api.components import ComponentLookup
+from decodekit.api.constraints import (
+    BUILTIN_BACKENDS,
     DEFAULT_BACKEND,
+    BackendLoader,
     ConstraintBackend,
     ConstraintError,
     ConstraintSpec,
@@ -41,9 +44,8 @@ from decodekit.constraints import (
     apply_bitmask,
     backend_class,
     get_backend,
-    lazy_backend,
 )
-from decodekit.processors import BatchView, LogitsProcessor
+from decodekit.api.processors import BatchView, LogitsProcessor
 
 log = logging.getLogger("decodekit.structured")
 
@@ -70,7 +72,12 @@ class ConstraintProcessor(LogitsProcessor):
 
     def __init__(self) -> None:
         self._info: Any = None
+        self._available: Mapping[str, BackendLoader] = BUILTIN_BACKENDS  # the registry's, once bound
         self._backends: dict[str, ConstraintBackend] = {}
+
+    def bind(self, lookup: ComponentLookup) -> None:
+        """Use the backends registered with the engine's (or recipe check's) plugins."""
+        self._available = lookup.backend_loaders()
 
     def spec(self, options: Any) -> ConstraintSpec:
         """The constraint a request's validated parameters describe."""
@@ -92,7 +99,7 @@ class ConstraintProcessor(LogitsProcessor):
             if self._info is None or self._info.tokenizer is None:
                 raise ConstraintError(f"the {self.name} processor needs an engine's tokenizer (setup was not called)")
             self._backends[name] = get_backend(name, self._info.tokenizer, self._info.vocab_size,
-                                               self._info.eos_token_ids)
+                                               self._info.eos_token_ids, self._available)
         return self._backends[name]
 
     def check_options(self, options: Any) -> None:
@@ -101,7 +108,7 @@ class ConstraintProcessor(LogitsProcessor):
         spec = self.spec(options)
         try:
             if self._info is None:
-                backend_class(options.backend).check(spec)
+                backend_class(options.backend, self._available).check(spec)
             else:
                 self.backend(options.backend).compile(spec)
         except ConstraintError:
@@ -266,5 +273,5 @@ def decodekit_register_processors(register: Callable[..., None]) -> None:
 @hookimpl
 def decodekit_register_constraint_backends(register: Callable[..., None]) -> None:
     """Register the structured-output backends (their libraries are imported when a request names one)."""
-    register("llguidance", lazy_backend("decodekit_plugins.llguidance_backend:LLGuidanceBackend"))
-    register("xgrammar", lazy_backend("decodekit_plugins.xgrammar_backend:XGrammarBackend"))
+    for name, loader in BUILTIN_BACKENDS.items():
+        register(name, loader)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import xgrammar
 
-from decodekit.constraints import ConstraintBackend, ConstraintError, ConstraintSpec, Matcher, bitmask_to_bool
+from decodekit.api.constraints import ConstraintBackend, ConstraintError, ConstraintSpec, Matcher, bitmask_to_bool
 
 _SEPARATORS = (", ", ": ")
 

@@ -1,0 +1,57 @@
+"""decodekit's public plugin API: every contract a plugin implements or receives, in one place.
+
+This package depends on nothing else of decodekit's (the layering test in `tests/test_layering.py` holds it to
+that), so a plugin that imports only `decodekit.api` (and the names `decodekit` re-exports) keeps working however
+the engine underneath is rearranged.
+
+- `hookspecs`: every hook, the `hookimpl` marker and the step protocol;
+- `processors`: `LogitsProcessor`, `BatchView`, `Stage`, `apply_processors`;
+- `stopping`: `StoppingCriterion`, `StopDecision`;
+- `strategy`: `Strategy`, `StepContext`, `StrategyResult`;
+- `proposer`: `Proposer` (speculative decoding's drafters) and `ProposerModel`, the KV cache and forward a
+  proposer may open for its own model;
+- `constraints`: the structured-output backend interface;
+- `sequence`: `Request`, `Sequence` and the outputs, as plugins see them; `stash`: typed per-plugin state;
+- `components`: `ComponentInfo`, what `setup` receives; `models`: the model-loader contract;
+- `params`, `errors`, `sampling` (`select_tokens`); `testing`: the conformance kit (imported on its own: it
+  needs hypothesis).
+"""
+
+from decodekit.api.components import ComponentInfo
+from decodekit.api.errors import DecodeKitError, PluginError
+from decodekit.api.hookspecs import hookimpl
+from decodekit.api.models import LoadedModel, ModelLoader
+from decodekit.api.params import ComponentSpec, SamplingParams
+from decodekit.api.processors import BatchView, LogitsProcessor, Stage, apply_processors
+from decodekit.api.proposer import Proposer
+from decodekit.api.sampling import select_tokens
+from decodekit.api.sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from decodekit.api.stopping import StopDecision, StoppingCriterion
+from decodekit.api.strategy import StepContext, Strategy, StrategyResult
+
+__all__ = [
+    "BatchView",
+    "CompletionOutput",
+    "ComponentInfo",
+    "ComponentSpec",
+    "DecodeKitError",
+    "LoadedModel",
+    "LogitsProcessor",
+    "ModelLoader",
+    "PluginError",
+    "Proposer",
+    "Request",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "Sequence",
+    "Stage",
+    "StepContext",
+    "StopDecision",
+    "StoppingCriterion",
+    "Strategy",
+    "StrategyResult",
+    "apply_processors",
+    "hookimpl",
+    "select_tokens",
+]

@@ -1,0 +1,376 @@
+"""Structured-output constraints: what a constraint is (`ConstraintSpec`) and the backend interface behind it.
+
+A backend (llguidance by default, xgrammar as an optional second one) turns a spec into a compiled grammar and
+gives one `Matcher` per sequence. Per step the constraint processors ask the backend to fill a token bitmask for
+all their rows in one call (`ConstraintBackend.fill_bitmask`), then apply it with `apply_bitmask`, which unpacks
+the bits with tensor ops (no loop over the vocabulary, nothing compiled on first use).
+
+Costs are paid once: the tokenizer-level setup of a backend (about 1 s) once per tokenizer (`get_backend`), and a
+grammar's compilation once per spec (`ConstraintBackend.compile`, cached by the spec's text).
+
+The `additionalProperties` policy (`ConstraintSpec.json_schema`, `strict=True`): an object schema that lists
+`properties` but does not say `additionalProperties` gets `additionalProperties: false`, so the model writes only
+the keys the schema names (JSON Schema's own default, `true`, would let it invent keys). An explicit
+`additionalProperties` is kept; object schemas under `allOf` are left as they are, since forbidding extra keys in
+each part would forbid the other parts' keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+ConstraintKind = Literal["json_schema", "json", "regex", "grammar", "choice"]
+GrammarSyntax = Literal["lark", "gbnf"]
+
+
+class ConstraintError(ValueError):
+    """A constraint cannot be compiled, or a token broke it; the message is the backend's reason."""
+
+
+class ConstraintSpec(BaseModel):
+    """One constraint, as text a backend compiles; equal specs share one compiled grammar.
+
+    Build it with the class methods (`json_schema`, `json_object`, `regex`, `grammar`, `choice`), which put the
+    constraint in canonical text form.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: ConstraintKind = Field(description="What `text` is.")
+    text: str = Field(description="JSON schema (JSON text), regex, grammar, or a JSON list of choices.")
+    syntax: GrammarSyntax = Field("lark", description="Grammar syntax (kind `grammar` only).")
+    flexible_whitespace: bool = Field(False, description="JSON kinds: allow any whitespace between tokens.")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str, strict: bool = True,
+                    flexible_whitespace: bool = False) -> ConstraintSpec:
+        """A JSON value matching `schema` (a dict or JSON text); `strict` applies the additionalProperties policy."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ConstraintError(f"the schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ConstraintError(f"the schema must be a JSON object, got {type(schema).__name__}")
+        if strict:
+            schema = forbid_additional_properties(schema)
+        return cls(kind="json_schema", text=json.dumps(schema, separators=(",", ":")),
+                   flexible_whitespace=flexible_whitespace)
+
+    @classmethod
+    def json_object(cls, flexible_whitespace: bool = False) -> ConstraintSpec:
+        """Any JSON object."""
+        return cls(kind="json", text='{"type":"object"}', flexible_whitespace=flexible_whitespace)
+
+    @classmethod
+    def regex(cls, pattern: str) -> ConstraintSpec:
+        """Text that fully matches `pattern` (the backend's regex syntax; anchored at both ends)."""
+        return cls(kind="regex", text=pattern)
+
+    @classmethod
+    def grammar(cls, grammar: str, syntax: GrammarSyntax = "lark") -> ConstraintSpec:
+        """Text in a context-free grammar (Lark, or GBNF as llama.cpp writes it)."""
+        return cls(kind="grammar", text=grammar, syntax=syntax)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> ConstraintSpec:
+        """Exactly one of `choices`."""
+        if not choices:
+            raise ConstraintError("`choices` must not be empty")
+        return cls(kind="choice", text=json.dumps(list(choices)))
+
+    @property
+    def choices(self) -> list[str]:
+        """The choices of a `choice` spec."""
+        return list(json.loads(self.text))
+
+
+# Keys whose value is a schema, a list of schemas, or a map of name -> schema (JSON Schema 2020-12 applicators).
+_SCHEMA_KEYS = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+                "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def forbid_additional_properties(schema: dict[str, Any], _in_all_of: bool = False) -> dict[str, Any]:
+    """A copy of `schema` where object schemas listing `properties` without `additionalProperties` forbid extra
+    keys (see the module docstring for the policy), and the no-op `uniqueItems: false` is dropped. Only schema
+    positions are visited, so a property named `properties` is a name, not a keyword."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_KEYS and isinstance(value, dict):
+            value = forbid_additional_properties(value)
+        elif (key == "items" and isinstance(value, list)) or (key in _SCHEMA_LIST_KEYS and isinstance(value, list)):
+            value = [forbid_additional_properties(v) if isinstance(v, dict) else v for v in value]
+        elif key == "allOf" and isinstance(value, list):
+            value = [forbid_additional_properties(v, _in_all_of=True) if isinstance(v, dict) else v for v in value]
+        elif key in _SCHEMA_MAP_KEYS and isinstance(value, dict):
+            value = {k: forbid_additional_properties(v) if isinstance(v, dict) else v for k, v in value.items()}
+        elif key == "uniqueItems" and value is False:
+            continue  # asks for nothing; a backend that cannot enforce `uniqueItems: true` must not refuse it
+        out[key] = value
+    if ("properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out
+            and "patternProperties" not in out and not _in_all_of):
+        out["additionalProperties"] = False
+    return out
+
+
+class Matcher(ABC):
+    """One sequence's position in a compiled grammar. Never raises for a rejected token: it returns False and
+    `error()` says why (a matcher in error stays there)."""
+
+    @abstractmethod
+    def consume(self, token_ids: Sequence[int]) -> bool:
+        """Advance over tokens; False when one is rejected (the matcher is then in error)."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` consumed tokens."""
+
+    @abstractmethod
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` could be consumed now (the state is not changed)."""
+
+    @abstractmethod
+    def is_stopped(self) -> bool:
+        """The grammar is complete and admits no more text: only EOS is allowed next."""
+
+    @abstractmethod
+    def is_accepting(self) -> bool:
+        """The text so far is a complete match (EOS is allowed, though more text may be too)."""
+
+    @abstractmethod
+    def fast_forward_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (may be empty)."""
+
+    @abstractmethod
+    def error(self) -> str | None:
+        """Why the matcher is in error, or None."""
+
+    @abstractmethod
+    def fork(self) -> Matcher:
+        """An independent copy at the same position."""
+
+
+class ConstraintBackend(ABC):
+    """A structured-output library behind one interface; one instance per tokenizer (see `get_backend`).
+
+    Args:
+        tokenizer: a Hugging Face fast tokenizer.
+        vocab_size: the model's vocabulary size (mask width; may exceed the tokenizer's).
+        eos_token_ids: the ids that end generation, allowed exactly when the grammar is complete.
+    """
+
+    name: ClassVar[str] = "backend"
+    cache_size: ClassVar[int] = 256
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_only = token_bitmask(self.eos_token_ids, vocab_size)  # the mask of a stopped grammar
+        self._compiled: OrderedDict[ConstraintSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    @abstractmethod
+    def check(cls, spec: ConstraintSpec) -> None:
+        """Compile `spec` without a tokenizer, raising `ConstraintError` with the reason it cannot compile
+        (used where no engine is built yet, e.g. a recipe check)."""
+
+    def compile(self, spec: ConstraintSpec) -> Any:
+        """The compiled grammar of `spec`, cached by its text; raise `ConstraintError` with the backend's reason."""
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
+        compiled = self._compile(spec)
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    @abstractmethod
+    def _compile(self, spec: ConstraintSpec) -> Any:
+        """Compile one spec (uncached)."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any) -> Matcher:
+        """A new matcher at the start of a compiled grammar."""
+
+    @abstractmethod
+    def fill_bitmask(self, rows: Sequence[tuple[Matcher, int, Sequence[int]]], bitmask: torch.Tensor) -> None:
+        """Fill allowed-token bits for many rows in one call.
+
+        Args:
+            rows: `(matcher, row, drafts)`: the matcher's mask goes to `bitmask[row]`, and the mask after each of
+                the first i+1 draft tokens to `bitmask[row + i + 1]`, as long as the drafts are accepted (rows
+                after a rejected draft, or after the grammar stops, are left as they are). Matchers end where
+                they started.
+            bitmask: `[rows, ceil(vocab_size / 32)]` int32 on the CPU (bit `t % 32` of word `t // 32` is token t).
+        """
+
+    def warmup(self, device: torch.device | str = "cpu") -> None:
+        """Pay first-use costs now (a compile, a mask fill, the unpack tables and kernels on `device`) instead of
+        at the first constrained step."""
+        matcher = self.matcher(self.compile(ConstraintSpec.json_schema({"type": "object", "properties": {
+            "a": {"type": "integer"}}})))
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        self.fill_bitmask([(matcher, 0, [])], bitmask)
+        apply_bitmask(torch.zeros(1, self.vocab_size, device=device), bitmask)
+
+
+def allocate_bitmask(rows: int, vocab_size: int, fill: torch.Tensor | None = None, pin: bool = False) -> torch.Tensor:
+    """A `[rows, ceil(vocab_size / 32)]` int32 CPU bitmask: all blocked, or each row a copy of `fill`.
+
+    `pin` (for a CUDA device): page-locked memory, so the copy to the device does not wait for the device to finish
+    the forward pass (a copy from pageable memory synchronizes first); the mask fill then overlaps the forward.
+    """
+    bitmask = torch.empty(rows, (vocab_size + 31) // 32, dtype=torch.int32, pin_memory=pin)
+    return bitmask.copy_(fill.expand_as(bitmask)) if fill is not None else bitmask.zero_()
+
+
+def token_bitmask(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """A `[ceil(vocab_size / 32)]` int32 bitmask allowing exactly `token_ids`."""
+    bits = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.bool)
+    bits[[t for t in token_ids if 0 <= t < vocab_size]] = True
+    weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int64)
+    return (bits.view(-1, 32).long() * weights).sum(-1).to(torch.int32)
+
+
+_BYTE_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # [256, 8]: the 8 bits of each byte value, as bool (allowed) or as an additive bias (0 / -inf).
+    key = (device, dtype)
+    table = _BYTE_TABLES.get(key)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32)[:, None]
+        bits = ((codes >> torch.arange(8, dtype=torch.int32)) & 1).bool()
+        table = bits if dtype == torch.bool else torch.zeros(256, 8, dtype=dtype).masked_fill(~bits, -float("inf"))
+        table = _BYTE_TABLES[key] = table.to(device)
+    return table
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    # One table lookup per byte of the mask (little-endian, as the backends write it): a gather and a reshape.
+    as_bytes = bitmask.contiguous().view(torch.uint8).view(-1).int()
+    table = _byte_table(bitmask.device, dtype)
+    return table.index_select(0, as_bytes).view(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`[rows, vocab_size]` bool (True: allowed) from an int32 bitmask, on the bitmask's device."""
+    return _unpack(bitmask, vocab_size, torch.bool)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits with blocked tokens at -inf (a new tensor); ids beyond the bitmask's width are blocked.
+
+    The bits are unpacked straight into an additive 0 / -inf bias: on CPU, `logits + bias` is several times
+    faster than `masked_fill` with a bool mask. Plain tensor ops, so nothing is compiled on first use
+    (llguidance's own helper is a `torch.compile` kernel, seconds on its first call).
+    """
+    vocab = logits.shape[-1]
+    bias = _unpack(bitmask.to(logits.device, non_blocking=True), vocab, logits.dtype)
+    if bias.shape[-1] < vocab:
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[-1]), value=-float("inf"))
+    return logits + bias
+
+
+# ---- backends by name ----------------------------------------------------------------------------------------
+BackendLoader = Callable[[], type[ConstraintBackend]]
+
+
+def lazy_backend(path: str) -> BackendLoader:
+    """A loader for `"module:Class"`, imported on first use, so an optional backend's library is imported only
+    when a request names it."""
+
+    def load() -> type[ConstraintBackend]:
+        module, _, attr = path.partition(":")
+        cls: type[ConstraintBackend] = getattr(importlib.import_module(module), attr)
+        return cls
+
+    return load
+
+
+DEFAULT_BACKEND = "llguidance"
+BUILTIN_BACKENDS: Mapping[str, BackendLoader] = MappingProxyType({
+    "llguidance": lazy_backend("decodekit_plugins.llguidance_backend:LLGuidanceBackend"),
+    "xgrammar": lazy_backend("decodekit_plugins.xgrammar_backend:XGrammarBackend"),
+})
+"""The backends decodekit's structured-output plugin registers (`decodekit_register_constraint_backends`). An
+engine's backends are its registry's (these plus third-party ones); this table serves code with no registry at hand
+(a processor used on its own, a script calling `get_backend`)."""
+
+
+def backend_names(backends: Mapping[str, BackendLoader] | None = None) -> list[str]:
+    """The backend names in `backends` (default: the built-in ones)."""
+    return sorted(BUILTIN_BACKENDS if backends is None else backends)
+
+
+def backend_class(name: str, backends: Mapping[str, BackendLoader] | None = None) -> type[ConstraintBackend]:
+    """A backend's class from `backends` (default: the built-in ones); `ConstraintError` when it is unknown or its
+    library is not installed."""
+    table = BUILTIN_BACKENDS if backends is None else backends
+    if name not in table:
+        raise ConstraintError(f"unknown constraint backend {name!r}; known: {', '.join(sorted(table))}")
+    try:
+        return table[name]()
+    except ImportError as exc:
+        raise ConstraintError(f"constraint backend {name!r} is not installed ({exc}); "
+                              f"pip install 'decodekit[structured-{name}]'") from None
+
+
+# Built backends, one per (class, tokenizer, vocabulary, EOS ids) per process: a cache, since the tokenizer-level
+# setup takes about a second and engines (tests, benchmarks) are often built many times over one tokenizer.
+_INSTANCES: dict[tuple[type[ConstraintBackend], str, int, tuple[int, ...]], ConstraintBackend] = {}
+_INSTANCES_LOCK = threading.Lock()
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A digest of a tokenizer's full definition, so equal tokenizers loaded twice share one backend (tens of
+    milliseconds for a large vocabulary, so remembered per tokenizer object)."""
+    try:
+        return _FINGERPRINTS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr((type(tokenizer).__name__,
+                                                               getattr(tokenizer, "name_or_path", ""),
+                                                               len(tokenizer)))
+    digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    with contextlib.suppress(TypeError):  # not weak-referenceable: computed each time
+        _FINGERPRINTS[tokenizer] = digest
+    return digest
+
+
+def get_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                backends: Mapping[str, BackendLoader] | None = None) -> ConstraintBackend:
+    """The backend `name` (from `backends`, default the built-in ones) for this tokenizer, built (tokenizer-level
+    setup, ~1 s) once per process and cached."""
+    cls = backend_class(name, backends)
+    key = (cls, tokenizer_fingerprint(tokenizer), vocab_size, tuple(eos_token_ids))
+    with _INSTANCES_LOCK:
+        backend = _INSTANCES.get(key)
+        if backend is None:
+            backend = cls(tokenizer, vocab_size, eos_token_ids)
+            _INSTANCES[key] = backend
+    return backend

@@ -1,0 +1,34 @@
+"""The model-loader contract: what a loader plugin returns and how it is described.
+
+Loaders are registered through the `decodekit_register_model_loaders` hook; `decodekit.models` holds the built-in
+ones and `load_model`, which tries the registered loaders first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine: the HF module, its tokenizer, and where it came from."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    owned: bool = True  # loaded by decodekit (so its weights may be re-laid), not an object the caller passed
+
+
+@dataclass(frozen=True)
+class ModelLoader:
+    """A named way to load a model: `can_load(spec)` says whether it applies, `load(spec, dtype, device)` does it."""
+
+    name: str
+    can_load: Callable[[str], bool]
+    load: Callable[[str, torch.dtype, torch.device], tuple[Any, Any]]

@@ -1,0 +1,94 @@
+"""`SamplingParams`: what one request asks for (vLLM's names), validated eagerly with pydantic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ComponentSpec(BaseModel):
+    """A named plugin component and its parameters, as a recipe or request names it.
+
+    Accepted shapes: `"top_k"`, `{"top_k": {"k": 40}}`, or `{"name": "top_k", "params": {"k": 40}}`. The
+    parameters are validated later against the component's own pydantic model (see `decodekit.plan`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Registered name of the component.")
+    params: dict[str, Any] = Field(default_factory=dict, description="The component's parameters.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"name": data}
+        if isinstance(data, dict) and "name" not in data and len(data) == 1:
+            ((name, params),) = data.items()
+            if params is None:
+                params = {}
+            if not isinstance(params, dict):
+                raise ValueError(f"parameters of {name!r} must be a mapping, got {type(params).__name__}")
+            return {"name": name, "params": params}
+        return data
+
+
+class SamplingParams(BaseModel):
+    """How to decode one request. Field names follow vLLM/OpenAI so users can carry their settings over.
+
+    Example:
+        >>> SamplingParams(temperature=0, max_tokens=32, stop=["\\n\\n"])
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop tokens are suppressed until this many are made.")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy (argmax).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 or -1 disables.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set whose probability reaches p.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Keep tokens with p >= min_p * p_max.")
+    seed: int | None = Field(None, description="Per-request seed: same tokens alone or batched with others.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (matched across token boundaries).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end the request.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+    ignore_eos: bool = Field(False, description="Keep generating past the model's EOS token.")
+    skip_special_tokens: bool = Field(True, description="Drop special tokens from the decoded text.")
+    n: int = Field(1, ge=1, description="Number of sequences to return (parallel sampling strategy).")
+    processors: list[ComponentSpec] = Field(
+        default_factory=list,
+        description="Extra logits processors, applied in this order before the temperature/top-k/top-p/min-p ones.",
+    )
+    stopping: list[ComponentSpec] = Field(
+        default_factory=list, description="Extra stopping criteria (EOS, stop ids/strings and max tokens always apply)."
+    )
+    strategy: ComponentSpec | None = Field(
+        None, description="Search strategy; default: parallel sampling when n > 1, else plain sampling/greedy."
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="Parameters for processors, stopping criteria or strategies from plugins."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalize(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            if data.get("top_k") == -1:
+                data = {**data, "top_k": 0}
+            if isinstance(data.get("stop"), str):
+                data = {**data, "stop": [data["stop"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"`min_tokens` ({self.min_tokens}) must be <= `max_tokens` ({self.max_tokens})")
+        if any(s == "" for s in self.stop):
+            raise ValueError("`stop` strings must be non-empty")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request decodes by argmax."""
+        return self.temperature == 0.0

@@ -1,0 +1,216 @@
+"""The logits-processor contract: what a processor plugin implements, and the batch view it is given.
+
+A processor transforms a `[rows, vocab]` float32 logits tensor for the rows whose requests use it. It is built
+once per engine (not per token) and called directly in the hot loop, never through a hook. Its per-request
+parameters are a pydantic model (`Params`), validated when a recipe loads or a request arrives; each row of the
+batch view carries its own validated parameters in `options`.
+
+Speculative verification scores several positions of one sequence in one step: such a sequence appears in
+several rows, row `j` with the history up to its `j`-th drafted token (`draft_offsets[row] == j`). Stateful
+processors keep per-sequence state that only ever advances on accepted tokens (`update_state`), so a rejected
+draft never needs undoing; a processor that must look ahead (a grammar matcher) advances a copy over the
+`draft_offsets[row]` trailing tokens of the history itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel
+
+from decodekit.api.params import SamplingParams
+
+
+@dataclass
+class BatchView:
+    """The rows a processor sees: each row's parameters, token history and (stateful processors) state.
+
+    Attributes:
+        params: each row's request `SamplingParams`.
+        histories: prompt plus generated ids of each row, up to the position being scored.
+        prompt_lens: prompt length of each row.
+        eos_token_ids: the model's end-of-sequence ids.
+        device: where the logits live.
+        options: each row's validated parameters for the processor being called (its `Params` instance).
+        states: each row's state for the processor being called (stateful processors; shared by rows that score
+            positions of the same sequence).
+        draft_offsets: how many trailing tokens of each row's history are unverified drafts (0 outside
+            speculative verification).
+        generators: each row's seeded `torch.Generator` (None: the global RNG).
+    """
+
+    params: list[SamplingParams]
+    histories: list[list[int]]
+    prompt_lens: list[int]
+    eos_token_ids: tuple[int, ...] = ()
+    device: torch.device | str = "cpu"
+    options: list[Any] = field(default_factory=list)
+    states: list[Any] = field(default_factory=list)
+    draft_offsets: list[int] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rows = len(self.params)
+        self.options = self.options or [None] * rows
+        self.states = self.states or [None] * rows
+        self.draft_offsets = self.draft_offsets or [0] * rows
+        self.generators = self.generators or [None] * rows
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def token_ids(self, row: int) -> list[int]:
+        """Prompt plus generated ids of a row, up to the position being scored."""
+        return self.histories[row]
+
+    def generated_ids(self, row: int) -> list[int]:
+        """Generated ids of a row, up to the position being scored."""
+        return self.histories[row][self.prompt_lens[row] :]
+
+    @cached_property
+    def num_generated(self) -> torch.Tensor:
+        """`[rows]` long: tokens generated so far per row (the row's step)."""
+        return torch.tensor([len(h) - p for h, p in zip(self.histories, self.prompt_lens)], device=self.device)
+
+    def param_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`[rows]` tensor of one `SamplingParams` field across the rows."""
+        return torch.tensor([getattr(p, name) for p in self.params], dtype=dtype, device=self.device)
+
+    def option_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`[rows]` tensor of one field of the processor's own parameters across the rows."""
+        return torch.tensor([getattr(o, name) for o in self.options], dtype=dtype, device=self.device)
+
+    def history_tensor(self, generated_only: bool = False, pad: int = -1) -> torch.Tensor:
+        """`[rows, longest]` long tensor of the histories (or generated ids), right-padded with `pad`."""
+        rows = [self.generated_ids(r) if generated_only else self.histories[r] for r in range(len(self))]
+        width = max((len(r) for r in rows), default=0)
+        out = torch.full((len(rows), width), pad, dtype=torch.long)
+        for i, ids in enumerate(rows):
+            if ids:
+                out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out.to(self.device)
+
+    def token_counts(self, vocab_size: int, generated_only: bool = False) -> torch.Tensor:
+        """`[rows, vocab_size]` float: how many times each token occurs in each row's history."""
+        ids = self.history_tensor(generated_only, pad=vocab_size)
+        counts = torch.zeros(len(self), vocab_size + 1, device=self.device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+        return counts[:, :vocab_size]
+
+    def select(self, rows: Sequence[int]) -> BatchView:
+        """The view restricted to some rows."""
+        return replace(
+            self,
+            params=[self.params[r] for r in rows],
+            histories=[self.histories[r] for r in rows],
+            prompt_lens=[self.prompt_lens[r] for r in rows],
+            options=[self.options[r] for r in rows],
+            states=[self.states[r] for r in rows],
+            draft_offsets=[self.draft_offsets[r] for r in rows],
+            generators=[self.generators[r] for r in rows],
+        )
+
+
+class LogitsProcessor:
+    """Base class of logits processors.
+
+    Subclasses set `name` and `Params` (a pydantic model with `extra="forbid"`; None for no parameters) and
+    implement `__call__`. Processors that map onto a `SamplingParams` field (temperature, top-k, ...) also
+    implement `from_sampling_params`, so API users get them without naming them.
+
+    Attributes:
+        argmax_invariant: the processor never changes which token has the highest logit (so greedy rows skip it).
+        needs_history: the processor reads token histories.
+        stateful: the processor keeps per-sequence state (`init_state`/`update_state`/`fork_state`).
+        in_place: the processor may modify its input tensor (it says so; the engine then hands it a copy).
+
+    Example:
+        >>> class Ban(LogitsProcessor):
+        ...     name = "ban"
+        ...     class Params(BaseModel):
+        ...         token_id: int
+        ...     def __call__(self, logits, batch):
+        ...         out = logits.clone()
+        ...         for row, opt in enumerate(batch.options):
+        ...             out[row, opt.token_id] = -float("inf")
+        ...         return out
+    """
+
+    name: ClassVar[str] = "processor"
+    Params: ClassVar[type[BaseModel] | None] = None
+    argmax_invariant: ClassVar[bool] = False
+    needs_history: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
+    in_place: ClassVar[bool] = False
+
+    @classmethod
+    def from_sampling_params(cls, params: SamplingParams) -> BaseModel | None:
+        """This processor's parameters implied by `SamplingParams` fields, or None when they do not ask for it."""
+        return None
+
+    def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
+        """Return processed logits `[rows, vocab]`; must not modify `logits` in place (unless `in_place`)."""
+        raise NotImplementedError
+
+    def init_state(self, options: BaseModel | None, prompt_ids: list[int]) -> Any:
+        """A new sequence's state (stateful processors)."""
+        return None
+
+    def update_state(self, state: Any, options: BaseModel | None, token_ids: list[int]) -> Any:
+        """Advance a sequence's state over accepted tokens; return the new state (may be the same object)."""
+        return state
+
+    def fork_state(self, state: Any) -> Any:
+        """An independent copy of a state, for a forked sequence (beam search, parallel sampling)."""
+        return copy.deepcopy(state)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One processor of a request's pipeline with that request's validated parameters."""
+
+    processor: LogitsProcessor
+    options: BaseModel | None = None
+
+
+def apply_processors(
+    logits: torch.Tensor,
+    batch: BatchView,
+    pipelines: list[tuple[Stage, ...]],
+    greedy: list[bool] | None = None,
+    states: list[list[Any]] | None = None,
+) -> torch.Tensor:
+    """Run each row's pipeline in its own order, vectorized over the rows that share a pipeline shape.
+
+    Args:
+        logits: `[rows, vocab]` raw scores (not modified).
+        batch: the rows' view (its `options`/`states` are filled per stage here).
+        pipelines: each row's stages.
+        greedy: rows decoded by argmax skip argmax-invariant stages.
+        states: each row's per-stage states (stateful processors).
+    """
+    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for row, pipeline in enumerate(pipelines):
+        if pipeline:
+            groups[tuple(id(stage.processor) for stage in pipeline)].append(row)
+    for rows in groups.values():
+        for index, stage in enumerate(pipelines[rows[0]]):
+            proc = stage.processor
+            active = [r for r in rows if not (proc.argmax_invariant and greedy is not None and greedy[r])]
+            if not active:
+                continue
+            view = batch.select(active)
+            view.options = [pipelines[r][index].options for r in active]
+            view.states = [states[r][index] if states is not None else None for r in active]
+            if len(active) == len(batch):
+                logits = proc(logits.clone() if proc.in_place else logits, view)
+            else:
+                idx = torch.tensor(active, device=logits.device)
+                logits = logits.index_copy(0, idx, proc(logits.index_select(0, idx), view))
+    return logits

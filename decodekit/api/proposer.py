@@ -1,0 +1,80 @@
+"""The draft-proposer contract: plugins of the `speculative` strategy that draft tokens for the target to verify.
+
+A proposer that runs a model of its own (a draft model) opens it with `info.open_model(info.draft)` in `setup`
+and gets a `ProposerModel`: a paged KV cache and a packed forward, driven by sequence id. The built-in `draft`
+proposer (`decodekit_plugins.speculative.DraftModelProposer`) uses nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any, ClassVar, Protocol
+
+import torch
+from pydantic import BaseModel
+
+from decodekit.api.sequence import Sequence
+from decodekit.api.strategy import StepContext
+
+
+class ProposerModel(Protocol):
+    """A model with its own paged KV cache, driven by sequence id (use the target sequence's `seq_id`).
+
+    Example (draft two tokens for `seq` greedily):
+        >>> model.reserve(seq.seq_id, len(seq.token_ids) + 1)
+        >>> new = seq.token_ids[model.num_cached(seq.seq_id):]
+        >>> first = int(model.forward([(seq.seq_id, new)])[0].argmax())
+        >>> second = int(model.forward([(seq.seq_id, [first])])[0].argmax())
+    """
+
+    def num_cached(self, key: int) -> int:
+        """How many leading tokens of sequence `key` have their keys and values stored."""
+        ...
+
+    def reserve(self, key: int, num_tokens: int) -> bool:
+        """Make room for sequence `key` to hold `num_tokens` tokens in all; False if the pool cannot."""
+        ...
+
+    def forward(self, batch: Seq[tuple[int, list[int]]]) -> torch.Tensor:
+        """One packed forward: each `(key, tokens)` appends `tokens` after the sequence's cached ones; returns
+        float32 logits `[len(batch), vocab]` after each sequence's last new token."""
+        ...
+
+    def truncate(self, key: int, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens of sequence `key`."""
+        ...
+
+    def release(self, key: int) -> None:
+        """Free everything sequence `key` holds."""
+        ...
+
+
+class Proposer:
+    """Base class of draft proposers for the `speculative` strategy (registered with
+    `decodekit_register_proposers`, named by `strategy: {speculative: {proposer: NAME, proposer_options: {...}}}`).
+
+    A proposer drafts up to `k` tokens per sequence. It returns, per sequence, the draft and either None (a
+    deterministic proposal) or the `[len(draft), vocab]` probabilities it sampled the draft from (needed by the
+    lossless acceptance rule for sampled requests). Built once per engine; `setup` gets the engine's
+    `ComponentInfo` (tokenizer, draft model, `open_model`, ...).
+    """
+
+    name: ClassVar[str] = "proposer"
+    Params: ClassVar[type[BaseModel] | None] = None
+
+    def setup(self, info: Any) -> None:
+        """Called once with the engine's `ComponentInfo`."""
+
+    def check(self, options: BaseModel | None) -> None:
+        """Refuse a configuration that cannot work here (raise `ValueError` saying why)."""
+
+    def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
+                options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Draft up to `ks[i]` tokens for `seqs[i]` (with `options[i]`, its validated `Params`)."""
+        raise NotImplementedError
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """After verification: only the first `num_valid` tokens of `seq.token_ids` are final."""
+
+    def release(self, seq: Sequence) -> None:
+        """A sequence is finished: free what the proposer holds for it."""

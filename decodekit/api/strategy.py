@@ -1,0 +1,122 @@
+"""The search-strategy contract: per request, which positions need scores, and what to do with them.
+
+A strategy is built once per engine and serves every request that names it. Per step it may `propose` draft
+tokens for its running sequences (each draft token adds one scored position: speculative decoding scores k+1
+positions in one forward), then `select` turns the scores into actions through the `StepContext`: append tokens,
+accept a prefix of a draft (the rest is rolled back), fork a sequence (its KV blocks shared copy-on-write), free
+a sequence, finish one, or set a request's final results (beam search). Stopping criteria then run on every
+token appended, unless the strategy `handles_stopping` itself.
+
+What `select` receives is the strategy's choice (`Strategy.scores`): the rows after each request's processors
+(`"logits"`), the processors applied to log-probabilities (`"logprobs"`, as transformers' beam search does), or
+the model's raw logits (`"raw"`, the default, for strategies that call `ctx.process` themselves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
+from pydantic import BaseModel
+
+from decodekit.api.params import SamplingParams
+from decodekit.api.processors import BatchView, Stage
+from decodekit.api.sequence import Request, Sequence
+
+
+@dataclass
+class StrategyResult:
+    """One final output a strategy chose for its request (beam search: a hypothesis and its score)."""
+
+    token_ids: list[int]
+    finish_reason: str
+    score: float | None = None
+    stop_reason: str | int | None = None
+
+
+class StepContext(Protocol):
+    """What the engine offers a strategy during one step."""
+
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+    def batch_view(self, seqs: list[Sequence]) -> BatchView:
+        """The processors' view of these sequences (one row per scored position)."""
+        ...
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Apply each request's processors, in order, to `logits` (`1 + len(seq.draft_token_ids)` rows per
+        sequence, each position with its own history)."""
+        ...
+
+    def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]]) -> torch.Tensor:
+        """Apply each request's processors to one row per sequence: the position after `seq.token_ids +
+        extra[i]` (a proposer scoring what it drafts; those tokens count as unverified drafts)."""
+        ...
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        """Append a token to a sequence; stopping criteria run on it at the end of the step."""
+        ...
+
+    def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int) -> None:
+        """Keep the first `num_accepted` draft tokens, then append `token_id`; the rest of the draft is rolled
+        back (KV slots released)."""
+        ...
+
+    def fork(self, seq: Sequence, seed: int | None = None) -> Sequence:
+        """A new running sequence of the same request sharing `seq`'s tokens and KV blocks (copy-on-write),
+        processor states and stash; `seed` gives it its own seeded generator (else it samples from the global
+        RNG), so a seeded request's forks draw the same tokens alone or batched."""
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Drop a sequence of a request that goes on (a pruned beam); it is not returned."""
+        ...
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Finish a sequence with a finish reason ("stop", "length")."""
+        ...
+
+    def set_results(self, request: Request, results: list[StrategyResult]) -> None:
+        """Set a request's final outputs (instead of one output per sequence) and finish it."""
+        ...
+
+
+class Strategy:
+    """Base class of search strategies.
+
+    Subclasses set `name` and `Params` (pydantic, `extra="forbid"`; None for no parameters) and implement
+    `select`. A request's validated parameters are in `seq.request.plan.strategy_options`.
+
+    Attributes:
+        handles_stopping: the strategy finishes its own sequences (the engine's stopping criteria are skipped).
+        scores: what `select` receives: "logits" (after each request's processors), "logprobs" (processors
+            applied to log-softmax scores) or "raw" (the model's logits; call `ctx.process` yourself).
+    """
+
+    name: ClassVar[str] = "strategy"
+    Params: ClassVar[type[BaseModel] | None] = None
+    handles_stopping: ClassVar[bool] = False
+    scores: ClassVar[Literal["raw", "logits", "logprobs"]] = "raw"
+
+    def setup(self, info: Any) -> None:
+        """Called once with the engine's `ComponentInfo` (tokenizer, vocab size, draft model, ...)."""
+
+    def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
+        """Refuse a combination this strategy cannot run (raise `ValueError` saying which and why)."""
+
+    def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
+        """How many sequences a request will run at once (for admission limits)."""
+        return 1
+
+    def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
+        """Before scheduling: set `seq.draft_token_ids` on running sequences that should verify drafts."""
+
+    def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Turn `logits` (the scores `scores` asks for, `1 + len(seq.draft_token_ids)` rows per sequence, in order)
+        into actions."""
+        raise NotImplementedError
+
+    def on_request_finished(self, request: Request) -> None:
+        """Release per-request resources (a draft model's KV blocks, ...)."""

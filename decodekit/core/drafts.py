@@ -1,0 +1,35 @@
+"""Drafts: the tokens a strategy proposes for verification (speculative decoding), handled in one place.
+
+A strategy's `propose` sets `seq.draft_token_ids`; from then on only this module changes them: the scheduler trims
+a draft to the step's token budget, the forward stage feeds `pending_tokens`, the process stage expands a sequence
+into one row per scored position (`row_histories`), and the step context `clear`s the draft when the strategy
+accepts a prefix of it (or the scheduler when it preempts the sequence).
+"""
+
+from __future__ import annotations
+
+from decodekit.api.sequence import Sequence
+
+
+def trim(seq: Sequence, budget: int) -> None:
+    """Drop the draft tokens that do not fit in `budget` tokens of work (drafts are optional; the tokens that must
+    be computed are not)."""
+    if seq.draft_token_ids and seq.num_pending > budget:
+        del seq.draft_token_ids[max(0, budget - seq.num_uncomputed) :]
+
+
+def clear(seq: Sequence) -> None:
+    """Forget the draft (verified, or its sequence preempted)."""
+    seq.draft_token_ids = []
+
+
+def pending_tokens(seq: Sequence, start: int, count: int) -> list[int]:
+    """`count` tokens to compute from position `start`: the sequence's own tokens, then its draft."""
+    tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+    return tokens[start : start + count]
+
+
+def row_histories(seq: Sequence) -> list[list[int]]:
+    """The history each scored position of `seq` sees: position j after the first j draft tokens."""
+    draft = seq.draft_token_ids
+    return [seq.token_ids + draft[:j] if j else seq.token_ids for j in range(1 + len(draft))]

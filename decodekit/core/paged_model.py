@@ -1,0 +1,105 @@
+"""A model with its own paged KV cache: the engine's target model, or a proposer's draft model.
+
+`PagedModel` bundles a `BlockAllocator`, a `PagedKVCache` and the `ModelRunner` that decides how the model runs
+(fused decoder or transformers forward). The engine's scheduler drives the target's blocks itself; a proposer
+drives its own model by sequence (`decodekit.api.proposer.ProposerModel`: `reserve`, `forward`, `truncate`,
+`release`), opening it through `ComponentInfo.open_model`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from decodekit.api.errors import ConfigError
+from decodekit.api.models import LoadedModel
+from decodekit.core.blocks import BlockAllocator
+from decodekit.core.config import EngineConfig
+from decodekit.core.kv_cache import PagedKVCache
+from decodekit.core.runner import ForwardItem, ModelGeometry, build_runner, model_geometry
+
+
+def kv_pool_blocks(geometry: ModelGeometry, dtype: torch.dtype, config: EngineConfig) -> int:
+    """How many KV blocks `config.kv_cache_memory` holds for a model of this geometry.
+
+    Raises:
+        ConfigError: fewer than two blocks fit.
+    """
+    per_block = PagedKVCache.bytes_per_token(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                                             dtype) * config.block_size
+    num_blocks = config.kv_cache_memory // per_block
+    if num_blocks < 2:
+        raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes holds fewer than 2 blocks of "
+                          f"{per_block} bytes; raise it")
+    return num_blocks
+
+
+class PagedModel:
+    """A model, its KV pool of `num_blocks` blocks, the allocator of those blocks, and its runner.
+
+    Args:
+        loaded: the model.
+        config: the engine's options (block size, fused decoder, prepacking, native kernels).
+        num_blocks: KV blocks in the pool.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> None:
+        geometry = model_geometry(loaded.model)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.kv_cache = PagedKVCache(geometry.num_layers, num_blocks, config.block_size, geometry.num_kv_heads,
+                                     geometry.head_dim, loaded.dtype, loaded.device)
+        self.runner = build_runner(loaded, self.kv_cache, config)
+        self._cached: dict[int, int] = {}  # a proposer's sequences: tokens whose keys/values are stored
+
+    @property
+    def forward_name(self) -> str:
+        """How the model runs, for logs: "transformers", "fused" or "fused (prepacked weights)"."""
+        fused = self.runner.fused
+        if fused is None:
+            return "transformers"
+        return "fused (prepacked weights)" if fused.prepacked else "fused"
+
+    # ---- driven by sequence (decodekit.api.proposer.ProposerModel) -----------------------------------------
+    def num_cached(self, key: int) -> int:
+        """How many leading tokens of sequence `key` have their keys and values stored."""
+        return self._cached.get(key, 0)
+
+    def reserve(self, key: int, num_tokens: int) -> bool:
+        """Make room for sequence `key` to hold `num_tokens` tokens in all; False (nothing reserved) if the pool
+        cannot."""
+        if not self.allocator.has(key):
+            self.allocator.allocate(key, [])
+        start = self.num_cached(key)
+        if self.allocator.blocks_to_write(key, start, num_tokens) > self.allocator.num_free_blocks:
+            return False
+        self.allocator.ensure_slots(key, start, num_tokens)
+        return True
+
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[tuple[int, list[int]]]) -> torch.Tensor:
+        """One packed forward: each `(key, tokens)` appends `tokens` after the sequence's cached ones. Returns
+        float32 logits `[len(batch), vocab]`, the scores after each sequence's last new token."""
+        items = []
+        for key, tokens in batch:
+            start = self.num_cached(key)
+            if not self.allocator.has(key):
+                self.allocator.allocate(key, [])
+            self.allocator.ensure_slots(key, start, start + len(tokens))
+            items.append(ForwardItem(list(tokens), start, self.allocator.block_table(key), 1))
+        logits = self.runner.forward(items, self.allocator.take_pending_copies())
+        for key, tokens in batch:
+            self._cached[key] = self.num_cached(key) + len(tokens)
+        return logits
+
+    def truncate(self, key: int, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens of sequence `key` (a rejected draft's are dropped)."""
+        if self.num_cached(key) > num_tokens:
+            self._cached[key] = num_tokens
+            self.allocator.truncate(key, num_tokens)
+
+    def release(self, key: int) -> None:
+        """Free everything sequence `key` holds."""
+        self._cached.pop(key, None)
+        if self.allocator.has(key):
+            self.allocator.free(key)

@@ -1,0 +1,149 @@
+"""Request lifecycle: a prompt becomes a planned request with its first sequence; requests fail, abort, complete.
+
+This module owns the table of live requests and every way a request ends: `fail` (finish reason "error"),
+`abort`, `set_results` (a strategy's final outputs) and `complete` (all its sequences finished). Each end releases
+the request's blocks, tells its strategy (`on_request_finished`) and queues its final output with the emitter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from decodekit.api.errors import DecodeKitError, RequestError
+from decodekit.api.params import SamplingParams
+from decodekit.api.sequence import Request, Sequence
+from decodekit.api.strategy import StrategyResult
+from decodekit.core.detokenizer import IncrementalDetokenizer
+from decodekit.core.plan import Components
+from decodekit.core.scheduler import Scheduler
+from decodekit.core.stages.emit import OutputEmitter
+from decodekit.core.stages.stop import StopStage
+
+log = logging.getLogger("decodekit.engine")
+
+
+class RequestLifecycle:
+    """Creates, plans, queues and ends requests.
+
+    Args:
+        tokenizer: encodes text prompts and detokenizes outputs.
+        components: resolves each request's plan.
+        scheduler: queues requests and releases their blocks.
+        stop: finishes sequences (final text and reasons).
+        emitter: queues final outputs.
+        max_model_len: prompts must be shorter than this.
+        vocab_size: prompt token ids must be below this.
+        device: where seeded generators live.
+    """
+
+    def __init__(self, tokenizer: Any, components: Components, scheduler: Scheduler, stop: StopStage,
+                 emitter: OutputEmitter, max_model_len: int, vocab_size: int, device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.components = components
+        self.scheduler = scheduler
+        self.stop = stop
+        self.emitter = emitter
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.device = device
+        self.requests: dict[str, Request] = {}
+        self._counter = 0
+
+    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None, priority: int,
+            add_special_tokens: bool) -> Request:
+        """Make, validate and plan a request and queue it; a bad one is failed at once (its final output is
+        queued), the caller's other requests unaffected."""
+        if request_id is None:
+            request_id = str(self._counter)
+        self._counter += 1
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        else:
+            ids = list(prompt)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority)
+        self.requests[request_id] = request
+        error = self._validate(request)
+        if error is None:
+            try:
+                request.plan = self.components.resolve(params)
+                request.max_sequences = request.plan.strategy.num_sequences(request.plan.strategy_options, params)
+            except DecodeKitError as exc:
+                error = str(exc)
+            except Exception as exc:  # a plugin failing to set up fails this request, not the caller's batch
+                log.exception("planning request %s failed", request_id)
+                error = f"could not plan the request: {exc!r}"
+        seq = Sequence(request, list(ids), len(ids))
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        request.sequences.append(seq)
+        if error is not None:
+            self.fail(request, error)
+            return request
+        try:
+            seq.processor_states = [stage.processor.init_state(stage.options, ids) if stage.processor.stateful
+                                    else None for stage in request.plan.stages]
+        except Exception as exc:
+            log.exception("request %s: a processor failed to start", request_id)
+            self.fail(request, f"a processor failed to start: {exc!r}")
+            return request
+        self.scheduler.add(request)
+        return request
+
+    def _validate(self, request: Request) -> str | None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.max_model_len:
+            return f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens"
+        if any(t < 0 or t >= self.vocab_size for t in request.prompt_token_ids):
+            return f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})"
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its output finishes with reason "abort". Returns False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        for seq in request.sequences:
+            if not seq.finished:
+                self.stop.finish_sequence(seq, "abort")
+        self.complete(request)
+        return True
+
+    def fail(self, request: Request, error: str) -> None:
+        """End a request with finish reason "error" and this message."""
+        request.error = error
+        for seq in request.sequences:
+            if not seq.finished:
+                self.stop.finish_sequence(seq, "error", text=seq.text)
+        self.complete(request)
+
+    def set_results(self, request: Request, results: list[StrategyResult]) -> None:
+        """A strategy's final outputs for a request; its remaining sequences are released."""
+        request.results = results
+        for seq in request.sequences:
+            if not seq.finished:
+                self.stop.finish_sequence(seq, results[0].finish_reason if results else "stop", text=seq.text)
+        request.metrics.num_generated_tokens = sum(len(r.token_ids) for r in results)
+        self.complete(request)
+
+    def complete(self, request: Request) -> None:
+        """Release a finished request's blocks, tell its strategy, and queue its final output."""
+        if request.request_id not in self.requests:
+            return  # already completed this step (a strategy's results, then the stop stage)
+        request.metrics.finished_time = time.perf_counter()
+        self.scheduler.remove(request)
+        if request.plan is not None:
+            try:
+                request.plan.strategy.on_request_finished(request)
+            except Exception:  # cleanup must not take the engine down
+                log.exception("%s: on_request_finished failed", request.plan.strategy.name)
+        self.emitter.final(request)
+        del self.requests[request.request_id]

@@ -1,0 +1,80 @@
+"""The forward stage: one packed forward pass over every scheduled token, logits only where scores are needed.
+
+Input: the scheduler's decision. Output: `ScoredRows`, the sequences whose pending tokens completed this step
+(each with `num_scored_positions` rows of logits: one, plus one per draft token), and the requests that failed.
+After the pass the scheduler advances each sequence's computed tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from decodekit.api.sequence import Request, Sequence
+from decodekit.core import drafts
+from decodekit.core.blocks import BlockAllocator
+from decodekit.core.runner import ForwardItem, ModelRunner
+from decodekit.core.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("decodekit.engine")
+
+Failure = tuple[Request, str]
+
+
+@dataclass
+class ScoredRows:
+    """Logits for the sequences whose pending tokens completed: `seq.num_scored_positions` rows each, in order."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.starts: list[int] = []
+        offset = 0
+        for seq in self.seqs:
+            self.starts.append(offset)
+            offset += seq.num_scored_positions
+
+    def rows_of(self, indices: list[int]) -> torch.Tensor:
+        """The logits rows of the sequences at these indices (in that order)."""
+        if len(indices) == len(self.seqs):
+            return self.logits
+        spans = [torch.arange(self.starts[i], self.starts[i] + self.seqs[i].num_scored_positions) for i in indices]
+        return self.logits[torch.cat(spans).to(self.logits.device)]
+
+
+class ForwardStage:
+    """Turns a `SchedulerOutput` into model inputs, runs the model, and reports progress to the scheduler.
+
+    Args:
+        runner: the model runner (fused or transformers forward over the paged KV cache).
+        allocator: read for block tables and pending copy-on-write copies.
+        scheduler: told how far each sequence got.
+    """
+
+    def __init__(self, runner: ModelRunner, allocator: BlockAllocator, scheduler: Scheduler) -> None:
+        self.runner = runner
+        self.allocator = allocator
+        self.scheduler = scheduler
+
+    def run(self, sched: SchedulerOutput) -> tuple[ScoredRows | None, list[Failure]]:
+        """Run the scheduled work; a failed forward fails this step's requests, not the engine."""
+        if sched.empty:
+            return None, []
+        items = [
+            ForwardItem(drafts.pending_tokens(s.seq, s.seq.num_computed_tokens, s.num_tokens),
+                        s.seq.num_computed_tokens, self.allocator.block_table(s.seq.seq_id),
+                        s.seq.num_scored_positions if s.completes else 0)
+            for s in sched.scheduled
+        ]
+        try:
+            logits = self.runner.forward(items, self.allocator.take_pending_copies())
+        except Exception as exc:
+            log.exception("forward pass failed")
+            requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}.values()
+            return None, [(request, f"model forward failed: {exc!r}") for request in requests]
+        for s in sched.scheduled:
+            self.scheduler.advance(s.seq, s.num_tokens)
+        return ScoredRows([s.seq for s in sched.scheduled if s.completes], logits), []

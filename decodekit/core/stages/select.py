@@ -1,0 +1,70 @@
+"""The select stage: each strategy turns its sequences' scores into actions on the step context.
+
+Sequences are grouped by strategy (one call per strategy per step). A strategy gets the scores it declares in
+`Strategy.scores`: the rows after each request's processors (`"logits"`, the process stage runs here), the
+processors applied to log-probabilities (`"logprobs"`, beam search), or the raw logits (`"raw"`, the strategy
+calls `ctx.process` itself). When a strategy raises, its requests are retried one by one, so only the culprits
+fail; requests that already got their tokens before the error keep them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+
+from decodekit.api.sequence import Request, Sequence
+from decodekit.api.strategy import Strategy
+from decodekit.core import drafts
+from decodekit.core.stages.forward import ScoredRows
+from decodekit.core.stages.process import Processing
+from decodekit.core.step_context import EngineStepContext
+
+log = logging.getLogger("decodekit.engine")
+
+Failure = tuple[Request, str]
+
+
+def strategy_input(strategy: Strategy, logits: torch.Tensor, seqs: list[Sequence], processing: Processing
+                   ) -> torch.Tensor:
+    """The scores `strategy.select` receives for these sequences' rows."""
+    if strategy.scores == "logits":
+        return processing.process(logits, seqs)
+    if strategy.scores == "logprobs":
+        return processing.process(torch.log_softmax(logits.float(), dim=-1), seqs)
+    return logits
+
+
+def select(scored: ScoredRows, ctx: EngineStepContext) -> list[Failure]:
+    """Run every strategy on its rows; return the requests that failed."""
+    rows = scored.seqs
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, seq in enumerate(rows):
+        groups[id(seq.request.plan.strategy)].append(i)
+    failures: list[Failure] = []
+    for indices in groups.values():
+        strategy: Strategy = rows[indices[0]].request.plan.strategy
+        try:
+            _run(strategy, scored, indices, ctx)
+        except Exception:
+            by_request: dict[int, list[int]] = defaultdict(list)
+            for i in indices:
+                by_request[id(rows[i].request)].append(i)
+            for part in by_request.values():
+                request = rows[part[0]].request
+                if request.finished or any(rows[i] in ctx.record.appended for i in part):
+                    continue
+                try:
+                    _run(strategy, scored, part, ctx)
+                except Exception as exc:
+                    log.warning("request %s failed in %s: %r", request.request_id, strategy.name, exc)
+                    failures.append((request, f"{strategy.name} failed: {exc!r}"))
+    for seq in rows:
+        drafts.clear(seq)
+    return failures
+
+
+def _run(strategy: Strategy, scored: ScoredRows, indices: list[int], ctx: EngineStepContext) -> None:
+    seqs = [scored.seqs[i] for i in indices]
+    strategy.select(ctx, seqs, strategy_input(strategy, scored.rows_of(indices), seqs, ctx.processing))

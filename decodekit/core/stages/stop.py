@@ -1,0 +1,85 @@
+"""The stop stage: detokenize each new token and run the request's stopping criteria on it.
+
+A step can bring several tokens to one sequence (accepted drafts): each is checked in turn and the tokens after a
+stop are dropped. The criteria are the request's plan (`Plan.criteria`: the default ones its parameters switch
+on, then the ones it names), checked in that order; the context limit applies to every request. Strategies that
+`handles_stopping` (beam search) finish their own sequences and are skipped here.
+
+This module owns a sequence's text (`detokenizer`, `text`, `new_text_len`) and how it finishes
+(`finish_sequence`: reason, stop reason, final text).
+"""
+
+from __future__ import annotations
+
+import time
+
+from decodekit.api.sequence import Request, Sequence
+from decodekit.core.scheduler import Scheduler
+from decodekit.core.step_context import StepRecord
+
+
+class StopStage:
+    """Checks new tokens against stopping criteria and finishes sequences.
+
+    Args:
+        scheduler: releases a finished sequence's blocks.
+        eos_token_ids: the model's end-of-sequence ids, given to every criterion.
+        max_model_len: the context limit (finish reason "length").
+    """
+
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def run(self, record: StepRecord) -> list[Request]:
+        """Check every token this step appended; return the requests that are now complete (not failed)."""
+        now = time.perf_counter()
+        for seq, count in record.appended.items():
+            request = seq.request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if seq.finished or request.plan.strategy.handles_stopping:
+                continue
+            new_tokens = seq.token_ids[len(seq.token_ids) - count :]
+            del seq.token_ids[len(seq.token_ids) - count :]
+            for token in new_tokens:
+                seq.token_ids.append(token)
+                if self._check(seq):
+                    break
+        done = []
+        for request in record.requests():
+            request.metrics.num_generated_tokens = (
+                sum(len(r.token_ids) for r in request.results) if request.results is not None
+                else sum(s.num_generated for s in request.sequences))
+            if request.finished and request.error is None:
+                done.append(request)
+        return done
+
+    def _check(self, seq: Sequence) -> bool:
+        request = seq.request
+        delta = seq.detokenizer.add(seq.token_ids[-1:])
+        seq.new_text_len = len(delta)
+        seq.text = seq.detokenizer.text
+        for criterion in request.plan.criteria:
+            decision = criterion.check(seq, request.params, self.eos_token_ids)
+            if decision is not None:
+                cut = decision.truncate_text_at
+                self.finish_sequence(seq, decision.finish_reason, decision.stop_reason,
+                                     None if cut is None else seq.text[:cut])
+                return True
+        if len(seq.token_ids) >= self.max_model_len:
+            self.finish_sequence(seq, "length")
+            return True
+        return False
+
+    def finish_sequence(self, seq: Sequence, reason: str, stop_reason: str | int | None = None,
+                        text: str | None = None) -> None:
+        """Finish a sequence: its final text (the detokenizer flushed, or `text`), reasons, and its blocks freed."""
+        if text is None:
+            seq.detokenizer.flush()
+            text = seq.detokenizer.text
+        seq.text = text
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.scheduler.finish_sequence(seq)

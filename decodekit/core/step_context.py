@@ -1,0 +1,126 @@
+"""The step context: what a strategy (and a proposer) may do to its sequences during one step.
+
+It implements `decodekit.api.strategy.StepContext` over the engine's parts and records what each step did in a
+`StepRecord`, which the stop and emit stages read next. It is the only writer of a sequence's tokens, processor
+states and generator; the KV side of each action goes through the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from decodekit.api.processors import BatchView
+from decodekit.api.sequence import Request, Sequence
+from decodekit.api.strategy import StrategyResult
+from decodekit.core import drafts
+from decodekit.core.scheduler import Scheduler
+from decodekit.core.stages.process import Processing
+
+
+@dataclass
+class StepRecord:
+    """What one step did: how many tokens each sequence got, in the order they got them."""
+
+    appended: dict[Sequence, int] = field(default_factory=dict)
+
+    def requests(self) -> list[Request]:
+        """The requests whose sequences got tokens this step, each once, in order."""
+        return list({id(s.request): s.request for s in self.appended}.values())
+
+
+class EngineStepContext:
+    """The engine's `StepContext` for one step.
+
+    Args:
+        scheduler: where sequences' KV state goes (rollback, fork, free).
+        processing: the process stage (batch views, each request's processors).
+        record: this step's record, filled by `append_token` and `accept_draft`.
+        finish: finishes a sequence with a reason (the stop stage's `finish_sequence`).
+        set_results: gives a request its final outputs and completes it (request lifecycle).
+        eos_token_ids: the model's end-of-sequence ids.
+        max_model_len: the context limit.
+    """
+
+    def __init__(self, scheduler: Scheduler, processing: Processing, record: StepRecord,
+                 finish: Callable[[Sequence, str, str | int | None], None],
+                 set_results: Callable[[Request, list[StrategyResult]], None],
+                 eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.processing = processing
+        self.record = record
+        self._finish = finish
+        self._set_results = set_results
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def batch_view(self, seqs: list[Sequence]) -> BatchView:
+        """The processors' view of these sequences: one row per scored position (drafts expand a sequence)."""
+        return self.processing.batch_view(seqs)
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Apply each request's processors, in order, to the rows of these sequences' scored positions."""
+        return self.processing.process(logits, seqs)
+
+    def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]]) -> torch.Tensor:
+        """Apply each request's processors to one row per sequence, the position after `seq.token_ids + extra[i]`."""
+        return self.processing.process_after(logits, seqs, extra)
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        """Append a generated token; stopping runs at the end of the step."""
+        self._append(seq, [token_id])
+
+    def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int) -> None:
+        """Keep `num_accepted` draft tokens then `token_id`; roll the rest of the draft back out of the cache."""
+        proposed = seq.draft_token_ids
+        kept = proposed[:num_accepted]
+        seq.request.metrics.num_draft_tokens += len(proposed)
+        seq.request.metrics.num_accepted_tokens += num_accepted
+        drafts.clear(seq)
+        self.scheduler.rollback(seq, len(seq.token_ids) + num_accepted)
+        self._append(seq, [*kept, token_id])
+
+    def _append(self, seq: Sequence, token_ids: list[int]) -> None:
+        # States first: if a stateful processor refuses the tokens, the sequence is left as it was.
+        states = list(seq.processor_states)
+        for i, stage in enumerate(seq.request.plan.stages):
+            if stage.processor.stateful:
+                states[i] = stage.processor.update_state(states[i], stage.options, token_ids)
+        seq.processor_states = states
+        seq.token_ids.extend(token_ids)
+        self.record.appended[seq] = self.record.appended.get(seq, 0) + len(token_ids)
+
+    def fork(self, seq: Sequence, seed: int | None = None) -> Sequence:
+        """A new running sequence sharing `seq`'s tokens and KV blocks (copy-on-write); `seed` seeds its generator
+        (so a seeded request's forks draw the same tokens alone or batched)."""
+        request = seq.request
+        child = Sequence(request, list(seq.token_ids), seq.num_prompt_tokens)
+        self.scheduler.fork(seq, child)
+        child.detokenizer = seq.detokenizer.fork()
+        child.text = seq.text
+        child.processor_states = [
+            stage.processor.fork_state(state) if stage.processor.stateful else None
+            for stage, state in zip(request.plan.stages, seq.processor_states)
+        ]
+        child.stash = seq.stash.copy()
+        child.state = dict(seq.state)
+        if seed is not None:
+            child.generator = torch.Generator(device=self.processing.device).manual_seed(seed)
+        request.sequences.append(child)
+        return child
+
+    def free(self, seq: Sequence) -> None:
+        """Drop a sequence whose request goes on (a pruned beam): its blocks are released, it is not returned."""
+        self.scheduler.finish_sequence(seq)
+        seq.request.sequences.remove(seq)
+        self.record.appended.pop(seq, None)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Finish a sequence with a reason ("stop", "length")."""
+        self._finish(seq, reason, stop_reason)
+
+    def set_results(self, request: Request, results: list[StrategyResult]) -> None:
+        """A strategy's final outputs for a request; its remaining sequences are released."""
+        self._set_results(request, results)
