@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.components import ComponentInfo
 from decodekit.api.constraints import ConstraintSpec, allocate_bitmask, apply_bitmask, get_backend
-from decodekit.core.plan import ComponentInfo
 from decodekit.api.processors import BatchView
 from decodekit_plugins.structured import JsonSchemaProcessor
 

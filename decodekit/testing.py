@@ -1,41 +1,5 @@
-"""Moved to `decodekit.api.testing`; this import path stays for code written against earlier docs."""
+"""Moved to `decodekit.api.testing` (the conformance kit for plugin authors); this import path stays for code
+written against earlier docs."""
 
-from decodekit.api.testing import (
-    ALL_CHECKS,
-    DEFAULT_VOCAB,
-    Case,
-    ConformanceError,
-    StrategyOrFactory,
-    batch_views,
-    cases,
-    check_argmax_invariant,
-    check_batched_equals_row_by_row,
-    check_deterministic,
-    check_input_not_mutated,
-    check_masks_kept,
-    check_no_nan,
-    check_processor,
-    check_shape_and_dtype,
-    histories,
-    logits_tensors,
-)
-
-__all__ = [
-    "ALL_CHECKS",
-    "DEFAULT_VOCAB",
-    "Case",
-    "ConformanceError",
-    "StrategyOrFactory",
-    "batch_views",
-    "cases",
-    "check_argmax_invariant",
-    "check_batched_equals_row_by_row",
-    "check_deterministic",
-    "check_input_not_mutated",
-    "check_masks_kept",
-    "check_no_nan",
-    "check_processor",
-    "check_shape_and_dtype",
-    "histories",
-    "logits_tensors",
-]
+from decodekit.api.testing import *  # noqa: F403  (every public name of the kit, as its own __all__ lists them)
+from decodekit.api.testing import __all__ as __all__

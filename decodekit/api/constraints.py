@@ -165,6 +165,43 @@ class Matcher(ABC):
         """An independent copy at the same position."""
 
 
+class EosAfterStopMatcher(Matcher):
+    """A matcher that takes EOS after its grammar has stopped as a no-op. The libraries refuse a token after the
+    stop, but the engine feeds a sequence every token it accepts, EOS included; the no-op EOS tokens are always the
+    last ones consumed, so `rollback` undoes them first. Subclasses implement `_eos_is_noop`, `_consume_one` and
+    `_rollback_inner`."""
+
+    def __init__(self, eos_token_ids: frozenset[int], noop_eos: int = 0) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.noop_eos = noop_eos  # EOS tokens taken after the stop
+
+    @abstractmethod
+    def _eos_is_noop(self) -> bool:
+        """Whether an EOS now would be taken as a no-op (the grammar has stopped)."""
+
+    @abstractmethod
+    def _consume_one(self, token: int) -> bool:
+        """Advance the library's matcher over one token; False when it is rejected."""
+
+    @abstractmethod
+    def _rollback_inner(self, num_tokens: int) -> None:
+        """Undo the library matcher's last `num_tokens` tokens."""
+
+    def consume(self, token_ids: Sequence[int]) -> bool:
+        for token in token_ids:
+            if token in self.eos_token_ids and self._eos_is_noop():
+                self.noop_eos += 1
+            elif not self._consume_one(token):
+                return False
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        noops = min(num_tokens, self.noop_eos)
+        self.noop_eos -= noops
+        if num_tokens > noops:
+            self._rollback_inner(num_tokens - noops)
+
+
 class ConstraintBackend(ABC):
     """A structured-output library behind one interface; one instance per tokenizer (see `get_backend`).
 

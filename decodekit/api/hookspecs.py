@@ -2,43 +2,64 @@
 
 Two kinds of hooks:
 
-Registration hooks run once, when the plugin manager's components are collected into a `Registry`. They use
-the register-callback pattern: the hook receives a `register` function and calls it once per thing it provides.
+Registration hooks run once, when the plugin manager's components are collected into a `Registry`
+(`decodekit.core.registry`). They use the register-callback pattern: the hook receives a `register` function and
+calls it once per thing it provides. Each is one pluggy hook call, so pluggy's order holds: plugins registered later
+run first (third-party entry points before decodekit's default plugins, so a third-party model loader is tried
+before the built-in ones), `tryfirst`/`trylast` move a plugin, and hook wrappers run around the others.
 
 Lifecycle hooks run at request and step granularity, never per token per processor.
 
-The step protocol. `Engine.step()` runs, in this order:
+The step protocol. `Engine.step()` (`decodekit/core/engine.py`) runs these stages in order, each in its own module:
 
-0. propose: strategies that speculate set `seq.draft_token_ids` on their decode-ready sequences (each draft
-   token is one more position to score in this step's forward);
-1. schedule: the scheduler picks running sequences (decodes first, then prefill chunks) under the token budget
-   and the free KV blocks, preempting the newest request if blocks run out, then admits waiting requests;
-2. forward: one packed forward pass of the model over every scheduled token, logits only at the positions
-   whose scores are needed (`1 + len(draft)` per sequence that completes);
-3. process logits: each request's processors, in its own order, over the rows that use them (a strategy calls
-   `ctx.process`, so beam search can process log-probabilities and speculation every verified position);
-4. select: the request's search strategy turns scores into actions on the `StepContext`: `append_token`,
-   `accept_draft(seq, n, token)` (keep n drafts, roll the rest back out of the KV cache), `fork(seq)` (a new
-   sequence sharing the blocks copy-on-write), `free(seq)`, `finish(seq, reason)`, `set_results(request, ...)`;
-5. stop: stopping criteria check each new token (several per sequence after speculation; tokens after a stop
-   are dropped), unless the strategy `handles_stopping` itself (beam search);
-6. emit: outputs are built; `decodekit_request_finished` is called for each finished request, then
-   `decodekit_step_finished` once.
+1. propose (`core/stages/propose.py`): strategies that speculate set `seq.draft_token_ids` on their
+   decode-ready sequences; it comes before scheduling because each draft token is one more position to schedule
+   and score in this step's forward;
+2. schedule (`core/scheduler.py`): running requests first, oldest (or highest-priority) first, each with all its
+   pending tokens (a decode, a verification, the rest of a chunked prefill) under the token budget and the free
+   KV blocks, preempting the newest request if blocks run out; then waiting requests are admitted;
+3. forward (`core/stages/forward.py`): one packed forward pass of the model over every scheduled token, logits
+   only at the positions whose scores are needed (`1 + len(draft)` per sequence that completes);
+4. process (`core/stages/process.py`): each request's processors, in its own order, over the rows that use
+   them, on what the strategy asks for (`Strategy.scores`: logits, or log-probabilities for beam search);
+5. select (`core/stages/select.py`): the request's search strategy turns scores into actions on the
+   `StepContext`: `append_token`, `accept_draft(seq, n, token)` (keep n drafts, roll the rest back out of the KV
+   cache), `fork(seq, seed)` (a new sequence sharing the blocks copy-on-write), `free(seq)`, `finish(seq, reason)`,
+   `set_results(request, ...)`;
+6. stop (`core/stages/stop.py`): the request's stopping criteria check each new token (several per sequence after
+   speculation; tokens after a stop are dropped), unless the strategy `handles_stopping` itself (beam search);
+7. emit (`core/stages/emit.py`): the step's outputs are returned: the final outputs queued since the last step,
+   then a delta for every other request that got tokens; `decodekit_step_finished` is called once.
 
-The strategy contract (`decodekit.strategy.Strategy`): per request, which positions need scores (`propose`) and
-what to do with them (`select`); `check_compatible` refuses combinations it cannot run when a request or recipe
-is planned; `num_sequences` reserves room for forks at admission. Draft proposers (`decodekit.strategy.Proposer`)
-are plugins of the `speculative` strategy. Components are built once per engine; per-request parameters are
-pydantic models (`Params`) validated when the request is planned.
+`decodekit_request_finished` is called when a request's final output is queued: inside a step when it stops,
+fails or gets a strategy's results; inside `add_request` when the request is refused; inside `abort`.
+
+The strategy contract (`decodekit.api.strategy.Strategy`): per request, which positions need scores (`propose`)
+and what to do with them (`select`); `check_compatible` refuses combinations it cannot run when a request or
+recipe is planned; `num_sequences` reserves room for forks at admission. Draft proposers
+(`decodekit.api.proposer.Proposer`) are plugins of the `speculative` strategy. Components are built once per
+engine; per-request parameters are pydantic models (`Params`) validated when the request is planned.
 
 Implementations may accept fewer arguments than a spec lists; always call hooks with keyword arguments.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import pluggy
+import typer
+
+from decodekit.api.constraints import ConstraintBackend
+from decodekit.api.models import ModelLoader
+from decodekit.api.processors import LogitsProcessor
+from decodekit.api.proposer import Proposer
+from decodekit.api.sequence import Request, RequestOutput
+from decodekit.api.stopping import StoppingCriterion
+from decodekit.api.strategy import Strategy
+
+T_contra = TypeVar("T_contra", contravariant=True)
 
 hookspec = pluggy.HookspecMarker("decodekit")
 """Marker for hook specifications (decodekit's own; plugins use `hookimpl`)."""
@@ -47,62 +68,93 @@ hookimpl = pluggy.HookimplMarker("decodekit")
 """Marker for plugin hook implementations: ``@decodekit.hookimpl``."""
 
 
+class Register(Protocol[T_contra]):
+    """The callback a registration hook receives: ``register(name, factory, default=False)``."""
+
+    def __call__(self, name: str, factory: Callable[[], T_contra], default: bool = False) -> None:
+        """Register `factory` (a class, or any callable that builds the component) under `name`."""
+        ...
+
+
+class RegisterLoader(Protocol):
+    """The callback `decodekit_register_model_loaders` receives: ``register(loader)``."""
+
+    def __call__(self, loader: ModelLoader) -> None:
+        """Add a model loader (tried in registration order)."""
+        ...
+
+
+class EngineHandle(Protocol):
+    """What lifecycle hooks may use of the engine (`decodekit.core.engine.Engine`)."""
+
+    tokenizer: Any
+    max_model_len: int
+
+    def stats(self) -> dict[str, Any]:
+        """Queue depth, running requests, KV usage and preemptions right now."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now (finish reason "abort")."""
+        ...
+
+
 # ---- registration -----------------------------------------------------------------------------------------
 @hookspec
-def decodekit_register_processors(register: Any) -> None:
+def decodekit_register_processors(register: Register[LogitsProcessor]) -> None:
     """Register logits processors.
 
     :param register: ``register(name, factory, default=False)``; ``factory()`` builds a
-        :class:`decodekit.processors.LogitsProcessor`. ``default=True`` puts it in every engine's pipeline
-        (it still acts only on requests for which ``is_active`` is true).
+        :class:`decodekit.api.processors.LogitsProcessor`. ``default=True`` puts it in every engine's pipeline
+        (it acts on the requests whose sampling parameters switch it on: ``from_sampling_params``).
     """
 
 
 @hookspec
-def decodekit_register_stopping_criteria(register: Any) -> None:
+def decodekit_register_stopping_criteria(register: Register[StoppingCriterion]) -> None:
     """Register stopping criteria.
 
     :param register: ``register(name, factory, default=False)``; ``factory()`` builds a
-        :class:`decodekit.stopping.StoppingCriterion`.
+        :class:`decodekit.api.stopping.StoppingCriterion`.
     """
 
 
 @hookspec
-def decodekit_register_strategies(register: Any) -> None:
+def decodekit_register_strategies(register: Register[Strategy]) -> None:
     """Register search strategies.
 
-    :param register: ``register(name, factory)``; ``factory()`` builds a :class:`decodekit.strategy.Strategy`.
+    :param register: ``register(name, factory)``; ``factory()`` builds a :class:`decodekit.api.strategy.Strategy`.
     """
 
 
 @hookspec
-def decodekit_register_proposers(register: Any) -> None:
+def decodekit_register_proposers(register: Register[Proposer]) -> None:
     """Register draft proposers for speculative decoding.
 
-    :param register: ``register(name, factory)``; ``factory()`` builds a :class:`decodekit.strategy.Proposer`.
+    :param register: ``register(name, factory)``; ``factory()`` builds a :class:`decodekit.api.proposer.Proposer`.
     """
 
 
 @hookspec
-def decodekit_register_constraint_backends(register: Any) -> None:
+def decodekit_register_constraint_backends(register: Register[type[ConstraintBackend]]) -> None:
     """Register structured-output backends (what the `json_schema`, `regex`, ... processors compile with).
 
     :param register: ``register(name, loader)``; ``loader()`` returns a
-        :class:`decodekit.constraints.ConstraintBackend` subclass (import the backend's library there, so it is
+        :class:`decodekit.api.constraints.ConstraintBackend` subclass (import the backend's library there, so it is
         only needed when a request names the backend).
     """
 
 
 @hookspec
-def decodekit_register_model_loaders(register: Any) -> None:
-    """Register model loaders, tried in registration order before the built-in ones.
+def decodekit_register_model_loaders(register: RegisterLoader) -> None:
+    """Register model loaders, tried in the order registered (third-party plugins' before decodekit's own).
 
     :param register: ``register(loader)`` with a :class:`decodekit.models.ModelLoader`.
     """
 
 
 @hookspec
-def decodekit_register_commands(cli: Any) -> None:
+def decodekit_register_commands(cli: typer.Typer) -> None:
     """Add commands to the ``decodekit`` command line.
 
     :param cli: the :class:`typer.Typer` application; add commands with ``@cli.command()``.
@@ -111,7 +163,7 @@ def decodekit_register_commands(cli: Any) -> None:
 
 # ---- lifecycle ---------------------------------------------------------------------------------------------
 @hookspec
-def decodekit_engine_started(engine: Any) -> None:
+def decodekit_engine_started(engine: EngineHandle) -> None:
     """Called once when an engine has loaded its model and allocated its KV cache.
 
     :param engine: the :class:`decodekit.core.engine.Engine`.
@@ -119,28 +171,29 @@ def decodekit_engine_started(engine: Any) -> None:
 
 
 @hookspec
-def decodekit_request_added(engine: Any, request: Any) -> None:
+def decodekit_request_added(engine: EngineHandle, request: Request) -> None:
     """Called when a request is accepted into the engine's queue.
 
     :param engine: the engine.
-    :param request: the :class:`decodekit.core.sequence.Request`.
+    :param request: the :class:`decodekit.api.sequence.Request`.
     """
 
 
 @hookspec
-def decodekit_step_finished(engine: Any, outputs: Any) -> None:
+def decodekit_step_finished(engine: EngineHandle, outputs: list[RequestOutput]) -> None:
     """Called after every engine step.
 
     :param engine: the engine.
-    :param outputs: the list of :class:`decodekit.core.sequence.RequestOutput` the step emitted.
+    :param outputs: the list of :class:`decodekit.api.sequence.RequestOutput` the step emitted.
     """
 
 
 @hookspec
-def decodekit_request_finished(engine: Any, request: Any, output: Any) -> None:
-    """Called once when a request finishes (stop, length, abort or error).
+def decodekit_request_finished(engine: EngineHandle, request: Request, output: RequestOutput) -> None:
+    """Called once when a request's final output is queued (stop, length, abort or error): during a step, or
+    during `add_request` (a refused request) or `abort`.
 
     :param engine: the engine.
     :param request: the finished request.
-    :param output: its final :class:`decodekit.core.sequence.RequestOutput`.
+    :param output: its final :class:`decodekit.api.sequence.RequestOutput`.
     """

@@ -7,6 +7,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class StrictParams(BaseModel):
+    """A base for components' `Params` models: unknown keys are refused, so a typo in a recipe is an error that
+    names the key rather than a setting silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class ComponentSpec(BaseModel):
     """A named plugin component and its parameters, as a recipe or request names it.
 

@@ -26,6 +26,9 @@ from pydantic import BaseModel
 
 from decodekit.api.params import SamplingParams
 
+NEG_INF = -float("inf")
+"""The logit of a removed token: processors set it, and must keep it (see `LogitsProcessor`)."""
+
 
 @dataclass
 class BatchView:
@@ -126,7 +129,6 @@ class LogitsProcessor:
 
     Attributes:
         argmax_invariant: the processor never changes which token has the highest logit (so greedy rows skip it).
-        needs_history: the processor reads token histories.
         stateful: the processor keeps per-sequence state (`init_state`/`update_state`/`fork_state`).
         in_place: the processor may modify its input tensor (it says so; the engine then hands it a copy).
 
@@ -145,7 +147,6 @@ class LogitsProcessor:
     name: ClassVar[str] = "processor"
     Params: ClassVar[type[BaseModel] | None] = None
     argmax_invariant: ClassVar[bool] = False
-    needs_history: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
     in_place: ClassVar[bool] = False
 

@@ -1,1 +1,2 @@
-"""The engine core: block allocator, paged KV cache, scheduler, runner, sampler and the step loop."""
+"""The engine (layer 2): the step loop and its stages, the scheduler and KV blocks, the model runners, plans and
+the registry. It imports `decodekit.api` and `decodekit.models`, never a front-end (docs/architecture.md)."""

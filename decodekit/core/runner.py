@@ -139,7 +139,8 @@ class ForwardItem:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool; turns a list of `ForwardItem`s into logits `[sum(num_logits), vocab]`.
+    """Runs a model over the paged KV cache it is given (a `PagedModel` owns both); turns a list of `ForwardItem`s
+    into logits `[sum(num_logits), vocab]`.
 
     With `fused=True` the model runs through `FusedDecoder` (which re-lays its weights in place); otherwise
     through its own transformers forward with the paged attention function.

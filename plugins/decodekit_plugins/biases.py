@@ -11,17 +11,13 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from decodekit import hookimpl
-from decodekit.api.processors import BatchView, LogitsProcessor
+from decodekit.api.params import StrictParams
+from decodekit.api.processors import NEG_INF, BatchView, LogitsProcessor
 
-_NEG_INF = -float("inf")
 TokenId = Annotated[int, Field(ge=0)]
-
-
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class _UsesTokenizer(LogitsProcessor):
@@ -71,7 +67,7 @@ class LogitBiasProcessor(_UsesTokenizer):
 
     name = "logit_bias"
 
-    class Params(_Params):
+    class Params(StrictParams):
         bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
             default_factory=dict, description="Token id -> bias added to its logit.")
         bias_strings: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
@@ -115,9 +111,8 @@ class BadWordsProcessor(_UsesTokenizer):
     """
 
     name = "bad_words"
-    needs_history = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         words_ids: list[Annotated[list[TokenId], Field(min_length=1)]] = Field(
             default_factory=list, description="Token-id sequences that must not be generated.")
         words: list[Annotated[str, Field(min_length=1)]] = Field(
@@ -153,7 +148,7 @@ class BadWordsProcessor(_UsesTokenizer):
             return logits
         device = logits.device
         index = (torch.tensor([r for r, _ in pairs], device=device), torch.tensor([t for _, t in pairs], device=device))
-        return logits.index_put(index, torch.tensor(_NEG_INF, dtype=logits.dtype, device=device))
+        return logits.index_put(index, torch.tensor(NEG_INF, dtype=logits.dtype, device=device))
 
 
 class AllowedTokenIdsProcessor(_UsesTokenizer):
@@ -164,7 +159,7 @@ class AllowedTokenIdsProcessor(_UsesTokenizer):
 
     name = "allowed_token_ids"
 
-    class Params(_Params):
+    class Params(StrictParams):
         token_ids: list[TokenId] = Field(min_length=1, description="The only token ids that may be generated.")
 
     def check_options(self, options: Any) -> None:
@@ -178,7 +173,7 @@ class AllowedTokenIdsProcessor(_UsesTokenizer):
         allowed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
         allowed[torch.tensor(rows, dtype=torch.long, device=logits.device),
                 torch.tensor(tokens, dtype=torch.long, device=logits.device)] = True
-        return logits.masked_fill(~allowed, _NEG_INF)
+        return logits.masked_fill(~allowed, NEG_INF)
 
 
 @hookimpl

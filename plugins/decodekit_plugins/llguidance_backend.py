@@ -15,7 +15,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from decodekit.api.constraints import ConstraintBackend, ConstraintError, ConstraintSpec, Matcher
+from decodekit.api.constraints import ConstraintBackend, ConstraintError, ConstraintSpec, EosAfterStopMatcher, Matcher
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -56,28 +56,22 @@ _EXCERPT = re.compile(r"^\d+\s*\|")  # "   1 | start: /a(b/"
 _POSITION = re.compile(r"^at \d+\(\d+\): ")
 
 
-class LLGuidanceMatcher(Matcher):
+class LLGuidanceMatcher(EosAfterStopMatcher):
     """A sequence's `llguidance.LLMatcher`. EOS after a complete match is taken as a no-op: llguidance refuses it
     in `consume_tokens` and `validate_tokens` once the parser has stopped (though `consume_token` takes it)."""
 
     def __init__(self, inner: llguidance.LLMatcher, eos_token_ids: frozenset[int], noop_eos: int = 0) -> None:
+        super().__init__(eos_token_ids, noop_eos)
         self.inner = inner
-        self.eos_token_ids = eos_token_ids
-        self.noop_eos = noop_eos  # EOS tokens taken after the stop (always the last ones consumed)
 
-    def consume(self, token_ids: Sequence[int]) -> bool:
-        for token in token_ids:
-            if token in self.eos_token_ids and self.inner.is_stopped() and not self.inner.is_error():
-                self.noop_eos += 1
-            elif not self.inner.consume_token(token):
-                return False
-        return True
+    def _eos_is_noop(self) -> bool:
+        return bool(self.inner.is_stopped()) and not self.inner.is_error()
 
-    def rollback(self, num_tokens: int) -> None:
-        noops = min(num_tokens, self.noop_eos)
-        self.noop_eos -= noops
-        if num_tokens > noops:
-            self.inner.rollback(num_tokens - noops)
+    def _consume_one(self, token: int) -> bool:
+        return bool(self.inner.consume_token(token))
+
+    def _rollback_inner(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
 
     def validate(self, token_ids: Sequence[int]) -> int:
         tokens = list(token_ids)

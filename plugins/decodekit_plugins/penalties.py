@@ -16,16 +16,11 @@ from itertools import chain
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import Field, StringConstraints
 
 from decodekit import hookimpl
-from decodekit.api.processors import BatchView, LogitsProcessor
-
-_NEG_INF = -float("inf")
-
-
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from decodekit.api.params import StrictParams
+from decodekit.api.processors import NEG_INF, BatchView, LogitsProcessor
 
 
 def occurrences(seqs: Sequence[Sequence[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,9 +65,8 @@ class RepetitionPenaltyProcessor(LogitsProcessor):
     """
 
     name = "repetition_penalty"
-    needs_history = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         penalty: float = Field(gt=0.0, description="Above 1 discourages repeats, below 1 encourages them.")
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
@@ -87,9 +81,8 @@ class PresencePenaltyProcessor(LogitsProcessor):
     """
 
     name = "presence_penalty"
-    needs_history = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         penalty: float = Field(ge=-2.0, le=2.0, description="Subtracted once per generated token id (OpenAI range).")
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
@@ -104,9 +97,8 @@ class FrequencyPenaltyProcessor(LogitsProcessor):
     """
 
     name = "frequency_penalty"
-    needs_history = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         penalty: float = Field(ge=-2.0, le=2.0, description="Subtracted per occurrence in the generated tokens.")
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
@@ -130,7 +122,7 @@ def _ban(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torc
     if not bool(keep.any()):  # CPU tensors: no device sync
         return logits
     index = (rows[keep].to(logits.device), tokens[keep].to(logits.device))
-    return logits.index_put(index, torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
+    return logits.index_put(index, torch.tensor(NEG_INF, dtype=logits.dtype, device=logits.device))
 
 
 class NoRepeatNGramProcessor(LogitsProcessor):
@@ -141,9 +133,8 @@ class NoRepeatNGramProcessor(LogitsProcessor):
     """
 
     name = "no_repeat_ngram"
-    needs_history = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         ngram_size: int = Field(ge=1, description="Length of the n-grams that may occur only once.")
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
@@ -197,9 +188,8 @@ class DryProcessor(LogitsProcessor):
     """
 
     name = "dry"
-    needs_history = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         multiplier: float = Field(0.8, ge=0.0, description="Penalty scale; 0 turns DRY off.")
         base: float = Field(1.75, ge=1.0, description="Growth of the penalty per token of repeat length.")
         allowed_length: int = Field(2, ge=1, description="Repeats up to this length are not penalized.")

@@ -10,15 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from decodekit import hookimpl
-from decodekit.api.params import SamplingParams
+from decodekit.api.params import SamplingParams, StrictParams
 from decodekit.api.processors import BatchView, LogitsProcessor
-
-
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class MinTokensProcessor(LogitsProcessor):
@@ -28,9 +24,8 @@ class MinTokensProcessor(LogitsProcessor):
     """
 
     name = "min_tokens"
-    needs_history = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         min_tokens: int = Field(ge=0, description="Tokens to generate before EOS / stop token ids are allowed.")
 
     @classmethod
@@ -58,7 +53,7 @@ class TemperatureProcessor(LogitsProcessor):
     name = "temperature"
     argmax_invariant = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         temperature: float = Field(gt=0.0, description="Divide logits by this (below 1 sharpens).")
 
     @classmethod
@@ -79,7 +74,7 @@ class TopKProcessor(LogitsProcessor):
     name = "top_k"
     argmax_invariant = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         top_k: int = Field(ge=1, description="How many of the most likely tokens to keep (ties kept).")
 
     @classmethod
@@ -102,7 +97,7 @@ class TopPProcessor(LogitsProcessor):
     name = "top_p"
     argmax_invariant = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         top_p: float = Field(gt=0.0, le=1.0, description="Probability mass to keep.")
 
     @classmethod
@@ -167,7 +162,7 @@ class MinPProcessor(LogitsProcessor):
     name = "min_p"
     argmax_invariant = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         min_p: float = Field(gt=0.0, le=1.0, description="Keep tokens with p >= min_p * p_max.")
 
     @classmethod

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from decodekit import hookimpl
 from decodekit.api.components import ComponentLookup
@@ -45,14 +45,13 @@ from decodekit.api.constraints import (
     backend_class,
     get_backend,
 )
+from decodekit.api.params import StrictParams
 from decodekit.api.processors import BatchView, LogitsProcessor
 
 log = logging.getLogger("decodekit.structured")
 
 
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _Params(StrictParams):
     backend: str = Field(DEFAULT_BACKEND, description="Constraint backend: llguidance, or xgrammar (optional extra).")
 
 
@@ -68,7 +67,6 @@ class ConstraintProcessor(LogitsProcessor):
     """Base class of the constraint processors: subclasses set `name` and `Params` and implement `spec`."""
 
     stateful = True
-    needs_history = True
 
     def __init__(self) -> None:
         self._info: Any = None

@@ -13,16 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from decodekit import hookimpl
-from decodekit.api.processors import BatchView, LogitsProcessor
-
-_NEG_INF = -float("inf")
-
-
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from decodekit.api.params import StrictParams
+from decodekit.api.processors import NEG_INF, BatchView, LogitsProcessor
 
 
 def _column(batch: BatchView, name: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -60,7 +55,7 @@ class TypicalPProcessor(LogitsProcessor):
 
     name = "typical_p"
 
-    class Params(_Params):
+    class Params(StrictParams):
         mass: float = Field(gt=0.0, lt=1.0, description="Probability mass of the most typical tokens to keep.")
         min_keep: int = Field(1, ge=1, description="Always keep at least this many tokens.")
 
@@ -74,7 +69,7 @@ class TypicalPProcessor(LogitsProcessor):
         remove_sorted = sorted_scores > sorted_scores.gather(1, last)
         positions = torch.arange(vocab, device=logits.device)[None, :]
         remove_sorted &= positions >= _column(batch, "min_keep", logits, torch.long)
-        return logits.masked_fill(remove_sorted.scatter(1, order, remove_sorted), _NEG_INF)
+        return logits.masked_fill(remove_sorted.scatter(1, order, remove_sorted), NEG_INF)
 
 
 class TopNSigmaProcessor(LogitsProcessor):
@@ -88,7 +83,7 @@ class TopNSigmaProcessor(LogitsProcessor):
     name = "top_n_sigma"
     argmax_invariant = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         n: float = Field(gt=0.0, description="Keep logits >= max - n * std.")
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
@@ -98,7 +93,7 @@ class TopNSigmaProcessor(LogitsProcessor):
         mean = values.sum(dim=-1, keepdim=True) / count
         std = ((values - mean).square().masked_fill(~finite, 0.0).sum(dim=-1, keepdim=True) / count).sqrt()
         top = logits.amax(dim=-1, keepdim=True)
-        return logits.masked_fill(logits < top - _column(batch, "n", logits) * std, _NEG_INF)
+        return logits.masked_fill(logits < top - _column(batch, "n", logits) * std, NEG_INF)
 
 
 class EpsilonProcessor(LogitsProcessor):
@@ -110,13 +105,13 @@ class EpsilonProcessor(LogitsProcessor):
     name = "epsilon"
     argmax_invariant = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         epsilon: float = Field(gt=0.0, lt=1.0, description="Drop tokens with probability below this.")
         min_keep: int = Field(1, ge=1, description="Always keep at least this many tokens.")
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
         remove = logits.softmax(dim=-1) < _column(batch, "epsilon", logits)
-        return logits.masked_fill(_protect_top(logits, remove, batch), _NEG_INF)
+        return logits.masked_fill(_protect_top(logits, remove, batch), NEG_INF)
 
 
 class EtaProcessor(LogitsProcessor):
@@ -128,7 +123,7 @@ class EtaProcessor(LogitsProcessor):
     name = "eta"
     argmax_invariant = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         epsilon: float = Field(gt=0.0, lt=1.0, description="Upper bound of the entropy-dependent cutoff.")
         min_keep: int = Field(1, ge=1, description="Always keep at least this many tokens.")
 
@@ -138,7 +133,7 @@ class EtaProcessor(LogitsProcessor):
         entropy = -(probs * logp).nansum(dim=-1, keepdim=True)
         epsilon = _column(batch, "epsilon", logits)
         eta = torch.minimum(epsilon, epsilon.sqrt() * torch.exp(-entropy))
-        return logits.masked_fill(_protect_top(logits, probs < eta, batch), _NEG_INF)
+        return logits.masked_fill(_protect_top(logits, probs < eta, batch), NEG_INF)
 
 
 class XTCProcessor(LogitsProcessor):
@@ -155,7 +150,7 @@ class XTCProcessor(LogitsProcessor):
 
     name = "xtc"
 
-    class Params(_Params):
+    class Params(StrictParams):
         threshold: float = Field(0.1, ge=0.0, le=1.0, description="Probability at which a token is a top choice.")
         probability: float = Field(0.5, ge=0.0, le=1.0, description="Chance that the top choices are excluded.")
         min_keep: int = Field(1, ge=1, description="Do nothing unless at least this many candidates remain.")
@@ -170,7 +165,7 @@ class XTCProcessor(LogitsProcessor):
         remaining = logits.isfinite().sum(dim=-1, keepdim=True) - remove.sum(dim=-1, keepdim=True)
         apply = ((chance < _column(batch, "probability", logits)) & (threshold <= 0.5)
                  & (remaining >= _column(batch, "min_keep", logits, torch.long)))
-        return logits.masked_fill(remove & apply, _NEG_INF)
+        return logits.masked_fill(remove & apply, NEG_INF)
 
 
 class DynamicTemperatureProcessor(LogitsProcessor):
@@ -187,7 +182,7 @@ class DynamicTemperatureProcessor(LogitsProcessor):
     name = "dynamic_temperature"
     argmax_invariant = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         temperature: float = Field(1.0, ge=0.0, description="Centre of the temperature range.")
         delta: float = Field(0.0, ge=0.0, description="Half-width of the range (llama.cpp's dynatemp_range).")
         exponent: float = Field(1.0, gt=0.0, description="Exponent on the normalized entropy (dynatemp_exponent).")
@@ -206,7 +201,7 @@ class DynamicTemperatureProcessor(LogitsProcessor):
         scaled = logits / torch.where(t > 0, t, torch.ones_like(t))
         # a temperature so close to 0 that a logit overflows to +-inf (ties, NaN in softmax) acts as 0: greedy
         overflow = (scaled.isinf() & logits.isfinite()).any(dim=-1, keepdim=True)
-        greedy = logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True), _NEG_INF)
+        greedy = logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True), NEG_INF)
         return torch.where(untouched, logits, torch.where((t > 0) & ~overflow, scaled, greedy))
 
 
@@ -225,10 +220,9 @@ class MirostatProcessor(LogitsProcessor):
 
     name = "mirostat"
     argmax_invariant = True
-    needs_history = True
     stateful = True
 
-    class Params(_Params):
+    class Params(StrictParams):
         tau: float = Field(5.0, gt=0.0, description="Target surprise in bits.")
         eta: float = Field(0.1, gt=0.0, description="Learning rate of mu.")
 
@@ -260,7 +254,7 @@ class MirostatProcessor(LogitsProcessor):
             part = logits if len(rows) == len(batch) else logits[torch.tensor(rows, device=logits.device)]
             surprise = -part.log_softmax(dim=-1) / math.log(2)
             keep = (surprise <= mu) | (part == part.amax(dim=-1, keepdim=True))
-            kept = part.masked_fill(~keep, _NEG_INF)
+            kept = part.masked_fill(~keep, NEG_INF)
             log2p = kept.log_softmax(dim=-1) / math.log(2)
             for i, r in enumerate(rows):
                 batch.states[r]["steps"][depth] = (log2p, i, mu, i)

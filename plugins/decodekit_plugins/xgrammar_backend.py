@@ -14,7 +14,14 @@ from typing import Any
 import torch
 import xgrammar
 
-from decodekit.api.constraints import ConstraintBackend, ConstraintError, ConstraintSpec, Matcher, bitmask_to_bool
+from decodekit.api.constraints import (
+    ConstraintBackend,
+    ConstraintError,
+    ConstraintSpec,
+    EosAfterStopMatcher,
+    Matcher,
+    bitmask_to_bool,
+)
 
 _SEPARATORS = (", ", ": ")
 
@@ -30,35 +37,31 @@ def _reason(exc: Exception) -> str:
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
 
 
-class XGrammarMatcher(Matcher):
+class XGrammarMatcher(EosAfterStopMatcher):
     """A sequence's `xgrammar.GrammarMatcher`, with a sticky error state like llguidance's."""
 
     def __init__(self, inner: xgrammar.GrammarMatcher, eos_token_ids: frozenset[int], tokenizer: Any,
                  vocab_size: int, noop_eos: int = 0, error: str | None = None) -> None:
+        super().__init__(eos_token_ids, noop_eos)
         self.inner = inner
-        self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.noop_eos = noop_eos  # EOS tokens taken after termination (always the last ones consumed)
         self._error = error
 
     def consume(self, token_ids: Sequence[int]) -> bool:
-        if self._error is not None:
-            return False
-        for token in token_ids:
-            if token in self.eos_token_ids and self.inner.is_terminated():
-                self.noop_eos += 1
-            elif not self.inner.accept_token(token):
-                text = self.tokenizer.decode([token])
-                self._error = f"token {token} ({text!r}) does not satisfy the grammar"
-                return False
-        return True
+        return self._error is None and super().consume(token_ids)
 
-    def rollback(self, num_tokens: int) -> None:
-        noops = min(num_tokens, self.noop_eos)
-        self.noop_eos -= noops
-        if num_tokens > noops:
-            self.inner.rollback(num_tokens - noops)
+    def _eos_is_noop(self) -> bool:
+        return bool(self.inner.is_terminated())
+
+    def _consume_one(self, token: int) -> bool:
+        if self.inner.accept_token(token):
+            return True
+        self._error = f"token {token} ({self.tokenizer.decode([token])!r}) does not satisfy the grammar"
+        return False
+
+    def _rollback_inner(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
 
     def validate(self, token_ids: Sequence[int]) -> int:
         probe = self.fork()

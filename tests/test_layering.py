@@ -1,0 +1,64 @@
+"""The house's rules hold: no import runs up the layers, first-party plugins use only the public API, and the
+module map in docs/architecture.md is the code's own (tools/architecture_map.py)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "tools" / "architecture_map.py"
+_SPEC = importlib.util.spec_from_file_location("architecture_map", _PATH)
+assert _SPEC is not None and _SPEC.loader is not None
+architecture_map = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(architecture_map)
+
+
+def test_no_import_runs_up_the_layers_and_plugins_use_only_the_public_api():
+    assert architecture_map.violations(architecture_map.graph()) == []
+
+
+def test_the_module_map_in_the_architecture_doc_matches_the_code():
+    assert architecture_map.problems() == []
+
+
+@pytest.mark.parametrize(("module", "target", "why"), [
+    ("decodekit.api.strategy", "decodekit.core.engine", "layer 0"),
+    ("decodekit.core.engine", "decodekit.llm", "layer 2"),
+    ("decodekit.models.loader", "decodekit.core.runner", "layer 1"),
+    ("decodekit.core.engine", "decodekit_plugins.speculative", "plugin module"),
+    ("decodekit_plugins.speculative", "decodekit.core.blocks", "public API only"),
+])
+def test_an_import_up_the_layers_is_reported(module, target, why):
+    found = architecture_map.violations({module: {target}})
+    assert len(found) == 1 and why in found[0]
+
+
+def test_imports_down_the_layers_and_plugin_api_imports_are_allowed():
+    graph = {"decodekit.llm": {"decodekit.core.engine", "decodekit.api.params"},
+             "decodekit.core.engine": {"decodekit.models", "decodekit.api.sequence"},
+             "decodekit_plugins.beam_search": {"decodekit", "decodekit.api.strategy", "decodekit.models"}}
+    assert architecture_map.violations(graph) == []
+
+
+@pytest.mark.parametrize("name", [
+    # what README.md and docs/writing-plugins.md teach, at the paths they teach it
+    "decodekit:LLM", "decodekit:AsyncLLM", "decodekit:SamplingParams", "decodekit:hookimpl",
+    "decodekit:LogitsProcessor", "decodekit:BatchView", "decodekit:StoppingCriterion", "decodekit:StopDecision",
+    "decodekit:Strategy", "decodekit:select_tokens", "decodekit.strategy:Strategy", "decodekit.strategy:StrategyResult",
+    "decodekit.strategy:StepContext", "decodekit.strategy:Proposer", "decodekit.processors:BatchView",
+    "decodekit.processors:LogitsProcessor", "decodekit.processors:apply_processors", "decodekit.plan:ComponentInfo",
+    "decodekit.testing:check_processor", "decodekit.testing:ConformanceError", "decodekit.testing:cases",
+    "decodekit.testing:batch_views", "decodekit.testing:logits_tensors", "decodekit.testing:histories",
+    "decodekit.constraints:ConstraintBackend", "decodekit.constraints:Matcher", "decodekit.constraints:lazy_backend",
+    "decodekit.constraints:get_backend", "decodekit.constraints:ConstraintSpec", "decodekit.models:ModelLoader",
+    "decodekit.core.engine:Engine", "decodekit.core.sequence:Request", "decodekit.core.sequence:RequestOutput",
+    "decodekit.hookspecs:decodekit_register_processors", "decodekit.stopping:StoppingCriterion",
+    "decodekit.params:SamplingParams", "decodekit.errors:DecodeKitError", "decodekit.config:EngineConfig",
+    "decodekit.plugins:get_plugin_manager", "decodekit.registry:Registry",
+])
+def test_every_taught_name_stays_importable_where_the_docs_teach_it(name):
+    module, _, attr = name.partition(":")
+    assert getattr(importlib.import_module(module), attr) is not None
