@@ -242,7 +242,7 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
         registry = Registry.from_plugin_manager(pm)
     except DecodeKitError as exc:
         _fail(str(exc))
-    kinds = ("processors", "stopping_criteria", "strategies", "proposers")
+    kinds = ("processors", "stopping_criteria", "strategies", "proposers", "constraint_backends")
     rows: dict[str, dict[str, Any]] = {name: {"origin": origin, **{k: [] for k in kinds}}
                                        for name, origin in plugin_origins(pm).items()}
     for kind in kinds:
@@ -255,7 +255,7 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="decodekit plugins")
-    for col in ("plugin", "from", "processors", "stopping criteria", "strategies", "proposers"):
+    for col in ("plugin", "from", "processors", "stopping criteria", "strategies", "proposers", "constraint backends"):
         table.add_column(col)
     for name, row in rows.items():
         table.add_row(name, row["origin"], *(", ".join(e["name"] for e in row[k]) for k in kinds))

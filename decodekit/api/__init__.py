@@ -10,7 +10,7 @@ the engine underneath is rearranged.
 - `strategy`: `Strategy`, `StepContext`, `StrategyResult`;
 - `proposer`: `Proposer` (speculative decoding's drafters) and `ProposerModel`, the KV cache and forward a
   proposer may open for its own model;
-- `constraints`: the structured-output backend interface;
+- `constraints`: the structured-output backend interface (`bitmask`: the token masks backends fill);
 - `sequence`: `Request`, `Sequence` and the outputs, as plugins see them; `stash`: typed per-plugin state;
 - `components`: `ComponentInfo`, what `setup` receives; `models`: the model-loader contract;
 - `params`, `errors`, `sampling` (`select_tokens`); `testing`: the conformance kit (imported on its own: it
