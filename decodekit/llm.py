@@ -11,7 +11,7 @@ from typing import Any
 
 import pluggy
 
-from decodekit.api.errors import ConfigError, DecodeKitError
+from decodekit.api.errors import ConfigError, DecodeKitError, RequestError
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import RequestOutput
 from decodekit.core.config import EngineConfig
@@ -205,6 +205,8 @@ class AsyncLLM:
         Leaving the loop early (or cancelling the task) aborts the request.
         """
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        if rid in self._streams:  # the first stream must keep its queue: refuse the second one instead
+            raise RequestError(f"request id {rid!r} is already in use by a running stream")
         q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
         self._commands.put(("add", (rid, prompt, params or SamplingParams(), priority)))

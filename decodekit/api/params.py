@@ -56,7 +56,8 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 or -1 disables.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Keep the smallest set whose probability reaches p.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Keep tokens with p >= min_p * p_max.")
-    seed: int | None = Field(None, description="Per-request seed: same tokens alone or batched with others.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1,
+                             description="Per-request seed: same tokens alone or batched with others.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (matched across token boundaries).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end the request.")
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")

@@ -24,10 +24,11 @@ from decodekit.core.registry import Registry
 from decodekit.core.requests import RequestLifecycle
 from decodekit.core.runner import model_geometry
 from decodekit.core.scheduler import Scheduler
+from decodekit.core.stages import Failure
 from decodekit.core.stages.emit import OutputEmitter
 from decodekit.core.stages.forward import ForwardStage
 from decodekit.core.stages.process import Processing
-from decodekit.core.stages.propose import Failure, propose
+from decodekit.core.stages.propose import propose
 from decodekit.core.stages.select import select
 from decodekit.core.stages.stop import StopStage
 from decodekit.core.step_context import EngineStepContext, StepRecord
@@ -121,7 +122,9 @@ class Engine:
         self._fail(failures)
         if scored is not None:
             self._fail(select(scored, ctx))
-            for request in self.stop.run(record):
+            done, failures = self.stop.run(record)
+            self._fail(failures)
+            for request in done:
                 self.lifecycle.complete(request)
         outputs = self.emitter.emit(record)
         self.step_count += 1

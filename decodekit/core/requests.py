@@ -8,6 +8,7 @@ the request's blocks, tells its strategy (`on_request_finished`) and queues its 
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import Any
 
@@ -62,13 +63,10 @@ class RequestLifecycle:
         self._counter += 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        else:
-            ids = list(prompt)
+        ids, error = self._token_ids(prompt, add_special_tokens)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority)
         self.requests[request_id] = request
-        error = self._validate(request)
+        error = error or self._validate(request)
         if error is None:
             try:
                 request.plan = self.components.resolve(params)
@@ -95,6 +93,21 @@ class RequestLifecycle:
             return request
         self.scheduler.add(request)
         return request
+
+    def _token_ids(self, prompt: object, add_special_tokens: bool) -> tuple[list[int], str | None]:
+        """The prompt's token ids, or an error when it is neither text nor a list of integer token ids (a float id
+        would otherwise be truncated, or break prefix hashing inside the scheduler)."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), None
+        if not isinstance(prompt, (list, tuple)):
+            return [], f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        try:
+            if any(isinstance(t, bool) for t in prompt):
+                raise TypeError("bool")
+            return [operator.index(t) for t in prompt], None
+        except TypeError:
+            bad = next(t for t in prompt if isinstance(t, bool) or not hasattr(t, "__index__"))
+            return [], f"the prompt's token ids must be integers, got {bad!r} ({type(bad).__name__})"
 
     def _validate(self, request: Request) -> str | None:
         n = len(request.prompt_token_ids)

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from decodekit.api.sequence import Request, Sequence
+from decodekit.api.sequence import Sequence
 from decodekit.core import drafts
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.runner import ForwardItem, ModelRunner
 from decodekit.core.scheduler import Scheduler, SchedulerOutput
+from decodekit.core.stages import Failure
 
 log = logging.getLogger("decodekit.engine")
 
-Failure = tuple[Request, str]
 
 
 @dataclass

@@ -11,10 +11,10 @@ from collections import defaultdict
 
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import StepContext, Strategy
+from decodekit.core.stages import Failure
 
 log = logging.getLogger("decodekit.engine")
 
-Failure = tuple[Request, str]
 
 
 def propose(running: list[Request], ctx: StepContext) -> list[Failure]:

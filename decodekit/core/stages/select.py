@@ -14,16 +14,16 @@ from collections import defaultdict
 
 import torch
 
-from decodekit.api.sequence import Request, Sequence
+from decodekit.api.sequence import Sequence
 from decodekit.api.strategy import Strategy
 from decodekit.core import drafts
+from decodekit.core.stages import Failure
 from decodekit.core.stages.forward import ScoredRows
 from decodekit.core.stages.process import Processing
 from decodekit.core.step_context import EngineStepContext
 
 log = logging.getLogger("decodekit.engine")
 
-Failure = tuple[Request, str]
 
 
 def strategy_input(strategy: Strategy, logits: torch.Tensor, seqs: list[Sequence], processing: Processing

@@ -14,8 +14,14 @@ from __future__ import annotations
 import time
 
 from decodekit.api.sequence import Request, Sequence
+from decodekit.api.stopping import StopDecision
 from decodekit.core.scheduler import Scheduler
+from decodekit.core.stages import Failure
 from decodekit.core.step_context import StepRecord
+
+
+class _CriterionFailed(Exception):
+    """A stopping criterion raised or returned something that is not a decision."""
 
 
 class StopStage:
@@ -32,9 +38,11 @@ class StopStage:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def run(self, record: StepRecord) -> list[Request]:
-        """Check every token this step appended; return the requests that are now complete (not failed)."""
+    def run(self, record: StepRecord) -> tuple[list[Request], list[Failure]]:
+        """Check every token this step appended; return the requests that are now complete, and those whose
+        stopping criterion failed (it raised, or returned something that is not a decision)."""
         now = time.perf_counter()
+        failures: list[Failure] = []
         for seq, count in record.appended.items():
             request = seq.request
             if request.metrics.first_token_time is None:
@@ -45,7 +53,11 @@ class StopStage:
             del seq.token_ids[len(seq.token_ids) - count :]
             for token in new_tokens:
                 seq.token_ids.append(token)
-                if self._check(seq):
+                try:
+                    if self._check(seq):
+                        break
+                except _CriterionFailed as exc:
+                    failures.append((request, str(exc)))
                     break
         done = []
         for request in record.requests():
@@ -54,7 +66,7 @@ class StopStage:
                 else sum(s.num_generated for s in request.sequences))
             if request.finished and request.error is None:
                 done.append(request)
-        return done
+        return done, failures
 
     def _check(self, seq: Sequence) -> bool:
         request = seq.request
@@ -62,7 +74,13 @@ class StopStage:
         seq.new_text_len = len(delta)
         seq.text = seq.detokenizer.text
         for criterion in request.plan.criteria:
-            decision = criterion.check(seq, request.params, self.eos_token_ids)
+            try:
+                decision = criterion.check(seq, request.params, self.eos_token_ids)
+            except Exception as exc:  # a plugin's criterion fails its request, not the engine
+                raise _CriterionFailed(f"stopping criterion {criterion.criterion.name!r} failed: {exc!r}") from exc
+            if decision is not None and not isinstance(decision, StopDecision):
+                raise _CriterionFailed(f"stopping criterion {criterion.criterion.name!r} returned "
+                                       f"{type(decision).__name__}, not a StopDecision or None")
             if decision is not None:
                 cut = decision.truncate_text_at
                 self.finish_sequence(seq, decision.finish_reason, decision.stop_reason,

@@ -1,0 +1,108 @@
+"""Bad requests and faulty stopping criteria fail alone: the rest of the batch finishes, later calls work, and no
+KV block or request record is left behind (issue 14's first items)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from decodekit import LLM, AsyncLLM, SamplingParams, StoppingCriterion, hookimpl
+from decodekit.api.errors import RequestError
+from tests.conftest import random_prompts
+
+
+class _Explodes(StoppingCriterion):
+    name = "explodes"
+
+    def check(self, seq, params, eos_token_ids, options=None):
+        if seq.num_generated >= 2:
+            raise RuntimeError("boom")
+        return None
+
+
+class _Answers(StoppingCriterion):
+    name = "answers_yes"
+
+    def check(self, seq, params, eos_token_ids, options=None):
+        return "yes"
+
+
+class _Criteria:
+    @hookimpl
+    def decodekit_register_stopping_criteria(self, register):
+        register(_Explodes.name, _Explodes)
+        register(_Answers.name, _Answers)
+
+
+def _assert_idle(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize(("criterion", "message"), [
+    ("explodes", "stopping criterion 'explodes' failed: RuntimeError('boom')"),
+    ("answers_yes", "stopping criterion 'answers_yes' returned str, not a StopDecision or None"),
+])
+def test_a_faulty_stopping_criterion_fails_its_request_alone(llama, tokenizer, plugin_manager, criterion, message):
+    plugin_manager.register(_Criteria(), "criteria")
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager)
+    prompts = random_prompts(3, 4, 12, seed=1)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    solo = [o.token_ids for o in llm.generate(prompts, plain)]
+    named = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stopping=[criterion])
+    outs = llm.generate(prompts, [plain, named, plain])
+    assert outs[1].finish_reason == "error" and outs[1].error == message
+    assert [outs[0].token_ids, outs[2].token_ids] == [solo[0], solo[2]]
+    assert [o.token_ids for o in llm.generate(prompts, plain)] == solo  # the engine goes on serving
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([float(t) for t in range(5, 25)], "the prompt's token ids must be integers, got 5.0 (float)"),
+    ([5.0, 6.0], "the prompt's token ids must be integers, got 5.0 (float)"),
+    ([5, True, 7], "the prompt's token ids must be integers, got True (bool)"),
+    (None, "the prompt must be a string or a list of token ids, got NoneType"),
+    ([[5, 6], [7, 8]], "the prompt's token ids must be integers, got [5, 6] (list)"),
+])
+def test_a_malformed_prompt_in_a_batch_fails_alone_with_its_reason(llama, tokenizer, prompt, message):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    good = random_prompts(2, 4, 12, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([good[0], prompt, good[1]], params)
+    assert outs[1].finish_reason == "error" and outs[1].error == message
+    assert [len(o.token_ids) for o in (outs[0], outs[2])] == [4, 4]
+    assert len(llm.generate(good, params)) == 2
+    _assert_idle(llm)
+
+
+def test_a_seed_outside_the_generators_range_is_refused_when_the_params_are_made():
+    with pytest.raises(ValidationError, match="seed"):
+        SamplingParams(seed=2**70)
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_a_second_stream_with_a_running_request_id_is_refused_and_the_first_finishes(llama, tokenizer):
+    llm = AsyncLLM(engine=LLM(llama, tokenizer, kv_cache_memory="16MiB").engine)
+
+    async def main() -> tuple[list[int], str]:
+        first = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                             request_id="same")
+        out = await first.__anext__()  # the first stream is running now (it has 199 tokens to go)
+        try:
+            async for _ in llm.generate([8, 9], SamplingParams(max_tokens=2), request_id="same"):
+                pass
+            error = ""
+        except RequestError as exc:
+            error = str(exc)
+        async for later in first:
+            out = later
+        return out.outputs[0].token_ids, error
+
+    try:
+        tokens, error = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    finally:
+        llm.shutdown()
+    assert len(tokens) == 200 and error == "request id 'same' is already in use by a running stream"
