@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from decodekit import LLM, AsyncLLM, SamplingParams, StoppingCriterion, hookimpl
+from decodekit import LLM, AsyncLLM, SamplingParams, StopDecision, StoppingCriterion, hookimpl
 from decodekit.api.errors import RequestError
 from tests.conftest import random_prompts
 
@@ -106,3 +106,50 @@ def test_a_second_stream_with_a_running_request_id_is_refused_and_the_first_fini
     finally:
         llm.shutdown()
     assert len(tokens) == 200 and error == "request id 'same' is already in use by a running stream"
+
+
+def test_a_greedy_request_keeps_an_argmax_invariant_stage_that_a_later_stage_depends_on(llama, tokenizer):
+    """`top_k(1)` then a logit bias: the bias can only act on what top-k kept, for greedy and sampled rows alike
+    (greedy rows used to skip top-k and take the biased token)."""
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompt = random_prompts(1, 6, 10, seed=3)[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+    biased_token = next(t for t in range(3, 300) if t not in plain)
+    processors = [{"top_k": {"top_k": 1}}, {"logit_bias": {"bias": {str(biased_token): 100.0}}}]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                   processors=processors))[0]
+    sampled = llm.generate([prompt], SamplingParams(temperature=1.0, seed=1, max_tokens=4, ignore_eos=True,
+                                                    processors=processors))[0]
+    assert greedy.token_ids == plain == sampled.token_ids  # top-1 leaves one candidate; the bias cannot revive others
+
+
+class _StopsAtThree(StoppingCriterion):
+    name = "stops_at_three"
+
+    def check(self, seq, params, eos_token_ids, options=None):
+        return StopDecision("stop", "three", 0) if seq.num_generated >= 3 else None
+
+
+def test_a_criterion_stopping_on_the_max_tokens_token_keeps_its_reason_and_text_trimming(llama, tokenizer,
+                                                                                        plugin_manager):
+    class Plugin:
+        @hookimpl
+        def decodekit_register_stopping_criteria(self, register):
+            register(_StopsAtThree.name, _StopsAtThree)
+
+    plugin_manager.register(Plugin(), "stops")
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                   stopping=["stops_at_three"]))[0]
+    assert (out.finish_reason, out.outputs[0].stop_reason, out.text) == ("stop", "three", "")
+    assert len(out.token_ids) == 3
+
+
+def test_asking_for_cuda_without_a_cuda_device_is_a_clear_error(llama, tokenizer, monkeypatch):
+    import torch
+
+    from decodekit.api.errors import ModelLoadError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelLoadError, match="device 'cuda' was asked for, but this torch build sees no CUDA"):
+        LLM(llama, tokenizer, device="cuda")

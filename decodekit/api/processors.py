@@ -193,7 +193,9 @@ def apply_processors(
         logits: `[rows, vocab]` raw scores (not modified).
         batch: the rows' view (its `options`/`states` are filled per stage here).
         pipelines: each row's stages.
-        greedy: rows decoded by argmax skip argmax-invariant stages.
+        greedy: rows decoded by argmax skip the argmax-invariant stages at the end of their pipeline (only there:
+            an argmax-invariant stage followed by one that is not, `top_k(1)` then a logit bias, changes which
+            token the later stage can promote).
         states: each row's per-stage states (stateful processors).
     """
     groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -201,9 +203,13 @@ def apply_processors(
         if pipeline:
             groups[tuple(id(stage.processor) for stage in pipeline)].append(row)
     for rows in groups.values():
-        for index, stage in enumerate(pipelines[rows[0]]):
+        pipeline = pipelines[rows[0]]
+        skippable = len(pipeline)  # greedy rows skip stages from here on: the trailing argmax-invariant run
+        while skippable > 0 and pipeline[skippable - 1].processor.argmax_invariant:
+            skippable -= 1
+        for index, stage in enumerate(pipeline):
             proc = stage.processor
-            active = [r for r in rows if not (proc.argmax_invariant and greedy is not None and greedy[r])]
+            active = [r for r in rows if not (index >= skippable and greedy is not None and greedy[r])]
             if not active:
                 continue
             view = batch.select(active)

@@ -181,7 +181,13 @@ def load_model(
         ModelLoadError: nothing can load the spec, or loading failed.
         UnsupportedModelError: the architecture cannot use the paged attention interface.
     """
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"device {device!r} is not a device torch knows ({exc})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} was asked for, but this torch build sees no CUDA device "
+                             "(torch.cuda.is_available() is False); use device='cpu' or leave it unset")
     if not isinstance(model, str):
         torch_dtype = resolve_dtype(dtype, dev) if dtype not in (None, "auto") else next(model.parameters()).dtype
         check_paged_attention_support(model)

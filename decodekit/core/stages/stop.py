@@ -73,6 +73,9 @@ class StopStage:
         delta = seq.detokenizer.add(seq.token_ids[-1:])
         seq.new_text_len = len(delta)
         seq.text = seq.detokenizer.text
+        # A stop on this token beats a length limit on the same token (vLLM's order: EOS, stop ids, stop strings,
+        # then max_tokens), so a criterion's text trimming is not lost to max_tokens.
+        length: StopDecision | None = None
         for criterion in request.plan.criteria:
             try:
                 decision = criterion.check(seq, request.params, self.eos_token_ids)
@@ -81,15 +84,23 @@ class StopStage:
             if decision is not None and not isinstance(decision, StopDecision):
                 raise _CriterionFailed(f"stopping criterion {criterion.criterion.name!r} returned "
                                        f"{type(decision).__name__}, not a StopDecision or None")
-            if decision is not None:
-                cut = decision.truncate_text_at
-                self.finish_sequence(seq, decision.finish_reason, decision.stop_reason,
-                                     None if cut is None else seq.text[:cut])
+            if decision is not None and decision.finish_reason == "length":
+                length = length or decision
+            elif decision is not None:
+                self._finish_with(seq, decision)
                 return True
+        if length is not None:
+            self._finish_with(seq, length)
+            return True
         if len(seq.token_ids) >= self.max_model_len:
             self.finish_sequence(seq, "length")
             return True
         return False
+
+    def _finish_with(self, seq: Sequence, decision: StopDecision) -> None:
+        cut = decision.truncate_text_at
+        self.finish_sequence(seq, decision.finish_reason, decision.stop_reason,
+                             None if cut is None else seq.text[:cut])
 
     def finish_sequence(self, seq: Sequence, reason: str, stop_reason: str | int | None = None,
                         text: str | None = None) -> None:
