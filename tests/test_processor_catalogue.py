@@ -458,3 +458,25 @@ def test_mirostat_v2_truncation_and_mu_updates_match_a_port_of_llama_cpp(logits,
         assert set(out[0].isfinite().nonzero()[:, 0].tolist()) == kept
         state = miro.update_state(state, opts, [token])
         assert float(state["mu"]) == pytest.approx(mu, rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_top_p_matches_transformers_bit_for_bit_on_a_long_tail_and_at_the_edge(seed):
+    """A 49k vocabulary: a long flat tail (p=0.99 keeps thousands of tokens: the full computation), a peaked row
+    (the candidate path), and rows whose p sits exactly on, or within float32 rounding of, a cumulative mass (where
+    summing in another order used to keep or drop other tokens than transformers)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 49152
+    flat = torch.randn(1, vocab, generator=gen) * 0.7
+    peaked = torch.randn(1, vocab, generator=gen) * 4.0
+    edge = torch.randn(2, vocab, generator=gen) * 2.0
+    logits = torch.cat([flat, peaked, edge])
+    # p exactly where transformers' ascending float32 mass crosses a token, and just beside it
+    ascending = edge[0].sort().values.softmax(-1).cumsum(-1)
+    cut = int((ascending > 0.05).nonzero()[0])
+    ps = [0.99, 0.9, 1.0 - float(ascending[cut]), 1.0 - float(ascending[cut]) + 1e-9]
+    ours = sampling.TopPProcessor()(logits, view([sampling.TopPProcessor.Params(top_p=p) for p in ps]))
+    for row, p in enumerate(ps):
+        theirs = hf.TopPLogitsWarper(p)(torch.tensor([[1]]), logits[row : row + 1].clone())
+        assert torch.equal(ours[row : row + 1].isinf(), theirs.isinf()), f"row {row}"
+    assert int(ours[0].isfinite().sum()) > 4096  # the long tail went through the full computation

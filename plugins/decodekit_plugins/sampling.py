@@ -106,6 +106,9 @@ class TopPProcessor(LogitsProcessor):
 
     #: candidate counts tried, in order, before a row falls back to a full sort of the vocabulary
     CANDIDATES: tuple[int, ...] = (256, 4096)
+    #: how far from p the masses around a candidate result's edge must be for it to stand (float32 sums over a
+    #: 49k vocabulary drift by ~1e-5 in practice)
+    EDGE_MARGIN = 1e-4
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
         top_p = batch.option_tensor("top_p", logits.dtype).to(logits.device)[:, None]
@@ -125,10 +128,17 @@ class TopPProcessor(LogitsProcessor):
         if pending.numel() == 0:
             return out
         rows = logits.index_select(0, pending)
-        sorted_logits, order = rows.sort(dim=-1, descending=True, stable=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the tokens before it already reach p (the first token is always kept)
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p.index_select(0, pending)
+        # transformers' own computation, so that a mass within rounding of p decides exactly as it does: an
+        # ascending sort, a cumulative sum from the least likely token, a token dropped while the mass up to it is
+        # <= 1 - p (with 1 - p taken in double precision, as transformers' Python float is), the most likely kept
+        # (tied values sort lowest index last, so a tie at the edge keeps the argmax; ties add equal terms, so the
+        # sums are transformers' whatever order its unstable sort gives them)
+        sorted_logits, flipped = rows.flip(-1).sort(dim=-1, stable=True)
+        order = rows.shape[-1] - 1 - flipped
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        rest = torch.tensor([1.0 - o.top_p for o in batch.options], dtype=torch.float64)
+        drop_sorted = cumulative <= rest.to(logits.device, logits.dtype).index_select(0, pending)[:, None]
+        drop_sorted[:, -1] = False
         drop = drop_sorted.scatter(1, order, drop_sorted)
         return out.index_copy(0, pending, rows.masked_fill(drop, -float("inf")))
 
@@ -139,16 +149,22 @@ class TopPProcessor(LogitsProcessor):
         A full sort of a 49k vocabulary per row dominates a decode step at batch 32 (~150 ms here vs ~7 ms for
         `topk(256)`); the kept set is usually a few dozen tokens. Candidates are ordered exactly as the stable full
         sort would (value descending, then index), and a row's result is exact when its kept set ends strictly
-        above the smallest candidate value, so ties cut off by `topk` cannot matter.
+        above the smallest candidate value, so ties cut off by `topk` cannot matter, and the masses around its edge
+        are farther from p than float32 rounding of a vocabulary-long sum could move them (`EDGE_MARGIN`), so
+        transformers' ascending sum decides the same way; other rows go to the full computation.
         """
         values, index = logits.topk(count, dim=-1)
         index, by_index = index.sort(dim=-1)  # index order first, so the stable value sort breaks ties by index
         values, order = values.gather(1, by_index).sort(dim=-1, descending=True, stable=True)
         index = index.gather(1, order)
         probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
-        keep = (probs.cumsum(dim=-1) - probs) < top_p
-        last_kept = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp(min=0))
-        exact = (keep[:, -1:].logical_not() & (last_kept > values[:, -1:]))[:, 0]
+        before = probs.cumsum(dim=-1) - probs  # the mass of the tokens ahead of each candidate
+        keep = before < top_p
+        num_kept = keep.sum(dim=-1, keepdim=True)
+        last_kept = values.gather(1, (num_kept - 1).clamp(min=0))
+        margin = torch.minimum(top_p - before.gather(1, (num_kept - 1).clamp(min=0)),
+                               before.gather(1, num_kept.clamp(max=count - 1)) - top_p)
+        exact = (keep[:, -1:].logical_not() & (last_kept > values[:, -1:]) & (margin > TopPProcessor.EDGE_MARGIN))[:, 0]
         drop = torch.ones_like(logits, dtype=torch.bool).scatter(1, index, keep.logical_not())
         return logits.masked_fill(drop, -float("inf")), exact
 
