@@ -153,3 +153,11 @@ def test_asking_for_cuda_without_a_cuda_device_is_a_clear_error(llama, tokenizer
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ModelLoadError, match="device 'cuda' was asked for, but this torch build sees no CUDA"):
         LLM(llama, tokenizer, device="cuda")
+
+
+def test_beam_search_refuses_a_named_stopping_criterion_instead_of_ignoring_it(llama, tokenizer):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, strategy={"beam_search": {}},
+                                                   stopping=[{"time_limit": {"seconds": 1e-6}}]))[0]
+    assert out.finish_reason == "error"
+    assert "stopping criteria (time_limit) are not applied by beam search" in out.error

@@ -84,6 +84,12 @@ class BeamSearchStrategy(Strategy):
             raise ValueError("stop strings are not supported with beam search (use stop_token_ids)")
         if params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with beam search")
+        if params.stopping:
+            # beam search finishes its hypotheses itself (EOS, stop_token_ids, max_tokens); refusing is better
+            # than running a named criterion's request to the end as if it were not there
+            names = ", ".join(spec.name for spec in params.stopping)
+            raise ValueError(f"stopping criteria ({names}) are not applied by beam search; remove them "
+                             "(max_tokens and stop_token_ids apply)")
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         assert isinstance(options, BeamSearchParams)
