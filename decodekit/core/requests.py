@@ -106,7 +106,7 @@ class RequestLifecycle:
                 raise TypeError("bool")
             return [operator.index(t) for t in prompt], None
         except TypeError:
-            bad = next(t for t in prompt if isinstance(t, bool) or not hasattr(t, "__index__"))
+            bad = next((t for t in prompt if isinstance(t, bool) or not hasattr(t, "__index__")), prompt)
             return [], f"the prompt's token ids must be integers, got {bad!r} ({type(bad).__name__})"
 
     def _validate(self, request: Request) -> str | None:
