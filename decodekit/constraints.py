@@ -1,45 +1,4 @@
 """Moved to `decodekit.api.constraints`; this import path stays for code written against earlier docs."""
 
-from decodekit.api.constraints import (
-    BUILTIN_BACKENDS,
-    DEFAULT_BACKEND,
-    BackendLoader,
-    ConstraintBackend,
-    ConstraintError,
-    ConstraintKind,
-    ConstraintSpec,
-    GrammarSyntax,
-    Matcher,
-    allocate_bitmask,
-    apply_bitmask,
-    backend_class,
-    backend_names,
-    bitmask_to_bool,
-    forbid_additional_properties,
-    get_backend,
-    lazy_backend,
-    token_bitmask,
-    tokenizer_fingerprint,
-)
-
-__all__ = [
-    "BUILTIN_BACKENDS",
-    "DEFAULT_BACKEND",
-    "BackendLoader",
-    "ConstraintBackend",
-    "ConstraintError",
-    "ConstraintKind",
-    "ConstraintSpec",
-    "GrammarSyntax",
-    "Matcher",
-    "allocate_bitmask",
-    "apply_bitmask",
-    "backend_class",
-    "backend_names",
-    "bitmask_to_bool",
-    "forbid_additional_properties",
-    "get_backend",
-    "lazy_backend",
-    "token_bitmask",
-    "tokenizer_fingerprint",
-]
+from decodekit.api.constraints import *  # noqa: F403  (every public name, as its own __all__ lists them)
+from decodekit.api.constraints import __all__ as __all__

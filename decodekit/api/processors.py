@@ -128,7 +128,8 @@ class LogitsProcessor:
     implement `from_sampling_params`, so API users get them without naming them.
 
     Attributes:
-        argmax_invariant: the processor never changes which token has the highest logit (so greedy rows skip it).
+        argmax_invariant: the processor never changes which token has the highest logit (so greedy rows skip it
+            where every stage after it in their pipeline is argmax-invariant too).
         stateful: the processor keeps per-sequence state (`init_state`/`update_state`/`fork_state`).
         in_place: the processor may modify its input tensor (it says so; the engine then hands it a copy).
 
