@@ -1,9 +1,16 @@
-"""The native kernels: same results as the torch ops they replace, cached builds, and a clean fallback."""
+"""The native kernels: same results as the torch ops they replace, cached builds that cannot be planted, and a clean
+fallback."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import random
+import shutil
+import stat
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +21,49 @@ from hypothesis import strategies as st
 from decodekit import LLM, SamplingParams
 from decodekit.core import native_kernels
 from decodekit.core.fused_decoder import _rms_norm, _rotate
-from decodekit.core.native_kernels import DecodeAttentionPlan, build_library, find_compiler, load_kernels
+from decodekit.core.native_kernels import (
+    DecodeAttentionPlan,
+    NativeKernels,
+    build_library,
+    find_compiler,
+    library_path,
+    load_kernels,
+)
 from decodekit.errors import ConfigError
 from tests.conftest import hf_greedy, random_prompts
+
+needs_compiler = pytest.mark.skipif(find_compiler() is None, reason="no C compiler (cc, gcc or clang) on PATH")
+
+
+@pytest.fixture
+def fresh_load():
+    """`load_kernels` forgets its per-process answer before and after the test."""
+    native_kernels.load_kernels.cache_clear()
+    yield
+    native_kernels.load_kernels.cache_clear()
+
+
+@pytest.fixture
+def broken_cc(tmp_path, monkeypatch):
+    """A `$CC` that always fails: a reason naming it proves the build was tried, one without it that it was not."""
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'kernels.c: error: this compiler is broken' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    return str(broken)
+
+
+def _compile(folder: Path, name: str, code: str) -> Path:
+    """A shared library built from C `code` with the machine's compiler."""
+    source, library = folder / f"{name}.c", folder / f"{name}.so"
+    source.write_text(code)
+    subprocess.run([find_compiler(), "-shared", "-fPIC", "-o", str(library), str(source)], check=True,
+                   capture_output=True)
+    return library
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +156,124 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
             token += 1
 
 
-def test_the_library_is_built_once_and_reused(native, tmp_path, monkeypatch):
+def test_the_library_is_built_once_with_its_hash_recorded_privately_and_reused(native, tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     compiler = find_compiler()
     assert compiler is not None
     first = build_library(compiler)
     stamp = first.stat().st_mtime_ns
     assert build_library(compiler) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in first.parent.iterdir()] == [first.name], "no partial build is left behind"
+    sidecar = first.with_name(first.name + ".sha256")
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name, sidecar.name], "no partial build is left"
+    assert sidecar.read_text().strip() == _sha256(first)
+    assert stat.S_IMODE(first.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(first.stat().st_mode) == 0o700 and stat.S_IMODE(sidecar.stat().st_mode) == 0o600
+
+
+PLANTS = {
+    "no recorded hash": lambda lib, sidecar: None,
+    "a wrong recorded hash": lambda lib, sidecar: sidecar.write_text("0" * 64 + "\n"),
+    "a world-writable library": lambda lib, sidecar: (sidecar.write_text(_sha256(lib)), lib.chmod(0o777)),
+    "a group-writable hash": lambda lib, sidecar: (sidecar.write_text(_sha256(lib)), sidecar.chmod(0o664)),
+}
+
+
+@needs_compiler
+@pytest.mark.parametrize("plant", PLANTS)
+def test_a_planted_library_is_never_loaded_and_the_genuine_one_is_rebuilt_and_used(plant, tmp_path, monkeypatch,
+                                                                                    fresh_load):
+    marker = tmp_path / "planted-constructor-ran"
+    planted = _compile(tmp_path, "planted", f"""
+        #include <stdio.h>
+        __attribute__((constructor)) static void planted(void) {{
+            FILE *f = fopen("{marker}", "w");
+            if (f) fclose(f);
+        }}
+        void dk_rms_norm(void) {{}}
+        void dk_silu_mul(void) {{}}
+        void dk_rope_cache_attend(void) {{}}
+    """)
+    NativeKernels(planted)
+    assert marker.exists(), "the plant is live: loading it runs its constructor"
+    marker.unlink()
+
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    target = library_path(find_compiler())
+    target.parent.mkdir(parents=True, mode=0o700)
+    shutil.copyfile(planted, target)  # a new inode at a new path: loading it would run the constructor again
+    sidecar = target.with_name(target.name + ".sha256")
+    PLANTS[plant](target, sidecar)
+
+    loaded = load_kernels()
+    assert isinstance(loaded, NativeKernels) and loaded.path == target
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert target.read_bytes() != planted.read_bytes() and sidecar.read_text().strip() == _sha256(target)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o700 and stat.S_IMODE(sidecar.stat().st_mode) == 0o600
+    x, weight = torch.randn(3, 64), torch.randn(64)
+    torch.testing.assert_close(loaded.rms_norm(x, weight, 1e-6), _rms_norm(x, weight, 1e-6), rtol=5e-7, atol=0)
+
+
+def test_the_cache_folder_is_created_private_even_under_an_open_umask(broken_cc, tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))
+    old = os.umask(0)
+    try:
+        with pytest.raises(RuntimeError, match="this compiler is broken"):
+            build_library(broken_cc)
+    finally:
+        os.umask(old)
+    folder = tmp_path / "cache" / "native"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert list(folder.iterdir()) == [], "a failed build leaves nothing behind"
+
+
+def test_a_loose_cache_folder_of_ours_is_tightened_to_0700(broken_cc, tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    folder = tmp_path / "native"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(RuntimeError, match="this compiler is broken"):
+        build_library(broken_cc)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("why", ["owned by another user", "world-writable and cannot be tightened"])
+def test_a_cache_folder_others_own_or_can_write_is_refused_and_nothing_in_it_is_loaded(why, broken_cc, tmp_path,
+                                                                                        monkeypatch, fresh_load):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    target = library_path(broken_cc)
+    target.parent.mkdir()
+    target.write_bytes(b"not a library")  # were it loaded, ctypes would report a bad ELF header instead
+    target.with_name(target.name + ".sha256").write_text(_sha256(target))
+    if why == "owned by another user":
+        real_uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
+    else:
+        target.parent.chmod(0o777)
+
+        def cannot_chmod(path, mode):
+            raise PermissionError(1, "Operation not permitted", str(path))
+
+        monkeypatch.setattr(os, "chmod", cannot_chmod)
+    reason = load_kernels()
+    assert isinstance(reason, str) and reason.startswith(f"refusing the kernel cache {target.parent}"), reason
+    assert target.read_bytes() == b"not a library", "nothing was built into the refused folder"
+
+
+@needs_compiler
+def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, tokenizer, tmp_path, monkeypatch,
+                                                                         fresh_load):
+    partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
+    with pytest.raises(RuntimeError, match="lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend"):
+        NativeKernels(partial)  # not ctypes' AttributeError
+    monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)
+    assert load_kernels() == "partial.so lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend"
+    with pytest.raises(ConfigError, match=r"native_kernels: partial\.so lacks the kernel entry points"):
+        LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True, native_kernels=True)
+    llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True)
+    assert llm.engine.runner.fused.native is None
+    prompt = random_prompts(1, 5, 20, seed=6)[0]
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].token_ids == hf_greedy(llama,
+                                                                                                         prompt, 8)
 
 
 def test_a_failing_compiler_is_reported_and_the_engine_keeps_torch_ops(llama, tokenizer, tmp_path, monkeypatch):

@@ -3,7 +3,11 @@
 `load_kernels()` returns the loaded `NativeKernels`, or the reason they cannot run (no C compiler, a failed build,
 or `DECODEKIT_NATIVE_KERNELS=0`); callers then keep their torch ops. The shared library is cached under
 `$DECODEKIT_CACHE/native` (default `~/.cache/decodekit/native`, beside the converted models), keyed by the source,
-the compiler command and this CPU's model and flags, because it is built with `-march=native`.
+the compiler command and this CPU's model and flags, because it is built with `-march=native`. The key is
+predictable and loading a library runs its constructors, so the cache is trusted only as far as it is private: the
+folder is kept 0700, and a cached library is loaded only if it and its `.sha256` sidecar (the hash recorded when it
+was built) are regular files owned by this user that nobody else can write, and its content still has that hash.
+Anything else is rebuilt over; a folder that cannot be made private is not used at all.
 
 The kernels (see `native/kernels.c`) do RMSNorm, SiLU-gating, and RoPE + KV write + attention for the sequences
 of a step that score a few tokens each (long prefill chunks are rotated and stored, and attended by the caller).
@@ -14,12 +18,15 @@ once, when the fused decoder is built with them (`FusedDecoder`, `runner.wants_n
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -33,6 +40,12 @@ SOURCE = Path(__file__).with_name("native") / "kernels.c"
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
 # bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+
+log = logging.getLogger("decodekit.runner")
+
+# The entry points `NativeKernels` binds; all are looked up when a library is loaded, so one lacking any is refused
+# there (a reason for the torch fallback) rather than failing later.
+SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -57,31 +70,87 @@ def find_compiler() -> str | None:
     return None
 
 
-def build_library(compiler: str) -> Path:
-    """Compile `kernels.c` for this CPU (or reuse the cached build) and return the library's path.
-
-    Raises:
-        RuntimeError: the compiler failed (its output is in the message).
-    """
+def library_path(compiler: str) -> Path:
+    """Where the library built by `compiler` for this source and CPU is cached (its hash sits at `<path>.sha256`)."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode() + _cpu_identity().encode()).hexdigest()
-    target = cache_dir() / "native" / f"decodekit_kernels_{key[:16]}.so"
-    if target.exists():
+    return cache_dir() / "native" / f"decodekit_kernels_{key[:16]}.so"
+
+
+def _mine_and_unwritable(info: os.stat_result) -> bool:
+    """Owned by this user and writable by nobody else: only this user can have put (or can swap) its content."""
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _private_dir(folder: Path) -> None:
+    """Create `folder` 0700, or tighten it to 0700 if this user owns it.
+
+    Raises:
+        RuntimeError: it is not a directory, or someone else owns or can write it (anyone could plant a library).
+    """
+    os.makedirs(folder, mode=0o700, exist_ok=True)  # the mode applies to a new folder only, under the umask
+    info = os.stat(folder)
+    if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != 0o700:
+        with contextlib.suppress(OSError):  # if it stays loose, it is refused below
+            os.chmod(folder, 0o700)
+        info = os.stat(folder)
+    if not stat.S_ISDIR(info.st_mode) or not _mine_and_unwritable(info):
+        raise RuntimeError(f"refusing the kernel cache {folder}: it is not a directory of yours that only you can "
+                           "write, so a library in it could have been planted")
+
+
+def _sha256(path: Path | str) -> str:
+    """The hex SHA-256 of the file at `path` (a library is tens of kilobytes: read whole)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _distrust(target: Path) -> str | None:
+    """Why the cached `target` must not be loaded, or None when it may be."""
+    sidecar = Path(f"{target}.sha256")
+    try:
+        for path in (target, sidecar):
+            info = os.lstat(path)  # lstat: a symlink is not trusted, whatever it points to
+            if not stat.S_ISREG(info.st_mode) or not _mine_and_unwritable(info):
+                return f"{path.name} is not a regular file of yours that only you can write"
+        if sidecar.read_bytes().strip() != _sha256(target).encode():
+            return f"{target.name} does not have the SHA-256 recorded when it was built"
+    except OSError as error:  # missing or unreadable: rebuilding replaces it
+        return f"{Path(str(error.filename)).name} cannot be checked ({error.strerror})"
+    return None
+
+
+def build_library(compiler: str) -> Path:
+    """Compile `kernels.c` for this CPU (or reuse a trusted cached build) and return the library's path.
+
+    Raises:
+        RuntimeError: the cache folder is not private, or the compiler failed (its output is in the message).
+    """
+    target = library_path(compiler)
+    _private_dir(target.parent)
+    distrust = _distrust(target)
+    if distrust is None:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes (pytest workers, a server and a CLI) never load a
-    # half-written library.
+    if os.path.lexists(target):
+        log.warning("rebuilding the cached native kernels: %s", distrust)
+    # Build beside the target and rename, the hash sidecar likewise: concurrent processes (pytest workers, a server
+    # and a CLI) never load a half-written library, and at worst see a library and hash that disagree and rebuild.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    fd, partial_hash = tempfile.mkstemp(suffix=".sha256", dir=target.parent)  # mkstemp makes it 0600
     os.close(fd)
     try:
         done = subprocess.run([compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed to build {SOURCE.name}:\n{done.stderr.strip()}")
+        os.chmod(partial, 0o700)  # the linker created it anew, under the umask
+        Path(partial_hash).write_text(_sha256(partial) + "\n")
         os.replace(partial, target)
+        os.replace(partial_hash, f"{target}.sha256")
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        for path in (partial, partial_hash):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 
@@ -89,8 +158,17 @@ class NativeKernels:
     """The loaded kernels, with thin typed wrappers over their C entry points."""
 
     def __init__(self, path: Path) -> None:
+        """Load the library at `path` and bind every entry point now.
+
+        Raises:
+            OSError: it cannot be loaded.
+            RuntimeError: it lacks one of `SYMBOLS` (ctypes' AttributeError would otherwise escape `LLM()`).
+        """
         lib = ctypes.CDLL(str(path))
         self.path = path
+        missing = [name for name in SYMBOLS if not hasattr(lib, name)]
+        if missing:
+            raise RuntimeError(f"{path.name} lacks the kernel entry points {', '.join(missing)}")
         self._rms_norm = lib.dk_rms_norm
         self._rms_norm.argtypes = [_p, _p, _p, _i, _i, _f]
         self._rms_norm.restype = None
