@@ -39,10 +39,12 @@ from decodekit.api.params import ComponentSpec, SamplingParams
 from decodekit.core.config import EngineConfig
 from decodekit.core.plan import Components, Plan
 from decodekit.core.registry import Registry
-from decodekit.recipe_syntax import apply_override, format_validation_errors, parse_yaml
+from decodekit.recipe_syntax import apply_override, format_validation_errors, parse_yaml, read_text_capped
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 COMPONENT_KEYS = ("processors", "stopping", "strategy")
+MAX_RECIPE_BYTES = 1 << 20
+"""A recipe file larger than this (1 MiB) is refused before parsing; recipes are hand-written, prompts go in files."""
 _SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
 _SPEC: TypeAdapter[ComponentSpec | None] = TypeAdapter(ComponentSpec | None)
 
@@ -212,14 +214,12 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = (), *,
     """Read, override (`key.path=value` items, as `--set` gives them) and fully validate a recipe file.
 
     Raises:
-        RecipeError: the file is missing or not valid YAML (with the line), a key is unknown, a value is invalid,
-            a plugin name is unknown, or the combination cannot run.
+        RecipeError: the file is missing, too large (`MAX_RECIPE_BYTES`), not UTF-8 or not valid YAML (with the
+            line), its aliases expand too far, a key is unknown, a value is invalid, a plugin name is unknown, or the
+            combination cannot run.
     """
     source = Path(path)
-    try:
-        text = source.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{source}: cannot read the recipe: {exc}") from None
+    text = read_text_capped(source, MAX_RECIPE_BYTES, "recipe")
     return recipe_from_data(parse_yaml(text, str(source)), overrides, source=source, plugin_manager=plugin_manager,
                             registry=registry)
 

@@ -21,7 +21,10 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import RequestOutput
 from decodekit.core.plan import Components
 from decodekit.recipe import COMPONENT_KEYS, Recipe, plain_params
-from decodekit.recipe_syntax import format_validation_errors
+from decodekit.recipe_syntax import format_validation_errors, read_text_capped
+
+MAX_PROMPTS_FILE_BYTES = 64 << 20
+"""A prompts file larger than this (64 MiB) is refused: it is read whole, and every line becomes a request."""
 
 
 @dataclass
@@ -75,7 +78,8 @@ def read_inputs(recipe: Recipe, components: Components, prompts: Sequence[str] =
     line is reported before anything runs.
 
     Raises:
-        RecipeError: the prompts file is missing, unreadable, or of an unknown kind.
+        RecipeError: the prompts file is missing, unreadable, larger than `MAX_PROMPTS_FILE_BYTES`, not UTF-8, or
+            of an unknown kind.
     """
     if prompts or prompts_file is not None:
         texts, file = list(prompts), Path(prompts_file) if prompts_file is not None else None
@@ -96,10 +100,7 @@ def read_inputs(recipe: Recipe, components: Components, prompts: Sequence[str] =
 def _file_lines(file: Path) -> list[tuple[str, Any]]:
     if file.suffix not in (".jsonl", ".txt"):
         raise RecipeError(f"{file}: a prompts file is .jsonl (one JSON object per line) or .txt (one prompt per line)")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{file}: cannot read the prompts: {exc}") from None
+    text = read_text_capped(file, MAX_PROMPTS_FILE_BYTES, "prompts file")
     lines = [(f"{file.name} line {n}", line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if file.suffix == ".txt":
         return lines
