@@ -47,3 +47,10 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = out[0, len(prompt):].tolist()
     eos = model.generation_config.eos_token_id
     return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def assert_idle(llm) -> None:
+    """The engine has no request left: nothing waiting or running, no request record, every KV block free."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks

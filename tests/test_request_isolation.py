@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from decodekit import LLM, AsyncLLM, SamplingParams, StopDecision, StoppingCriterion, hookimpl
 from decodekit.api.errors import RequestError
-from tests.conftest import random_prompts
+from tests.conftest import assert_idle, random_prompts
 
 
 class _Explodes(StoppingCriterion):
@@ -36,12 +36,6 @@ class _Criteria:
         register(_Answers.name, _Answers)
 
 
-def _assert_idle(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished_requests() and not engine.requests
-    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
-
-
 @pytest.mark.parametrize(("criterion", "message"), [
     ("explodes", "stopping criterion 'explodes' failed: RuntimeError('boom')"),
     ("answers_yes", "stopping criterion 'answers_yes' returned str, not a StopDecision or None"),
@@ -57,7 +51,7 @@ def test_a_faulty_stopping_criterion_fails_its_request_alone(llama, tokenizer, p
     assert outs[1].finish_reason == "error" and outs[1].error == message
     assert [outs[0].token_ids, outs[2].token_ids] == [solo[0], solo[2]]
     assert [o.token_ids for o in llm.generate(prompts, plain)] == solo  # the engine goes on serving
-    _assert_idle(llm)
+    assert_idle(llm)
 
 
 @pytest.mark.parametrize(("prompt", "message"), [
@@ -75,7 +69,7 @@ def test_a_malformed_prompt_in_a_batch_fails_alone_with_its_reason(llama, tokeni
     assert outs[1].finish_reason == "error" and outs[1].error == message
     assert [len(o.token_ids) for o in (outs[0], outs[2])] == [4, 4]
     assert len(llm.generate(good, params)) == 2
-    _assert_idle(llm)
+    assert_idle(llm)
 
 
 def test_a_seed_outside_the_generators_range_is_refused_when_the_params_are_made():

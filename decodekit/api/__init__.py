@@ -18,7 +18,7 @@ the engine underneath is rearranged.
 """
 
 from decodekit.api.components import ComponentInfo
-from decodekit.api.errors import DecodeKitError, PluginError
+from decodekit.api.errors import DecodeKitError, PluginError, ProcessorError
 from decodekit.api.hookspecs import hookimpl
 from decodekit.api.models import LoadedModel, ModelLoader
 from decodekit.api.params import ComponentSpec, SamplingParams
@@ -39,6 +39,7 @@ __all__ = [
     "LogitsProcessor",
     "ModelLoader",
     "PluginError",
+    "ProcessorError",
     "Proposer",
     "Request",
     "RequestMetrics",

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel
 
+from decodekit.api.errors import ProcessorError
 from decodekit.api.params import SamplingParams
 
 NEG_INF = -float("inf")
@@ -181,14 +182,48 @@ class Stage:
     options: BaseModel | None = None
 
 
+def init_states(stages: Sequence[Stage], prompt_ids: list[int]) -> list[Any]:
+    """A new sequence's per-stage states (None for stateless stages); a failing `init_state` raises
+    `ProcessorError` naming its processor."""
+    return [_state_call(stage.processor, "init_state", stage.options, prompt_ids) if stage.processor.stateful
+            else None for stage in stages]
+
+
+def update_states(stages: Sequence[Stage], states: list[Any], token_ids: list[int]) -> list[Any]:
+    """The per-stage states advanced over accepted tokens (a new list: on failure the old one is intact); a failing
+    `update_state` (a grammar rejecting a token) raises `ProcessorError` naming its processor."""
+    return [_state_call(stage.processor, "update_state", state, stage.options, token_ids)
+            if stage.processor.stateful else state for stage, state in zip(stages, states)]
+
+
+def fork_states(stages: Sequence[Stage], states: list[Any]) -> list[Any]:
+    """Independent copies of the per-stage states, for a forked sequence; a failing `fork_state` raises
+    `ProcessorError` naming its processor."""
+    return [_state_call(stage.processor, "fork_state", state) if stage.processor.stateful else None
+            for stage, state in zip(stages, states)]
+
+
+def _state_call(proc: LogitsProcessor, method: str, *args: Any) -> Any:
+    try:
+        return getattr(proc, method)(*args)
+    except ProcessorError:
+        raise
+    except Exception as exc:
+        raise ProcessorError(f"processor {proc.name!r}: {method} raised {exc!r}") from exc
+
+
 def apply_processors(
     logits: torch.Tensor,
     batch: BatchView,
     pipelines: list[tuple[Stage, ...]],
     greedy: list[bool] | None = None,
     states: list[list[Any]] | None = None,
+    check_rows: bool = False,
 ) -> torch.Tensor:
     """Run each row's pipeline in its own order, vectorized over the rows that share a pipeline shape.
+
+    Every processor call is guarded: one that raises, or returns anything but a floating tensor of its input's
+    shape on its input's device, raises `ProcessorError` naming it (a cheap check: no device sync).
 
     Args:
         logits: `[rows, vocab]` raw scores (not modified).
@@ -198,6 +233,8 @@ def apply_processors(
             an argmax-invariant stage followed by one that is not, `top_k(1)` then a logit bias, changes which
             token the later stage can promote).
         states: each row's per-stage states (stateful processors).
+        check_rows: also check, after every stage, that each row still has a finite logit to choose (a
+            reduction per stage; `check_processed_rows` does it once per call and uses this to find the culprit).
     """
     groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for row, pipeline in enumerate(pipelines):
@@ -217,8 +254,71 @@ def apply_processors(
             view.options = [pipelines[r][index].options for r in active]
             view.states = [states[r][index] if states is not None else None for r in active]
             if len(active) == len(batch):
-                logits = proc(logits.clone() if proc.in_place else logits, view)
+                logits = _call(proc, logits.clone() if proc.in_place else logits, view, active)
+                out = logits
             else:
                 idx = torch.tensor(active, device=logits.device)
-                logits = logits.index_copy(0, idx, proc(logits.index_select(0, idx), view))
+                out = _call(proc, logits.index_select(0, idx), view, active)
+                logits = logits.index_copy(0, idx, out)
+            if check_rows:
+                bad = rows_without_choice(out)
+                if bad:
+                    raise ProcessorError(f"processor {proc.name!r} {_describe_row(out[bad[0]])}",
+                                         [active[i] for i in bad])
     return logits
+
+
+def _call(proc: LogitsProcessor, logits: torch.Tensor, view: BatchView, rows: list[int]) -> torch.Tensor:
+    """One guarded processor call: its exception, or an unusable result, becomes a `ProcessorError` naming it."""
+    try:
+        out = proc(logits, view)
+    except Exception as exc:
+        raise ProcessorError(f"processor {proc.name!r} raised {exc!r}", rows) from exc
+    if not isinstance(out, torch.Tensor):
+        raise ProcessorError(f"processor {proc.name!r} returned {type(out).__name__}, not a tensor", rows)
+    if out.shape != logits.shape or out.device != logits.device or not out.is_floating_point():
+        raise ProcessorError(f"processor {proc.name!r} returned a {out.dtype} tensor of shape {tuple(out.shape)} "
+                             f"on {out.device} for {logits.dtype} logits of shape {tuple(logits.shape)} on "
+                             f"{logits.device}", rows)
+    return out if out.dtype == logits.dtype else out.to(logits.dtype)
+
+
+def rows_without_choice(logits: torch.Tensor) -> list[int]:
+    """The rows of processed `logits` with nothing to choose: every logit -inf, or a NaN or +inf (which make
+    softmax NaN). One reduction over the tensor and one small host read."""
+    if logits.numel() == 0:
+        return []
+    ok = torch.isfinite(logits.amax(dim=-1))  # amax propagates NaN, so a single NaN marks its row too
+    if bool(ok.all()):
+        return []
+    return (~ok).nonzero().flatten().tolist()
+
+
+def _describe_row(row: torch.Tensor) -> str:
+    if bool(torch.isnan(row).any()):
+        return "returned NaN logits"
+    if bool((row == float("inf")).any()):
+        return "returned +inf logits (softmax of them is NaN)"
+    return "left no token to choose: every logit is -inf"
+
+
+def check_processed_rows(raw: torch.Tensor, processed: torch.Tensor, batch: BatchView,
+                         pipelines: list[tuple[Stage, ...]], greedy: list[bool] | None = None,
+                         states: list[list[Any]] | None = None) -> None:
+    """Raise `ProcessorError` if a row of `processed` (the output of `apply_processors` on `raw`) has nothing to
+    choose, naming the first stage of that row's pipeline that left it so (found by re-running the row's
+    pipeline stage by stage, only when a row is bad)."""
+    bad = rows_without_choice(processed)
+    if not bad:
+        return
+    row = bad[0]
+    try:
+        apply_processors(raw[row : row + 1], batch.select([row]), [pipelines[row]],
+                         None if greedy is None else [greedy[row]], None if states is None else [states[row]],
+                         check_rows=True)
+    except ProcessorError as exc:
+        raise ProcessorError(str(exc), bad) from None
+    if pipelines[row]:  # the re-run came out fine: a processor that depends on more than its inputs
+        raise ProcessorError(f"processor {pipelines[row][-1].processor.name!r} (or one before it in the pipeline) "
+                             f"{_describe_row(processed[row])}", bad)
+    raise ProcessorError(f"the model's logits have no finite value ({_describe_row(raw[row])})", bad)

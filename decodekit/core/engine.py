@@ -18,6 +18,7 @@ from decodekit.api.models import LoadedModel
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Request, RequestOutput
 from decodekit.core.config import EngineConfig
+from decodekit.core.hooks import LifecycleHooks
 from decodekit.core.paged_model import PagedModel, kv_pool_blocks
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
@@ -43,7 +44,7 @@ class Engine:
         loaded: the model and tokenizer (see `decodekit.models.load_model`).
         config: limits and memory.
         registry: processors, stopping criteria, strategies and proposers from the plugins.
-        plugin_manager: for lifecycle hooks.
+        plugin_manager: for lifecycle hooks (each call guarded: `decodekit.core.hooks`).
         draft: a draft model for speculative decoding (same tokenizer as the target).
     """
 
@@ -53,7 +54,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.config = config
         self.registry = registry
-        self.hooks = plugin_manager.hook
+        self.hooks = LifecycleHooks(plugin_manager, self)
         geometry = model_geometry(loaded.model)
         self.max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
         self.model = PagedModel(loaded, config, kv_pool_blocks(geometry, loaded.dtype, config))
@@ -79,14 +80,14 @@ class Engine:
                  loaded.name, str(loaded.dtype).removeprefix("torch."), self.allocator.num_blocks,
                  config.block_size, self.kv_cache.pool.numel() * self.kv_cache.pool.element_size() / 2**20,
                  self.max_model_len, self.model.forward_name)
-        self.hooks.decodekit_engine_started(engine=self)
+        self.hooks.engine_started()
 
     def _open_model(self, loaded: LoadedModel) -> PagedModel:
         # A proposer's own model: a KV pool with as many blocks as the engine's, under the engine's options.
         return PagedModel(loaded, self.config, self.allocator.num_blocks)
 
     def _on_final(self, request: Request, output: RequestOutput) -> None:
-        self.hooks.decodekit_request_finished(engine=self, request=request, output=output)
+        self.hooks.request_finished(request, output)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -98,7 +99,9 @@ class Engine:
         """
         request = self.lifecycle.add(prompt, params or SamplingParams(), request_id, priority, add_special_tokens)
         if not request.finished:
-            self.hooks.decodekit_request_added(engine=self, request=request)
+            error = self.hooks.request_added(request)
+            if error is not None:
+                self.lifecycle.fail(request, error)
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -116,6 +119,7 @@ class Engine:
         ctx = EngineStepContext(self.scheduler, self.processing, record, self.stop.finish_sequence,
                                 self.lifecycle.set_results, self.eos_token_ids, self.max_model_len)
         self._fail(propose(self.scheduler.running, ctx))
+        self._fail(self.processing.take_faults())  # a proposer's processors failed for these
         sched = self.scheduler.schedule()
         self._fail([(request, request.error or "failed") for request in sched.failed])
         scored, failures = self.forward.run(sched)
@@ -128,7 +132,7 @@ class Engine:
                 self.lifecycle.complete(request)
         outputs = self.emitter.emit(record)
         self.step_count += 1
-        self.hooks.decodekit_step_finished(engine=self, outputs=outputs)
+        self.hooks.step_finished(outputs)
         return outputs
 
     def _fail(self, failures: list[Failure]) -> None:

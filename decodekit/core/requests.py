@@ -13,9 +13,12 @@ import time
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
+from decodekit.api.components import format_validation_error
 from decodekit.api.errors import DecodeKitError, RequestError
 from decodekit.api.params import SamplingParams
+from decodekit.api.processors import ProcessorError, init_states
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import StrategyResult
 from decodekit.core.detokenizer import IncrementalDetokenizer
@@ -64,6 +67,8 @@ class RequestLifecycle:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids, error = self._token_ids(prompt, add_special_tokens)
+        params, params_error = _validated(params)
+        error = error or params_error
         request = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, priority)
         self.requests[request_id] = request
         error = error or self._validate(request)
@@ -85,11 +90,10 @@ class RequestLifecycle:
             self.fail(request, error)
             return request
         try:
-            seq.processor_states = [stage.processor.init_state(stage.options, ids) if stage.processor.stateful
-                                    else None for stage in request.plan.stages]
-        except Exception as exc:
-            log.exception("request %s: a processor failed to start", request_id)
-            self.fail(request, f"a processor failed to start: {exc!r}")
+            seq.processor_states = init_states(request.plan.stages, ids)
+        except ProcessorError as exc:
+            log.warning("request %s failed: %s", request_id, exc)
+            self.fail(request, str(exc))
             return request
         self.scheduler.add(request)
         return request
@@ -131,7 +135,9 @@ class RequestLifecycle:
         return True
 
     def fail(self, request: Request, error: str) -> None:
-        """End a request with finish reason "error" and this message."""
+        """End a request with finish reason "error" and this message (a request already ended keeps its end)."""
+        if self.requests.get(request.request_id) is not request:
+            return
         request.error = error
         for seq in request.sequences:
             if not seq.finished:
@@ -160,3 +166,15 @@ class RequestLifecycle:
                 log.exception("%s: on_request_finished failed", request.plan.strategy.name)
         self.emitter.final(request)
         del self.requests[request.request_id]
+
+
+def _validated(params: object) -> tuple[SamplingParams, str | None]:
+    """The request's parameters validated again: `SamplingParams.model_copy(update=...)` and attribute assignment
+    skip pydantic's validation, and a plain dict is accepted here too. Returns the defaults and an error when
+    they are invalid."""
+    try:
+        if isinstance(params, SamplingParams):
+            return SamplingParams.model_validate(dict(params)), None
+        return SamplingParams.model_validate(params), None
+    except ValidationError as exc:
+        return SamplingParams(), f"invalid sampling parameters: {format_validation_error('', exc)}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decodekit.api.processors import BatchView
+from decodekit.api.processors import BatchView, fork_states, update_states
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import StrategyResult
 from decodekit.core import drafts
@@ -25,6 +25,8 @@ class StepRecord:
     """What one step did: how many tokens each sequence got, in the order they got them."""
 
     appended: dict[Sequence, int] = field(default_factory=dict)
+    forked: list[Sequence] = field(default_factory=list)
+    """Sequences `fork` made this step (a failed strategy call's forks that got no token are dropped again)."""
 
     def requests(self) -> list[Request]:
         """The requests whose sequences got tokens this step, each once, in order."""
@@ -84,11 +86,7 @@ class EngineStepContext:
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> None:
         # States first: if a stateful processor refuses the tokens, the sequence is left as it was.
-        states = list(seq.processor_states)
-        for i, stage in enumerate(seq.request.plan.stages):
-            if stage.processor.stateful:
-                states[i] = stage.processor.update_state(states[i], stage.options, token_ids)
-        seq.processor_states = states
+        seq.processor_states = update_states(seq.request.plan.stages, seq.processor_states, token_ids)
         seq.token_ids.extend(token_ids)
         self.record.appended[seq] = self.record.appended.get(seq, 0) + len(token_ids)
 
@@ -97,18 +95,17 @@ class EngineStepContext:
         (so a seeded request's forks draw the same tokens alone or batched)."""
         request = seq.request
         child = Sequence(request, list(seq.token_ids), seq.num_prompt_tokens)
+        # plugin code first: if a fork_state raises, no block has been shared yet
+        child.processor_states = fork_states(request.plan.stages, seq.processor_states)
         self.scheduler.fork(seq, child)
         child.detokenizer = seq.detokenizer.fork()
         child.text = seq.text
-        child.processor_states = [
-            stage.processor.fork_state(state) if stage.processor.stateful else None
-            for stage, state in zip(request.plan.stages, seq.processor_states)
-        ]
         child.stash = seq.stash.copy()
         child.state = dict(seq.state)
         if seed is not None:
             child.generator = torch.Generator(device=self.processing.device).manual_seed(seed)
         request.sequences.append(child)
+        self.record.forked.append(child)
         return child
 
     def free(self, seq: Sequence) -> None:

@@ -44,6 +44,10 @@ class MinTokensProcessor(LogitsProcessor):
         return out
 
 
+TINY_TEMPERATURE = 1e-5
+"""Below this temperature the temperature processor shifts a row by its maximum before dividing (no overflow)."""
+
+
 class TemperatureProcessor(LogitsProcessor):
     """Divide logits by the row's temperature (argmax-invariant).
 
@@ -62,7 +66,19 @@ class TemperatureProcessor(LogitsProcessor):
         return None if t in (0.0, 1.0) else cls.Params(temperature=t)
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
-        return logits / batch.option_tensor("temperature", logits.dtype).to(logits.device)[:, None]
+        temperature = batch.option_tensor("temperature", logits.dtype).to(logits.device)[:, None]
+        out = logits / temperature
+        tiny = [row for row, options in enumerate(batch.options) if options.temperature < TINY_TEMPERATURE]
+        if tiny:
+            # logits / 1e-38 overflows to +inf and softmax turns the row into NaN. Shifted by the row's maximum
+            # first, the top token gets 0 and the others tend to -inf: the same distribution, the limit it
+            # approaches, and no overflow (transformers divides as above; vLLM switches such rows to greedy).
+            idx = torch.tensor(tiny, device=logits.device)
+            rows = logits.index_select(0, idx)
+            floor = torch.finfo(logits.dtype).tiny  # 1e-300 is 0 in float32: 0 / 0 would be NaN again
+            shifted = (rows - rows.amax(dim=-1, keepdim=True)) / temperature.index_select(0, idx).clamp_min(floor)
+            out = out.index_copy(0, idx, shifted)
+        return out
 
 
 class TopKProcessor(LogitsProcessor):

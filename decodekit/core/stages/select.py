@@ -14,7 +14,8 @@ from collections import defaultdict
 
 import torch
 
-from decodekit.api.sequence import Sequence
+from decodekit.api.processors import ProcessorError
+from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import Strategy
 from decodekit.core import drafts
 from decodekit.core.stages import Failure
@@ -53,16 +54,34 @@ def select(scored: ScoredRows, ctx: EngineStepContext) -> list[Failure]:
                 by_request[id(rows[i].request)].append(i)
             for part in by_request.values():
                 request = rows[part[0]].request
+                _drop_tokenless_forks(request, ctx)
                 if request.finished or any(rows[i] in ctx.record.appended for i in part):
                     continue
                 try:
                     _run(strategy, scored, part, ctx)
+                except ProcessorError as exc:  # the message names the processor
+                    log.warning("request %s failed: %s", request.request_id, exc)
+                    failures.append((request, str(exc)))
                 except Exception as exc:
                     log.warning("request %s failed in %s: %r", request.request_id, strategy.name, exc)
                     failures.append((request, f"{strategy.name} failed: {exc!r}"))
     for seq in rows:
         drafts.clear(seq)
+    failed = {id(request) for request, _ in failures}
+    for request in {id(s.request): s.request for s in rows}.values():
+        if id(request) not in failed and not request.finished and any(
+                not s.finished and s.num_pending == 0 for s in request.sequences):
+            # nothing to compute means never scheduled again: the request would hang its caller forever
+            failures.append((request, f"strategy {request.plan.strategy.name!r} left a sequence without a new "
+                                      "token or a finish"))
     return failures
+
+
+def _drop_tokenless_forks(request: Request, ctx: EngineStepContext) -> None:
+    """Free the sequences a failed strategy call forked for `request` before it could give them a token."""
+    for child in ctx.record.forked:
+        if child.request is request and child not in ctx.record.appended and child in request.sequences:
+            ctx.free(child)
 
 
 def _run(strategy: Strategy, scored: ScoredRows, indices: list[int], ctx: EngineStepContext) -> None:

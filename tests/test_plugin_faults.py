@@ -1,0 +1,215 @@
+"""A faulty plugin fails only the requests it serves: processors that raise or return something unusable (wrong
+shape, dtype or device, NaN, +inf, every token masked), stateful processors whose state hooks raise, and lifecycle
+hooks that raise. The error names the plugin; the other requests' tokens equal their solo runs; the engine ends
+idle with every KV block free (issue 14)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from decodekit import LLM, SamplingParams, hookimpl
+from decodekit.api.processors import LogitsProcessor
+from tests.conftest import assert_idle, random_prompts
+
+
+class _Faulty(LogitsProcessor):
+    """Misbehaves in the way its `mode` option says, only on rows whose `fault` option is true."""
+
+    name = "faulty"
+
+    class Params(BaseModel):
+        mode: str
+        fault: bool = True
+
+    def __call__(self, logits, batch):
+        faulty = [o.fault for o in batch.options]
+        if not any(faulty):
+            return logits
+        mode = batch.options[faulty.index(True)].mode
+        if mode == "raise":
+            raise RuntimeError("boom")
+        if mode == "none":
+            return None
+        if mode == "shape":
+            return logits[:, :10]
+        if mode == "int":
+            return logits.long()
+        if mode == "meta":
+            return logits.to("meta")
+        out = logits.clone()
+        rows = torch.tensor(faulty)
+        value = {"nan": float("nan"), "neginf": -float("inf"), "posinf": float("inf")}[mode]
+        if mode == "neginf":
+            out[rows] = value
+        else:
+            out[rows, 7] = value
+        return out
+
+
+class _Stateful(LogitsProcessor):
+    """A stateful processor whose `fails_in` state hook raises."""
+
+    name = "stateful"
+    stateful = True
+
+    class Params(BaseModel):
+        fails_in: str
+
+    def __call__(self, logits, batch):
+        return logits
+
+    def init_state(self, options, prompt_ids):
+        if options.fails_in == "init_state":
+            raise ValueError("cannot start")
+        return 0
+
+    def update_state(self, state, options, token_ids):
+        if options.fails_in == "update_state" and state + len(token_ids) >= 2:
+            raise ValueError("cannot advance")
+        return state + len(token_ids)
+
+    def fork_state(self, state):
+        raise ValueError("cannot fork")
+
+
+class _LateNaN(LogitsProcessor):
+    """NaN from the third generated token on."""
+
+    name = "late_nan"
+
+    def __call__(self, logits, batch):
+        generated = torch.tensor([len(h) - p for h, p in zip(batch.histories, batch.prompt_lens)])
+        return torch.where((generated >= 3)[:, None], float("nan"), logits)
+
+
+class _Processors:
+    @hookimpl
+    def decodekit_register_processors(self, register):
+        register(_Faulty.name, _Faulty)
+        register(_Stateful.name, _Stateful)
+        register(_LateNaN.name, _LateNaN)
+
+
+@pytest.fixture
+def faulty_llm(llama, tokenizer, plugin_manager):
+    plugin_manager.register(_Processors(), "faulty_plugin")
+    return LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager)
+
+
+_MESSAGES = {
+    "raise": "processor 'faulty' raised RuntimeError('boom')",
+    "none": "processor 'faulty' returned NoneType, not a tensor",
+    "shape": "processor 'faulty' returned a torch.float32 tensor of shape (1, 10) on cpu for torch.float32 logits "
+             "of shape (1, 384) on cpu",
+    "int": "processor 'faulty' returned a torch.int64 tensor of shape (1, 384) on cpu for torch.float32 logits of "
+           "shape (1, 384) on cpu",
+    "meta": "processor 'faulty' returned a torch.float32 tensor of shape (1, 384) on meta for torch.float32 logits "
+            "of shape (1, 384) on cpu",
+    "nan": "processor 'faulty' returned NaN logits",
+    "posinf": "processor 'faulty' returned +inf logits (softmax of them is NaN)",
+    "neginf": "processor 'faulty' left no token to choose: every logit is -inf",
+}
+
+_STRATEGIES = {
+    "greedy": {"temperature": 0, "ignore_eos": True},
+    "sampled": {"temperature": 0.9, "seed": 11, "ignore_eos": True},
+    "speculative (draft model)": {"temperature": 0, "ignore_eos": True,
+                                  "strategy": {"speculative": {"proposer": "draft", "num_speculative_tokens": 3}}},
+    "beam search": {"temperature": 0, "strategy": {"beam_search": {"num_beams": 2}}},
+}
+
+
+@pytest.mark.parametrize("strategy", list(_STRATEGIES))
+@pytest.mark.parametrize("mode", list(_MESSAGES))
+def test_a_faulty_processor_fails_its_request_alone_naming_the_processor(faulty_llm, mode, strategy):
+    prompts = random_prompts(3, 4, 12, seed=5)
+    base = dict(max_tokens=5, **_STRATEGIES[strategy])
+    good = SamplingParams(**base, processors=[{"faulty": {"mode": mode, "fault": False}}])
+    solo = [faulty_llm.generate([p], good)[0].token_ids for p in prompts]
+    bad = SamplingParams(**base, processors=[{"faulty": {"mode": mode}}])
+    outs = faulty_llm.generate(prompts, [good, bad, good])
+    assert (outs[1].finish_reason, outs[1].error) == ("error", _MESSAGES[mode])
+    assert outs[0].error is None and outs[2].error is None
+    assert [outs[0].token_ids, outs[2].token_ids] == [solo[0], solo[2]]
+    assert_idle(faulty_llm)
+
+
+def test_a_processor_faulting_after_some_tokens_fails_its_request_there_and_others_finish(faulty_llm):
+    prompts = random_prompts(2, 4, 12, seed=6)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = faulty_llm.generate(prompts, [plain, plain.model_copy(update={"processors": ["late_nan"]})])
+    assert outs[1].finish_reason == "error" and outs[1].error == "processor 'late_nan' returned NaN logits"
+    assert len(outs[1].token_ids) == 3 and len(outs[0].token_ids) == 6
+    assert_idle(faulty_llm)
+
+
+@pytest.mark.parametrize(("fails_in", "n"), [("init_state", 1), ("update_state", 1), ("fork_state", 2)])
+def test_a_stateful_processor_whose_state_hook_raises_fails_its_request_alone(faulty_llm, fails_in, n):
+    prompts = random_prompts(2, 4, 12, seed=7)
+    plain = SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, n=n)
+    solo = faulty_llm.generate([prompts[0]], plain)[0]
+    bad = plain.model_copy(update={"processors": [{"stateful": {"fails_in": fails_in}}]})
+    outs = faulty_llm.generate(prompts, [plain, bad])
+    assert outs[1].finish_reason == "error"
+    assert outs[1].error.startswith(f"processor 'stateful': {fails_in} raised ValueError(")
+    assert [o.token_ids for o in outs[0].outputs] == [o.token_ids for o in solo.outputs]
+    assert_idle(faulty_llm)
+
+
+def test_allowed_token_ids_and_bad_words_that_cover_each_other_fail_naming_the_processor_that_masked_all(
+        llama, tokenizer):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, processors=[
+        {"allowed_token_ids": {"token_ids": [5, 6]}}, {"bad_words": {"words_ids": [[5], [6]]}}])
+    out = llm.generate([[5, 6, 7]], params)[0]
+    assert (out.finish_reason, out.error, out.token_ids) == (
+        "error", "processor 'bad_words' left no token to choose: every logit is -inf", [])
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45, 1e-300])
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_a_vanishing_temperature_samples_the_greedy_tokens_instead_of_nan(llama, tokenizer, temperature, top_p):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = random_prompts(3, 4, 12, seed=8)
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                                        ignore_eos=True))]
+    cold = llm.generate(prompts, SamplingParams(temperature=temperature, top_p=top_p, seed=1, max_tokens=6,
+                                                ignore_eos=True))
+    assert [o.error for o in cold] == [None] * 3
+    assert [o.token_ids for o in cold] == greedy
+
+
+class _FaultyHooks:
+    """Lifecycle hooks that raise: when a request with prompt token 13 is added, after every step, and when a
+    request finishes."""
+
+    @hookimpl
+    def decodekit_request_added(self, engine, request):
+        if request.prompt_token_ids[0] == 13:
+            raise KeyError("no room for 13")
+
+    @hookimpl
+    def decodekit_step_finished(self, engine, outputs):
+        raise RuntimeError("metrics backend down")
+
+    @hookimpl
+    def decodekit_request_finished(self, engine, request, output):
+        raise RuntimeError("cannot log")
+
+
+def test_a_raising_lifecycle_hook_fails_only_the_request_being_added_and_never_the_step(llama, tokenizer,
+                                                                                      plugin_manager):
+    plain_llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = [[20, 21, 22], [13, 14, 15], [30, 31]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    solo = [o.token_ids for o in plain_llm.generate(prompts, params)]
+    plugin_manager.register(_FaultyHooks(), "flaky_metrics")
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager)
+    outs = llm.generate(prompts, params)
+    assert outs[1].finish_reason == "error"
+    assert outs[1].error == "plugin 'flaky_metrics': its decodekit_request_added hook raised KeyError('no room for 13')"
+    assert [outs[0].token_ids, outs[2].token_ids] == [solo[0], solo[2]]
+    assert_idle(llm)
