@@ -6,95 +6,15 @@ idle with every KV block free (issue 14)."""
 from __future__ import annotations
 
 import pytest
-import torch
-from pydantic import BaseModel
 
-from decodekit import LLM, SamplingParams, hookimpl
-from decodekit.api.processors import LogitsProcessor
+from decodekit import LLM, SamplingParams
 from tests.conftest import assert_idle, random_prompts
-
-
-class _Faulty(LogitsProcessor):
-    """Misbehaves in the way its `mode` option says, only on rows whose `fault` option is true."""
-
-    name = "faulty"
-
-    class Params(BaseModel):
-        mode: str
-        fault: bool = True
-
-    def __call__(self, logits, batch):
-        faulty = [o.fault for o in batch.options]
-        if not any(faulty):
-            return logits
-        mode = batch.options[faulty.index(True)].mode
-        if mode == "raise":
-            raise RuntimeError("boom")
-        if mode == "none":
-            return None
-        if mode == "shape":
-            return logits[:, :10]
-        if mode == "int":
-            return logits.long()
-        if mode == "meta":
-            return logits.to("meta")
-        out = logits.clone()
-        rows = torch.tensor(faulty)
-        value = {"nan": float("nan"), "neginf": -float("inf"), "posinf": float("inf")}[mode]
-        if mode == "neginf":
-            out[rows] = value
-        else:
-            out[rows, 7] = value
-        return out
-
-
-class _Stateful(LogitsProcessor):
-    """A stateful processor whose `fails_in` state hook raises."""
-
-    name = "stateful"
-    stateful = True
-
-    class Params(BaseModel):
-        fails_in: str
-
-    def __call__(self, logits, batch):
-        return logits
-
-    def init_state(self, options, prompt_ids):
-        if options.fails_in == "init_state":
-            raise ValueError("cannot start")
-        return 0
-
-    def update_state(self, state, options, token_ids):
-        if options.fails_in == "update_state" and state + len(token_ids) >= 2:
-            raise ValueError("cannot advance")
-        return state + len(token_ids)
-
-    def fork_state(self, state):
-        raise ValueError("cannot fork")
-
-
-class _LateNaN(LogitsProcessor):
-    """NaN from the third generated token on."""
-
-    name = "late_nan"
-
-    def __call__(self, logits, batch):
-        generated = torch.tensor([len(h) - p for h, p in zip(batch.histories, batch.prompt_lens)])
-        return torch.where((generated >= 3)[:, None], float("nan"), logits)
-
-
-class _Processors:
-    @hookimpl
-    def decodekit_register_processors(self, register):
-        register(_Faulty.name, _Faulty)
-        register(_Stateful.name, _Stateful)
-        register(_LateNaN.name, _LateNaN)
+from tests.faulty_plugins import FaultyHooks, FaultyProcessors
 
 
 @pytest.fixture
 def faulty_llm(llama, tokenizer, plugin_manager):
-    plugin_manager.register(_Processors(), "faulty_plugin")
+    plugin_manager.register(FaultyProcessors(), "faulty_plugin")
     return LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager)
 
 
@@ -182,31 +102,13 @@ def test_a_vanishing_temperature_samples_the_greedy_tokens_instead_of_nan(llama,
     assert [o.token_ids for o in cold] == greedy
 
 
-class _FaultyHooks:
-    """Lifecycle hooks that raise: when a request with prompt token 13 is added, after every step, and when a
-    request finishes."""
-
-    @hookimpl
-    def decodekit_request_added(self, engine, request):
-        if request.prompt_token_ids[0] == 13:
-            raise KeyError("no room for 13")
-
-    @hookimpl
-    def decodekit_step_finished(self, engine, outputs):
-        raise RuntimeError("metrics backend down")
-
-    @hookimpl
-    def decodekit_request_finished(self, engine, request, output):
-        raise RuntimeError("cannot log")
-
-
 def test_a_raising_lifecycle_hook_fails_only_the_request_being_added_and_never_the_step(llama, tokenizer,
                                                                                       plugin_manager):
     plain_llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
     prompts = [[20, 21, 22], [13, 14, 15], [30, 31]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     solo = [o.token_ids for o in plain_llm.generate(prompts, params)]
-    plugin_manager.register(_FaultyHooks(), "flaky_metrics")
+    plugin_manager.register(FaultyHooks(), "flaky_metrics")
     llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager)
     outs = llm.generate(prompts, params)
     assert outs[1].finish_reason == "error"

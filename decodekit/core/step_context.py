@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decodekit.api.errors import ProcessorError
 from decodekit.api.processors import BatchView, fork_states, update_states
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import StrategyResult
@@ -27,6 +28,9 @@ class StepRecord:
     appended: dict[Sequence, int] = field(default_factory=dict)
     forked: list[Sequence] = field(default_factory=list)
     """Sequences `fork` made this step (a failed strategy call's forks that got no token are dropped again)."""
+    faults: dict[Request, str] = field(default_factory=dict)
+    """Requests a processor's state hook failed for this step, and why: the select stage fails them. The strategy
+    never sees the error, so it cannot leave the other requests of its batch half-done."""
 
     def requests(self) -> list[Request]:
         """The requests whose sequences got tokens this step, each once, in order."""
@@ -86,7 +90,13 @@ class EngineStepContext:
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> None:
         # States first: if a stateful processor refuses the tokens, the sequence is left as it was.
-        seq.processor_states = update_states(seq.request.plan.stages, seq.processor_states, token_ids)
+        if seq.request in self.record.faults:
+            return  # the request fails at the end of the select stage; its sequences take nothing more
+        try:
+            seq.processor_states = update_states(seq.request.plan.stages, seq.processor_states, token_ids)
+        except ProcessorError as exc:
+            self.record.faults[seq.request] = str(exc)
+            return
         seq.token_ids.extend(token_ids)
         self.record.appended[seq] = self.record.appended.get(seq, 0) + len(token_ids)
 
@@ -96,7 +106,11 @@ class EngineStepContext:
         request = seq.request
         child = Sequence(request, list(seq.token_ids), seq.num_prompt_tokens)
         # plugin code first: if a fork_state raises, no block has been shared yet
-        child.processor_states = fork_states(request.plan.stages, seq.processor_states)
+        try:
+            child.processor_states = fork_states(request.plan.stages, seq.processor_states)
+        except ProcessorError as exc:  # the request fails after the stage: the child only has to be well-formed
+            self.record.faults.setdefault(request, str(exc))
+            child.processor_states = list(seq.processor_states)
         self.scheduler.fork(seq, child)
         child.detokenizer = seq.detokenizer.fork()
         child.text = seq.text

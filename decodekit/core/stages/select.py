@@ -4,7 +4,9 @@ Sequences are grouped by strategy (one call per strategy per step). A strategy g
 `Strategy.scores`: the rows after each request's processors (`"logits"`, the process stage runs here), the
 processors applied to log-probabilities (`"logprobs"`, beam search), or the raw logits (`"raw"`, the strategy
 calls `ctx.process` itself). When a strategy raises, its requests are retried one by one, so only the culprits
-fail; requests that already got their tokens before the error keep them.
+fail; requests that already got their tokens before the error keep them (seeded generators are restored for the
+retried ones). A processor state hook that fails while a strategy appends or forks never raises into the strategy:
+the step record keeps the fault and the request fails here, after the strategies ran.
 """
 
 from __future__ import annotations
@@ -46,16 +48,28 @@ def select(scored: ScoredRows, ctx: EngineStepContext) -> list[Failure]:
     failures: list[Failure] = []
     for indices in groups.values():
         strategy: Strategy = rows[indices[0]].request.plan.strategy
+        # seeded generators, so that a request retried after the batch's failure draws what it would have drawn
+        generators = [(seq.request, seq.generator, seq.generator.get_state()) for i in indices
+                      if (seq := rows[i]).generator is not None]
         try:
             _run(strategy, scored, indices, ctx)
         except Exception:
             by_request: dict[int, list[int]] = defaultdict(list)
             for i in indices:
                 by_request[id(rows[i].request)].append(i)
+            retried = set()
             for part in by_request.values():
                 request = rows[part[0]].request
-                _drop_tokenless_forks(request, ctx)
-                if request.finished or any(rows[i] in ctx.record.appended for i in part):
+                if not (request.finished or request in ctx.record.faults
+                        or any(rows[i] in ctx.record.appended for i in part)):
+                    retried.add(id(request))
+                    _drop_tokenless_forks(request, ctx)
+            for request, generator, state in generators:
+                if id(request) in retried:
+                    generator.set_state(state)
+            for part in by_request.values():
+                request = rows[part[0]].request
+                if id(request) not in retried:
                     continue
                 try:
                     _run(strategy, scored, part, ctx)
@@ -67,6 +81,7 @@ def select(scored: ScoredRows, ctx: EngineStepContext) -> list[Failure]:
                     failures.append((request, f"{strategy.name} failed: {exc!r}"))
     for seq in rows:
         drafts.clear(seq)
+    failures.extend(ctx.record.faults.items())
     failed = {id(request) for request, _ in failures}
     for request in {id(s.request): s.request for s in rows}.values():
         if id(request) not in failed and not request.finished and any(
