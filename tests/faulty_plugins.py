@@ -1,6 +1,6 @@
 """Plugins that misbehave on purpose, for the fault-isolation tests: a processor with every kind of bad result, a
 stateful processor whose state hooks raise, a processor that turns NaN mid-request, a stopping criterion that
-raises, and lifecycle hooks that raise."""
+raises, a strategy that raises when it proposes or selects, and lifecycle hooks that raise."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from decodekit import StoppingCriterion, hookimpl
 from decodekit.api.processors import LogitsProcessor
+from decodekit_plugins.strategies import SampleStrategy
 
 
 class Faulty(LogitsProcessor):
@@ -95,6 +96,24 @@ class Explodes(StoppingCriterion):
         return None
 
 
+class Flaky(SampleStrategy):
+    """Plain sampling that raises in `propose` or `select` for the requests whose `fails_in` option says so."""
+
+    name = "flaky"
+
+    class Params(BaseModel):
+        fails_in: str = "nothing"
+
+    def propose(self, ctx, seqs):
+        if any(s.request.plan.strategy_options.fails_in == "propose" for s in seqs):
+            raise RuntimeError("cannot draft")
+
+    def select(self, ctx, seqs, logits):
+        if any(s.request.plan.strategy_options.fails_in == "select" for s in seqs):
+            raise RuntimeError("cannot choose")
+        super().select(ctx, seqs, logits)
+
+
 class FaultyProcessors:
     """Registers the faulty processors and the raising stopping criterion."""
 
@@ -107,6 +126,10 @@ class FaultyProcessors:
     @hookimpl
     def decodekit_register_stopping_criteria(self, register):
         register(Explodes.name, Explodes)
+
+    @hookimpl
+    def decodekit_register_strategies(self, register):
+        register(Flaky.name, Flaky)
 
 
 class FaultyHooks:

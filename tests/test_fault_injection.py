@@ -39,6 +39,7 @@ GOOD: dict[str, dict] = {
     "ngram": {"temperature": 0, "ignore_eos": True, "strategy": _SPEC},
     "draft": {"temperature": 0, "ignore_eos": True, "strategy": _DRAFT},
     "beam": {"temperature": 0, "strategy": {"beam_search": {"num_beams": 2}}},
+    "shares_a_faulty_strategy": {"temperature": 0, "ignore_eos": True, "strategy": {"flaky": {}}},
     "shares_a_faulty_processor": {"temperature": 0, "ignore_eos": True,
                                   "processors": [{"faulty": {"mode": "nan", "fault": False}}]},
 }
@@ -64,6 +65,9 @@ FAULTY: dict[str, tuple[dict, str]] = {
                      "processor 'stateful': update_state raised ValueError('cannot advance')"),
     "fork_state (n=2)": ({"processors": [{"stateful": {"fails_in": "fork_state"}}], "n": 2},
                          "processor 'stateful': fork_state raised ValueError('cannot fork')"),
+    "strategy select": ({"strategy": {"flaky": {"fails_in": "select"}}}, "flaky failed: RuntimeError('cannot choose')"),
+    "strategy propose": ({"strategy": {"flaky": {"fails_in": "propose"}}},
+                         "flaky failed to propose: RuntimeError('cannot draft')"),
     "stopping criterion": ({"stopping": ["explodes"]}, "stopping criterion 'explodes' failed: RuntimeError('boom')"),
 }
 """Requests served by a faulty plugin, under any strategy that accepts them."""
@@ -163,10 +167,10 @@ class FaultInjection(RuleBasedStateMachine):
     @rule(prompt=prompts, fault=st.sampled_from(sorted(FAULTY)), strategy=st.sampled_from(sorted(_FAULTY_STRATEGIES)))
     def add_faulty(self, prompt: list[int], fault: str, strategy: str) -> None:
         extra, error = FAULTY[fault]
-        if strategy == "beam" and "stopping" in extra:
+        if strategy == "beam" and "stopping" in extra:  # refused before it runs
             error = "strategy.beam_search: stopping criteria (explodes) are not applied by beam search"
-        if "n" in extra and strategy != "greedy" and strategy != "seeded":
-            return  # n > 1 is parallel sampling's
+        if ("n" in extra or "strategy" in extra) and strategy not in ("greedy", "seeded"):
+            return  # n > 1 is parallel sampling's; a faulty strategy replaces the strategy
         self._add(prompt, SamplingParams(max_tokens=6, **{**_FAULTY_STRATEGIES[strategy], **extra}), error)
 
     @rule(kind=st.sampled_from(sorted(BAD_PROMPTS)))

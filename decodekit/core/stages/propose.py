@@ -11,6 +11,7 @@ from collections import defaultdict
 
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import StepContext, Strategy
+from decodekit.core import drafts
 from decodekit.core.stages import Failure
 
 log = logging.getLogger("decodekit.engine")
@@ -19,7 +20,8 @@ log = logging.getLogger("decodekit.engine")
 
 def propose(running: list[Request], ctx: StepContext) -> list[Failure]:
     """Let each speculating strategy draft for its running sequences that have exactly one token to compute;
-    return the requests whose strategy failed (each fails alone)."""
+    return the requests whose strategy failed. When a strategy raises for its batch, it proposes again for each
+    request alone, so only the culprits fail (a strategy must tolerate proposing again after a failed call)."""
     groups: dict[int, list[Sequence]] = defaultdict(list)
     strategies: dict[int, Strategy] = {}
     for request in running:
@@ -35,8 +37,18 @@ def propose(running: list[Request], ctx: StepContext) -> list[Failure]:
         strategy = strategies[key]
         try:
             strategy.propose(ctx, seqs)
-        except Exception as exc:  # a failing proposer fails its requests, not the engine
-            log.exception("%s: propose failed", strategy.name)
-            failures.extend((request, f"{strategy.name} failed to propose: {exc!r}")
-                            for request in {id(s.request): s.request for s in seqs}.values())
+        except Exception:  # retry request by request (without drafts), so that only the culprits fail
+            by_request: dict[int, list[Sequence]] = defaultdict(list)
+            for seq in seqs:
+                drafts.clear(seq)
+                by_request[id(seq.request)].append(seq)
+            for part in by_request.values():
+                try:
+                    strategy.propose(ctx, part)
+                except Exception as exc:
+                    log.warning("request %s: %s failed to propose: %r", part[0].request.request_id, strategy.name,
+                                exc)
+                    for seq in part:
+                        drafts.clear(seq)
+                    failures.append((part[0].request, f"{strategy.name} failed to propose: {exc!r}"))
     return failures
