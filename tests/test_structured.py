@@ -582,3 +582,173 @@ def test_the_no_op_unique_items_false_is_dropped_but_unique_items_true_still_ref
     assert "uniqueItems" not in spec.text
     kept = ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}, True, False)
     assert '"uniqueItems":true' in kept.text
+
+
+# ---- JSON options: coerce_one_of, lenient, separators; refusals that name the keyword and the option ----------------
+# Two string branches llguidance cannot prove disjoint (so it refuses the oneOf by default), which are disjoint:
+# every output matches exactly one, and `oneOf` validates.
+CODE_ONE_OF = {"type": "object", "properties": {"code": {"oneOf": [
+    {"type": "string", "pattern": "^[0-9]{1,3}$"}, {"type": "string", "pattern": "^[a-z]{1,3}$"}]}},
+    "required": ["code"]}
+
+
+def _refusal(params: dict) -> str:
+    """The reason a json_schema request is refused without an engine (recipe check) and with one (tiny
+    tokenizer); both must agree."""
+    with pytest.raises(PlanError) as engine_free:
+        Components(REGISTRY).resolve(SamplingParams(processors=[{"json_schema": params}]))
+    proc = JsonSchemaProcessor()
+    proc.setup(ComponentInfo(tokenizer=_tiny(), vocab_size=TINY_VOCAB, eos_token_ids=(EOS,)))
+    with pytest.raises(ConstraintError) as engine:
+        proc.check_options(proc.Params.model_validate(params))
+    assert str(engine_free.value) == f"processors[0].json_schema: {engine.value}"
+    return str(engine.value)
+
+
+def test_an_overlapping_one_of_is_refused_naming_one_of_and_coerce_one_of():
+    reason = _refusal({"schema": CODE_ONE_OF})
+    assert reason.startswith("the schema uses 'oneOf'")
+    assert "needs coerce_one_of: true (or lenient: true)" in reason
+    assert "llguidance: oneOf constraints are not supported" in reason  # the backend's own words follow
+
+
+@pytest.mark.parametrize("option", ["coerce_one_of", "lenient"])
+def test_with_coerce_one_of_the_one_of_compiles_and_every_output_validates(option):
+    llm = LLM(tiny_model("llama"), _tiny())
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40,
+                             processors=[{"json_schema": {"schema": CODE_ONE_OF, option: True}}]) for seed in range(6)]
+    outs = llm.generate(["The code is"] * len(params), params)
+    for out in outs:
+        assert out.error is None and out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), CODE_ONE_OF)  # a random model: the mask did all of it
+
+
+@pytest.mark.parametrize(("schema", "keyword"), [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
+    ({"type": "object", "properties": {"when": {"type": "string", "format": "path"}}}, "'format': 'path'"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "dependencies": {"a": ["b"]}}, "'dependencies'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
+      "then": {"required": ["b"]}}, "'if', 'then'"),
+])
+def test_lenient_accepts_what_llguidance_cannot_enforce_and_the_refusal_names_keyword_and_lenient(schema, keyword):
+    reason = _refusal({"schema": schema})
+    assert reason.startswith(f"the schema uses {keyword}")
+    assert "lenient: true accepts" in reason
+    plan = Components(REGISTRY).resolve(SamplingParams(processors=[{"json_schema": {"schema": schema,
+                                                                                     "lenient": True}}]))
+    assert [stage.processor.name for stage in plan.stages] == ["json_schema"]
+    proc, options = _processor(JsonSchemaProcessor, schema=schema, lenient=True)
+    proc.check_options(options)
+    assert proc.init_state(options, [1]).matcher.error() is None
+
+
+def test_a_refusal_inside_a_definition_says_where():
+    schema = {"type": "object", "properties": {"x": {"$ref": "#/definitions/code"}},
+              "definitions": {"code": CODE_ONE_OF["properties"]["code"]}}
+    assert "(at json-schema:///#/definitions/code)" in _refusal({"schema": schema})
+
+
+def _accepts(options: dict, text: str, schema: dict | None = None) -> bool:
+    """Whether the json_schema constraint with these options takes `text` as a complete value (tiny tokenizer)."""
+    proc, params = _processor(JsonSchemaProcessor, schema=schema or {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "string"}}}, "required": ["a", "b"]},
+        **options)
+    matcher = proc.init_state(params, [1]).matcher
+    return matcher.consume(_encode(text)) and matcher.is_accepting()
+
+
+def test_separator_and_escape_options_shape_the_json_text():
+    assert _accepts({}, '{"a": 1, "b": ["x", "y"]}') and not _accepts({}, '{"a":1,"b":["x","y"]}')
+    compact = {"item_separator": ",", "key_separator": ":"}
+    assert _accepts(compact, '{"a":1,"b":["x","y"]}') and not _accepts(compact, '{"a": 1, "b": ["x", "y"]}')
+    assert _accepts({"item_separator": " , "}, '{"a": 1 , "b": ["x" , "y"]}')
+    assert _accepts({}, '{"a": 1, "b": ["x\\ny"]}')
+    assert not _accepts({"allowed_escapes": "t"}, '{"a": 1, "b": ["x\\ny"]}')
+    assert not _accepts({}, '{"a": 1, "b": ["\\u00e9"]}')
+    assert _accepts({"allow_general_unicode_escapes": True}, '{"a": 1, "b": ["\\u00e9"]}')
+    assert _accepts({"flexible_whitespace": True, "whitespace_pattern": "[ ]{0,2}"}, '{  "a": 1,"b" : ["x"]}')
+    for bad, message in [({"item_separator": ";"}, "item_separator must be ','"),
+                         ({"key_separator": "=>"}, "key_separator must be ':'"),
+                         ({"allowed_escapes": "nq"}, "allowed_escapes may only hold JSON escape letters")]:
+        with pytest.raises(ValueError, match=message):
+            JsonSchemaProcessor.Params.model_validate({"schema": {"type": "object"}, **bad})
+
+
+def test_the_options_are_part_of_the_spec_so_compiled_grammars_are_not_shared_across_them():
+    proc = JsonSchemaProcessor()
+    plain = proc.spec(proc.Params.model_validate({"schema": CODE_ONE_OF}))
+    coerced = proc.spec(proc.Params.model_validate({"schema": CODE_ONE_OF, "coerce_one_of": True}))
+    assert plain != coerced and hash(plain) != hash(coerced) and plain.text == coerced.text
+    backend = get_backend("llguidance", _tiny(), TINY_VOCAB, (EOS,))
+    backend.compile(coerced)
+    with pytest.raises(ConstraintError, match="coerce_one_of"):
+        backend.compile(plain)
+
+
+def test_a_backend_that_cannot_honour_a_json_option_refuses_it_by_name():
+    from decodekit.constraints import BUILTIN_BACKENDS, ConstraintBackend, JsonOptions
+
+    llguidance_cls = backend_class("llguidance")
+
+    class Plain(llguidance_cls):  # a backend that declares no JSON options
+        name = "plain"
+        json_options = ConstraintBackend.json_options
+
+    backends = {**BUILTIN_BACKENDS, "plain": lambda: Plain}
+    for with_engine in (False, True):
+        proc = JsonSchemaProcessor()
+        proc._available = backends
+        if with_engine:
+            proc.setup(ComponentInfo(tokenizer=_tiny(), vocab_size=TINY_VOCAB, eos_token_ids=(EOS,)))
+        proc.check_options(proc.Params.model_validate({"schema": {"type": "object"}, "backend": "plain"}))
+        with pytest.raises(ConstraintError, match=re.escape(
+                "the plain backend cannot honour the JSON option lenient: true, key_separator: \":\" (the "
+                "llguidance backend does)")):
+            proc.check_options(proc.Params.model_validate({"schema": {"type": "object"}, "backend": "plain",
+                                                           "lenient": True, "key_separator": ":"}))
+    assert set(JsonOptions.model_fields) == set(llguidance_cls.json_options)
+
+
+@pytest.mark.skipif(not _has_xgrammar(), reason="xgrammar is not installed")
+def test_xgrammar_refuses_the_json_options_it_cannot_honour():
+    proc, _ = _processor(JsonSchemaProcessor, schema={"type": "object"})
+    with pytest.raises(ConstraintError, match="the xgrammar backend cannot honour the JSON option coerce_one_of"):
+        proc.check_options(proc.Params.model_validate({"schema": CODE_ONE_OF, "backend": "xgrammar",
+                                                       "coerce_one_of": True}))
+
+
+# ---- the additionalProperties policy never forbids a key the schema requires ---------------------------------------
+@pytest.mark.parametrize("schema", [
+    # `required` names a key `properties` does not list (JSONSchemaBench Github_medium/o78017)
+    {"type": "object", "properties": {"user": {"type": "string"}}, "required": ["user", "password_again"]},
+    # a definition used as a part of `allOf`, beside a part with keys of its own
+    {"definitions": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+     "type": "object", "properties": {"item": {"allOf": [{"$ref": "#/definitions/base"}, {
+         "properties": {"name": {"type": "string"}}, "required": ["name"]}]}}, "required": ["item"]},
+    # a `$ref` with constraining siblings, and a parent whose `allOf` part names a key
+    {"definitions": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}}},
+     "type": "object", "properties": {"item": {"$ref": "#/definitions/base", "required": ["extra"]}},
+     "allOf": [{"required": ["item", "kind"], "properties": {"kind": {"const": "k"}}}]},
+    # `anyOf` parts inside an `allOf` part
+    {"definitions": {"b": {"type": "object", "allOf": [
+        {"properties": {"schema": {"type": "string"}}, "required": ["schema"]},
+        {"anyOf": [{"properties": {"impl": {"type": "string"}}, "required": ["impl"]},
+                   {"properties": {"cls": {"type": "string"}}, "required": ["cls"]}]}]}},
+     "type": "object", "properties": {"builder": {"$ref": "#/definitions/b"}}, "required": ["builder"]},
+])
+def test_the_strict_policy_keeps_every_key_the_schema_requires_or_combines(schema):
+    import llguidance
+
+    raw = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+    assert not llguidance.LLMatcher.validate_grammar(raw, None)  # llguidance compiles it as given
+    Components(REGISTRY).resolve(SamplingParams(processors=[{"json_schema": {"schema": schema}}]))
+    closed = forbid_additional_properties(schema)
+    assert closed["additionalProperties"] is False  # the root is still closed
+    assert schema != closed and forbid_additional_properties(json.loads(json.dumps(schema))) == closed
+
+
+def test_a_closed_object_keeps_its_required_keys_as_any_value():
+    closed = forbid_additional_properties({"type": "object", "properties": {"a": {"type": "integer"}},
+                                           "required": ["a", "b"]})
+    assert closed["properties"] == {"a": {"type": "integer"}, "b": {}}
+    assert closed["additionalProperties"] is False

@@ -11,8 +11,14 @@ grammar's compilation once per spec (`ConstraintBackend.compile`, cached by the 
 The `additionalProperties` policy (`ConstraintSpec.json_schema`, `strict=True`): an object schema that lists
 `properties` but does not say `additionalProperties` gets `additionalProperties: false`, so the model writes only
 the keys the schema names (JSON Schema's own default, `true`, would let it invent keys). An explicit
-`additionalProperties` is kept; object schemas under `allOf` are left as they are, since forbidding extra keys in
-each part would forbid the other parts' keys.
+`additionalProperties` is kept. Closing must never forbid a key the schema can require, so: object schemas that are
+intersected with others are left open (the parts of an `allOf`; the parts of an `anyOf`/`oneOf` beside keys of
+their own or inside such a part; a local `$ref` target used in those places or with constraining siblings);
+a closed schema keeps the keys its `required` lists and those its combined parts (`allOf`, `anyOf`, `oneOf`,
+`$ref`, `if`/`then`/`else`, dependencies) name, as any value. Outputs validate against the schema as given.
+
+JSON options (`JsonOptions`: `coerce_one_of`, `lenient`, separators, whitespace and escapes) travel in the spec; a
+backend honours those it lists in `ConstraintBackend.json_options` and refuses a spec that sets any other.
 """
 
 from __future__ import annotations
@@ -21,16 +27,18 @@ import contextlib
 import hashlib
 import importlib
 import json
+import re
 import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
+from urllib.parse import unquote
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from decodekit.api.bitmask import allocate_bitmask, apply_bitmask, bitmask_to_bool, token_bitmask
 
@@ -44,6 +52,7 @@ __all__ = [  # the bitmask helpers are re-exported: backends and processors have
     "ConstraintSpec",
     "EosAfterStopMatcher",
     "GrammarSyntax",
+    "JsonOptions",
     "Matcher",
     "allocate_bitmask",
     "apply_bitmask",
@@ -65,6 +74,67 @@ class ConstraintError(ValueError):
     """A constraint cannot be compiled, or a token broke it; the message is the backend's reason."""
 
 
+_JSON_WHITESPACE = r"[ \t\n\r]*"
+_JSON_ESCAPES = frozenset('"\\/bfnrtu')
+
+
+class JsonOptions(BaseModel):
+    """Options of the JSON compiler (kinds `json_schema` and `json`) beyond `flexible_whitespace`; the defaults ask
+    for nothing. llguidance's `JsonCompileOptions` names them the same (the escapes as `json_allowed_escapes` and
+    `json_allow_general_unicode_escapes`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    coerce_one_of: bool = Field(False, description="Accept a `oneOf` whose branches may overlap, compiled as `anyOf` "
+                                                   "(an output may then match more than one branch).")
+    lenient: bool = Field(False, description="Accept keywords the backend cannot enforce (`uniqueItems`, `contains`, "
+                                             "`if`/`then`, dependencies, unknown `format`s, ...) without enforcing "
+                                             "them, and overlapping `oneOf` as `coerce_one_of` does.")
+    item_separator: str | None = Field(None, description="The text between array items and object members, e.g. "
+                                                         "`\",\"` (default: `\", \"`, or free with flexible "
+                                                         "whitespace).")
+    key_separator: str | None = Field(None, description="The text between an object key and its value, e.g. `\":\"` "
+                                                        "(default: `\": \"`).")
+    whitespace_pattern: str | None = Field(None, description="A regex (the backend's syntax) for the whitespace "
+                                                             "allowed between JSON tokens; it must match only JSON "
+                                                             "whitespace, or the output is not JSON.")
+    allowed_escapes: str | None = Field(None, description="The escape letters strings may use (a subset of "
+                                                          "`\"\\/bfnrtu`; default: all).")
+    allow_general_unicode_escapes: bool = Field(False, description="Allow `\\uXXXX` escapes of any printable "
+                                                                   "character in strings without a pattern.")
+
+    @field_validator("item_separator", "key_separator")
+    @classmethod
+    def _separator(cls, value: str | None, info: ValidationInfo) -> str | None:
+        mark = "," if info.field_name == "item_separator" else ":"
+        if value is not None and not re.fullmatch(f"{_JSON_WHITESPACE}{mark}{_JSON_WHITESPACE}", value):
+            raise ValueError(f"{info.field_name} must be {mark!r} with optional JSON whitespace around it, "
+                             f"got {value!r}")
+        return value
+
+    @field_validator("allowed_escapes")
+    @classmethod
+    def _escapes(cls, value: str | None) -> str | None:
+        if value is not None and (bad := sorted(set(value) - _JSON_ESCAPES)):
+            raise ValueError(f"allowed_escapes may only hold JSON escape letters {''.join(sorted(_JSON_ESCAPES))!r}, "
+                             f"got {''.join(bad)!r}")
+        return value
+
+    @field_validator("whitespace_pattern")
+    @classmethod
+    def _pattern(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("whitespace_pattern must not be empty (leave it out for the default)")
+        return value
+
+    def set_options(self) -> dict[str, Any]:
+        """The options that ask for something (differ from their defaults)."""
+        return {name: value for name, value in self if value != type(self).model_fields[name].default}
+
+
+_NO_JSON_OPTIONS = JsonOptions()
+
+
 class ConstraintSpec(BaseModel):
     """One constraint, as text a backend compiles; equal specs share one compiled grammar.
 
@@ -78,11 +148,13 @@ class ConstraintSpec(BaseModel):
     text: str = Field(description="JSON schema (JSON text), regex, grammar, or a JSON list of choices.")
     syntax: GrammarSyntax = Field("lark", description="Grammar syntax (kind `grammar` only).")
     flexible_whitespace: bool = Field(False, description="JSON kinds: allow any whitespace between tokens.")
+    json_options: JsonOptions = Field(default_factory=JsonOptions, description="JSON kinds: compiler options.")
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str, strict: bool = True,
-                    flexible_whitespace: bool = False) -> ConstraintSpec:
-        """A JSON value matching `schema` (a dict or JSON text); `strict` applies the additionalProperties policy."""
+    def json_schema(cls, schema: dict[str, Any] | str, strict: bool = True, flexible_whitespace: bool = False,
+                    options: JsonOptions | None = None) -> ConstraintSpec:
+        """A JSON value matching `schema` (a dict or JSON text); `strict` applies the additionalProperties policy,
+        `options` are the JSON compiler's (`JsonOptions`)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -93,7 +165,7 @@ class ConstraintSpec(BaseModel):
         if strict:
             schema = forbid_additional_properties(schema)
         return cls(kind="json_schema", text=json.dumps(schema, separators=(",", ":")),
-                   flexible_whitespace=flexible_whitespace)
+                   flexible_whitespace=flexible_whitespace, json_options=options or JsonOptions())
 
     @classmethod
     def json_object(cls, flexible_whitespace: bool = False) -> ConstraintSpec:
@@ -123,33 +195,146 @@ class ConstraintSpec(BaseModel):
         return list(json.loads(self.text))
 
 
-# Keys whose value is a schema, a list of schemas, or a map of name -> schema (JSON Schema 2020-12 applicators).
+# Keys whose value is a schema, a list of schemas, or a map of name -> schema (JSON Schema 2020-12 applicators,
+# and draft 4's `dependencies`, whose values may also be lists of names).
 _SCHEMA_KEYS = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
                 "unevaluatedItems", "unevaluatedProperties", "additionalItems")
-_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+# Keywords whose subschemas are intersected with the schema beside them: they may bring in keys of their own.
+_COMBINING = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas", "dependencies")
+# Keys beside a `$ref` that do not constrain the value (a `$ref` with any other sibling is an intersection).
+_ANNOTATIONS = frozenset(("$ref", "description", "title", "$comment", "default", "examples", "$id", "id", "$schema",
+                          "deprecated", "readOnly", "writeOnly", "definitions", "$defs"))
+_Pointer = tuple[str, ...]
+
+
+def _subschemas(schema: dict[str, Any], is_open: bool) -> Iterator[tuple[_Pointer, dict[str, Any], bool]]:
+    """Each subschema position of `schema`: its relative path, the subschema, and whether it stays open (it is
+    intersected with schemas beside it: a part of `allOf`, or of `anyOf`/`oneOf` next to keys of its own)."""
+    parts_open = is_open or "properties" in schema or "required" in schema
+    for key, value in schema.items():
+        if key in _SCHEMA_KEYS and isinstance(value, dict):
+            yield (key,), value, False
+        elif key in _SCHEMA_LIST_KEYS and isinstance(value, list):
+            part_open = key == "allOf" or (key in ("anyOf", "oneOf") and parts_open)
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    yield (key, str(i)), item, part_open
+        elif key in _SCHEMA_MAP_KEYS and isinstance(value, dict):
+            for name, item in value.items():
+                if isinstance(item, dict):
+                    yield (key, name), item, False
+
+
+def _local_pointer(ref: str) -> _Pointer | None:
+    """The path of a `$ref` inside the document (the part after `#`), or None for a name anchor."""
+    fragment = ref.partition("#")[2]
+    if fragment and not fragment.startswith("/"):
+        return None
+    return tuple(unquote(part).replace("~1", "/").replace("~0", "~") for part in fragment.split("/")[1:])
+
+
+def _resolve(root: Any, path: _Pointer) -> Any:
+    node = root
+    for part in path:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _open_targets(root: dict[str, Any]) -> set[_Pointer]:
+    """The local `$ref` targets used where they are intersected with other schemas (a `$ref` in an open position,
+    or one with constraining siblings), and the targets those alias in turn: closing them would forbid the other
+    schemas' keys."""
+    opened: set[_Pointer] = set()
+    stack: list[tuple[dict[str, Any], bool]] = [(root, False)]
+    while stack:
+        node, is_open = stack.pop()
+        ref = node.get("$ref")
+        if (isinstance(ref, str) and (is_open or set(node) - _ANNOTATIONS)
+                and (pointer := _local_pointer(ref)) is not None):
+            opened.add(pointer)
+        stack.extend((child, child_open) for _, child, child_open in _subschemas(node, is_open))
+    todo = list(opened)
+    while todo:
+        target = _resolve(root, todo.pop())
+        if isinstance(target, dict) and isinstance(target.get("$ref"), str):
+            pointer = _local_pointer(target["$ref"])
+            if pointer is not None and pointer not in opened:
+                opened.add(pointer)
+                todo.append(pointer)
+    return opened
+
+
+def _named_keys(schema: dict[str, Any], root: dict[str, Any], seen: set[int]) -> list[str]:
+    """The property names an object schema and the schemas combined with it (`allOf`, `anyOf`, `oneOf`, `$ref`,
+    `if`/`then`/`else`, dependencies) list or require."""
+    if id(schema) in seen:
+        return []
+    seen.add(id(schema))
+    names: list[str] = []
+    for key in ("properties", "dependentSchemas", "dependentRequired", "dependencies"):
+        if isinstance(schema.get(key), dict):
+            names += schema[key]
+            for value in schema[key].values():
+                if key != "properties" and isinstance(value, list):
+                    names += [v for v in value if isinstance(v, str)]
+                elif key != "properties" and isinstance(value, dict):
+                    names += _named_keys(value, root, seen)
+    if isinstance(schema.get("required"), list):
+        names += [name for name in schema["required"] if isinstance(name, str)]
+    parts = [part for key in ("allOf", "anyOf", "oneOf") if isinstance(schema.get(key), list)
+             for part in schema[key]] + [schema.get(key) for key in ("if", "then", "else")]
+    if isinstance(schema.get("$ref"), str) and (pointer := _local_pointer(schema["$ref"])) is not None:
+        parts.append(_resolve(root, pointer))
+    for part in parts:
+        if isinstance(part, dict):
+            names += _named_keys(part, root, seen)
+    return names
 
 
 def forbid_additional_properties(schema: dict[str, Any], _in_all_of: bool = False) -> dict[str, Any]:
     """A copy of `schema` where object schemas listing `properties` without `additionalProperties` forbid extra
     keys (see the module docstring for the policy), and the no-op `uniqueItems: false` is dropped. Only schema
     positions are visited, so a property named `properties` is a name, not a keyword."""
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_KEYS and isinstance(value, dict):
-            value = forbid_additional_properties(value)
-        elif (key == "items" and isinstance(value, list)) or (key in _SCHEMA_LIST_KEYS and isinstance(value, list)):
-            value = [forbid_additional_properties(v) if isinstance(v, dict) else v for v in value]
-        elif key == "allOf" and isinstance(value, list):
-            value = [forbid_additional_properties(v, _in_all_of=True) if isinstance(v, dict) else v for v in value]
-        elif key in _SCHEMA_MAP_KEYS and isinstance(value, dict):
-            value = {k: forbid_additional_properties(v) if isinstance(v, dict) else v for k, v in value.items()}
-        elif key == "uniqueItems" and value is False:
-            continue  # asks for nothing; a backend that cannot enforce `uniqueItems: true` must not refuse it
-        out[key] = value
-    if ("properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out
-            and "patternProperties" not in out and not _in_all_of):
+    return _close(schema, schema, (), _open_targets(schema), _in_all_of)
+
+
+def _close(schema: dict[str, Any], root: dict[str, Any], path: _Pointer, opened: set[_Pointer],
+           is_open: bool) -> dict[str, Any]:
+    out = dict(schema)
+    copied: set[str] = set()
+    for sub, child, child_open in _subschemas(schema, is_open):
+        closed = _close(child, root, path + sub, opened, child_open or path + sub in opened)
+        if len(sub) == 1:
+            out[sub[0]] = closed
+            continue
+        key, index = sub
+        if key not in copied:  # copy a list or map the first time one of its items changes
+            out[key] = list(out[key]) if isinstance(out[key], list) else dict(out[key])
+            copied.add(key)
+        if isinstance(out[key], list):
+            out[key][int(index)] = closed
+        else:
+            out[key][index] = closed
+    if out.get("uniqueItems") is False:
+        del out["uniqueItems"]  # asks for nothing; a backend that cannot enforce `uniqueItems: true` must not refuse it
+    if (isinstance(out.get("properties"), dict) and "additionalProperties" not in out
+            and "unevaluatedProperties" not in out and "patternProperties" not in out
+            and not is_open and path not in opened):
         out["additionalProperties"] = False
+        # keys the schema requires, or that schemas combined with it name, stay allowed (as any value)
+        named = _named_keys(schema, root, set()) if any(key in out for key in _COMBINING) else []
+        if isinstance(out.get("required"), list):
+            named += [name for name in out["required"] if isinstance(name, str)]
+        missing = [name for name in dict.fromkeys(named) if name not in out["properties"]]
+        if missing:
+            out["properties"] = {**out["properties"], **{name: {} for name in missing}}
     return out
 
 
@@ -238,6 +423,8 @@ class ConstraintBackend(ABC):
 
     name: ClassVar[str] = "backend"
     cache_size: ClassVar[int] = 256
+    json_options: ClassVar[frozenset[str]] = frozenset()
+    """The `JsonOptions` fields this backend honours; a spec that sets any other is refused, not ignored."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
@@ -252,8 +439,22 @@ class ConstraintBackend(ABC):
         """Compile `spec` without a tokenizer, raising `ConstraintError` with the reason it cannot compile
         (used where no engine is built yet, e.g. a recipe check)."""
 
+    @classmethod
+    def refuse_unsupported(cls, spec: ConstraintSpec) -> None:
+        """Raise `ConstraintError` naming the JSON options `spec` sets that this backend cannot honour."""
+        if spec.json_options == _NO_JSON_OPTIONS:
+            return
+        unsupported = {name: value for name, value in spec.json_options.set_options().items()
+                       if name not in cls.json_options}
+        if unsupported:
+            listed = ", ".join(f"{name}: {json.dumps(value)}" for name, value in unsupported.items())
+            other = f" (the {DEFAULT_BACKEND} backend does)" if cls.name != DEFAULT_BACKEND else ""
+            raise ConstraintError(f"the {cls.name} backend cannot honour the JSON option {listed}{other}")
+
     def compile(self, spec: ConstraintSpec) -> Any:
-        """The compiled grammar of `spec`, cached by its text; raise `ConstraintError` with the backend's reason."""
+        """The compiled grammar of `spec`, cached by its text; raise `ConstraintError` with the backend's reason
+        (or naming a JSON option the backend cannot honour)."""
+        self.refuse_unsupported(spec)
         with self._lock:
             if spec in self._compiled:
                 self._compiled.move_to_end(spec)

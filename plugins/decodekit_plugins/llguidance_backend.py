@@ -7,9 +7,10 @@ in one call on its own threads.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
 import llguidance.hf
@@ -21,16 +22,32 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 
+# JsonOptions field -> llguidance JsonCompileOptions key
+_OPTION_KEYS = {"coerce_one_of": "coerce_one_of", "lenient": "lenient", "item_separator": "item_separator",
+                "key_separator": "key_separator", "whitespace_pattern": "whitespace_pattern",
+                "allowed_escapes": "json_allowed_escapes",
+                "allow_general_unicode_escapes": "json_allow_general_unicode_escapes"}
+
+
+def json_compile_options(spec: ConstraintSpec) -> tuple[JsonCompileOptions, JsonCompileOptions]:
+    """llguidance's `(defaults, overrides)` for a JSON spec. The whitespace defaults give way to a schema's own
+    `"x-guidance"` settings; the options the request sets override them."""
+    # Exactly one space after "," and ":" unless asked otherwise: given free whitespace, small models often
+    # write runs of blank lines until they run out of tokens.
+    defaults: JsonCompileOptions = (
+        {"whitespace_flexible": True} if spec.flexible_whitespace else
+        {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+    overrides: dict[str, Any] = {_OPTION_KEYS[name]: value for name, value in spec.json_options.set_options().items()}
+    return defaults, cast("JsonCompileOptions", overrides)
+
+
 def grammar_text(spec: ConstraintSpec) -> str:
     """The llguidance grammar of a spec (not yet checked)."""
     if spec.kind in ("json_schema", "json"):
-        # Exactly one space after "," and ":" unless asked otherwise: given free whitespace, small models often
-        # write runs of blank lines until they run out of tokens.
-        options: JsonCompileOptions = (
-            {"whitespace_flexible": True} if spec.flexible_whitespace else
-            {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        defaults, overrides = json_compile_options(spec)
         try:
-            return str(llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=options))
+            return str(llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=defaults,
+                                                                     overrides=overrides or None))
         except ValueError as exc:
             raise ConstraintError(str(exc)) from None
     if spec.kind == "regex":
@@ -54,6 +71,35 @@ def _reason(message: str) -> str:
 
 _EXCERPT = re.compile(r"^\d+\s*\|")  # "   1 | start: /a(b/"
 _POSITION = re.compile(r"^at \d+\(\d+\): ")
+_ONE_OF = re.compile(r"oneOf constraints are not supported")
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+_LOCATION = re.compile(r"\s+while processing (\S+)")
+
+
+def explain(reason: str) -> str:
+    """A schema refusal that llguidance lifts with an option, said as the keyword and the option that would accept
+    it, followed by llguidance's own message; any other reason unchanged."""
+    hint = None
+    if _ONE_OF.search(reason):
+        hint = ("the schema uses 'oneOf' with branches that may overlap, which needs coerce_one_of: true (or "
+                "lenient: true) to be compiled as anyOf (an output may then match more than one branch)")
+    elif match := _UNIMPLEMENTED.search(reason):
+        try:
+            keys = [str(key) for key in json.loads(match.group(1))]
+        except ValueError:
+            keys = [match.group(1)]
+        named = ", ".join(repr(key) for key in keys)
+        hint = (f"the schema uses {named}, which llguidance cannot enforce; lenient: true accepts "
+                f"{'it' if len(keys) == 1 else 'them'} without enforcing {'it' if len(keys) == 1 else 'them'}")
+    elif match := _UNKNOWN_FORMAT.search(reason):
+        hint = (f"the schema uses 'format': {match.group(1)!r}, a format llguidance does not know; lenient: true "
+                "accepts it as any string")
+    if hint is None:
+        return reason
+    if where := _LOCATION.search(reason):
+        hint += f" (at {where.group(1)})"
+    return f"{hint} [llguidance: {reason}]"
 
 
 class LLGuidanceMatcher(EosAfterStopMatcher):
@@ -105,6 +151,7 @@ class LLGuidanceBackend(ConstraintBackend):
     is a copy of its template (microseconds), not a new compile."""
 
     name = "llguidance"
+    json_options = frozenset(_OPTION_KEYS)
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         super().__init__(tokenizer, vocab_size, eos_token_ids)
@@ -120,14 +167,15 @@ class LLGuidanceBackend(ConstraintBackend):
 
     @classmethod
     def check(cls, spec: ConstraintSpec) -> None:
+        cls.refuse_unsupported(spec)
         message = llguidance.LLMatcher.validate_grammar(grammar_text(spec), None)
         if message and not message.startswith("WARNING"):
-            raise ConstraintError(_reason(message))
+            raise ConstraintError(explain(_reason(message)))
 
     def _compile(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
         template = llguidance.LLMatcher(self.tokenizer, grammar_text(spec), log_level=0, limits=self._limits)
         if template.is_error():
-            raise ConstraintError(_reason(template.get_error()))
+            raise ConstraintError(explain(_reason(template.get_error())))
         return template
 
     def matcher(self, compiled: llguidance.LLMatcher) -> LLGuidanceMatcher:

@@ -39,6 +39,7 @@ from decodekit.api.constraints import (
     ConstraintBackend,
     ConstraintError,
     ConstraintSpec,
+    JsonOptions,
     Matcher,
     allocate_bitmask,
     apply_bitmask,
@@ -106,7 +107,9 @@ class ConstraintProcessor(LogitsProcessor):
         spec = self.spec(options)
         try:
             if self._info is None:
-                backend_class(options.backend, self._available).check(spec)
+                cls = backend_class(options.backend, self._available)
+                cls.refuse_unsupported(spec)
+                cls.check(spec)
             else:
                 self.backend(options.backend).compile(spec)
         except ConstraintError:
@@ -170,20 +173,26 @@ class JsonSchemaProcessor(ConstraintProcessor):
     """Constrain the output to JSON matching a schema.
 
     An object schema listing `properties` without `additionalProperties` forbids other keys (`strict`, the
-    default); JSON is written with one space after `,` and `:` unless `flexible_whitespace`.
+    default); JSON is written with one space after `,` and `:` unless `flexible_whitespace` or the separators say
+    otherwise. The JSON compiler's options (`JsonOptions`) are parameters too: `coerce_one_of` accepts a `oneOf`
+    whose branches may overlap (as `anyOf`), `lenient` accepts keywords the backend cannot enforce (`uniqueItems`,
+    unknown `format`s, ...) without enforcing them; `item_separator`, `key_separator`, `whitespace_pattern`,
+    `allowed_escapes` and `allow_general_unicode_escapes` shape the text. A schema the backend refuses is refused
+    naming the keyword and the option that would accept it; a backend that cannot honour an option refuses it.
 
-    Example (recipe): `processors: [{json_schema: {schema: {type: object, properties: {age: {type: integer}}}}}]`
+    Example (recipe): `processors: [{json_schema: {schema: {type: object, properties: {age: {type: integer}}}}}]`,
+    or with an option: `processors: [{json_schema: {schema: {oneOf: [...]}, coerce_one_of: true}}]`
     """
 
     name = "json_schema"
 
-    class Params(_Params):
+    class Params(_Params, JsonOptions):
         schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema (a mapping, or JSON text).")
         strict: bool = Field(True, description="Forbid keys an object schema does not list, unless it sets "
                                                "additionalProperties.")
         flexible_whitespace: bool = Field(False, description="Allow any whitespace between JSON tokens.")
 
-        model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+        model_config = ConfigDict(extra="forbid", frozen=False, populate_by_name=True, serialize_by_alias=True)
 
         @field_validator("schema_", mode="before")
         @classmethod
@@ -196,7 +205,8 @@ class JsonSchemaProcessor(ConstraintProcessor):
             return value
 
     def spec(self, options: Any) -> ConstraintSpec:
-        return ConstraintSpec.json_schema(options.schema_, options.strict, options.flexible_whitespace)
+        json_options = JsonOptions(**{name: getattr(options, name) for name in JsonOptions.model_fields})
+        return ConstraintSpec.json_schema(options.schema_, options.strict, options.flexible_whitespace, json_options)
 
 
 class JsonProcessor(ConstraintProcessor):
