@@ -254,8 +254,8 @@ def check_recipe(recipe: Recipe, registry: Registry) -> Plan:
     """Resolve the recipe's default request (and its plain comparison) against the registry; return the plan.
 
     Raises:
-        RecipeError: an unknown plugin name (the known ones listed), invalid plugin parameters, or a strategy that
-            refuses the combination.
+        RecipeError: an unknown plugin name (the known ones listed), invalid plugin parameters, a strategy that
+            refuses the combination, or a proposer that needs a draft model the recipe does not give.
     """
     components = Components(registry)
     try:
@@ -265,6 +265,11 @@ def check_recipe(recipe: Recipe, registry: Registry) -> Plan:
             components.resolve(plain_params(params))
     except (DecodeKitError, ValueError) as exc:  # PlanError, or a plugin's own ValueError
         raise RecipeError(f"{recipe.source}: {exc}") from None
+    if recipe.draft is None:  # without a model loaded, a proposer cannot see that the engine would have no draft
+        for proposer in components.built("proposers"):
+            if getattr(proposer, "needs_draft", False):
+                raise RecipeError(f"{recipe.source}: strategy.{plan.strategy.name}: proposer {proposer.name!r} needs "
+                                  "a draft model: add `draft: {model: <a smaller model with the same tokenizer>}`")
     return plan
 
 

@@ -121,3 +121,14 @@ def test_a_prompts_file_that_is_not_utf8_is_a_recipe_error(tmp_path):
     recipe = load_recipe(_write(tmp_path, "x.yaml", "model: m\n"), registry=REGISTRY)
     with pytest.raises(RecipeError, match=r"p\.jsonl: the prompts file is not UTF-8 text \(byte 0xff"):
         read_inputs(recipe, Components(REGISTRY), [], tmp_path / "p.jsonl")
+
+
+def test_recipe_check_refuses_the_draft_proposer_without_a_draft_model_and_accepts_it_with_one(tmp_path):
+    body = "model: smollm2-135m-instruct\nstrategy:\n  speculative:\n    proposer: draft\n"
+    path = tmp_path / "spec.yaml"
+    path.write_text(body)
+    result = CliRunner().invoke(app, ["recipe", "check", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "strategy.speculative: proposer 'draft' needs a draft model: add `draft:" in " ".join(result.output.split())
+    path.write_text(body + "draft:\n  model: smollm2-135m-instruct\n")
+    assert CliRunner().invoke(app, ["recipe", "check", str(path)]).exit_code == 0

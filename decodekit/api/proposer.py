@@ -62,6 +62,10 @@ class Proposer:
     name: ClassVar[str] = "proposer"
     Params: ClassVar[type[BaseModel] | None] = None
 
+    needs_draft: ClassVar[bool] = False
+    """The proposer runs the engine's draft model (`LLM(draft=...)`, recipe `draft:`): `decodekit recipe check`
+    refuses a recipe that uses it without one, before any model is loaded."""
+
     def setup(self, info: Any) -> None:
         """Called once with the engine's `ComponentInfo`."""
 

@@ -75,6 +75,10 @@ class Components:
             self._built[key] = instance
         return self._built[key]
 
+    def built(self, kind: str) -> list[Any]:
+        """The instances of one kind ("processors", "proposers", ...) built so far (by `get`, or by `resolve`)."""
+        return [instance for (k, _), instance in self._built.items() if k == kind]
+
     def backend_loaders(self) -> Mapping[str, BackendLoader]:
         """The registered structured-output backends: name -> loader of the backend class."""
         return self.registry.backend_loaders()

@@ -102,6 +102,7 @@ class DraftModelProposer(Proposer):
     """
 
     name = "draft"
+    needs_draft = True
 
     def __init__(self) -> None:
         self.info: ComponentInfo | None = None
