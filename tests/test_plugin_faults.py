@@ -90,7 +90,7 @@ def test_allowed_token_ids_and_bad_words_that_cover_each_other_fail_naming_the_p
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45, 1e-300])
-@pytest.mark.parametrize("top_p", [1.0, 0.5])
+@pytest.mark.parametrize("top_p", [1.0, 0.5, 1e-300])
 def test_a_vanishing_temperature_samples_the_greedy_tokens_instead_of_nan(llama, tokenizer, temperature, top_p):
     llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
     prompts = random_prompts(3, 4, 12, seed=8)
@@ -115,3 +115,14 @@ def test_a_raising_lifecycle_hook_fails_only_the_request_being_added_and_never_t
     assert outs[1].error == "plugin 'flaky_metrics': its decodekit_request_added hook raised KeyError('no room for 13')"
     assert [outs[0].token_ids, outs[2].token_ids] == [solo[0], solo[2]]
     assert_idle(llm)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_a_top_p_too_small_for_any_token_keeps_the_top_token_as_transformers_does(llama, tokenizer, temperature):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = random_prompts(2, 4, 12, seed=9)
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5,
+                                                                        ignore_eos=True))]
+    tiny = llm.generate(prompts, SamplingParams(temperature=temperature, top_p=1e-300, seed=2, max_tokens=5,
+                                                ignore_eos=True))
+    assert [(o.error, o.token_ids) for o in tiny] == [(None, g) for g in greedy]
