@@ -307,8 +307,14 @@ def check_processed_rows(raw: torch.Tensor, processed: torch.Tensor, batch: Batc
                          states: list[list[Any]] | None = None) -> None:
     """Raise `ProcessorError` if a row of `processed` (the output of `apply_processors` on `raw`) has nothing to
     choose, naming the first stage of that row's pipeline that left it so (found by re-running the row's
-    pipeline stage by stage, only when a row is bad)."""
-    bad = rows_without_choice(processed)
+    pipeline stage by stage, only when a row is bad).
+
+    Rows that score a draft position (`draft_offsets[row] > 0`) are not checked: after a draft token a constraint
+    rejects, a grammar allows only EOS there and another processor may mask EOS too, yet verification can never
+    reach such a row (it stops at the rejected token). The cost: a draft row that is reached with nothing to choose
+    is not caught here; the processors that mask everything do so at offset 0 as well, where it is.
+    """
+    bad = [row for row in rows_without_choice(processed) if batch.draft_offsets[row] == 0]
     if not bad:
         return
     row = bad[0]
