@@ -129,3 +129,22 @@ def test_ngram_speculative_greedy_equals_plain_greedy_on_the_bundled_model(smol)
         "proposer": "ngram", "num_speculative_tokens": 5, "adaptive": True}}), add_special_tokens=False)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.metrics.num_accepted_tokens for o in spec) > 10  # copying text is mostly drafted correctly
+
+
+def test_raw_logprobs_in_a_mixed_batch_equal_hf_generate_output_logits(smol, pristine):
+    prompts = _prompts(smol)[:4]
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    asking = plain.model_copy(update={"logprobs": 5})
+    outs = smol.generate(prompts, [asking, plain, asking, plain], add_special_tokens=False)
+    for i in (0, 2):
+        ids = smol.tokenizer(prompts[i], add_special_tokens=False).input_ids
+        ref = pristine.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True)
+        expected = torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
+        out = outs[i].outputs[0]
+        assert out.token_ids == ref.sequences[0, len(ids):].tolist()[: len(out.token_ids)]
+        for j, (entry, token) in enumerate(zip(out.logprobs, out.token_ids)):
+            assert abs(entry[token].logprob - float(expected[j, token])) < 1e-4
+            top = expected[j].topk(5)
+            assert set(top.indices.tolist()) <= set(entry)
+    assert outs[1].outputs[0].logprobs is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,6 +41,10 @@ class ComponentSpec(BaseModel):
         return data
 
 
+MAX_LOGPROBS = 20
+"""The most alternatives `SamplingParams.logprobs` may ask for per token (vLLM's default `max_logprobs`)."""
+
+
 class SamplingParams(BaseModel):
     """How to decode one request. Field names follow vLLM/OpenAI so users can carry their settings over.
 
@@ -58,6 +62,12 @@ class SamplingParams(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Keep tokens with p >= min_p * p_max.")
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1,
                              description="Per-request seed: same tokens alone or batched with others.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="Return each generated token's logprob and rank, with this many most "
+                                             "likely alternatives (0: the token's own only). None: no logprobs.")
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw", description="`raw`: log-softmax of the model's logits (vLLM's default); `processed`: of the "
+                           "distribution the token was drawn from, after the request's processors.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (matched across token boundaries).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end the request.")
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")

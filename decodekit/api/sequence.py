@@ -87,6 +87,7 @@ class Sequence:
     | `draft_token_ids` | a strategy's `propose`; the engine trims and clears it in `core/drafts.py` only |
     | `detokenizer`, `text`, `new_text_len` | the stop stage (`core/stages/stop.py`), which detokenizes each token |
     | `finish_reason`, `stop_reason` | request lifecycle (`core/requests.py`) when the sequence finishes |
+    | `logprobs`, `cumulative_logprob` | the select stage (`core/logprobs.py`), after the strategy chose tokens |
     | `stash` (typed, see `decodekit.api.stash`), `state` (a plain dict) | the plugins that own the keys |
     """
 
@@ -106,6 +107,8 @@ class Sequence:
     state: dict[str, Any] = field(default_factory=dict)  # untyped per-plugin state (kept for existing plugins)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed, not yet verified (speculative decoding)
     processor_states: list[Any] = field(default_factory=list)  # one per stage of the request's plan
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, when the request asks for them
+    cumulative_logprob: float = 0.0
 
     @property
     def num_generated(self) -> int:
@@ -143,6 +146,20 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability at one position (vLLM's shape): its value, its rank among the vocabulary (1 is
+    the most likely; ties share the better rank), and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]
+"""One position's logprobs: token id -> `Logprob`, the chosen token first, then the top alternatives."""
+
+
 @dataclass
 class CompletionOutput:
     """One returned sequence of a request (vLLM's shape): text, token ids, why it ended."""
@@ -152,8 +169,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # the sum of the chosen tokens' logprobs, when logprobs are asked for
     score: float | None = None  # the strategy's ranking score (beam search: length-penalized log-probability)
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token (`SamplingParams.logprobs`)
 
 
 @dataclass

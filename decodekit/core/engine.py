@@ -116,6 +116,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs (deltas and finished requests) it produced."""
         record = StepRecord()
+        self.processing.kept.clear()
         ctx = EngineStepContext(self.scheduler, self.processing, record, self.stop.finish_sequence,
                                 self.lifecycle.set_results, self.eos_token_ids, self.max_model_len)
         self._fail(propose(self.scheduler.running, ctx))
@@ -125,7 +126,7 @@ class Engine:
         scored, failures = self.forward.run(sched)
         self._fail(failures)
         if scored is not None:
-            self._fail(select(scored, ctx))
+            self._fail(select(scored, ctx, self.tokenizer))
             done, failures = self.stop.run(record)
             self._fail(failures)
             for request in done:

@@ -28,6 +28,8 @@ class StepRecord:
     appended: dict[Sequence, int] = field(default_factory=dict)
     forked: list[Sequence] = field(default_factory=list)
     """Sequences `fork` made this step (a failed strategy call's forks that got no token are dropped again)."""
+    parents: dict[Sequence, Sequence] = field(default_factory=dict)
+    """The sequence each of `forked` was forked from (its first token came from the parent's row)."""
     faults: dict[Request, str] = field(default_factory=dict)
     """Requests a processor's state hook failed for this step, and why: the select stage fails them. The strategy
     never sees the error, so it cannot leave the other requests of its batch half-done."""
@@ -118,8 +120,11 @@ class EngineStepContext:
         child.state = dict(seq.state)
         if seed is not None:
             child.generator = torch.Generator(device=self.processing.device).manual_seed(seed)
+        if seq.logprobs is not None:
+            child.logprobs, child.cumulative_logprob = list(seq.logprobs), seq.cumulative_logprob
         request.sequences.append(child)
         self.record.forked.append(child)
+        self.record.parents[child] = seq
         return child
 
     def free(self, seq: Sequence) -> None:

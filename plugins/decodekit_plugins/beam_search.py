@@ -84,6 +84,9 @@ class BeamSearchStrategy(Strategy):
             raise ValueError("stop strings are not supported with beam search (use stop_token_ids)")
         if params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with beam search")
+        if params.logprobs is not None:
+            raise ValueError("logprobs are not available with beam search yet (each hypothesis' score is its "
+                             "cumulative log-probability: CompletionOutput.score)")
         if params.stopping:
             # beam search finishes its hypotheses itself (EOS, stop_token_ids, max_tokens); refusing is better
             # than running a named criterion's request to the end as if it were not there

@@ -8,6 +8,7 @@ After the pass the scheduler advances each sequence's computed tokens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,11 @@ class ScoredRows:
         for seq in self.seqs:
             self.starts.append(offset)
             offset += seq.num_scored_positions
+
+    def rows_by_sequence(self, wanted: Callable[[Sequence], bool]) -> dict[Sequence, torch.Tensor]:
+        """Each wanted sequence's rows (as scored: drafts the strategy has since cleared still count)."""
+        ends = [*self.starts[1:], self.logits.shape[0]]
+        return {seq: self.logits[start:end] for seq, start, end in zip(self.seqs, self.starts, ends) if wanted(seq)}
 
     def rows_of(self, indices: list[int]) -> torch.Tensor:
         """The logits rows of the sequences at these indices (in that order)."""

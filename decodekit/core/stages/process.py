@@ -33,6 +33,8 @@ class Processing:
     def __init__(self, eos_token_ids: tuple[int, ...], device: torch.device | str) -> None:
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.kept: dict[Sequence, torch.Tensor] = {}
+        """This step's processed rows of the sequences whose requests ask for `processed` logprobs."""
         self.faults: dict[Request, str] = {}
         """Requests whose processors failed in `process_after` since `take_faults` was last called, and why."""
 
@@ -57,6 +59,12 @@ class Processing:
         pipelines, greedy, states = _pipelines(positions)
         out = apply_processors(logits, view, pipelines, greedy, states)
         check_processed_rows(logits, out, view, pipelines, greedy, states)
+        start = 0
+        for seq in seqs:
+            count = seq.num_scored_positions
+            if seq.request.params.logprobs is not None and seq.request.params.logprobs_mode == "processed":
+                self.kept[seq] = out[start : start + count]
+            start += count
         return out
 
     def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from decodekit.api.processors import ProcessorError
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import Strategy
 from decodekit.core import drafts
+from decodekit.core.logprobs import record_logprobs, wants_logprobs
 from decodekit.core.stages import Failure
 from decodekit.core.stages.forward import ScoredRows
 from decodekit.core.stages.process import Processing
@@ -39,8 +41,9 @@ def strategy_input(strategy: Strategy, logits: torch.Tensor, seqs: list[Sequence
     return logits
 
 
-def select(scored: ScoredRows, ctx: EngineStepContext) -> list[Failure]:
-    """Run every strategy on its rows; return the requests that failed."""
+def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) -> list[Failure]:
+    """Run every strategy on its rows, record the logprobs of what they chose (requests that ask); return the
+    requests that failed."""
     rows = scored.seqs
     groups: dict[int, list[int]] = defaultdict(list)
     for i, seq in enumerate(rows):
@@ -81,6 +84,9 @@ def select(scored: ScoredRows, ctx: EngineStepContext) -> list[Failure]:
                     failures.append((request, f"{strategy.name} failed: {exc!r}"))
     for seq in rows:
         drafts.clear(seq)
+    if any(wants_logprobs(seq) for seq in rows):
+        record_logprobs(scored.rows_by_sequence(wants_logprobs), ctx.processing.kept, ctx.record.appended,
+                        ctx.record.parents, tokenizer)
     failures.extend(ctx.record.faults.items())
     failed = {id(request) for request, _ in failures}
     for request in {id(s.request): s.request for s in rows}.values():

@@ -1,0 +1,84 @@
+"""Logprobs of the generated tokens (`SamplingParams.logprobs`), recorded after the strategies chose them.
+
+The strategy never computes them: after the select stage ran, each sequence that got tokens this step and whose
+request asks for logprobs gets, per new token, the log-softmax of the row that token was chosen from. A token's
+row is found without the strategy's help: a sequence's `k` new tokens come from its first `k` scored rows (one
+row, or the rows of the accepted drafts and the token after them), and a sequence forked this step (parallel
+sampling) takes its parent's rows.
+
+- `raw` mode reads the model's logits (the forward stage's rows);
+- `processed` mode reads the rows the request's processors produced in this step's process stage (`Processing`
+  keeps them for such requests only), i.e. the distribution the token was drawn from.
+
+Nothing here runs for a step in which no request asks for logprobs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from decodekit.api.sequence import Logprob, Sequence, TokenLogprobs
+
+
+def wants_logprobs(seq: Sequence) -> bool:
+    """Whether this sequence's request asks for logprobs."""
+    return seq.request.params.logprobs is not None
+
+
+def record_logprobs(raw_rows: dict[Sequence, torch.Tensor], processed_rows: dict[Sequence, torch.Tensor],
+                    appended: dict[Sequence, int], parents: dict[Sequence, Sequence], tokenizer: Any) -> None:
+    """Append each new token's logprobs to its sequence (`seq.logprobs`, `seq.cumulative_logprob`).
+
+    Args:
+        raw_rows: the model's logits rows of each scored sequence this step (`[positions, vocab]`).
+        processed_rows: the processed rows of the sequences whose requests asked for `processed` logprobs.
+        appended: how many tokens each sequence got this step (the step record).
+        parents: the sequence each sequence forked this step was forked from.
+        tokenizer: decodes each listed token.
+    """
+    for seq, count in appended.items():
+        if not wants_logprobs(seq) or count == 0:
+            continue
+        source = seq
+        while source not in raw_rows and source in parents:
+            source = parents[source]
+        params = seq.request.params
+        table = processed_rows if params.logprobs_mode == "processed" else raw_rows
+        rows = table.get(source)
+        if rows is None or rows.shape[0] < count:
+            continue  # not scored by this step's forward (cannot happen for the built-in strategies)
+        logprobs = torch.log_softmax(rows[:count].float(), dim=-1)
+        tokens = seq.token_ids[-count:]
+        entries = _entries(logprobs, tokens, params.logprobs or 0, tokenizer)
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.extend(entries)
+        seq.cumulative_logprob += sum(entry[token].logprob for entry, token in zip(entries, tokens))
+
+
+def _entries(logprobs: torch.Tensor, tokens: list[int], top: int, tokenizer: Any) -> list[TokenLogprobs]:
+    """Per row: the chosen token, then the `top` most likely ones, each with its logprob, rank and text."""
+    chosen_ids = torch.tensor(tokens, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, chosen_ids)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # vLLM's rank: 1 + how many tokens are strictly more likely
+    chosen_list, rank_list = chosen[:, 0].tolist(), ranks.tolist()
+    top_values, top_ids = (logprobs.topk(top, dim=-1) if top else (None, None))
+    top_value_list = top_values.tolist() if top_values is not None else [[] for _ in tokens]
+    top_id_list = top_ids.tolist() if top_ids is not None else [[] for _ in tokens]
+    entries: list[TokenLogprobs] = []
+    for token, value, rank, alt_values, alt_ids in zip(tokens, chosen_list, rank_list, top_value_list, top_id_list):
+        entry = {token: Logprob(value, rank, _text(tokenizer, token))}
+        for r, (alt, alt_id) in enumerate(zip(alt_values, alt_ids), start=1):
+            if alt_id not in entry:
+                entry[alt_id] = Logprob(alt, r, _text(tokenizer, alt_id))
+        entries.append(entry)
+    return entries
+
+
+def _text(tokenizer: Any, token: int) -> str | None:
+    try:
+        return str(tokenizer.decode([token]))
+    except Exception:  # a tokenizer that cannot decode one id alone: the id still says which token
+        return None

@@ -1,0 +1,154 @@
+"""Logprobs of generated tokens (`SamplingParams.logprobs`, `logprobs_mode`), exact against transformers in
+float32 on a tiny model, in mixed batches, under greedy, sampling, `n` and speculative decoding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers as hf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodekit import LLM, SamplingParams
+from tests.conftest import random_prompts
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def llm(llama, tokenizer):
+    return LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
+
+
+def _hf_rows(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """The model's logits at each generated position (one plain forward over prompt + generated)."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
+
+
+def _hf_processed(rows: torch.Tensor, prompt: list[int], generated: list[int],
+                  processors: hf.LogitsProcessorList) -> torch.Tensor:
+    """transformers' processors applied position by position, log-softmaxed (`compute_transition_scores` with
+    `normalize_logits=True`)."""
+    out = []
+    for j in range(len(generated)):
+        scores = processors(torch.tensor([prompt + generated[:j]]), rows[j : j + 1].clone())
+        out.append(torch.log_softmax(scores, dim=-1)[0])
+    return torch.stack(out)
+
+
+def _chosen(entries, tokens):
+    return [entry[token].logprob for entry, token in zip(entries, tokens)]
+
+
+def test_raw_logprobs_equal_transformers_generate_output_logits_in_a_mixed_batch(llm, llama):
+    prompts = random_prompts(4, 3, 14, seed=21)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    asking = plain.model_copy(update={"logprobs": 3})
+    outs = llm.generate(prompts, [asking, plain, asking, plain])
+    assert outs[1].outputs[0].logprobs is None and outs[1].outputs[0].cumulative_logprob is None
+    for i in (0, 2):
+        out = outs[i].outputs[0]
+        hf_out = llama.generate(torch.tensor([prompts[i]]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                output_logits=True, return_dict_in_generate=True)
+        expected = torch.log_softmax(torch.cat(hf_out.logits).float(), dim=-1)
+        assert out.token_ids == hf_out.sequences[0, len(prompts[i]):].tolist()
+        assert len(out.logprobs) == 6
+        chosen = torch.tensor(_chosen(out.logprobs, out.token_ids))
+        assert torch.allclose(chosen, expected.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=TOL)
+        for j, entry in enumerate(out.logprobs):
+            top = expected[j].topk(3)
+            assert all(t in entry for t in top.indices.tolist())
+            for value, token in zip(top.values.tolist(), top.indices.tolist()):
+                assert math.isclose(entry[token].logprob, value, abs_tol=TOL)
+        assert math.isclose(out.cumulative_logprob, float(chosen.sum()), abs_tol=1e-4)
+
+
+def test_processed_logprobs_equal_transformers_transition_scores_for_seeded_sampling(llm, llama):
+    prompts = random_prompts(3, 3, 14, seed=22)
+    params = SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=6, ignore_eos=True, logprobs=2,
+                            logprobs_mode="processed")
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        tokens = out.token_ids
+        warpers = hf.LogitsProcessorList([hf.TemperatureLogitsWarper(0.7), hf.TopKLogitsWarper(20)])
+        expected = _hf_processed(_hf_rows(llama, prompt, tokens), prompt, tokens, warpers)
+        chosen = torch.tensor(_chosen(out.outputs[0].logprobs, tokens))
+        assert torch.allclose(chosen, expected.gather(1, torch.tensor(tokens)[:, None])[:, 0], atol=TOL)
+        assert all(math.isfinite(v) for v in chosen.tolist())  # a sampled token was never a masked one
+
+
+def test_processed_logprobs_with_a_repetition_penalty_equal_transformers(llm, llama):
+    prompt = random_prompts(1, 5, 12, seed=23)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0, logprobs_mode="processed",
+                            processors=[{"repetition_penalty": {"penalty": 1.3}}])
+    out = llm.generate([prompt], params)[0].outputs[0]
+    processors = hf.LogitsProcessorList([hf.RepetitionPenaltyLogitsProcessor(1.3)])
+    expected = _hf_processed(_hf_rows(llama, prompt, out.token_ids), prompt, out.token_ids, processors)
+    chosen = torch.tensor(_chosen(out.logprobs, out.token_ids))
+    assert torch.allclose(chosen, expected.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=TOL)
+    assert all(len(entry) == 1 for entry in out.logprobs)  # logprobs=0: the chosen token only
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_speculative_decoding_returns_the_logprobs_of_plain_decoding(llm, proposer, mode):
+    prompts = [(p * 4)[:30] for p in random_prompts(4, 4, 9, seed=24)]  # repeated phrases: n-gram matches
+    base = dict(temperature=0, max_tokens=16, ignore_eos=True, logprobs=4, logprobs_mode=mode,
+                processors=[{"repetition_penalty": {"penalty": 1.1}}])
+    plain = llm.generate(prompts, SamplingParams(**base))
+    spec = llm.generate(prompts, SamplingParams(**base, strategy={"speculative": {
+        "proposer": proposer, "num_speculative_tokens": 3}}))
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+    if proposer == "draft":  # the target as its own draft: every draft accepted, several tokens per step
+        assert sum(o.metrics.num_accepted_tokens for o in spec) == sum(o.metrics.num_draft_tokens for o in spec)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ea.keys() == eb.keys()
+            assert all(math.isclose(ea[t].logprob, eb[t].logprob, abs_tol=TOL) and ea[t].rank == eb[t].rank
+                       for t in ea)
+
+
+def test_parallel_sampling_gives_each_sequence_its_own_logprobs_equal_to_its_solo_draws(llm):
+    prompt = random_prompts(1, 4, 10, seed=25)[0]
+    params = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=5, ignore_eos=True, logprobs=1)
+    alone = llm.generate([prompt], params)[0]
+    batched = llm.generate([prompt, *random_prompts(3, 4, 10, seed=26)],
+                           [params] + [SamplingParams(temperature=0, max_tokens=7)] * 3)[0]
+    assert len(alone.outputs) == 3
+    for a, b in zip(alone.outputs, batched.outputs):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == 5
+        assert all(math.isclose(x[t].logprob, y[t].logprob, abs_tol=TOL)
+                   for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
+        assert math.isclose(a.cumulative_logprob, sum(_chosen(a.logprobs, a.token_ids)), abs_tol=1e-4)
+
+
+def test_beam_search_refuses_logprobs_for_now_with_a_clear_error(llm):
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, logprobs=2,
+                                                   strategy={"beam_search": {}}))[0]
+    assert out.finish_reason == "error" and "logprobs are not available with beam search yet" in out.error
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompt=st.lists(st.integers(3, 383), min_size=1, max_size=12), top=st.integers(0, 20),
+       temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]), mode=st.sampled_from(["raw", "processed"]),
+       top_p=st.sampled_from([1.0, 0.8]))
+def test_logprobs_are_at_most_zero_sorted_and_ranked_consistently(llm, prompt, top, temperature, mode, top_p):
+    out = llm.generate([prompt], SamplingParams(temperature=temperature, top_p=top_p, seed=1, max_tokens=4,
+                                                ignore_eos=True, logprobs=top, logprobs_mode=mode))[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 4
+    for entry, token in zip(out.logprobs, out.token_ids):
+        chosen = entry[token]
+        assert chosen.logprob <= 0.0 and chosen.rank >= 1
+        alternatives = [lp for t, lp in entry.items() if t != token or lp.rank <= top]
+        ranked = sorted((lp for lp in entry.values()), key=lambda lp: lp.rank)
+        assert [lp.logprob for lp in ranked] == sorted((lp.logprob for lp in ranked), reverse=True)
+        assert len(alternatives) >= min(top, 1) if top else len(entry) == 1
+        if chosen.rank <= top:  # the chosen token is among the listed top ones, at its own rank
+            assert chosen.rank == 1 + sum(lp.logprob > chosen.logprob for t, lp in entry.items() if t != token)
+        if mode == "processed" and temperature > 0:
+            assert math.isfinite(chosen.logprob)  # sampled tokens come from the processed distribution
