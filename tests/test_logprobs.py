@@ -152,3 +152,31 @@ def test_logprobs_are_at_most_zero_sorted_and_ranked_consistently(llm, prompt, t
             assert chosen.rank == 1 + sum(lp.logprob > chosen.logprob for t, lp in entry.items() if t != token)
         if mode == "processed" and temperature > 0:
             assert math.isfinite(chosen.logprob)  # sampled tokens come from the processed distribution
+
+
+def _plain_forward_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_prompt_logprobs_equal_a_plain_forward_even_when_the_prefix_is_cached_or_chunked(llama, tokenizer, chunk):
+    options = {"max_num_batched_tokens": chunk} if chunk else {}
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, **options)
+    prompts = random_prompts(3, 17, 40, seed=27)  # longer than a 16-token chunk
+    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # its prefix is now cached
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, [params, SamplingParams(temperature=0, max_tokens=3), params])
+    assert outs[1].prompt_logprobs is None
+    for i in (0, 2):
+        prompt, got = prompts[i], outs[i].prompt_logprobs
+        expected = _plain_forward_logprobs(llama, prompt)
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        for q in range(1, len(prompt)):
+            entry, token = got[q], prompt[q]
+            assert abs(entry[token].logprob - float(expected[q - 1, token])) < TOL
+            assert set(expected[q - 1].topk(2).indices.tolist()) <= set(entry)
+        # generation itself is unchanged by asking for prompt logprobs
+        assert outs[i].token_ids == llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3,
+                                                                          ignore_eos=True))[0].token_ids
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks

@@ -131,16 +131,22 @@ def test_ngram_speculative_greedy_equals_plain_greedy_on_the_bundled_model(smol)
     assert sum(o.metrics.num_accepted_tokens for o in spec) > 10  # copying text is mostly drafted correctly
 
 
-def test_raw_logprobs_in_a_mixed_batch_equal_hf_generate_output_logits(smol, pristine):
+def test_raw_and_prompt_logprobs_in_a_mixed_batch_equal_hf_generate_and_a_plain_forward(smol, pristine):
     prompts = _prompts(smol)[:4]
     plain = SamplingParams(temperature=0, max_tokens=8)
-    asking = plain.model_copy(update={"logprobs": 5})
+    asking = plain.model_copy(update={"logprobs": 5, "prompt_logprobs": 1})
     outs = smol.generate(prompts, [asking, plain, asking, plain], add_special_tokens=False)
     for i in (0, 2):
         ids = smol.tokenizer(prompts[i], add_special_tokens=False).input_ids
         ref = pristine.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, output_logits=True,
                                 return_dict_in_generate=True)
         expected = torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
+        with torch.no_grad():
+            prompt_expected = torch.log_softmax(pristine(torch.tensor([ids])).logits[0].float(), dim=-1)
+        got = outs[i].prompt_logprobs
+        assert len(got) == len(ids) and got[0] is None
+        worst = max(abs(got[q][ids[q]].logprob - float(prompt_expected[q - 1, ids[q]])) for q in range(1, len(ids)))
+        assert worst < 1e-4
         out = outs[i].outputs[0]
         assert out.token_ids == ref.sequences[0, len(ids):].tolist()[: len(out.token_ids)]
         for j, (entry, token) in enumerate(zip(out.logprobs, out.token_ids)):

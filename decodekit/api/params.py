@@ -65,6 +65,10 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="Return each generated token's logprob and rank, with this many most "
                                              "likely alternatives (0: the token's own only). None: no logprobs.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="Return each prompt token's logprob after the first (raw), with "
+                                                    "this many alternatives. The prompt is then computed in full, "
+                                                    "not served from the prefix cache.")
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw", description="`raw`: log-softmax of the model's logits (vLLM's default); `processed`: of the "
                            "distribution the token was drawn from, after the request's processors.")

@@ -187,6 +187,7 @@ class RequestOutput:
     error: str | None = None
     delta_text: list[str] = field(default_factory=list)
     delta_token_ids: list[list[int]] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first)
 
     @property
     def text(self) -> str:
@@ -222,6 +223,7 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     stash: Stash = field(default_factory=Stash)  # typed per-plugin state (`StashKey`s)
     state: dict[str, Any] = field(default_factory=dict)  # untyped per-plugin state (kept for existing plugins)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # `params.prompt_logprobs`: None for the first token
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids))

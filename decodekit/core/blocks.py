@@ -146,15 +146,16 @@ class BlockAllocator:
             prev = h
         return blocks, hashes
 
-    def can_allocate(self, token_ids: Sequence[int], extra_blocks: int = 0) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], extra_blocks: int = 0, reuse_prefix: bool = True) -> bool:
         """Whether `allocate(token_ids)` would succeed while keeping `extra_blocks` blocks free."""
-        cached = self.match_prefix(token_ids)
+        cached = self.match_prefix(token_ids) if reuse_prefix else []
         reused_free = sum(1 for b in cached if self.ref_counts[b] == 0)
         needed = self.blocks_needed(len(token_ids)) - len(cached)
         return needed + reused_free + extra_blocks <= self.num_free_blocks
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Give a new sequence blocks for `token_ids`, reusing cached prefix blocks.
+    def allocate(self, seq_id: int, token_ids: Sequence[int], reuse_prefix: bool = True) -> int:
+        """Give a new sequence blocks for `token_ids`, reusing cached prefix blocks (unless `reuse_prefix` is False:
+        a request that needs every prompt position's logits computes them all).
 
         Returns:
             How many leading tokens are already computed (served from the prefix cache).
@@ -164,9 +165,9 @@ class BlockAllocator:
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, reuse_prefix=reuse_prefix):
             raise OutOfBlocksError(f"sequence {seq_id} needs more KV blocks than are free")
-        cached, hashes = self._match(token_ids)
+        cached, hashes = self._match(token_ids) if reuse_prefix else ([], [])
         for block in cached:
             self._acquire(block)
         table = _Table(list(cached), hashes)

@@ -19,6 +19,7 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Request, RequestOutput
 from decodekit.core.config import EngineConfig
 from decodekit.core.hooks import LifecycleHooks
+from decodekit.core.logprobs import record_prompt_logprobs
 from decodekit.core.paged_model import PagedModel, kv_pool_blocks
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
@@ -68,7 +69,9 @@ class Engine:
             loaded.tokenizer, self.vocab_size, self.eos_token_ids, loaded.device, loaded.name, draft,
             open_model=self._open_model))
         self.processing = Processing(self.eos_token_ids, loaded.device)
-        self.forward = ForwardStage(self.runner, self.allocator, self.scheduler)
+        self.forward = ForwardStage(self.runner, self.allocator, self.scheduler,
+                                    lambda request, start, rows: record_prompt_logprobs(request, start, rows,
+                                                                                        self.tokenizer))
         self.stop = StopStage(self.scheduler, self.eos_token_ids, self.max_model_len)
         self.emitter = OutputEmitter(self.tokenizer, self._on_final)
         self.lifecycle = RequestLifecycle(self.tokenizer, self.components, self.scheduler, self.stop, self.emitter,

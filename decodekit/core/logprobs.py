@@ -10,16 +10,21 @@ sampling) takes its parent's rows.
 - `processed` mode reads the rows the request's processors produced in this step's process stage (`Processing`
   keeps them for such requests only), i.e. the distribution the token was drawn from.
 
+Prompt logprobs (`SamplingParams.prompt_logprobs`, raw) come from the forward stage: a request that asks gets
+logits at every prompt position of its prefill chunks, and is admitted without reusing the prefix cache (cached
+positions have no logits).
+
 Nothing here runs for a step in which no request asks for logprobs.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
-from decodekit.api.sequence import Logprob, Sequence, TokenLogprobs
+from decodekit.api.sequence import Logprob, Request, Sequence, TokenLogprobs
 
 
 def wants_logprobs(seq: Sequence) -> bool:
@@ -58,6 +63,20 @@ def record_logprobs(raw_rows: dict[Sequence, torch.Tensor], processed_rows: dict
         seq.cumulative_logprob += sum(entry[token].logprob for entry, token in zip(entries, tokens))
 
 
+def record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor, tokenizer: Any) -> None:
+    """Record the logprobs of the prompt tokens that the logits at positions `start, start + 1, ...` predict
+    (`rows[i]` predicts token `start + i + 1`); positions already recorded (a recomputation after preemption)
+    are skipped."""
+    recorded: list[TokenLogprobs | None] = request.prompt_logprobs if request.prompt_logprobs is not None else [None]
+    request.prompt_logprobs = recorded
+    skip = len(recorded) - 1 - start  # rows whose token is already recorded
+    if skip < 0 or skip >= rows.shape[0]:
+        return
+    tokens = request.prompt_token_ids[start + 1 + skip : start + 1 + rows.shape[0]]
+    logprobs = torch.log_softmax(rows[skip : skip + len(tokens)].float(), dim=-1)
+    recorded.extend(_entries(logprobs, tokens, request.params.prompt_logprobs or 0, tokenizer))
+
+
 def _entries(logprobs: torch.Tensor, tokens: list[int], top: int, tokenizer: Any) -> list[TokenLogprobs]:
     """Per row: the chosen token, then the `top` most likely ones, each with its logprob, rank and text."""
     chosen_ids = torch.tensor(tokens, device=logprobs.device)[:, None]
@@ -77,8 +96,19 @@ def _entries(logprobs: torch.Tensor, tokens: list[int], top: int, tokenizer: Any
     return entries
 
 
+_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str | None]] = weakref.WeakKeyDictionary()
+"""Per tokenizer, each token's text once decoded: a decode call costs ~50 µs, and logprobs=5 at batch 32 would
+otherwise decode ~200 tokens per step."""
+
+
 def _text(tokenizer: Any, token: int) -> str | None:
     try:
-        return str(tokenizer.decode([token]))
-    except Exception:  # a tokenizer that cannot decode one id alone: the id still says which token
-        return None
+        texts = _TEXTS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: decode every time
+        texts = {}
+    if token not in texts:
+        try:
+            texts[token] = str(tokenizer.decode([token]))
+        except Exception:  # a tokenizer that cannot decode one id alone: the id still says which token
+            texts[token] = None
+    return texts[token]

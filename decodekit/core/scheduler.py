@@ -48,6 +48,12 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def needs_prompt_logits(request: Request) -> bool:
+    """Whether the request still needs logits at its prompt positions (`prompt_logprobs` not yet recorded)."""
+    wanted = request.params.prompt_logprobs is not None
+    return wanted and (request.prompt_logprobs is None or len(request.prompt_logprobs) < len(request.prompt_token_ids))
+
+
 class Scheduler:
     """FCFS or priority continuous batching over a `BlockAllocator`.
 
@@ -193,7 +199,8 @@ class Scheduler:
             if num_seqs + width > self.max_num_seqs:
                 break
             # One sequence may reuse cached prefix blocks; several are checked conservatively (no reuse counted).
-            fits = (self.allocator.can_allocate(seqs[0].token_ids) if len(seqs) == 1
+            reuse = not needs_prompt_logits(request)
+            fits = (self.allocator.can_allocate(seqs[0].token_ids, reuse_prefix=reuse) if len(seqs) == 1
                     else needed <= self.allocator.num_free_blocks)
             if not fits:
                 break
@@ -204,7 +211,7 @@ class Scheduler:
             if first_admission:
                 request.metrics.first_scheduled_time = time.perf_counter()
             for seq in seqs:
-                cached = self.allocator.allocate(seq.seq_id, seq.token_ids)
+                cached = self.allocator.allocate(seq.seq_id, seq.token_ids, reuse_prefix=reuse)
                 seq.num_computed_tokens = cached
                 seq.status = SequenceStatus.RUNNING
                 if seq is request.sequences[0] and first_admission:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from decodekit.api.sequence import CompletionOutput, Request, RequestOutput, Sequence
+from decodekit.api.sequence import CompletionOutput, Request, RequestOutput, Sequence, TokenLogprobs
 from decodekit.core.step_context import StepRecord
 
 
@@ -71,7 +71,7 @@ class OutputEmitter:
             ]
             return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
                                  request.metrics, request.error, [o.text for o in outputs],
-                                 [o.token_ids for o in outputs])
+                                 [o.token_ids for o in outputs], _prompt_logprobs(request))
         cursors = self._cursors.setdefault(request.request_id, {})
         outputs, deltas, delta_ids = [], [], []
         for index, seq in enumerate(request.sequences):
@@ -87,4 +87,10 @@ class OutputEmitter:
                                             cumulative_logprob=seq.cumulative_logprob if asked else None,
                                             logprobs=list(seq.logprobs or []) if asked else None))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
-                             request.metrics, request.error, deltas, delta_ids)
+                             request.metrics, request.error, deltas, delta_ids, _prompt_logprobs(request))
+
+
+def _prompt_logprobs(request: Request) -> list[TokenLogprobs | None] | None:
+    if request.params.prompt_logprobs is None:
+        return None
+    return list(request.prompt_logprobs or [None])

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from decodekit.api.sequence import Sequence
+from decodekit.api.sequence import Request, Sequence
 from decodekit.core import drafts
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.runner import ForwardItem, ModelRunner
-from decodekit.core.scheduler import Scheduler, SchedulerOutput
+from decodekit.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, needs_prompt_logits
 from decodekit.core.stages import Failure
 
 log = logging.getLogger("decodekit.engine")
@@ -60,20 +60,24 @@ class ForwardStage:
         scheduler: told how far each sequence got.
     """
 
-    def __init__(self, runner: ModelRunner, allocator: BlockAllocator, scheduler: Scheduler) -> None:
+    def __init__(self, runner: ModelRunner, allocator: BlockAllocator, scheduler: Scheduler,
+                 on_prompt_rows: Callable[[Request, int, torch.Tensor], None] | None = None) -> None:
         self.runner = runner
         self.allocator = allocator
         self.scheduler = scheduler
+        self.on_prompt_rows = on_prompt_rows
 
     def run(self, sched: SchedulerOutput) -> tuple[ScoredRows | None, list[Failure]]:
         """Run the scheduled work; a failed forward fails this step's requests, not the engine."""
         if sched.empty:
             return None, []
+        # a chunk of a prompt whose request wants prompt logprobs has logits at every position
+        prompt_rows = [_prompt_rows(s) if self.on_prompt_rows is not None else 0 for s in sched.scheduled]
         items = [
             ForwardItem(drafts.pending_tokens(s.seq, s.seq.num_computed_tokens, s.num_tokens),
                         s.seq.num_computed_tokens, self.allocator.block_table(s.seq.seq_id),
-                        s.seq.num_scored_positions if s.completes else 0)
-            for s in sched.scheduled
+                        s.num_tokens if rows else s.seq.num_scored_positions if s.completes else 0)
+            for s, rows in zip(sched.scheduled, prompt_rows)
         ]
         try:
             logits = self.runner.forward(items, self.allocator.take_pending_copies())
@@ -81,6 +85,31 @@ class ForwardStage:
             log.exception("forward pass failed")
             requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}.values()
             return None, [(request, f"model forward failed: {exc!r}") for request in requests]
+        if any(prompt_rows):
+            logits = self._split_prompt_rows(sched, items, prompt_rows, logits)
         for s in sched.scheduled:
             self.scheduler.advance(s.seq, s.num_tokens)
         return ScoredRows([s.seq for s in sched.scheduled if s.completes], logits), []
+
+    def _split_prompt_rows(self, sched: SchedulerOutput, items: list[ForwardItem], prompt_rows: list[int],
+                           logits: torch.Tensor) -> torch.Tensor:
+        """Hand each prompt chunk's rows to `on_prompt_rows`; return the rows the strategies score."""
+        assert self.on_prompt_rows is not None
+        keep: list[torch.Tensor] = []
+        offset = 0
+        for s, item, rows in zip(sched.scheduled, items, prompt_rows):
+            chunk = logits[offset : offset + item.num_logits]
+            offset += item.num_logits
+            if rows:
+                self.on_prompt_rows(s.seq.request, s.seq.num_computed_tokens, chunk[:rows])
+            if s.completes:
+                keep.append(chunk[chunk.shape[0] - s.seq.num_scored_positions :])
+        return torch.cat(keep) if keep else logits[:0]
+
+
+def _prompt_rows(s: ScheduledSequence) -> int:
+    """How many leading positions of this chunk predict a prompt token the request wants the logprob of."""
+    seq = s.seq
+    if not needs_prompt_logits(seq.request) or seq is not seq.request.sequences[0]:
+        return 0
+    return max(0, min(s.num_tokens, seq.num_prompt_tokens - 1 - seq.num_computed_tokens))
