@@ -39,6 +39,7 @@ GOOD: dict[str, dict] = {
     "ngram": {"temperature": 0, "ignore_eos": True, "strategy": _SPEC},
     "draft": {"temperature": 0, "ignore_eos": True, "strategy": _DRAFT},
     "beam": {"temperature": 0, "strategy": {"beam_search": {"num_beams": 2}}},
+    "logprobs": {"temperature": 0.9, "seed": 2, "ignore_eos": True, "logprobs": 2, "prompt_logprobs": 1},
     "shares_a_faulty_strategy": {"temperature": 0, "ignore_eos": True, "strategy": {"flaky": {}}},
     "shares_a_faulty_processor": {"temperature": 0, "ignore_eos": True,
                                   "processors": [{"faulty": {"mode": "nan", "fault": False}}]},
@@ -115,17 +116,31 @@ def _shared(name: str) -> LLM:
     return _ENGINES[name]
 
 
-_SOLO: dict[tuple, list[list[int]]] = {}
+_SOLO: dict[tuple, RequestOutput] = {}
 
 
-def solo_tokens(prompt: list[int], params: SamplingParams) -> list[list[int]]:
-    """Each output's tokens when the request runs alone (cached)."""
+def solo_run(prompt: list[int], params: SamplingParams) -> RequestOutput:
+    """The request's output when it runs alone (cached)."""
     key = (tuple(prompt), params.model_dump_json())
     if key not in _SOLO:
         out = _shared("solo").generate([prompt], params)[0]
         assert out.error is None, out.error
-        _SOLO[key] = [o.token_ids for o in out.outputs]
+        _SOLO[key] = out
     return _SOLO[key]
+
+
+def solo_tokens(prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """Each output's tokens when the request runs alone."""
+    return [o.token_ids for o in solo_run(prompt, params).outputs]
+
+
+def _same_logprobs(got: list | None, solo: list | None) -> bool:
+    if got is None or solo is None:
+        return got is solo
+    return len(got) == len(solo) and all(
+        (a is None and b is None) or (a is not None and b is not None and a.keys() == b.keys()
+                                      and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a))
+        for a, b in zip(got, solo))
 
 
 @dataclass
@@ -239,6 +254,10 @@ def _check(out: RequestOutput, expectation: Expectation) -> None:
             assert got[0] == solo[0][: len(got[0])], "an aborted request's tokens are not a prefix of its solo run"
         return
     assert got == solo, "a good request's tokens differ from its solo run"
+    reference = solo_run(expectation.prompt, expectation.params)  # type: ignore[arg-type]
+    assert _same_logprobs(out.prompt_logprobs, reference.prompt_logprobs), "prompt logprobs differ from solo"
+    for mine, theirs in zip(out.outputs, reference.outputs):
+        assert _same_logprobs(mine.logprobs, theirs.logprobs), "logprobs differ from the solo run"
 
 
 FaultInjection.TestCase.settings = settings(
