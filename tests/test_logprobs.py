@@ -180,3 +180,31 @@ def test_prompt_logprobs_equal_a_plain_forward_even_when_the_prefix_is_cached_or
         assert outs[i].token_ids == llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3,
                                                                           ignore_eos=True))[0].token_ids
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+def test_logprobs_survive_preemption_and_recomputation(llama, tokenizer):
+    """A KV pool too small for the batch preempts requests and recomputes them: their logprobs (and prompt
+    logprobs, recorded once) equal those of an unconstrained run."""
+    prompts = random_prompts(6, 10, 16, seed=28)
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    roomy = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4).generate(prompts, params)
+    tight_llm = LLM(llama, tokenizer, kv_cache_memory="48KiB", block_size=4)
+    tight = tight_llm.generate(prompts, params)
+    assert sum(o.metrics.num_preemptions for o in tight) > 0
+    for a, b in zip(roomy, tight):
+        assert a.token_ids == b.token_ids
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) and b.prompt_logprobs[0] is None
+        pairs = list(zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs, b.prompt_logprobs[1:] + b.outputs[0].logprobs))
+        assert all(x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < TOL for t in x) for x, y in pairs)
+
+
+def test_constrained_processed_logprobs_give_chosen_tokens_finite_values_and_masked_ones_minus_inf(llm):
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=6, logprobs=5, logprobs_mode="processed",
+                            processors=[{"choice": {"choices": ["yes", "no"]}}])
+    out = llm.generate([[5, 6, 7]], params)[0].outputs[0]
+    for entry, token in zip(out.logprobs, out.token_ids):
+        assert math.isfinite(entry[token].logprob)
+        # the constraint leaves few tokens: the top 5 list masked ones at -inf, never above an allowed one
+        values = [lp.logprob for t, lp in sorted(entry.items(), key=lambda item: item[1].rank) if t != token]
+        assert values == sorted(values, reverse=True)
+        assert all(v == -math.inf or math.isfinite(v) for v in values)
