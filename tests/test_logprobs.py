@@ -208,3 +208,16 @@ def test_constrained_processed_logprobs_give_chosen_tokens_finite_values_and_mas
         values = [lp.logprob for t, lp in sorted(entry.items(), key=lambda item: item[1].rank) if t != token]
         assert values == sorted(values, reverse=True)
         assert all(v == -math.inf or math.isfinite(v) for v in values)
+
+
+def test_a_stop_inside_accepted_drafts_drops_the_logprobs_of_the_tokens_after_it(llm):
+    prompt = random_prompts(1, 6, 10, seed=29)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    stop = next(t for t in free[3:] if t not in free[:3])  # a token first generated at position >= 3
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop], logprobs=1)
+    plain = llm.generate([prompt], params)[0].outputs[0]
+    spec = llm.generate([prompt], params.model_copy(update={"strategy": {"speculative": {
+        "proposer": "draft", "num_speculative_tokens": 5}}}))[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and spec.token_ids[-1] == stop
+    assert len(spec.logprobs) == len(spec.token_ids) == len(plain.logprobs)
+    assert math.isclose(spec.cumulative_logprob, plain.cumulative_logprob, abs_tol=1e-4)

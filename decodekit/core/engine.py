@@ -19,7 +19,7 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Request, RequestOutput
 from decodekit.core.config import EngineConfig
 from decodekit.core.hooks import LifecycleHooks
-from decodekit.core.logprobs import record_prompt_logprobs
+from decodekit.core.logprobs import record_prompt_logprobs, trim_logprobs
 from decodekit.core.paged_model import PagedModel, kv_pool_blocks
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
@@ -131,6 +131,7 @@ class Engine:
         if scored is not None:
             self._fail(select(scored, ctx, self.tokenizer))
             done, failures = self.stop.run(record)
+            trim_logprobs(record.appended)
             self._fail(failures)
             for request in done:
                 self.lifecycle.complete(request)

@@ -63,6 +63,18 @@ def record_logprobs(raw_rows: dict[Sequence, torch.Tensor], processed_rows: dict
         seq.cumulative_logprob += sum(entry[token].logprob for entry, token in zip(entries, tokens))
 
 
+def trim_logprobs(appended: dict[Sequence, int]) -> None:
+    """Drop the logprobs of tokens the stop stage removed again (a stop inside a run of accepted drafts ends the
+    sequence there), so a sequence has exactly one entry per generated token."""
+    for seq in appended:
+        extra = len(seq.logprobs) - seq.num_generated if seq.logprobs is not None else 0
+        if extra > 0:
+            dropped = seq.logprobs[-extra:]  # type: ignore[index]
+            tokens = [next(iter(entry)) for entry in dropped]  # the chosen token is each entry's first key
+            seq.cumulative_logprob -= sum(entry[token].logprob for entry, token in zip(dropped, tokens))
+            del seq.logprobs[-extra:]  # type: ignore[union-attr]
+
+
 def record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor, tokenizer: Any) -> None:
     """Record the logprobs of the prompt tokens that the logits at positions `start, start + 1, ...` predict
     (`rows[i]` predicts token `start + i + 1`); positions already recorded (a recomputation after preemption)
