@@ -69,6 +69,10 @@ class SamplingParams(BaseModel):
                                         description="Return each prompt token's logprob after the first (raw), with "
                                                     "this many alternatives. The prompt is then computed in full, "
                                                     "not served from the prefix cache.")
+    trace: int | None = Field(None, ge=1, le=MAX_LOGPROBS,
+                              description="Record the decoding trace, keeping this many top candidates per stage: "
+                                          "per token, the candidates before and after each processor, how the "
+                                          "token was chosen, the drafts, and why the request stopped.")
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw", description="`raw`: log-softmax of the model's logits (vLLM's default); `processed`: of the "
                            "distribution the token was drawn from, after the request's processors.")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, ClassVar
@@ -219,6 +219,7 @@ def apply_processors(
     greedy: list[bool] | None = None,
     states: list[list[Any]] | None = None,
     check_rows: bool = False,
+    observe: Callable[[str, list[int], torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Run each row's pipeline in its own order, vectorized over the rows that share a pipeline shape.
 
@@ -235,6 +236,8 @@ def apply_processors(
         states: each row's per-stage states (stateful processors).
         check_rows: also check, after every stage, that each row still has a finite logit to choose (a
             reduction per stage; `check_processed_rows` does it once per call and uses this to find the culprit).
+        observe: called after every stage with the processor's name, the rows it ran on and its output for them
+            (the decoding trace; None costs nothing).
     """
     groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for row, pipeline in enumerate(pipelines):
@@ -260,6 +263,8 @@ def apply_processors(
                 idx = torch.tensor(active, device=logits.device)
                 out = _call(proc, logits.index_select(0, idx), view, active)
                 logits = logits.index_copy(0, idx, out)
+            if observe is not None:
+                observe(proc.name, active, out)
             if check_rows:
                 bad = rows_without_choice(out)
                 if bad:

@@ -88,6 +88,7 @@ class Sequence:
     | `detokenizer`, `text`, `new_text_len` | the stop stage (`core/stages/stop.py`), which detokenizes each token |
     | `finish_reason`, `stop_reason` | request lifecycle (`core/requests.py`) when the sequence finishes |
     | `logprobs`, `cumulative_logprob` | the select stage (`core/logprobs.py`), after the strategy chose tokens |
+    | `trace` | the select and stop stages (`core/trace.py`) |
     | `stash` (typed, see `decodekit.api.stash`), `state` (a plain dict) | the plugins that own the keys |
     """
 
@@ -109,6 +110,7 @@ class Sequence:
     processor_states: list[Any] = field(default_factory=list)  # one per stage of the request's plan
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when the request asks for them
     cumulative_logprob: float = 0.0
+    trace: list[dict[str, Any]] | None = None  # one event per generated token, then the stop (`SamplingParams.trace`)
 
     @property
     def num_generated(self) -> int:
@@ -172,6 +174,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # the sum of the chosen tokens' logprobs, when logprobs are asked for
     score: float | None = None  # the strategy's ranking score (beam search: length-penalized log-probability)
     logprobs: list[TokenLogprobs] | None = None  # one per generated token (`SamplingParams.logprobs`)
+    trace: list[dict[str, Any]] | None = None  # the decoding trace (`SamplingParams.trace`, `decodekit.core.trace`)
 
 
 @dataclass

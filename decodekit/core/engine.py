@@ -34,6 +34,7 @@ from decodekit.core.stages.propose import propose
 from decodekit.core.stages.select import select
 from decodekit.core.stages.stop import StopStage
 from decodekit.core.step_context import EngineStepContext, StepRecord
+from decodekit.core.trace import record_stops
 
 log = logging.getLogger("decodekit.engine")
 
@@ -68,7 +69,7 @@ class Engine:
         self.components = Components(registry, ComponentInfo(
             loaded.tokenizer, self.vocab_size, self.eos_token_ids, loaded.device, loaded.name, draft,
             open_model=self._open_model))
-        self.processing = Processing(self.eos_token_ids, loaded.device)
+        self.processing = Processing(self.eos_token_ids, loaded.device, loaded.tokenizer)
         self.forward = ForwardStage(self.runner, self.allocator, self.scheduler,
                                     lambda request, start, rows: record_prompt_logprobs(request, start, rows,
                                                                                         self.tokenizer))
@@ -120,6 +121,7 @@ class Engine:
         """Run one step; return the outputs (deltas and finished requests) it produced."""
         record = StepRecord()
         self.processing.kept.clear()
+        self.processing.trace_rows.clear()
         ctx = EngineStepContext(self.scheduler, self.processing, record, self.stop.finish_sequence,
                                 self.lifecycle.set_results, self.eos_token_ids, self.max_model_len)
         self._fail(propose(self.scheduler.running, ctx))
@@ -132,6 +134,7 @@ class Engine:
             self._fail(select(scored, ctx, self.tokenizer))
             done, failures = self.stop.run(record)
             trim_logprobs(record.appended)
+            record_stops(record.appended, self.tokenizer)
             self._fail(failures)
             for request in done:
                 self.lifecycle.complete(request)

@@ -100,10 +100,10 @@ def _entries(logprobs: torch.Tensor, tokens: list[int], top: int, tokenizer: Any
     top_id_list = top_ids.tolist() if top_ids is not None else [[] for _ in tokens]
     entries: list[TokenLogprobs] = []
     for token, value, rank, alt_values, alt_ids in zip(tokens, chosen_list, rank_list, top_value_list, top_id_list):
-        entry = {token: Logprob(value, rank, _text(tokenizer, token))}
+        entry = {token: Logprob(value, rank, token_text(tokenizer, token))}
         for r, (alt, alt_id) in enumerate(zip(alt_values, alt_ids), start=1):
             if alt_id not in entry:
-                entry[alt_id] = Logprob(alt, r, _text(tokenizer, alt_id))
+                entry[alt_id] = Logprob(alt, r, token_text(tokenizer, alt_id))
         entries.append(entry)
     return entries
 
@@ -113,7 +113,8 @@ _TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str | None]] = weakref.WeakKeyD
 otherwise decode ~200 tokens per step."""
 
 
-def _text(tokenizer: Any, token: int) -> str | None:
+def token_text(tokenizer: Any, token: int) -> str | None:
+    """A token's text (decoded alone, cached per tokenizer); None if the tokenizer cannot decode it alone."""
     try:
         texts = _TEXTS.setdefault(tokenizer, {})
     except TypeError:  # a tokenizer that cannot be weakly referenced: decode every time

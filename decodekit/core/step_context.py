@@ -122,6 +122,8 @@ class EngineStepContext:
             child.generator = torch.Generator(device=self.processing.device).manual_seed(seed)
         if seq.logprobs is not None:
             child.logprobs, child.cumulative_logprob = list(seq.logprobs), seq.cumulative_logprob
+        if seq.trace is not None:
+            child.trace = list(seq.trace)
         request.sequences.append(child)
         self.record.forked.append(child)
         self.record.parents[child] = seq

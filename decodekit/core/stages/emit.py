@@ -85,7 +85,8 @@ class OutputEmitter:
             outputs.append(CompletionOutput(index, visible if not seq.finished else seq.text, seq.generated_ids,
                                             seq.finish_reason, seq.stop_reason,
                                             cumulative_logprob=seq.cumulative_logprob if asked else None,
-                                            logprobs=list(seq.logprobs or []) if asked else None))
+                                            logprobs=list(seq.logprobs or []) if asked else None,
+                                            trace=list(seq.trace or []) if request.params.trace else None))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
                              request.metrics, request.error, deltas, delta_ids, _prompt_logprobs(request))
 

@@ -20,6 +20,7 @@ import torch
 from decodekit.api.processors import BatchView, ProcessorError, Stage, apply_processors, check_processed_rows
 from decodekit.api.sequence import Request, Sequence
 from decodekit.core import drafts
+from decodekit.core.trace import Stages, observer_for
 
 
 class Processing:
@@ -30,9 +31,12 @@ class Processing:
         device: where logits live.
     """
 
-    def __init__(self, eos_token_ids: tuple[int, ...], device: torch.device | str) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...], device: torch.device | str, tokenizer: Any = None) -> None:
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.tokenizer = tokenizer
+        self.trace_rows: dict[Sequence, list[Stages]] = {}
+        """This step's per-stage candidates of each traced sequence's rows (`decodekit.core.trace`)."""
         self.kept: dict[Sequence, torch.Tensor] = {}
         """This step's processed rows of the sequences whose requests ask for `processed` logprobs."""
         self.faults: dict[Request, str] = {}
@@ -57,8 +61,14 @@ class Processing:
         view = self.batch_view(seqs)
         positions = [seq for seq in seqs for _ in range(seq.num_scored_positions)]
         pipelines, greedy, states = _pipelines(positions)
-        out = apply_processors(logits, view, pipelines, greedy, states)
+        observe, observer = observer_for(logits, positions, self.tokenizer)
+        out = apply_processors(logits, view, pipelines, greedy, states, observe=observe)
         check_processed_rows(logits, out, view, pipelines, greedy, states)
+        if observer is not None:
+            traced: dict[Sequence, list[Stages]] = {}
+            for row, stages in sorted(observer.stages.items()):
+                traced.setdefault(positions[row], []).append(stages)
+            self.trace_rows.update(traced)
         start = 0
         for seq in seqs:
             count = seq.num_scored_positions

@@ -26,6 +26,7 @@ from decodekit.core.stages import Failure
 from decodekit.core.stages.forward import ScoredRows
 from decodekit.core.stages.process import Processing
 from decodekit.core.step_context import EngineStepContext
+from decodekit.core.trace import record_tokens, wants_trace
 
 log = logging.getLogger("decodekit.engine")
 
@@ -49,6 +50,7 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
     for i, seq in enumerate(rows):
         groups[id(seq.request.plan.strategy)].append(i)
     failures: list[Failure] = []
+    proposed = {seq: list(seq.draft_token_ids) for seq in rows if wants_trace(seq)}
     for indices in groups.values():
         strategy: Strategy = rows[indices[0]].request.plan.strategy
         # seeded generators, so that a request retried after the batch's failure draws what it would have drawn
@@ -87,6 +89,8 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
     if any(wants_logprobs(seq) for seq in rows):
         record_logprobs(scored.rows_by_sequence(wants_logprobs), ctx.processing.kept, ctx.record.appended,
                         ctx.record.parents, tokenizer)
+    if proposed:
+        record_tokens(ctx.processing.trace_rows, proposed, ctx.record.appended, ctx.record.parents)
     failures.extend(ctx.record.faults.items())
     failed = {id(request) for request, _ in failures}
     for request in {id(s.request): s.request for s in rows}.values():

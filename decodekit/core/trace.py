@@ -1,0 +1,114 @@
+"""The decoding trace (`SamplingParams(trace=N)`): for each generated token, what every stage did to the candidates,
+how the token was chosen and what was drafted; then why the sequence stopped.
+
+Each event is a JSON-ready dict appended to `seq.trace`:
+
+- a token event: `{"index": i, "token": id, "text": str, "chosen_by": "argmax" | "sampled" | "sampled, seed S" |
+  "draft accepted", "strategy": name, "stages": [{"stage": "model" | <processor>, "top": [[id, text, p], ...]},
+  ...]}` and, on the first token of a speculative step, `"drafts": {"proposed": [...], "accepted": k}`. `stages`
+  holds the `N` most likely candidates (with probabilities) of the model's logits and after each processor stage of
+  the row the token was chosen from; a greedy row skips trailing argmax-invariant stages, so they do not appear.
+- the stop event: `{"finished": reason, "stop_reason": ...}`.
+
+Only rows of traced requests are looked at; with no traced request in a batch, nothing here runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from decodekit.api.sequence import Sequence
+from decodekit.core.logprobs import token_text
+
+Stages = list[dict[str, Any]]
+
+
+def wants_trace(seq: Sequence) -> bool:
+    """Whether this sequence's request asks for the trace."""
+    return seq.request.params.trace is not None
+
+
+def top_candidates(row: torch.Tensor, count: int, tokenizer: Any) -> list[list[Any]]:
+    """The `count` most likely tokens of one logits row: `[id, text, probability]` each."""
+    probs = torch.softmax(row.float(), dim=-1)
+    values, ids = probs.topk(min(count, probs.shape[-1]))
+    return [[i, token_text(tokenizer, i), round(v, 6)] for v, i in zip(values.tolist(), ids.tolist())]
+
+
+class StageObserver:
+    """Collects, for the traced rows of one `apply_processors` call, the top candidates at each stage."""
+
+    def __init__(self, raw: torch.Tensor, traced: dict[int, int], tokenizer: Any) -> None:
+        self.traced = traced  # row -> candidates to keep
+        self.tokenizer = tokenizer
+        self.stages: dict[int, Stages] = {
+            row: [{"stage": "model", "top": top_candidates(raw[row], count, tokenizer)}]
+            for row, count in traced.items()}
+
+    def __call__(self, name: str, rows: list[int], out: torch.Tensor) -> None:
+        for i, row in enumerate(rows):
+            if row in self.traced:
+                self.stages[row].append({"stage": name, "top": top_candidates(out[i], self.traced[row],
+                                                                              self.tokenizer)})
+
+
+def observer_for(raw: torch.Tensor, positions: list[Sequence], tokenizer: Any
+                 ) -> tuple[Callable[[str, list[int], torch.Tensor], None] | None, StageObserver | None]:
+    """An observer for `apply_processors` over rows `positions` (one sequence per row), or None when no row is
+    traced."""
+    traced = {row: seq.request.params.trace for row, seq in enumerate(positions) if wants_trace(seq)}
+    if not traced:
+        return None, None
+    observer = StageObserver(raw, {row: int(count or 1) for row, count in traced.items()}, tokenizer)
+    return observer, observer
+
+
+def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, list[int]],
+                  appended: dict[Sequence, int], parents: dict[Sequence, Sequence]) -> None:
+    """Append a token event for every token a traced sequence got this step (the select stage's record)."""
+    for seq, count in appended.items():
+        if not wants_trace(seq) or count == 0:
+            continue
+        source = seq
+        while source not in stages and source in parents:
+            source = parents[source]
+        rows = stages.get(source, [])
+        proposed = drafts.get(source, [])
+        params = seq.request.params
+        if seq.trace is None:
+            seq.trace = []
+        first_index = seq.num_generated - count
+        for j, token in enumerate(seq.token_ids[-count:]):
+            if j < count - 1:
+                how = "draft accepted"
+            elif params.greedy:
+                how = "argmax"
+            else:
+                how = "sampled" if params.seed is None else f"sampled, seed {params.seed}"
+            event: dict[str, Any] = {"index": first_index + j, "token": token, "chosen_by": how,
+                                     "strategy": seq.request.plan.strategy.name,
+                                     "stages": rows[j] if j < len(rows) else []}
+            if j == 0 and proposed:
+                event["drafts"] = {"proposed": list(proposed), "accepted": count - 1}
+            seq.trace.append(event)
+
+
+def record_stops(appended: dict[Sequence, int], tokenizer: Any) -> None:
+    """After the stop stage: drop the events of tokens it removed, name each token, and add a stop event to
+    every traced sequence that finished this step."""
+    for seq in appended:
+        if seq.trace is None:
+            continue
+        events = [e for e in seq.trace if "token" in e]
+        extra = len(events) - seq.num_generated
+        if extra > 0:  # a stop inside a run of accepted drafts
+            for event in events[-extra:]:
+                seq.trace.remove(event)
+        for event in seq.trace:
+            if "token" in event and "text" not in event:
+                event["text"] = token_text(tokenizer, event["token"])
+        if seq.finished and not (seq.trace and "finished" in seq.trace[-1]):
+            seq.trace.append({"finished": seq.finish_reason, "stop_reason": seq.stop_reason})

@@ -1,0 +1,80 @@
+"""The decoding trace (`SamplingParams(trace=N)`): one event per generated token with each stage's top candidates,
+how the token was chosen and the drafts; a stop event last. It agrees with the processed logprobs and the
+speculative metrics, and costs nothing to requests that do not ask."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from decodekit import LLM, SamplingParams
+from tests.conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(llama, tokenizer):
+    return LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
+
+
+def _token_events(trace):
+    return [e for e in trace if "token" in e]
+
+
+def test_each_token_has_an_event_with_every_stage_in_pipeline_order_and_the_last_stage_equals_processed_logprobs(llm):
+    prompts = random_prompts(3, 4, 12, seed=31)
+    params = SamplingParams(temperature=0.8, top_k=12, top_p=0.9, seed=6, max_tokens=5, ignore_eos=True, trace=4,
+                            logprobs=4, logprobs_mode="processed",
+                            processors=[{"repetition_penalty": {"penalty": 1.2}}])
+    outs = llm.generate(prompts, [params, SamplingParams(temperature=0, max_tokens=5), params])
+    assert outs[1].outputs[0].trace is None
+    for out in (outs[0], outs[2]):
+        completion = out.outputs[0]
+        events = _token_events(completion.trace)
+        assert [e["token"] for e in events] == completion.token_ids
+        assert [e["index"] for e in events] == list(range(5))
+        assert completion.trace[-1] == {"finished": "length", "stop_reason": None}
+        for event, entry in zip(events, completion.logprobs):
+            assert [s["stage"] for s in event["stages"]] == ["model", "repetition_penalty", "temperature", "top_k",
+                                                             "top_p"]
+            assert event["chosen_by"] == "sampled, seed 6" and event["text"] is not None
+            last = event["stages"][-1]["top"]
+            assert [p for _, _, p in last] == sorted((p for _, _, p in last), reverse=True)
+            for token, _, p in last:  # the last stage is the distribution the processed logprobs describe
+                assert token in entry and math.isclose(p, math.exp(entry[token].logprob), abs_tol=1e-5)
+        json.dumps(completion.trace)  # JSON-ready as it is
+
+
+def test_a_speculative_trace_lists_drafts_and_acceptances_that_add_up_to_the_metrics(llm):
+    prompts = [(p * 4)[:30] for p in random_prompts(3, 4, 9, seed=32)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, trace=2, strategy={
+        "speculative": {"proposer": "draft", "num_speculative_tokens": 3}}))
+    for out in outs:
+        completion = out.outputs[0]
+        events = _token_events(completion.trace)
+        assert [e["token"] for e in events] == completion.token_ids
+        drafts = [e["drafts"] for e in events if "drafts" in e]
+        assert sum(len(d["proposed"]) for d in drafts) == out.metrics.num_draft_tokens > 0
+        assert sum(d["accepted"] for d in drafts) == out.metrics.num_accepted_tokens
+        assert {e["chosen_by"] for e in events} <= {"argmax", "draft accepted"}
+        assert all(e["strategy"] == "speculative" for e in events)
+
+
+def test_a_stop_event_names_the_reason_and_tokens_past_a_stop_leave_no_event(llm):
+    prompt = random_prompts(1, 6, 10, seed=33)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    stop = next(t for t in free[3:] if t not in free[:3])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop],
+                                                trace=1, strategy={"speculative": {"proposer": "draft",
+                                                                                   "num_speculative_tokens": 5}}))[0]
+    completion = out.outputs[0]
+    assert [e["token"] for e in _token_events(completion.trace)] == completion.token_ids
+    assert completion.trace[-1] == {"finished": "stop", "stop_reason": stop}
+
+
+def test_parallel_samples_each_get_their_own_trace(llm):
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=8, n=3, max_tokens=4, ignore_eos=True,
+                                                   trace=2))[0]
+    for completion in out.outputs:
+        assert [e["token"] for e in _token_events(completion.trace)] == completion.token_ids
