@@ -20,11 +20,20 @@ Nothing here runs for a step in which no request asks for logprobs.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from decodekit.api.sequence import Logprob, Request, Sequence, TokenLogprobs
+
+
+def row_source(seq: Sequence, scored: Mapping[Sequence, Any], parents: Mapping[Sequence, Sequence]) -> Sequence:
+    """The sequence whose scored rows `seq`'s new tokens were chosen from: itself, or for a sequence forked this
+    step, the ancestor that was scored."""
+    while seq not in scored and seq in parents:
+        seq = parents[seq]
+    return seq
 
 
 def wants_logprobs(seq: Sequence) -> bool:
@@ -46,9 +55,7 @@ def record_logprobs(raw_rows: dict[Sequence, torch.Tensor], processed_rows: dict
     for seq, count in appended.items():
         if not wants_logprobs(seq) or count == 0:
             continue
-        source = seq
-        while source not in raw_rows and source in parents:
-            source = parents[source]
+        source = row_source(seq, raw_rows, parents)
         params = seq.request.params
         table = processed_rows if params.logprobs_mode == "processed" else raw_rows
         rows = table.get(source)

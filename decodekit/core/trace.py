@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from decodekit.api.sequence import Sequence
-from decodekit.core.logprobs import token_text
+from decodekit.core.logprobs import row_source, token_text
 
 Stages = list[dict[str, Any]]
 
@@ -72,9 +72,7 @@ def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, l
     for seq, count in appended.items():
         if not wants_trace(seq) or count == 0:
             continue
-        source = seq
-        while source not in stages and source in parents:
-            source = parents[source]
+        source = row_source(seq, stages, parents)
         rows = stages.get(source, [])
         proposed = drafts.get(source, [])
         params = seq.request.params
