@@ -125,6 +125,9 @@ def run(
                                                         "(repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text and a table.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, less logging.")] = False,
+    trace: Annotated[Path | None, typer.Option(help="Record the decoding trace (`sampling.trace`, default 5 "
+                                               "candidates per stage) and write it here, one JSON line per "
+                                               "request.")] = None,
 ) -> None:
     """Run a recipe over its prompts; print the answers and a summary table.
 
@@ -136,12 +139,15 @@ def run(
     from decodekit.core.plugin_manager import get_plugin_manager
     from decodekit.core.registry import Registry
     from decodekit.recipe import load_recipe
-    from decodekit.recipe_runner import output_row, read_inputs, run_recipe, summarize
+    from decodekit.recipe_runner import DEFAULT_TRACE, output_row, read_inputs, run_recipe, summarize, trace_row
 
     try:
         pm = get_plugin_manager()
         registry = Registry.from_plugin_manager(pm)
         recipe = load_recipe(recipe_path, overrides or [], registry=registry)
+        if trace is not None and recipe.sampling.trace is None:
+            recipe = load_recipe(recipe_path, [*(overrides or []), f"sampling.trace={DEFAULT_TRACE}"],
+                                 registry=registry)
         requests, bad = read_inputs(recipe, Components(registry), prompt or [], prompts)
         if not requests:
             _fail(f"{recipe.source}: no prompts to run: give --prompt, --prompts, or inputs.prompts / inputs.file"
@@ -159,10 +165,9 @@ def run(
     rows += [{"id": None, "input": b.where, "error": b.message} for b in bad]
     target = output or (Path(recipe.outputs.file) if recipe.outputs.file else None)
     if target is not None:
-        try:
-            target.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
-        except OSError as exc:
-            _fail(f"cannot write {target}: {exc}")
+        _write_lines(target, rows)
+    if trace is not None:
+        _write_lines(trace, [trace_row(r, o) for r, o in zip(result.requests, result.outputs)])
     if as_json:
         print(json.dumps({"recipe": recipe.source, "model": recipe.model, "summary": summary, "outputs": rows}))
     else:
@@ -171,6 +176,14 @@ def run(
         render_summary(summary)
     if summary["errors"] or bad:
         raise typer.Exit(1)
+
+
+def _write_lines(target: Path, rows: list[dict[str, Any]]) -> None:
+    """Write one JSON object per line (a clear error, not a traceback, when the file cannot be written)."""
+    try:
+        target.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    except OSError as exc:
+        _fail(f"cannot write {target}: {exc}")
 
 
 @contextmanager

@@ -205,6 +205,17 @@ def output_row(request: RecipeRequest, output: RequestOutput) -> dict[str, Any]:
     return row
 
 
+DEFAULT_TRACE = 5
+"""Candidates kept per stage when `decodekit run --trace FILE` turns the trace on."""
+
+
+def trace_row(request: RecipeRequest, output: RequestOutput) -> dict[str, Any]:
+    """One JSON line of `--trace`: the request, and each returned sequence's text, tokens and trace events."""
+    return {"id": request.id, "prompt": request.prompt, "error": output.error,
+            "outputs": [{"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
+                         "finish_reason": o.finish_reason, "trace": o.trace} for o in output.outputs]}
+
+
 def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequence[BadInput] = (),
               plain_outputs: Sequence[RequestOutput] | None = None, plain_wall: float | None = None,
               strategy_wall: float | None = None) -> dict[str, Any]:

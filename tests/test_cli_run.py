@@ -259,3 +259,18 @@ def test_every_other_shipped_recipe_runs_end_to_end_on_a_tiny_model(name, choice
         assert "speedup vs plain sample" in result.stdout
     if name == "beam_search":
         assert all(c["score"] is not None for r in rows for c in r["choices"])
+
+
+def test_run_with_trace_writes_one_line_per_request_with_an_event_per_token_and_the_stop(tiny_dir, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    result = _invoke("run", str(ROOT / "recipes" / "sampling.yaml"), *_tiny(tiny_dir), "--prompt", "a", "--prompt",
+                     "b", "--trace", str(trace), "--quiet")
+    assert result.exit_code == 0, result.stderr
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["a", "b"]
+    for row in rows:
+        out = row["outputs"][0]
+        events = [e for e in out["trace"] if "token" in e]
+        assert [e["token"] for e in events] == out["token_ids"]
+        assert all(e["stages"][0]["stage"] == "model" and len(e["stages"][0]["top"]) == 5 for e in events)
+        assert out["trace"][-1]["finished"] == out["finish_reason"]
