@@ -1,7 +1,7 @@
 """What a realistic processor recipe costs per decode step, against plain sampling, at batch 32.
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/processor_cost.py [--batch 32] [--tokens 32] [--repeats 3] [--tiny] [--chat]
-       [--logprobs]
+       [--logprobs] [--trace]
 
 A is plain sampling (temperature 0.8). B adds top-p 0.9, a repetition penalty, a logit bias on ten tokens and a
 stop string (one that does not occur, so every request keeps decoding); B without top-p is timed too, to separate
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny random test model instead of SmolLM2")
     parser.add_argument("--logprobs", action="store_true",
                         help="also time A with logprobs=5 (raw) and logprobs=5 (processed) on every request")
+    parser.add_argument("--trace", action="store_true", help="also time A with trace=5 on every request")
     parser.add_argument("--chat", action="store_true",
                         help="chat-templated questions as prompts (peaked next-token distributions, as in real use) "
                              "instead of arbitrary token ids (flat distributions: top-p's worst case)")
@@ -81,6 +82,8 @@ def main() -> None:
         "B: top-p + repetition penalty + logit bias + stop": no_top_p.model_copy(update={"top_p": 0.9}),
         "B without top-p": no_top_p,
     }
+    if args.trace:
+        variants["A + trace=5"] = plain.model_copy(update={"trace": 5})
     if args.logprobs:
         variants["A + logprobs=5 (raw)"] = plain.model_copy(update={"logprobs": 5})
         variants["A + logprobs=5 (processed)"] = plain.model_copy(update={"logprobs": 5,
