@@ -169,7 +169,7 @@ class RequestLifecycle:
 
 
 def _validated(params: object) -> tuple[SamplingParams, str | None]:
-    """The request's parameters validated again: `SamplingParams.model_copy(update=...)` and attribute assignment
+    """The request's parameters validated again: `SamplingParams.model_copy(update=...)` and `model_construct`
     skip pydantic's validation, and a plain dict is accepted here too. Returns the defaults and an error when
     they are invalid."""
     try:
