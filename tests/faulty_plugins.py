@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from decodekit import StoppingCriterion, hookimpl
 from decodekit.api.processors import LogitsProcessor
+from decodekit.api.proposer import Proposer
 from decodekit_plugins.strategies import SampleStrategy
 
 
@@ -114,6 +115,25 @@ class Flaky(SampleStrategy):
         super().select(ctx, seqs, logits)
 
 
+class BoomProposer(Proposer):
+    """A speculative proposer that always raises."""
+
+    name = "boom"
+
+    def propose(self, ctx, seqs, ks, options):
+        raise RuntimeError("no drafts today")
+
+
+class OutOfVocabulary(SampleStrategy):
+    """Plain sampling, except that it appends a token id past any vocabulary."""
+
+    name = "out_of_vocabulary"
+
+    def select(self, ctx, seqs, logits):
+        for seq in seqs:
+            ctx.append_token(seq, 10**6)
+
+
 class FaultyProcessors:
     """Registers the faulty processors and the raising stopping criterion."""
 
@@ -130,6 +150,11 @@ class FaultyProcessors:
     @hookimpl
     def decodekit_register_strategies(self, register):
         register(Flaky.name, Flaky)
+        register(OutOfVocabulary.name, OutOfVocabulary)
+
+    @hookimpl
+    def decodekit_register_proposers(self, register):
+        register(BoomProposer.name, BoomProposer)
 
 
 class FaultyHooks:

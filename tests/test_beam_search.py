@@ -100,11 +100,13 @@ def test_beam_search_with_repetition_penalty_matches_hf(llama, tokenizer):
         assert [o.score for o in out.outputs] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
 
 
-def test_beam_search_survives_preemption_with_the_same_results(llama, tokenizer):
+@pytest.mark.parametrize("budget", [None, 24])  # 24 tokens a step: recomputed beams finish in different steps
+def test_beam_search_survives_preemption_with_the_same_results(llama, tokenizer, budget):
     prompts = random_prompts(6, 20, 40, seed=21)
     params = _beam(num_beams=3, num_return=2, max_tokens=16)
     roomy = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4).generate(prompts, params)
-    tight = LLM(llama, tokenizer, kv_cache_memory=48 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4)  # 48 blocks
+    options = {"max_num_batched_tokens": budget} if budget else {}
+    tight = LLM(llama, tokenizer, kv_cache_memory=48 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4, **options)  # 48 blocks
     outs = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [[o.token_ids for o in r.outputs] for r in outs] == [[o.token_ids for o in r.outputs] for r in roomy]

@@ -126,3 +126,35 @@ def test_a_top_p_too_small_for_any_token_keeps_the_top_token_as_transformers_doe
     tiny = llm.generate(prompts, SamplingParams(temperature=temperature, top_p=1e-300, seed=2, max_tokens=5,
                                                 ignore_eos=True))
     assert [(o.error, o.token_ids) for o in tiny] == [(None, g) for g in greedy]
+
+
+def test_a_failing_proposer_beside_a_seeded_draft_model_request_fails_alone_and_the_other_keeps_its_tokens(
+        faulty_llm):
+    prompts = random_prompts(2, 6, 12, seed=34)
+    good = SamplingParams(temperature=0.9, seed=12, max_tokens=8, ignore_eos=True, strategy={"speculative": {
+        "proposer": "draft", "num_speculative_tokens": 3}})
+    solo = faulty_llm.generate([prompts[0]], good)[0].token_ids
+    bad = good.model_copy(update={"strategy": {"speculative": {"proposer": "boom", "num_speculative_tokens": 3}}})
+    outs = faulty_llm.generate(prompts, [good, bad])
+    assert outs[1].finish_reason == "error" and "no drafts today" in outs[1].error
+    assert outs[0].error is None and outs[0].token_ids == solo
+    assert_idle(faulty_llm)
+
+
+def test_a_strategy_choosing_a_token_outside_the_vocabulary_fails_alone_even_with_logprobs(faulty_llm):
+    prompts = random_prompts(2, 4, 10, seed=35)
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    solo = faulty_llm.generate([prompts[0]], plain)[0].token_ids
+    outs = faulty_llm.generate(prompts, [plain, plain.model_copy(update={"strategy": {"out_of_vocabulary": {}}})])
+    assert outs[1].finish_reason == "error"
+    assert outs[1].error == ("strategy 'out_of_vocabulary' chose token ids outside the vocabulary [0, 384): "
+                             "[1000000]")
+    assert outs[0].token_ids == solo
+    assert_idle(faulty_llm)
+
+
+def test_parallel_sampling_with_the_largest_seed_runs_and_frees_every_block(faulty_llm):
+    out = faulty_llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=3,
+                                                          ignore_eos=True))[0]
+    assert out.error is None and len(out.outputs) == 2
+    assert_idle(faulty_llm)

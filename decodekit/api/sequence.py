@@ -87,8 +87,8 @@ class Sequence:
     | `draft_token_ids` | a strategy's `propose`; the engine trims and clears it in `core/drafts.py` only |
     | `detokenizer`, `text`, `new_text_len` | the stop stage (`core/stages/stop.py`), which detokenizes each token |
     | `finish_reason`, `stop_reason` | request lifecycle (`core/requests.py`) when the sequence finishes |
-    | `logprobs`, `cumulative_logprob` | the select stage (`core/logprobs.py`), after the strategy chose tokens |
-    | `trace` | the select and stop stages (`core/trace.py`) |
+    | `logprobs`, `cumulative_logprob` | `core/logprobs.py` (after the select stage; trimmed after stop); `fork` |
+    | `trace` | `core/trace.py` (token events after the select stage, the stop event after stop); `fork` |
     | `stash` (typed, see `decodekit.api.stash`), `state` (a plain dict) | the plugins that own the keys |
     """
 

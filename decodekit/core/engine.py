@@ -123,7 +123,7 @@ class Engine:
         self.processing.kept.clear()
         self.processing.trace_rows.clear()
         ctx = EngineStepContext(self.scheduler, self.processing, record, self.stop.finish_sequence,
-                                self.lifecycle.set_results, self.eos_token_ids, self.max_model_len)
+                                self.lifecycle.set_results, self.eos_token_ids, self.max_model_len, self.vocab_size)
         self._fail(propose(self.scheduler.running, ctx))
         self._fail(self.processing.take_faults())  # a proposer's processors failed for these
         sched = self.scheduler.schedule()
@@ -134,7 +134,7 @@ class Engine:
             self._fail(select(scored, ctx, self.tokenizer))
             done, failures = self.stop.run(record)
             trim_logprobs(record.appended)
-            record_stops(record.appended, self.tokenizer)
+            record_stops(record.appended)
             self._fail(failures)
             for request in done:
                 self.lifecycle.complete(request)

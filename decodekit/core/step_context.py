@@ -50,12 +50,13 @@ class EngineStepContext:
         set_results: gives a request its final outputs and completes it (request lifecycle).
         eos_token_ids: the model's end-of-sequence ids.
         max_model_len: the context limit.
+        vocab_size: token ids a strategy appends must be below this.
     """
 
     def __init__(self, scheduler: Scheduler, processing: Processing, record: StepRecord,
                  finish: Callable[[Sequence, str, str | int | None], None],
                  set_results: Callable[[Request, list[StrategyResult]], None],
-                 eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+                 eos_token_ids: tuple[int, ...], max_model_len: int, vocab_size: int = 2**62) -> None:
         self.scheduler = scheduler
         self.processing = processing
         self.record = record
@@ -63,6 +64,7 @@ class EngineStepContext:
         self._set_results = set_results
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
 
     def batch_view(self, seqs: list[Sequence]) -> BatchView:
         """The processors' view of these sequences: one row per scored position (drafts expand a sequence)."""
@@ -94,6 +96,11 @@ class EngineStepContext:
         # States first: if a stateful processor refuses the tokens, the sequence is left as it was.
         if seq.request in self.record.faults:
             return  # the request fails at the end of the select stage; its sequences take nothing more
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:  # it would index past the logits (logprobs) and fail the next forward for the whole batch
+            self.record.faults[seq.request] = (f"strategy {seq.request.plan.strategy.name!r} chose token ids "
+                                               f"outside the vocabulary [0, {self.vocab_size}): {bad}")
+            return
         try:
             seq.processor_states = update_states(seq.request.plan.stages, seq.processor_states, token_ids)
         except ProcessorError as exc:
@@ -113,13 +120,13 @@ class EngineStepContext:
         except ProcessorError as exc:  # the request fails after the stage: the child only has to be well-formed
             self.record.faults.setdefault(request, str(exc))
             child.processor_states = list(seq.processor_states)
-        self.scheduler.fork(seq, child)
+        if seed is not None:  # before any block is shared: a seed the generator refuses leaves nothing behind
+            child.generator = torch.Generator(device=self.processing.device).manual_seed(seed % 2**64)
         child.detokenizer = seq.detokenizer.fork()
         child.text = seq.text
         child.stash = seq.stash.copy()
         child.state = dict(seq.state)
-        if seed is not None:
-            child.generator = torch.Generator(device=self.processing.device).manual_seed(seed)
+        self.scheduler.fork(seq, child)
         if seq.logprobs is not None:
             child.logprobs, child.cumulative_logprob = list(seq.logprobs), seq.cumulative_logprob
         if seq.trace is not None:

@@ -67,7 +67,7 @@ def observer_for(raw: torch.Tensor, positions: list[Sequence], tokenizer: Any
 
 
 def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, list[int]],
-                  appended: dict[Sequence, int], parents: dict[Sequence, Sequence]) -> None:
+                  appended: dict[Sequence, int], parents: dict[Sequence, Sequence], tokenizer: Any) -> None:
     """Append a token event for every token a traced sequence got this step (the select stage's record)."""
     for seq, count in appended.items():
         if not wants_trace(seq) or count == 0:
@@ -84,9 +84,10 @@ def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, l
                 how = "draft accepted"
             elif params.greedy:
                 how = "argmax"
-            else:
-                how = "sampled" if params.seed is None else f"sampled, seed {params.seed}"
-            event: dict[str, Any] = {"index": first_index + j, "token": token, "chosen_by": how,
+            else:  # a seeded request's forks draw from their own seeds (seed + k)
+                how = "sampled" if seq.generator is None else f"sampled, seed {seq.generator.initial_seed()}"
+            event: dict[str, Any] = {"index": first_index + j, "token": token, "text": token_text(tokenizer, token),
+                                     "chosen_by": how,
                                      "strategy": seq.request.plan.strategy.name,
                                      "stages": rows[j] if j < len(rows) else []}
             if j == 0 and proposed:
@@ -94,19 +95,13 @@ def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, l
             seq.trace.append(event)
 
 
-def record_stops(appended: dict[Sequence, int], tokenizer: Any) -> None:
-    """After the stop stage: drop the events of tokens it removed, name each token, and add a stop event to
-    every traced sequence that finished this step."""
+def record_stops(appended: dict[Sequence, int]) -> None:
+    """After the stop stage: drop the events of tokens it removed (a stop inside a run of accepted drafts), and add
+    a stop event to every traced sequence that finished this step."""
     for seq in appended:
         if seq.trace is None:
             continue
-        events = [e for e in seq.trace if "token" in e]
-        extra = len(events) - seq.num_generated
-        if extra > 0:  # a stop inside a run of accepted drafts
-            for event in events[-extra:]:
-                seq.trace.remove(event)
-        for event in seq.trace:
-            if "token" in event and "text" not in event:
-                event["text"] = token_text(tokenizer, event["token"])
+        while seq.trace and seq.trace[-1].get("index", -1) >= seq.num_generated:
+            seq.trace.pop()
         if seq.finished and not (seq.trace and "finished" in seq.trace[-1]):
             seq.trace.append({"finished": seq.finish_reason, "stop_reason": seq.stop_reason})

@@ -84,6 +84,8 @@ class BeamSearchStrategy(Strategy):
             raise ValueError("stop strings are not supported with beam search (use stop_token_ids)")
         if params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with beam search")
+        if params.trace is not None:
+            raise ValueError("the decoding trace is not available with beam search yet")
         if params.logprobs is not None:
             raise ValueError("logprobs are not available with beam search yet (each hypothesis' score is its "
                              "cumulative log-probability: CompletionOutput.score)")

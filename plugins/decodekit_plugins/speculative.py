@@ -127,9 +127,9 @@ class DraftModelProposer(Proposer):
                 options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Draft `ks[i]` tokens for `seqs[i]`; returns the drafts and, for sampled rows, their q rows `[k, vocab]`."""
         model = self._model()
-        for seq in seqs:  # a failed call may have cached draft tokens past the sequence: drop them
-            if model.num_cached(seq.seq_id) > len(seq.token_ids):
-                model.truncate(seq.seq_id, len(seq.token_ids))
+        for seq in seqs:  # a failed call may have cached draft tokens: the last token is always fed here
+            if model.num_cached(seq.seq_id) >= len(seq.token_ids):
+                model.truncate(seq.seq_id, len(seq.token_ids) - 1)
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         # the last draft token is never fed: the target verifies it

@@ -35,9 +35,12 @@ def propose(running: list[Request], ctx: StepContext) -> list[Failure]:
     failures: list[Failure] = []
     for key, seqs in groups.items():
         strategy = strategies[key]
+        generators = [(seq.generator, seq.generator.get_state()) for seq in seqs if seq.generator is not None]
         try:
             strategy.propose(ctx, seqs)
         except Exception:  # retry request by request (without drafts), so that only the culprits fail
+            for generator, state in generators:  # a retried request drafts what it would have drafted
+                generator.set_state(state)
             by_request: dict[int, list[Sequence]] = defaultdict(list)
             for seq in seqs:
                 drafts.clear(seq)

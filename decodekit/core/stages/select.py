@@ -90,13 +90,14 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
         record_logprobs(scored.rows_by_sequence(wants_logprobs), ctx.processing.kept, ctx.record.appended,
                         ctx.record.parents, tokenizer)
     if proposed:
-        record_tokens(ctx.processing.trace_rows, proposed, ctx.record.appended, ctx.record.parents)
+        record_tokens(ctx.processing.trace_rows, proposed, ctx.record.appended, ctx.record.parents, tokenizer)
     failures.extend(ctx.record.faults.items())
     failed = {id(request) for request, _ in failures}
     for request in {id(s.request): s.request for s in rows}.values():
-        if id(request) not in failed and not request.finished and any(
-                not s.finished and s.num_pending == 0 for s in request.sequences):
-            # nothing to compute means never scheduled again: the request would hang its caller forever
+        if id(request) not in failed and not request.finished and all(
+                s.finished or s.num_pending == 0 for s in request.sequences):
+            # nothing left to compute means never scheduled again: the request would hang its caller forever (one
+            # sequence waiting alone is fine: beam search waits for beams that recompute after a preemption)
             failures.append((request, f"strategy {request.plan.strategy.name!r} left a sequence without a new "
                                       "token or a finish"))
     return failures
