@@ -121,7 +121,9 @@ class EngineStepContext:
             self.record.faults.setdefault(request, str(exc))
             child.processor_states = list(seq.processor_states)
         if seed is not None:  # before any block is shared: a seed the generator refuses leaves nothing behind
-            child.generator = torch.Generator(device=self.processing.device).manual_seed(seed % 2**64)
+            # seed + k may pass the largest seed torch takes (2**64 - 1): wrap it there, keep every other seed
+            child.generator = torch.Generator(device=self.processing.device).manual_seed(
+                seed - 2**64 if seed > 2**64 - 1 else seed)
         child.detokenizer = seq.detokenizer.fork()
         child.text = seq.text
         child.stash = seq.stash.copy()
