@@ -11,7 +11,7 @@ import transformers as hf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodekit import LLM, SamplingParams
+from decodekit import LLM, SamplingParams, Strategy, hookimpl
 from tests.conftest import random_prompts
 
 TOL = 1e-5
@@ -221,3 +221,29 @@ def test_a_stop_inside_accepted_drafts_drops_the_logprobs_of_the_tokens_after_it
     assert spec.token_ids == plain.token_ids and spec.token_ids[-1] == stop
     assert len(spec.logprobs) == len(spec.token_ids) == len(plain.logprobs)
     assert math.isclose(spec.cumulative_logprob, plain.cumulative_logprob, abs_tol=1e-4)
+
+
+class _RawArgmax(Strategy):
+    """Greedy on the raw logits: it never runs the request's processors (`scores = "raw"`)."""
+
+    name = "raw_argmax"
+    scores = "raw"
+
+    def select(self, ctx, seqs, logits):
+        for seq, token in zip(seqs, logits.argmax(dim=-1).tolist()):
+            ctx.append_token(seq, token)
+
+
+def test_processed_logprobs_without_processed_rows_stay_one_per_token_as_nan(llama, tokenizer, plugin_manager):
+    class Plugin:
+        @hookimpl
+        def decodekit_register_strategies(self, register):
+            register(_RawArgmax.name, _RawArgmax)
+
+    plugin_manager.register(Plugin(), "raw_argmax_plugin")
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1,
+                                                   logprobs_mode="processed", strategy={"raw_argmax": {}}))[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 4
+    assert all(math.isnan(entry[token].logprob) for entry, token in zip(completion.logprobs, completion.token_ids))

@@ -19,6 +19,7 @@ Nothing here runs for a step in which no request asks for logprobs.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -59,11 +60,14 @@ def record_logprobs(raw_rows: dict[Sequence, torch.Tensor], processed_rows: dict
         params = seq.request.params
         table = processed_rows if params.logprobs_mode == "processed" else raw_rows
         rows = table.get(source)
-        if rows is None or rows.shape[0] < count:
-            continue  # not scored by this step's forward (cannot happen for the built-in strategies)
-        logprobs = torch.log_softmax(rows[:count].float(), dim=-1)
         tokens = seq.token_ids[-count:]
-        entries = _entries(logprobs, tokens, params.logprobs or 0, tokenizer)
+        if rows is None or rows.shape[0] < count:
+            # no row to read (a strategy scoring "raw" that never ran the processors, for processed logprobs):
+            # NaN entries keep one entry per token, so the list never falls out of step with the tokens
+            entries = [{t: Logprob(math.nan, 0, token_text(tokenizer, t))} for t in tokens]
+        else:
+            logprobs = torch.log_softmax(rows[:count].float(), dim=-1)
+            entries = _entries(logprobs, tokens, params.logprobs or 0, tokenizer)
         if seq.logprobs is None:
             seq.logprobs = []
         seq.logprobs.extend(entries)
