@@ -11,15 +11,7 @@ from pydantic import ValidationError
 from decodekit import LLM, AsyncLLM, SamplingParams, StopDecision, StoppingCriterion, hookimpl
 from decodekit.api.errors import RequestError
 from tests.conftest import assert_idle, random_prompts
-
-
-class _Explodes(StoppingCriterion):
-    name = "explodes"
-
-    def check(self, seq, params, eos_token_ids, options=None):
-        if seq.num_generated >= 2:
-            raise RuntimeError("boom")
-        return None
+from tests.faulty_plugins import Explodes
 
 
 class _Answers(StoppingCriterion):
@@ -32,7 +24,7 @@ class _Answers(StoppingCriterion):
 class _Criteria:
     @hookimpl
     def decodekit_register_stopping_criteria(self, register):
-        register(_Explodes.name, _Explodes)
+        register(Explodes.name, Explodes)
         register(_Answers.name, _Answers)
 
 
