@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 
 class DecodeKitError(Exception):
     """Base class of every error decodekit raises on purpose (the CLI prints these without a traceback)."""
@@ -37,11 +35,6 @@ class ProcessorError(PluginError):
     """A logits processor raised, or returned something the engine cannot use (a tensor of the wrong shape, dtype
     or device; a row with no finite logit). The message names the processor; the engine fails the requests whose
     rows it was processing and goes on serving the others."""
-
-    def __init__(self, message: str, rows: Iterable[int] = ()) -> None:
-        super().__init__(message)
-        self.rows = list(rows)
-        """The rows of the failed call the error concerns (all of them when it cannot tell)."""
 
 
 class EngineDeadError(DecodeKitError):

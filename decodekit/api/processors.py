@@ -257,34 +257,33 @@ def apply_processors(
             view.options = [pipelines[r][index].options for r in active]
             view.states = [states[r][index] if states is not None else None for r in active]
             if len(active) == len(batch):
-                logits = _call(proc, logits.clone() if proc.in_place else logits, view, active)
+                logits = _call(proc, logits.clone() if proc.in_place else logits, view)
                 out = logits
             else:
                 idx = torch.tensor(active, device=logits.device)
-                out = _call(proc, logits.index_select(0, idx), view, active)
+                out = _call(proc, logits.index_select(0, idx), view)
                 logits = logits.index_copy(0, idx, out)
             if observe is not None:
                 observe(proc.name, active, out)
             if check_rows:
                 bad = rows_without_choice(out)
                 if bad:
-                    raise ProcessorError(f"processor {proc.name!r} {_describe_row(out[bad[0]])}",
-                                         [active[i] for i in bad])
+                    raise ProcessorError(f"processor {proc.name!r} {_describe_row(out[bad[0]])}")
     return logits
 
 
-def _call(proc: LogitsProcessor, logits: torch.Tensor, view: BatchView, rows: list[int]) -> torch.Tensor:
+def _call(proc: LogitsProcessor, logits: torch.Tensor, view: BatchView) -> torch.Tensor:
     """One guarded processor call: its exception, or an unusable result, becomes a `ProcessorError` naming it."""
     try:
         out = proc(logits, view)
     except Exception as exc:
-        raise ProcessorError(f"processor {proc.name!r} raised {exc!r}", rows) from exc
+        raise ProcessorError(f"processor {proc.name!r} raised {exc!r}") from exc
     if not isinstance(out, torch.Tensor):
-        raise ProcessorError(f"processor {proc.name!r} returned {type(out).__name__}, not a tensor", rows)
+        raise ProcessorError(f"processor {proc.name!r} returned {type(out).__name__}, not a tensor")
     if out.shape != logits.shape or out.device != logits.device or not out.is_floating_point():
         raise ProcessorError(f"processor {proc.name!r} returned a {out.dtype} tensor of shape {tuple(out.shape)} "
                              f"on {out.device} for {logits.dtype} logits of shape {tuple(logits.shape)} on "
-                             f"{logits.device}", rows)
+                             f"{logits.device}")
     return out if out.dtype == logits.dtype else out.to(logits.dtype)
 
 
@@ -323,13 +322,10 @@ def check_processed_rows(raw: torch.Tensor, processed: torch.Tensor, batch: Batc
     if not bad:
         return
     row = bad[0]
-    try:
-        apply_processors(raw[row : row + 1], batch.select([row]), [pipelines[row]],
-                         None if greedy is None else [greedy[row]], None if states is None else [states[row]],
-                         check_rows=True)
-    except ProcessorError as exc:
-        raise ProcessorError(str(exc), bad) from None
+    apply_processors(raw[row : row + 1], batch.select([row]), [pipelines[row]],  # raises naming the stage
+                     None if greedy is None else [greedy[row]], None if states is None else [states[row]],
+                     check_rows=True)
     if pipelines[row]:  # the re-run came out fine: a processor that depends on more than its inputs
         raise ProcessorError(f"processor {pipelines[row][-1].processor.name!r} (or one before it in the pipeline) "
-                             f"{_describe_row(processed[row])}", bad)
-    raise ProcessorError(f"the model's logits have no finite value ({_describe_row(raw[row])})", bad)
+                             f"{_describe_row(processed[row])}")
+    raise ProcessorError(f"the model's logits have no finite value ({_describe_row(raw[row])})")

@@ -8,12 +8,13 @@ finished (nothing left to fail) is logged, naming the plugin, and the engine goe
 from __future__ import annotations
 
 import logging
-from types import CodeType, TracebackType
+from types import TracebackType
 from typing import Any
 
 import pluggy
 
 from decodekit.api.sequence import Request, RequestOutput
+from decodekit.core.registry import hook_owners
 
 log = logging.getLogger("decodekit.engine")
 
@@ -60,7 +61,7 @@ class LifecycleHooks:
 
 def _culprit(caller: Any, tb: TracebackType | None) -> str:
     """The plugin whose hook implementation raised: the innermost traceback frame that is one of them."""
-    owners: dict[CodeType, str] = {impl.function.__code__: impl.plugin_name for impl in caller.get_hookimpls()}
+    owners = hook_owners(caller)
     found = "unknown"
     while tb is not None:
         found = owners.get(tb.tb_frame.f_code, found)

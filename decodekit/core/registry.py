@@ -92,11 +92,17 @@ class Registry:
         return {name: entry.factory for name, entry in self.constraint_backends.items()}
 
 
+def hook_owners(caller: Any) -> dict[CodeType, str]:
+    """Which plugin each implementation of a pluggy hook belongs to, by its function's code object (to tell from
+    a stack or a traceback which plugin's code is running)."""
+    return {impl.function.__code__: impl.plugin_name for impl in caller.get_hookimpls()}
+
+
 def _plugin_finder(caller: Any) -> Callable[[], str]:
     """Which plugin is registering right now: the hook implementation on the call stack. pluggy calls every
     implementation itself, so the register callback learns its caller from the stack (this is only for messages
     and `decodekit plugins`: who registered what)."""
-    owners: dict[CodeType, str] = {impl.function.__code__: impl.plugin_name for impl in caller.get_hookimpls()}
+    owners = hook_owners(caller)
 
     def find() -> str:
         frame = sys._getframe(2)

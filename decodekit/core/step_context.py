@@ -26,10 +26,9 @@ class StepRecord:
     """What one step did: how many tokens each sequence got, in the order they got them."""
 
     appended: dict[Sequence, int] = field(default_factory=dict)
-    forked: list[Sequence] = field(default_factory=list)
-    """Sequences `fork` made this step (a failed strategy call's forks that got no token are dropped again)."""
     parents: dict[Sequence, Sequence] = field(default_factory=dict)
-    """The sequence each of `forked` was forked from (its first token came from the parent's row)."""
+    """Each sequence `fork` made this step, and the one it was forked from (its first token came from the parent's
+    row; a failed strategy call's forks that got no token are dropped again)."""
     faults: dict[Request, str] = field(default_factory=dict)
     """Requests a processor's state hook failed for this step, and why: the select stage fails them. The strategy
     never sees the error, so it cannot leave the other requests of its batch half-done."""
@@ -134,7 +133,6 @@ class EngineStepContext:
         if seq.trace is not None:
             child.trace = list(seq.trace)
         request.sequences.append(child)
-        self.record.forked.append(child)
         self.record.parents[child] = seq
         return child
 

@@ -15,7 +15,6 @@ Only rows of traced requests are looked at; with no traced request in a batch, n
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,15 +54,13 @@ class StageObserver:
                                                                               self.tokenizer)})
 
 
-def observer_for(raw: torch.Tensor, positions: list[Sequence], tokenizer: Any
-                 ) -> tuple[Callable[[str, list[int], torch.Tensor], None] | None, StageObserver | None]:
-    """An observer for `apply_processors` over rows `positions` (one sequence per row), or None when no row is
-    traced."""
+def observer_for(raw: torch.Tensor, positions: list[Sequence], tokenizer: Any) -> StageObserver | None:
+    """An observer for `apply_processors` (its `observe`) over rows `positions` (one sequence per row), or None
+    when no row is traced."""
     traced = {row: seq.request.params.trace for row, seq in enumerate(positions) if wants_trace(seq)}
     if not traced:
-        return None, None
-    observer = StageObserver(raw, {row: int(count or 1) for row, count in traced.items()}, tokenizer)
-    return observer, observer
+        return None
+    return StageObserver(raw, {row: int(count or 1) for row, count in traced.items()}, tokenizer)
 
 
 def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, list[int]],

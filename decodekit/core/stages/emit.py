@@ -81,7 +81,7 @@ class OutputEmitter:
             delta_ids.append(seq.generated_ids[cursor.token_count :])
             cursor.text_len = max(cursor.text_len, len(visible))
             cursor.token_count = seq.num_generated
-            asked = seq.logprobs is not None or request.params.logprobs is not None
+            asked = request.params.logprobs is not None
             outputs.append(CompletionOutput(index, visible if not seq.finished else seq.text, seq.generated_ids,
                                             seq.finish_reason, seq.stop_reason,
                                             cumulative_logprob=seq.cumulative_logprob if asked else None,

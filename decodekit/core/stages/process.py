@@ -61,8 +61,8 @@ class Processing:
         view = self.batch_view(seqs)
         positions = [seq for seq in seqs for _ in range(seq.num_scored_positions)]
         pipelines, greedy, states = _pipelines(positions)
-        observe, observer = observer_for(logits, positions, self.tokenizer)
-        out = apply_processors(logits, view, pipelines, greedy, states, observe=observe)
+        observer = observer_for(logits, positions, self.tokenizer)
+        out = apply_processors(logits, view, pipelines, greedy, states, observe=observer)
         check_processed_rows(logits, out, view, pipelines, greedy, states)
         if observer is not None:
             traced: dict[Sequence, list[Stages]] = {}

@@ -105,7 +105,7 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
 
 def _drop_tokenless_forks(request: Request, ctx: EngineStepContext) -> None:
     """Free the sequences a failed strategy call forked for `request` before it could give them a token."""
-    for child in ctx.record.forked:
+    for child in list(ctx.record.parents):
         if child.request is request and child not in ctx.record.appended and child in request.sequences:
             ctx.free(child)
 
