@@ -127,10 +127,40 @@ def test_parallel_sampling_gives_each_sequence_its_own_logprobs_equal_to_its_sol
         assert math.isclose(a.cumulative_logprob, sum(_chosen(a.logprobs, a.token_ids)), abs_tol=1e-4)
 
 
-def test_beam_search_refuses_logprobs_for_now_with_a_clear_error(llm):
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, logprobs=2,
-                                                   strategy={"beam_search": {}}))[0]
-    assert out.finish_reason == "error" and "logprobs are not available with beam search yet" in out.error
+@pytest.mark.parametrize(("length_penalty", "repetition_penalty"), [(1.0, 1.0), (0.5, 1.3)])
+def test_beam_search_logprobs_equal_transformers_transition_scores_and_add_up_to_each_beams_score(
+        llama, tokenizer, length_penalty, repetition_penalty):
+    llama.generation_config.eos_token_id = 5  # a frequent token, so hypotheses finish at different lengths
+    try:
+        llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+        prompts = random_prompts(3, 3, 14, seed=5)
+        beam = {"beam_search": {"num_beams": 3, "length_penalty": length_penalty, "num_return_sequences": 3}}
+        penalty = [{"repetition_penalty": {"penalty": repetition_penalty}}] if repetition_penalty != 1.0 else []
+        processed = SamplingParams(temperature=0, max_tokens=8, logprobs=2, logprobs_mode="processed",
+                                   processors=penalty, strategy=beam)
+        raw = processed.model_copy(update={"logprobs_mode": "raw"})
+        outs = llm.generate(prompts + prompts, [processed] * 3 + [raw] * 3)
+        for prompt, out, raw_out in zip(prompts, outs[:3], outs[3:]):
+            hf_out = llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, num_beams=3,
+                                    num_return_sequences=3, length_penalty=length_penalty,
+                                    repetition_penalty=repetition_penalty, output_scores=True,
+                                    return_dict_in_generate=True, pad_token_id=0, eos_token_id=[5, 2])
+            transition = llama.compute_transition_scores(hf_out.sequences, hf_out.scores, hf_out.beam_indices,
+                                                         normalize_logits=False)
+            for i, o in enumerate(out.outputs):
+                n = len(o.token_ids)
+                assert o.token_ids == hf_out.sequences[i, len(prompt) : len(prompt) + n].tolist()
+                assert len(o.logprobs) == n
+                assert _chosen(o.logprobs, o.token_ids) == pytest.approx(transition[i, :n].tolist(), abs=1e-4)
+                assert o.cumulative_logprob / n ** length_penalty == pytest.approx(o.score, abs=1e-4)
+                assert o.score == pytest.approx(float(hf_out.sequences_scores[i]), abs=1e-4)
+            for o in raw_out.outputs:  # raw: the model's own log-softmax along each hypothesis
+                want = torch.log_softmax(_hf_rows(llama, prompt, o.token_ids), dim=-1)
+                assert _chosen(o.logprobs, o.token_ids) == pytest.approx(
+                    [want[j, t].item() for j, t in enumerate(o.token_ids)], abs=TOL)
+    finally:
+        llama.generation_config.eos_token_id = 2
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
 
 
 @settings(max_examples=25, deadline=None)

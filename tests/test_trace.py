@@ -4,6 +4,7 @@ speculative metrics, and costs nothing to requests that do not ask."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -11,6 +12,7 @@ import pytest
 
 from decodekit import LLM, SamplingParams
 from tests.conftest import random_prompts
+from tests.faulty_plugins import FaultyProcessors
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def test_each_token_has_an_event_with_every_stage_in_pipeline_order_and_the_last
         events = _token_events(completion.trace)
         assert [e["token"] for e in events] == completion.token_ids
         assert [e["index"] for e in events] == list(range(5))
-        assert completion.trace[-1] == {"finished": "length", "stop_reason": None}
+        assert completion.trace[-1] == {"finished": "length", "stop_reason": None, "criterion": "max_tokens"}
         for event, entry in zip(events, completion.logprobs):
             assert [s["stage"] for s in event["stages"]] == ["model", "repetition_penalty", "temperature", "top_k",
                                                              "top_p"]
@@ -57,6 +59,7 @@ def test_a_speculative_trace_lists_drafts_and_acceptances_that_add_up_to_the_met
         drafts = [e["drafts"] for e in events if "drafts" in e]
         assert sum(len(d["proposed"]) for d in drafts) == out.metrics.num_draft_tokens > 0
         assert sum(d["accepted"] for d in drafts) == out.metrics.num_accepted_tokens
+        assert {d["proposer"] for d in drafts} == {"draft"}
         assert {e["chosen_by"] for e in events} <= {"argmax", "draft accepted"}
         assert all(e["strategy"] == "speculative" for e in events)
 
@@ -70,7 +73,7 @@ def test_a_stop_event_names_the_reason_and_tokens_past_a_stop_leave_no_event(llm
                                                                                    "num_speculative_tokens": 5}}))[0]
     completion = out.outputs[0]
     assert [e["token"] for e in _token_events(completion.trace)] == completion.token_ids
-    assert completion.trace[-1] == {"finished": "stop", "stop_reason": stop}
+    assert completion.trace[-1] == {"finished": "stop", "stop_reason": stop, "criterion": "stop_token_ids"}
 
 
 def test_parallel_samples_each_get_their_own_trace(llm):
@@ -78,3 +81,54 @@ def test_parallel_samples_each_get_their_own_trace(llm):
                                                    trace=2))[0]
     for completion in out.outputs:
         assert [e["token"] for e in _token_events(completion.trace)] == completion.token_ids
+
+
+def test_a_beam_search_trace_follows_each_returned_hypothesis_with_every_steps_candidates_and_fates(
+        llama, tokenizer):
+    llama.generation_config.eos_token_id = 5  # a frequent token, so hypotheses finish at different lengths
+    try:
+        llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+        out = llm.generate(random_prompts(1, 4, 10, seed=34), SamplingParams(
+            temperature=0, max_tokens=8, trace=3, logprobs=0, logprobs_mode="processed",
+            strategy={"beam_search": {"num_beams": 3, "num_return_sequences": 3}}))[0]
+    finally:
+        llama.generation_config.eos_token_id = 2
+    for completion in out.outputs:
+        events = _token_events(completion.trace)
+        assert [e["token"] for e in events] == completion.token_ids
+        assert all(e["chosen_by"] == "beam search" and e["strategy"] == "beam_search" for e in events)
+        for event in events:
+            beam, step = event["beam"], event["beams"]
+            # this token is among the step's candidates, from its parent beam, with its running score
+            mine = [c for c in step["candidates"] if c["parent"] == beam["parent"] and c["token"] == event["token"]]
+            assert len(mine) == 1 and math.isclose(mine[0]["score"], beam["score"], abs_tol=1e-5)
+            assert mine[0]["fate"] == ("kept" if beam["index"] is not None else "finished")
+            assert {c["fate"] for c in step["candidates"]} <= {"kept", "finished", "dropped"}
+            assert sum(c["fate"] == "kept" for c in step["candidates"]) <= 3
+            assert all(0 <= b < 3 for b in step["pruned"])
+        scores = [e["beam"]["score"] for e in events]  # running scores: the processed logprobs add up to them
+        assert scores == pytest.approx(list(itertools.accumulate(
+            entry[t].logprob for entry, t in zip(completion.logprobs, completion.token_ids))), abs=1e-4)
+        last = events[-1]["beam"]
+        assert last["index"] is None and math.isclose(last["final_score"], completion.score, abs_tol=1e-5)
+        assert completion.trace[-1]["criterion"] == "beam_search"
+        json.dumps(completion.trace)
+
+
+def test_a_failed_or_aborted_traced_request_ends_its_trace_with_an_event_that_says_why(llama, tokenizer,
+                                                                                      plugin_manager):
+    plugin_manager.register(FaultyProcessors(), "faulty_plugin")
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager)
+    traced = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, trace=1)
+    llm.engine.add_request([5, 6, 7], traced, request_id="aborted")
+    llm.engine.add_request([5, 6, 8], traced.model_copy(update={"stopping": ["explodes"]}), request_id="failed")
+    outputs = [o for _ in range(4) for o in llm.engine.step() if o.finished]
+    assert llm.engine.abort("aborted")
+    outputs += [o for o in llm.engine.step() if o.finished]
+    by_id = {o.request_id: o.outputs[0] for o in outputs}
+    failed, aborted = by_id["failed"], by_id["aborted"]
+    assert failed.trace[-1] == {"finished": "error",
+                                "error": "stopping criterion 'explodes' failed: RuntimeError('boom')"}
+    assert len(_token_events(failed.trace)) == len(failed.token_ids) == 2
+    assert aborted.trace[-1] == {"finished": "abort"}
+    assert len(_token_events(aborted.trace)) == len(aborted.token_ids) == 4

@@ -31,8 +31,9 @@ The step protocol. `Engine.step()` (`decodekit/core/engine.py`) runs these stage
 7. emit (`core/stages/emit.py`): the step's outputs are returned: the final outputs queued since the last step,
    then a delta for every other request that got tokens; `decodekit_step_finished` is called once.
 
-`decodekit_request_finished` is called when a request's final output is queued: inside a step when it stops,
-fails or gets a strategy's results; inside `add_request` when the request is refused; inside `abort`.
+`decodekit_request_finished` is called when a request's final output is built: in the emit stage of the step in
+which it stopped, failed or got a strategy's results, or of the next step for a request refused in `add_request`
+or ended by `abort`.
 
 The strategy contract (`decodekit.api.strategy.Strategy`): per request, which positions need scores (`propose`)
 and what to do with them (`select`); `check_compatible` refuses combinations it cannot run when a request or
@@ -190,8 +191,8 @@ def decodekit_step_finished(engine: EngineHandle, outputs: list[RequestOutput]) 
 
 @hookspec
 def decodekit_request_finished(engine: EngineHandle, request: Request, output: RequestOutput) -> None:
-    """Called once when a request's final output is queued (stop, length, abort or error): during a step, or
-    during `add_request` (a refused request) or `abort`.
+    """Called once when a request's final output is built (stop, length, abort or error): in the emit stage of the
+    step that ended it, or of the next step for a request refused in `add_request` or ended by `abort`.
 
     :param engine: the engine.
     :param request: the finished request.

@@ -27,12 +27,18 @@ from decodekit.api.sequence import Request, Sequence
 
 @dataclass
 class StrategyResult:
-    """One final output a strategy chose for its request (beam search: a hypothesis and its score)."""
+    """One final output a strategy chose for its request (beam search: a hypothesis and its score).
+
+    `sequence`, when given, is the finished sequence this output is (a hypothesis kept as a sequence of its own:
+    fork a live one, append the last token, finish it); the output then carries that sequence's logprobs and
+    trace, which the engine records for every sequence as for any other. Without it, the output has none.
+    """
 
     token_ids: list[int]
     finish_reason: str
     score: float | None = None
     stop_reason: str | int | None = None
+    sequence: Sequence | None = None
 
 
 class StepContext(Protocol):
@@ -80,6 +86,13 @@ class StepContext(Protocol):
 
     def set_results(self, request: Request, results: list[StrategyResult]) -> None:
         """Set a request's final outputs (instead of one output per sequence) and finish it."""
+        ...
+
+    def note(self, seq: Sequence, **facts: Any) -> None:
+        """Add facts to this step's event of `seq` in the decoding trace (`SamplingParams.trace`): what the strategy
+        decided and why (beam search: the candidates, their scores and fates). A dict merges into a dict the event
+        already has (`drafts`). Values must be JSON-ready. Kept only when the request asks for the trace
+        (`seq.request.params.trace is not None`): check that first when the facts cost anything to build."""
         ...
 
 

@@ -134,7 +134,7 @@ class Engine:
             self._fail(select(scored, ctx, self.tokenizer))
             done, failures = self.stop.run(record)
             trim_logprobs(record.appended)
-            record_stops(record.appended)
+            record_stops(record.appended, record.finished_by)
             self._fail(failures)
             for request in done:
                 self.lifecycle.complete(request)

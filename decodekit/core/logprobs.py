@@ -46,6 +46,9 @@ def record_logprobs(raw_rows: dict[Sequence, torch.Tensor], processed_rows: dict
                     appended: dict[Sequence, int], parents: dict[Sequence, Sequence], tokenizer: Any) -> None:
     """Append each new token's logprobs to its sequence (`seq.logprobs`, `seq.cumulative_logprob`).
 
+    The rows of the whole step go through one log-softmax, one gather and one top-k (per kind of row), not one per
+    sequence: at batch 32 that is most of what logprobs cost.
+
     Args:
         raw_rows: the model's logits rows of each scored sequence this step (`[positions, vocab]`).
         processed_rows: the processed rows of the sequences whose requests asked for `processed` logprobs.
@@ -53,25 +56,43 @@ def record_logprobs(raw_rows: dict[Sequence, torch.Tensor], processed_rows: dict
         parents: the sequence each sequence forked this step was forked from.
         tokenizer: decodes each listed token.
     """
+    # per kind of row: sequences, their rows, their tokens; "logprobs" rows are a strategy's processed
+    # log-probabilities (beam search), read as they are so that a beam's logprobs add up to its score
+    jobs: dict[str, list[tuple[Sequence, torch.Tensor, list[int]]]] = {"logits": [], "logprobs": []}
     for seq, count in appended.items():
         if not wants_logprobs(seq) or count == 0:
             continue
         source = row_source(seq, raw_rows, parents)
         params = seq.request.params
-        table = processed_rows if params.logprobs_mode == "processed" else raw_rows
-        rows = table.get(source)
+        processed = params.logprobs_mode == "processed"
+        rows = (processed_rows if processed else raw_rows).get(source)
         tokens = seq.token_ids[-count:]
         if rows is None or rows.shape[0] < count:
             # no row to read (a strategy scoring "raw" that never ran the processors, for processed logprobs):
             # NaN entries keep one entry per token, so the list never falls out of step with the tokens
-            entries = [{t: Logprob(math.nan, 0, token_text(tokenizer, t))} for t in tokens]
-        else:
-            logprobs = torch.log_softmax(rows[:count].float(), dim=-1)
-            entries = _entries(logprobs, tokens, params.logprobs or 0, tokenizer)
-        if seq.logprobs is None:
-            seq.logprobs = []
-        seq.logprobs.extend(entries)
-        seq.cumulative_logprob += sum(entry[token].logprob for entry, token in zip(entries, tokens))
+            _extend(seq, [{t: Logprob(math.nan, 0, token_text(tokenizer, t))} for t in tokens], tokens)
+            continue
+        kind = "logprobs" if processed and seq.request.plan.strategy.scores == "logprobs" else "logits"
+        jobs[kind].append((seq, rows[:count], tokens))
+    for kind, items in jobs.items():
+        if not items:
+            continue
+        rows = torch.cat([r for _, r, _ in items]).float()
+        logprobs = rows if kind == "logprobs" else torch.log_softmax(rows, dim=-1)
+        tokens = [t for _, _, ts in items for t in ts]
+        tops = [seq.request.params.logprobs or 0 for seq, _, ts in items for _ in ts]
+        entries = _entries(logprobs, tokens, tops, tokenizer)
+        start = 0
+        for seq, _, ts in items:
+            _extend(seq, entries[start : start + len(ts)], ts)
+            start += len(ts)
+
+
+def _extend(seq: Sequence, entries: list[TokenLogprobs], tokens: list[int]) -> None:
+    if seq.logprobs is None:
+        seq.logprobs = []
+    seq.logprobs.extend(entries)
+    seq.cumulative_logprob += sum(entry[token].logprob for entry, token in zip(entries, tokens))
 
 
 def trim_logprobs(appended: dict[Sequence, int]) -> None:
@@ -100,19 +121,26 @@ def record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor, tok
     recorded.extend(_entries(logprobs, tokens, request.params.prompt_logprobs or 0, tokenizer))
 
 
-def _entries(logprobs: torch.Tensor, tokens: list[int], top: int, tokenizer: Any) -> list[TokenLogprobs]:
-    """Per row: the chosen token, then the `top` most likely ones, each with its logprob, rank and text."""
+def _entries(logprobs: torch.Tensor, tokens: list[int], top: int | list[int], tokenizer: Any
+             ) -> list[TokenLogprobs]:
+    """Per row: the chosen token, then the `top` (per row, or for every row) most likely ones, each with its
+    logprob, rank and text."""
+    tops = top if isinstance(top, list) else [top] * len(tokens)
     chosen_ids = torch.tensor(tokens, device=logprobs.device)[:, None]
     chosen = logprobs.gather(1, chosen_ids)
     ranks = (logprobs > chosen).sum(dim=-1) + 1  # vLLM's rank: 1 + how many tokens are strictly more likely
     chosen_list, rank_list = chosen[:, 0].tolist(), ranks.tolist()
-    top_values, top_ids = (logprobs.topk(top, dim=-1) if top else (None, None))
-    top_value_list = top_values.tolist() if top_values is not None else [[] for _ in tokens]
-    top_id_list = top_ids.tolist() if top_ids is not None else [[] for _ in tokens]
+    most = max(tops, default=0)
+    if most:
+        top_values, top_ids = logprobs.topk(most, dim=-1)
+        top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
+    else:
+        top_value_list = top_id_list = [[] for _ in tokens]
     entries: list[TokenLogprobs] = []
-    for token, value, rank, alt_values, alt_ids in zip(tokens, chosen_list, rank_list, top_value_list, top_id_list):
+    for token, value, rank, alt_values, alt_ids, n in zip(tokens, chosen_list, rank_list, top_value_list,
+                                                          top_id_list, tops):
         entry = {token: Logprob(value, rank, token_text(tokenizer, token))}
-        for r, (alt, alt_id) in enumerate(zip(alt_values, alt_ids), start=1):
+        for r, (alt, alt_id) in enumerate(zip(alt_values[:n], alt_ids[:n]), start=1):
             if alt_id not in entry:
                 entry[alt_id] = Logprob(alt, r, token_text(tokenizer, alt_id))
         entries.append(entry)

@@ -26,6 +26,7 @@ from decodekit.core.plan import Components
 from decodekit.core.scheduler import Scheduler
 from decodekit.core.stages.emit import OutputEmitter
 from decodekit.core.stages.stop import StopStage
+from decodekit.core.trace import record_end
 
 log = logging.getLogger("decodekit.engine")
 
@@ -131,6 +132,7 @@ class RequestLifecycle:
         for seq in request.sequences:
             if not seq.finished:
                 self.stop.finish_sequence(seq, "abort")
+                record_end(seq, "abort")
         self.complete(request)
         return True
 
@@ -142,6 +144,7 @@ class RequestLifecycle:
         for seq in request.sequences:
             if not seq.finished:
                 self.stop.finish_sequence(seq, "error", text=seq.text)
+                record_end(seq, "error", error)
         self.complete(request)
 
     def set_results(self, request: Request, results: list[StrategyResult]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,11 @@ class StepRecord:
     faults: dict[Request, str] = field(default_factory=dict)
     """Requests a processor's state hook failed for this step, and why: the select stage fails them. The strategy
     never sees the error, so it cannot leave the other requests of its batch half-done."""
+    notes: dict[Sequence, dict[str, Any]] = field(default_factory=dict)
+    """Facts a strategy added to the trace event of a traced sequence this step (`StepContext.note`)."""
+    finished_by: dict[Sequence, str] = field(default_factory=dict)
+    """Who finished each sequence that finished this step: a stopping criterion's name, `max_model_len`, or the
+    strategy that finished it (the trace's stop event names it)."""
 
     def requests(self) -> list[Request]:
         """The requests whose sequences got tokens this step, each once, in order."""
@@ -145,6 +151,12 @@ class EngineStepContext:
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Finish a sequence with a reason ("stop", "length")."""
         self._finish(seq, reason, stop_reason)
+        self.record.finished_by[seq] = seq.request.plan.strategy.name
+
+    def note(self, seq: Sequence, **facts: Any) -> None:
+        """Add facts to this step's trace event of `seq` (kept only when its request asks for the trace)."""
+        if seq.request.params.trace is not None:
+            self.record.notes.setdefault(seq, {}).update(facts)
 
     def set_results(self, request: Request, results: list[StrategyResult]) -> None:
         """A strategy's final outputs for a request; its remaining sequences are released."""

@@ -4,11 +4,18 @@ how the token was chosen and what was drafted; then why the sequence stopped.
 Each event is a JSON-ready dict appended to `seq.trace`:
 
 - a token event: `{"index": i, "token": id, "text": str, "chosen_by": "argmax" | "sampled" | "sampled, seed S" |
-  "draft accepted", "strategy": name, "stages": [{"stage": "model" | <processor>, "top": [[id, text, p], ...]},
-  ...]}` and, on the first token of a speculative step, `"drafts": {"proposed": [...], "accepted": k}`. `stages`
-  holds the `N` most likely candidates (with probabilities) of the model's logits and after each processor stage of
-  the row the token was chosen from; a greedy row skips trailing argmax-invariant stages, so they do not appear.
-- the stop event: `{"finished": reason, "stop_reason": ...}`.
+  "draft accepted" | "beam search", "strategy": name, "stages": [{"stage": "model" | <processor>, "top": [[id,
+  text, p], ...]}, ...]}` and, on the first token of a speculative step, `"drafts": {"proposed": [...], "accepted":
+  k, "proposer": name}`. `stages` holds the `N` most likely candidates (with probabilities) of the model's logits
+  and after each processor stage of the row the token was chosen from; a greedy row skips trailing
+  argmax-invariant stages, so they do not appear. What the strategy noted this step (`StepContext.note`) is merged
+  into the first event of the step: beam search adds `"beam": {"parent": p, "index": i, "score": s}` (this beam
+  continues beam p of the previous step and is beam i now, with running score s; a finished hypothesis has `"index":
+  null` and `"final_score"`) and `"beams": {"candidates": [{"parent", "token", "text", "score", "fate": "kept" |
+  "finished" | "dropped"}, ...], "pruned": [...]}` (the request's whole step, shared by its beams).
+- the stop event, last: `{"finished": reason, "stop_reason": ..., "criterion": name}` (the stopping criterion, the
+  strategy or `max_model_len` that finished the sequence), `{"finished": "error", "error": message}` or
+  `{"finished": "abort"}`.
 
 Only rows of traced requests are looked at; with no traced request in a batch, nothing here runs.
 """
@@ -64,8 +71,10 @@ def observer_for(raw: torch.Tensor, positions: list[Sequence], tokenizer: Any) -
 
 
 def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, list[int]],
-                  appended: dict[Sequence, int], parents: dict[Sequence, Sequence], tokenizer: Any) -> None:
-    """Append a token event for every token a traced sequence got this step (the select stage's record)."""
+                  appended: dict[Sequence, int], parents: dict[Sequence, Sequence], tokenizer: Any,
+                  notes: dict[Sequence, dict[str, Any]] | None = None) -> None:
+    """Append a token event for every token a traced sequence got this step (the select stage's record), with what
+    the strategy noted about the sequence (`notes`) merged into the step's first event."""
     for seq, count in appended.items():
         if not wants_trace(seq) or count == 0:
             continue
@@ -89,16 +98,42 @@ def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, l
                                      "stages": rows[j] if j < len(rows) else []}
             if j == 0 and proposed:
                 event["drafts"] = {"proposed": list(proposed), "accepted": count - 1}
+            if j == 0 and notes and seq in notes:
+                _merge(event, notes[seq])
             seq.trace.append(event)
 
 
-def record_stops(appended: dict[Sequence, int]) -> None:
+def _merge(event: dict[str, Any], facts: dict[str, Any]) -> None:
+    for key, value in facts.items():
+        if isinstance(value, dict) and isinstance(event.get(key), dict):
+            event[key] = {**event[key], **value}
+        else:
+            event[key] = value
+
+
+def record_stops(appended: dict[Sequence, int], finished_by: dict[Sequence, str]) -> None:
     """After the stop stage: drop the events of tokens it removed (a stop inside a run of accepted drafts), and add
-    a stop event to every traced sequence that finished this step."""
+    a stop event to every traced sequence that finished this step, naming what finished it (`finished_by`)."""
     for seq in appended:
         if seq.trace is None:
             continue
         while seq.trace and seq.trace[-1].get("index", -1) >= seq.num_generated:
             seq.trace.pop()
-        if seq.finished and not (seq.trace and "finished" in seq.trace[-1]):
-            seq.trace.append({"finished": seq.finish_reason, "stop_reason": seq.stop_reason})
+        if seq.finished and not _ended(seq):
+            seq.trace.append({"finished": seq.finish_reason, "stop_reason": seq.stop_reason,
+                              "criterion": finished_by.get(seq)})
+
+
+def record_end(seq: Sequence, reason: str, error: str | None = None) -> None:
+    """The stop event of a traced sequence ended from outside the step's stages: `abort`, or `error` with the
+    message (a request that failed)."""
+    if seq.trace is None and not wants_trace(seq):
+        return
+    if seq.trace is None:
+        seq.trace = []
+    if not _ended(seq):
+        seq.trace.append({"finished": reason, "error": error} if error is not None else {"finished": reason})
+
+
+def _ended(seq: Sequence) -> bool:
+    return bool(seq.trace) and "finished" in seq.trace[-1]  # type: ignore[index]

@@ -7,12 +7,18 @@ step, per request: the beams' processed log-probabilities plus their running sco
 candidates (top-k over beams x vocab); candidates ending in EOS (or at the length limit) among the top
 `num_beams` become finished hypotheses scored `logprob / generated_len ** length_penalty`; the best non-finished
 candidates become the next beams; transformers' early-stopping heuristic decides when to stop.
+
+A finished hypothesis is a sequence of its own (a fork of its beam with the last token appended, finished at once;
+its blocks are released then), so the engine records its logprobs and trace like any other sequence's: per-token
+`processed` logprobs are the beam's processed log-probabilities and add up to its score times
+`generated_len ** length_penalty`. A traced request's events say, per step, which candidates were kept, finished
+or dropped and which beams were pruned (`StepContext.note`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,9 +59,10 @@ class _BeamState:
     beams: list[Sequence]
     scores: torch.Tensor  # running log-prob per live beam
     finished_scores: torch.Tensor  # num_beams slots, _NEG when empty
-    finished: list[tuple[list[int], str] | None] = field(default_factory=list)
+    finished: list[tuple[Sequence, str] | None] = field(default_factory=list)  # the hypothesis and its reason
     heuristic_unsatisfied: bool = True
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # beam rows received, waiting for the others
+    step_note: dict[str, Any] = field(default_factory=dict)  # this step's candidates and fates (traced requests)
 
 
 _BEAMS = StashKey[_BeamState]()
@@ -71,6 +78,11 @@ class BeamSearchStrategy(Strategy):
     Params = BeamSearchParams
     handles_stopping = True
     scores = "logprobs"  # transformers' beam search processes log-probabilities
+    tokenizer: Any = None
+
+    def setup(self, info: Any) -> None:
+        """Keep the tokenizer: a traced request's candidates are shown with their text."""
+        self.tokenizer = info.tokenizer
 
     def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
         assert isinstance(options, BeamSearchParams)
@@ -84,11 +96,6 @@ class BeamSearchStrategy(Strategy):
             raise ValueError("stop strings are not supported with beam search (use stop_token_ids)")
         if params.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with beam search")
-        if params.trace is not None:
-            raise ValueError("the decoding trace is not available with beam search yet")
-        if params.logprobs is not None:
-            raise ValueError("logprobs are not available with beam search yet (each hypothesis' score is its "
-                             "cumulative log-probability: CompletionOutput.score)")
         if params.stopping:
             # beam search finishes its hypotheses itself (EOS, stop_token_ids, max_tokens); refusing is better
             # than running a named criterion's request to the end as if it were not there
@@ -141,16 +148,26 @@ class BeamSearchStrategy(Strategy):
         new_final = torch.where(eligible & (not blocked), new_final, new_final + _NEG * 3)
         merged = torch.cat([state.finished_scores, new_final])
         best = merged.topk(num_beams).indices.tolist()
-        finished: list[tuple[list[int], str] | None] = []
+        finished: list[tuple[Sequence, str] | None] = []
+        new_hypotheses: dict[int, int] = {}  # candidate -> slot
         for j in best:
             if j < num_beams:
                 finished.append(state.finished[j])
             elif bool(eligible[j - num_beams]) and not blocked:
+                # a sequence of its own, forked before any beam gets this step's token
                 c = j - num_beams
                 reason = "stop" if token_of[c] in eos else "length"
-                finished.append(([*state.beams[beam_of[c]].generated_ids, token_of[c]], reason))
+                hypothesis = ctx.fork(state.beams[beam_of[c]])
+                ctx.append_token(hypothesis, token_of[c])
+                ctx.finish(hypothesis, reason)
+                new_hypotheses[c] = len(finished)
+                finished.append((hypothesis, reason))
             else:
                 finished.append(None)
+        kept_hypotheses = {id(h[0]) for h in finished if h is not None}
+        for old in state.finished:
+            if old is not None and id(old[0]) not in kept_hypotheses:
+                ctx.free(old[0])  # displaced by a better one
         state.finished_scores = merged[best]
         state.finished = finished
 
@@ -161,6 +178,8 @@ class BeamSearchStrategy(Strategy):
         # never becomes a beam; transformers would carry it along with a -inf score, which can never win.
         chosen = [c for c in chosen if running[c] != float("-inf")] or chosen[:1]
         state.scores = running[chosen]
+        if request.params.trace is not None:
+            self._note_step(ctx, state, new_hypotheses, chosen, beam_of, token_of, top_scores)
 
         # Early-stopping heuristic (transformers' `_check_early_stop_heuristic`), at the new length.
         new_len = generated + 1
@@ -177,10 +196,38 @@ class BeamSearchStrategy(Strategy):
         if stop:
             self._finish(ctx, request, state, options)
             return
-        self._advance(ctx, state, [beam_of[c] for c in chosen], [token_of[c] for c in chosen])
+        self._advance(ctx, state, [beam_of[c] for c in chosen], [token_of[c] for c in chosen],
+                      traced=request.params.trace is not None)
+
+    def _note_step(self, ctx: StepContext, state: _BeamState, new_hypotheses: dict[int, int], chosen: list[int],
+                   beam_of: list[int], token_of: list[int], top_scores: torch.Tensor) -> None:
+        """For the trace: every candidate of this step with its fate, the beams left without a continuation, and
+        each new hypothesis' place (the new beams are noted in `_advance`, once they are sequences)."""
+        scores = top_scores.tolist()
+        kept = set(chosen)
+        candidates = [{"parent": b, "token": t, "text": self._text(t), "score": round(v, 6),
+                       "fate": "kept" if c in kept else "finished" if c in new_hypotheses else "dropped"}
+                      for c, (b, t, v) in enumerate(zip(beam_of, token_of, scores))]
+        step = {"candidates": candidates,
+                "pruned": sorted(set(range(len(state.beams))) - {beam_of[c] for c in chosen})}
+        finals = state.finished_scores.tolist()
+        for c, slot in new_hypotheses.items():
+            hypothesis = state.finished[slot]
+            assert hypothesis is not None
+            ctx.note(hypothesis[0], chosen_by="beam search", beams=step,
+                     beam={"parent": beam_of[c], "index": None, "score": round(scores[c], 6),
+                           "final_score": round(finals[slot], 6)})
+        state.step_note = step
+
+    def _text(self, token: int) -> str | None:
+        try:
+            return str(self.tokenizer.decode([token])) if self.tokenizer is not None else None
+        except Exception:  # a tokenizer that cannot decode one id alone: the id still says which token
+            return None
 
     @staticmethod
-    def _advance(ctx: StepContext, state: _BeamState, parents: list[int], tokens: list[int]) -> None:
+    def _advance(ctx: StepContext, state: _BeamState, parents: list[int], tokens: list[int],
+                 traced: bool = False) -> None:
         """Turn chosen (parent beam, token) pairs into live sequences: reuse a parent once, fork it for more."""
         used: set[int] = set()
         children: list[Sequence] = []
@@ -196,15 +243,18 @@ class BeamSearchStrategy(Strategy):
                 ctx.free(seq)
         for seq, token in zip(children, tokens):
             ctx.append_token(seq, token)
+        if traced:
+            for index, (seq, parent, score) in enumerate(zip(children, parents, state.scores.tolist())):
+                ctx.note(seq, chosen_by="beam search", beams=state.step_note,
+                         beam={"parent": parent, "index": index, "score": round(score, 6)})
         state.beams = children
 
     @staticmethod
     def _finish(ctx: StepContext, request: Request, state: _BeamState, options: BeamSearchParams) -> None:
         results = [
-            StrategyResult(ids, reason, float(score))
+            StrategyResult(seq.generated_ids, reason, float(score), sequence=seq)
             for hyp, score in zip(state.finished, state.finished_scores.tolist())
             if hyp is not None
-            for ids, reason in [hyp]
+            for seq, reason in [hyp]
         ][: options.num_return_sequences]
         ctx.set_results(request, results)
-

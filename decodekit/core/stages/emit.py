@@ -1,8 +1,10 @@
 """The emit stage: build each request's output for this step (stream deltas, or the final output).
 
-Streamed text is held back while it may still turn out to be the start of a stop string. Final outputs are queued
-when a request completes (during a step, or between steps: an abort, a request refused at submission) and returned
-by the next `emit`. This module owns what has been streamed to the caller (per sequence: characters and tokens).
+Streamed text is held back while it may still turn out to be the start of a stop string. A request that completes
+(during a step, or between steps: an abort, a request refused at submission) is queued, and its final output is
+built and returned by the next `emit`: built then, not when it completed, so that what the step records after a
+strategy finished the request (the logprobs and trace events of beam search's last hypotheses) is in it. This
+module owns what has been streamed to the caller (per sequence: characters and tokens).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class OutputEmitter:
     def __init__(self, tokenizer: Any, on_final: Callable[[Request, RequestOutput], None]) -> None:
         self.tokenizer = tokenizer
         self.on_final = on_final
-        self._finals: list[RequestOutput] = []
+        self._finals: list[Request] = []
         self._cursors: dict[str, dict[int, _StreamCursor]] = {}  # request id -> seq id -> what was streamed
 
     def has_pending(self) -> bool:
@@ -40,15 +42,18 @@ class OutputEmitter:
         return bool(self._finals)
 
     def final(self, request: Request) -> None:
-        """Queue a completed request's final output."""
-        output = self._output(request, final=True)
-        self._cursors.pop(request.request_id, None)
-        self._finals.append(output)
-        self.on_final(request, output)
+        """Queue a completed request: its final output comes with the next `emit`."""
+        self._finals.append(request)
 
     def emit(self, record: StepRecord) -> list[RequestOutput]:
         """This step's outputs: the queued finals, then a delta for every other request that got tokens."""
-        outputs, self._finals = self._finals, []
+        finals, self._finals = self._finals, []
+        outputs = []
+        for request in finals:
+            output = self._output(request, final=True)
+            self._cursors.pop(request.request_id, None)
+            outputs.append(output)
+            self.on_final(request, output)
         done = {o.request_id for o in outputs}
         for request in record.requests():
             if request.request_id not in done and not request.finished and not request.plan.strategy.handles_stopping:
@@ -66,7 +71,8 @@ class OutputEmitter:
             skip = request.params.skip_special_tokens
             outputs = [
                 CompletionOutput(i, self.tokenizer.decode(r.token_ids, skip_special_tokens=skip),
-                                 list(r.token_ids), r.finish_reason, r.stop_reason, score=r.score)
+                                 list(r.token_ids), r.finish_reason, r.stop_reason, score=r.score,
+                                 **_recorded(request, r.sequence))
                 for i, r in enumerate(request.results)
             ]
             return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
@@ -81,14 +87,23 @@ class OutputEmitter:
             delta_ids.append(seq.generated_ids[cursor.token_count :])
             cursor.text_len = max(cursor.text_len, len(visible))
             cursor.token_count = seq.num_generated
-            asked = request.params.logprobs is not None
             outputs.append(CompletionOutput(index, visible if not seq.finished else seq.text, seq.generated_ids,
-                                            seq.finish_reason, seq.stop_reason,
-                                            cumulative_logprob=seq.cumulative_logprob if asked else None,
-                                            logprobs=list(seq.logprobs or []) if asked else None,
-                                            trace=list(seq.trace or []) if request.params.trace else None))
+                                            seq.finish_reason, seq.stop_reason, **_recorded(request, seq)))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
                              request.metrics, request.error, deltas, delta_ids, _prompt_logprobs(request))
+
+
+def _recorded(request: Request, seq: Sequence | None) -> dict[str, Any]:
+    """The logprobs and trace fields of an output made from `seq`: none where the request did not ask for them, or
+    for a strategy's result that has no sequence."""
+    if seq is None:
+        return {}
+    fields: dict[str, Any] = {}
+    if request.params.logprobs is not None:
+        fields.update(cumulative_logprob=seq.cumulative_logprob, logprobs=list(seq.logprobs or []))
+    if request.params.trace is not None:
+        fields["trace"] = list(seq.trace or [])
+    return fields
 
 
 def _prompt_logprobs(request: Request) -> list[TokenLogprobs | None] | None:

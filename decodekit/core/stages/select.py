@@ -90,7 +90,8 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
         record_logprobs(scored.rows_by_sequence(wants_logprobs), ctx.processing.kept, ctx.record.appended,
                         ctx.record.parents, tokenizer)
     if proposed:
-        record_tokens(ctx.processing.trace_rows, proposed, ctx.record.appended, ctx.record.parents, tokenizer)
+        record_tokens(ctx.processing.trace_rows, proposed, ctx.record.appended, ctx.record.parents, tokenizer,
+                      ctx.record.notes)
     failures.extend(ctx.record.faults.items())
     failed = {id(request) for request, _ in failures}
     for request in {id(s.request): s.request for s in rows}.values():

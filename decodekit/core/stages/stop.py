@@ -54,7 +54,7 @@ class StopStage:
             for token in new_tokens:
                 seq.token_ids.append(token)
                 try:
-                    if self._check(seq):
+                    if self._check(seq, record):
                         break
                 except _CriterionFailed as exc:
                     failures.append((request, str(exc)))
@@ -68,14 +68,14 @@ class StopStage:
                 done.append(request)
         return done, failures
 
-    def _check(self, seq: Sequence) -> bool:
+    def _check(self, seq: Sequence, record: StepRecord) -> bool:
         request = seq.request
         delta = seq.detokenizer.add(seq.token_ids[-1:])
         seq.new_text_len = len(delta)
         seq.text = seq.detokenizer.text
         # A stop on this token beats a length limit on the same token (vLLM's order: EOS, stop ids, stop strings,
         # then max_tokens), so a criterion's text trimming is not lost to max_tokens.
-        length: StopDecision | None = None
+        length: tuple[StopDecision, str] | None = None
         for criterion in request.plan.criteria:
             try:
                 decision = criterion.check(seq, request.params, self.eos_token_ids)
@@ -85,15 +85,18 @@ class StopStage:
                 raise _CriterionFailed(f"stopping criterion {criterion.criterion.name!r} returned "
                                        f"{type(decision).__name__}, not a StopDecision or None")
             if decision is not None and decision.finish_reason == "length":
-                length = length or decision
+                length = length or (decision, criterion.criterion.name)
             elif decision is not None:
                 self._finish_with(seq, decision)
+                record.finished_by[seq] = criterion.criterion.name
                 return True
         if length is not None:
-            self._finish_with(seq, length)
+            self._finish_with(seq, length[0])
+            record.finished_by[seq] = length[1]
             return True
         if len(seq.token_ids) >= self.max_model_len:
             self.finish_sequence(seq, "length")
+            record.finished_by[seq] = "max_model_len"
             return True
         return False
 
