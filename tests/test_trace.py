@@ -9,8 +9,12 @@ import json
 import math
 
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.processors import BatchView, apply_processors
 from tests.conftest import random_prompts
 from tests.faulty_plugins import FaultyProcessors
 
@@ -132,3 +136,43 @@ def test_a_failed_or_aborted_traced_request_ends_its_trace_with_an_event_that_sa
     assert len(_token_events(failed.trace)) == len(failed.token_ids) == 2
     assert aborted.trace[-1] == {"finished": "abort"}
     assert len(_token_events(aborted.trace)) == len(aborted.token_ids) == 4
+
+
+_STATELESS = [  # processors whose output depends on the logits and the history only
+    {"repetition_penalty": {"penalty": 1.3}}, {"presence_penalty": {"penalty": 0.7}},
+    {"frequency_penalty": {"penalty": 0.4}}, {"no_repeat_ngram": {"ngram_size": 2}}, {"typical_p": {"mass": 0.9}},
+    {"top_n_sigma": {"n": 1.5}}, {"epsilon": {"epsilon": 0.002}}, {"eta": {"epsilon": 0.002}},
+    {"dynamic_temperature": {"temperature": 1.2, "delta": 0.5}}, {"logit_bias": {"bias": {"7": 3.0, "9": -2.0}}},
+]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(3, 383), min_size=2, max_size=10),
+       processors=st.lists(st.sampled_from(_STATELESS), max_size=4, unique_by=lambda p: next(iter(p))),
+       temperature=st.sampled_from([0.6, 1.0, 1.4]), top_k=st.sampled_from([0, 20]),
+       top_p=st.sampled_from([1.0, 0.85]), keep=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_replaying_each_stage_on_the_previous_stages_logits_reproduces_its_traced_candidates(
+        llm, llama, prompt, processors, temperature, top_k, top_p, keep, seed):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=4,
+                            ignore_eos=True, trace=keep, processors=processors)
+    request = llm.engine.add_request(prompt, params)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    completion = request.sequences[0]
+    events = _token_events(completion.trace)
+    stages = request.plan.stages
+    assert len(events) == len(completion.generated_ids) == 4
+    for j, event in enumerate(events):
+        history = prompt + completion.generated_ids[:j]
+        with torch.no_grad():  # the model's logits at this position, from a plain forward
+            logits = llama(torch.tensor([history])).logits[0, -1:].float()
+        traced = event["stages"]
+        assert [s["stage"] for s in traced] == ["model", *(stage.processor.name for stage in stages)]
+        view = BatchView([params], [history], [len(prompt)], llm.engine.eos_token_ids, "cpu", generators=[None])
+        for k, step in enumerate(traced):
+            if k > 0:  # replay stage k alone on what stage k - 1 gave
+                logits = apply_processors(logits, view, [(stages[k - 1],)], [False], [[None]])
+            probs = torch.softmax(logits[0], dim=-1)
+            # the same candidates: each traced probability is the replayed one, and the top `keep` agree
+            assert [p for _, _, p in step["top"]] == pytest.approx(probs.topk(keep).values.tolist(), abs=1e-4)
+            assert all(math.isclose(p, probs[t].item(), abs_tol=1e-4) for t, _, p in step["top"])
