@@ -77,11 +77,10 @@ def record_logprobs(raw_rows: dict[Sequence, torch.Tensor], processed_rows: dict
     for kind, items in jobs.items():
         if not items:
             continue
-        rows = torch.cat([r for _, r, _ in items]).float()
-        logprobs = rows if kind == "logprobs" else torch.log_softmax(rows, dim=-1)
+        rows = torch.cat([r for _, r, _ in items])
         tokens = [t for _, _, ts in items for t in ts]
         tops = [seq.request.params.logprobs or 0 for seq, _, ts in items for _ in ts]
-        entries = _entries(logprobs, tokens, tops, tokenizer)
+        entries = _entries(rows, tokens, tops, tokenizer, normalize=kind == "logits")
         start = 0
         for seq, _, ts in items:
             _extend(seq, entries[start : start + len(ts)], ts)
@@ -117,25 +116,36 @@ def record_prompt_logprobs(request: Request, start: int, rows: torch.Tensor, tok
     if skip < 0 or skip >= rows.shape[0]:
         return
     tokens = request.prompt_token_ids[start + 1 + skip : start + 1 + rows.shape[0]]
-    logprobs = torch.log_softmax(rows[skip : skip + len(tokens)].float(), dim=-1)
-    recorded.extend(_entries(logprobs, tokens, request.params.prompt_logprobs or 0, tokenizer))
+    recorded.extend(_entries(rows[skip : skip + len(tokens)], tokens, request.params.prompt_logprobs or 0, tokenizer))
 
 
-def _entries(logprobs: torch.Tensor, tokens: list[int], top: int | list[int], tokenizer: Any
+def _entries(rows: torch.Tensor, tokens: list[int], top: int | list[int], tokenizer: Any, normalize: bool = True
              ) -> list[TokenLogprobs]:
     """Per row: the chosen token, then the `top` (per row, or for every row) most likely ones, each with its
-    logprob, rank and text."""
+    logprob, rank and text. `rows` are logits (`normalize`: log-softmaxed here) or log-probabilities already.
+
+    Nothing of the size of the rows is written: a logprob is `logit - logsumexp(row)`, the top-k runs on the rows
+    as they are (the same order), and a chosen token's rank is read off the top-k when it is among them (every
+    token more likely than it is then among them too); only the other rows count over the whole vocabulary."""
     tops = top if isinstance(top, list) else [top] * len(tokens)
-    chosen_ids = torch.tensor(tokens, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, chosen_ids)
-    ranks = (logprobs > chosen).sum(dim=-1) + 1  # vLLM's rank: 1 + how many tokens are strictly more likely
-    chosen_list, rank_list = chosen[:, 0].tolist(), ranks.tolist()
+    rows = rows.float()
+    shift = torch.logsumexp(rows, dim=-1, keepdim=True) if normalize else rows.new_zeros(rows.shape[0], 1)
+    chosen_ids = torch.tensor(tokens, device=rows.device)[:, None]
+    chosen = rows.gather(1, chosen_ids)
     most = max(tops, default=0)
     if most:
-        top_values, top_ids = logprobs.topk(most, dim=-1)
-        top_value_list, top_id_list = top_values.tolist(), top_ids.tolist()
+        top_rows, top_ids = rows.topk(most, dim=-1)
+        # vLLM's rank: 1 + how many tokens are strictly more likely
+        ranks = (top_rows > chosen).sum(dim=-1) + 1
+        outside = chosen[:, 0] < top_rows[:, -1]
+        if bool(outside.any()):
+            far = outside.nonzero()[:, 0]
+            ranks[far] = (rows[far] > chosen[far]).sum(dim=-1) + 1
+        top_value_list, top_id_list = (top_rows - shift).tolist(), top_ids.tolist()
     else:
+        ranks = (rows > chosen).sum(dim=-1) + 1
         top_value_list = top_id_list = [[] for _ in tokens]
+    chosen_list, rank_list = (chosen - shift)[:, 0].tolist(), ranks.tolist()
     entries: list[TokenLogprobs] = []
     for token, value, rank, alt_values, alt_ids, n in zip(tokens, chosen_list, rank_list, top_value_list,
                                                           top_id_list, tops):
