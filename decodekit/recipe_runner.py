@@ -213,7 +213,8 @@ def trace_row(request: RecipeRequest, output: RequestOutput) -> dict[str, Any]:
     """One JSON line of `--trace`: the request, and each returned sequence's text, tokens and trace events."""
     return {"id": request.id, "prompt": request.prompt, "error": output.error,
             "outputs": [{"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
-                         "finish_reason": o.finish_reason, "trace": o.trace} for o in output.outputs]}
+                         "finish_reason": o.finish_reason, "score": o.score,
+                         "cumulative_logprob": o.cumulative_logprob, "trace": o.trace} for o in output.outputs]}
 
 
 def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequence[BadInput] = (),

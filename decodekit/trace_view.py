@@ -99,7 +99,10 @@ class TraceStep:
         return self.stage_probability(len(self.stages) - 1) if self.stages else None
 
     def stage_probability(self, stage: int) -> float | None:
-        """The chosen token's probability at stage `stage`, or None when it is not among that stage's candidates."""
+        """The chosen token's probability at stage `stage` (the stage's `p`; in older files, read off its
+        candidates), or None when the trace does not hold it."""
+        if self.stages[stage].get("p") is not None:
+            return float(self.stages[stage]["p"])
         for cand in self.stages[stage]["top"]:
             if cand[0] == self.token:
                 return float(cand[2])
@@ -257,14 +260,17 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
 # ---------------------------------------------------------------------------------------------------- analysis
 
 
-def stage_changes(previous: list[list[Any]], top: list[list[Any]]) -> dict[str, list[list[Any]]]:
+def stage_changes(previous: list[list[Any]], top: list[list[Any]], keep: int | None = None
+                  ) -> dict[str, list[list[Any]]]:
     """What one stage did to the candidates it got, from both stages' top lists (`[id, text, p]` each):
     `removed` (candidates the stage set to probability 0), `left` (candidates pushed out of the top N, not
     necessarily removed), `added` (candidates new to the top N) and `moved` (`[id, text, old rank, new rank]`,
-    0-based, for candidates in both lists whose rank changed)."""
+    0-based, for candidates in both lists whose rank changed). `keep` is N (the model stage's length): a stage that
+    lists fewer has removed the rest."""
     before = {c[0]: (rank, c) for rank, c in enumerate(previous) if c[2] > 0}
     after = {c[0]: (rank, c) for rank, c in enumerate(top)}
-    complete = any(c[2] <= 0 for c in top)  # zero-probability fillers: every surviving candidate is listed
+    # every surviving candidate is listed when the stage lists fewer than N, or (older files) pads with zeros
+    complete = (keep is not None and len(top) < keep) or any(c[2] <= 0 for c in top)
     removed: list[list[Any]] = []
     left: list[list[Any]] = []
     moved: list[list[Any]] = []
@@ -482,7 +488,7 @@ def _visible(stage: dict[str, Any]) -> list[list[Any]]:
 def _change_note(step: TraceStep) -> Text | None:
     note = Text()
     for k in range(1, len(step.stages)):
-        ch = stage_changes(step.stages[k - 1]["top"], step.stages[k]["top"])
+        ch = stage_changes(step.stages[k - 1]["top"], step.stages[k]["top"], len(step.stages[0]["top"]))
         parts = []
         if ch["removed"]:
             parts.append("removed " + " ".join(_quoted(c[1], c[0]) for c in ch["removed"]))
@@ -659,9 +665,10 @@ def _page_data(requests: list[TraceRequest], title: str, source: str | None,
                     prev = {c[0]: (r, c[2]) for r, c in enumerate(step.stages[k - 1]["top"])} if k else {}
                     top = [[c[0], c[1], c[2], prev.get(c[0], (None, None))[1], prev.get(c[0], (None, None))[0]]
                            for c in stage["top"]]
-                    entry: dict[str, Any] = {"stage": stage["stage"], "top": top}
+                    entry: dict[str, Any] = {"stage": stage["stage"], "top": top, "p": step.stage_probability(k)}
                     if k:
-                        entry["changes"] = stage_changes(step.stages[k - 1]["top"], stage["top"])
+                        entry["changes"] = stage_changes(step.stages[k - 1]["top"], stage["top"],
+                                                         len(step.stages[0]["top"]))
                     stages.append(entry)
                 p = step.probability
                 token: dict[str, Any] = {"i": step.index, "id": step.token, "text": step.text, "p": p,
@@ -1094,8 +1101,8 @@ _JS = r"""
     t.stages.forEach(function (s, i) {
       if (i) add(flow, el("span", "arrow", "→"));
       var st = add(flow, el("span", "st", s.stage + " "));
-      var p = null;
-      s.top.forEach(function (c) { if (c[0] === t.id) p = c[2]; });
+      var p = (s.p === undefined) ? null : s.p;  // the chosen token's own p (older files: read off the top N)
+      if (p === null) s.top.forEach(function (c) { if (c[0] === t.id) p = c[2]; });
       add(st, el("b", null, pct(p)));
     });
     add(panel, el("div", "muted small", "p of the chosen token after each stage")).style.margin = "3px 0 8px";

@@ -173,6 +173,9 @@ def test_replaying_each_stage_on_the_previous_stages_logits_reproduces_its_trace
             if k > 0:  # replay stage k alone on what stage k - 1 gave
                 logits = apply_processors(logits, view, [(stages[k - 1],)], [False], [[None]])
             probs = torch.softmax(logits[0], dim=-1)
-            # the same candidates: each traced probability is the replayed one, and the top `keep` agree
-            assert [p for _, _, p in step["top"]] == pytest.approx(probs.topk(keep).values.tolist(), abs=1e-4)
+            # the same candidates: each traced probability is the replayed one, and the top `keep` agree (a
+            # stage's removed tokens are not listed), and so does the chosen token's own probability
+            assert [p for _, _, p in step["top"]] == pytest.approx(
+                [v for v in probs.topk(keep).values.tolist() if v > 0], abs=1e-4)
             assert all(math.isclose(p, probs[t].item(), abs_tol=1e-4) for t, _, p in step["top"])
+            assert math.isclose(step["p"], probs[event["token"]].item(), abs_tol=1e-4)

@@ -5,14 +5,17 @@ Each event is a JSON-ready dict appended to `seq.trace`:
 
 - a token event: `{"index": i, "token": id, "text": str, "chosen_by": "argmax" | "sampled" | "sampled, seed S" |
   "draft accepted" | "beam search", "strategy": name, "stages": [{"stage": "model" | <processor>, "top": [[id,
-  text, p], ...]}, ...]}` and, on the first token of a speculative step, `"drafts": {"proposed": [...], "accepted":
-  k, "proposer": name}`. `stages` holds the `N` most likely candidates (with probabilities) of the model's logits
-  and after each processor stage of the row the token was chosen from; a greedy row skips trailing
-  argmax-invariant stages, so they do not appear. What the strategy noted this step (`StepContext.note`) is merged
-  into the first event of the step: beam search adds `"beam": {"parent": p, "index": i, "score": s}` (this beam
-  continues beam p of the previous step and is beam i now, with running score s; a finished hypothesis has `"index":
-  null` and `"final_score"`) and `"beams": {"candidates": [{"parent", "token", "text", "score", "fate": "kept" |
-  "finished" | "dropped"}, ...], "pruned": [...]}` (the request's whole step, shared by its beams).
+  text, p], ...], "p": chosen_p}, ...]}` and, on the first token of a speculative step, `"drafts": {"proposed":
+  [...], "proposed_text": [...], "accepted": k, "produced": n, "proposer": name}` (`produced`: the tokens the step
+  appended, accepted drafts and the target's own; a stop among them drops the events after it). `stages` holds
+  the `N` most likely candidates (with probabilities; tokens a stage removed are left out) of the model's logits
+  and after each processor stage of the row the token was chosen from, and the chosen token's own probability
+  `p` there; a greedy row skips trailing argmax-invariant stages, so they do not appear. What the strategy noted
+  this step (`StepContext.note`) is merged into the first event of the step: beam search adds `"beam": {"parent":
+  p, "index": i, "score": s}` (this beam continues beam p of the previous step and is beam i now, with running
+  score s; a finished hypothesis has `"index": null` and `"final_score"`) and `"beams": {"candidates": [{"parent",
+  "token", "text", "score", "fate": "kept" | "finished" | "dropped"}, ...], "pruned": [...]}` (the request's whole
+  step, shared by its beams; `pruned`: the previous step's beams with no continuation kept as a beam).
 - the stop event, last: `{"finished": reason, "stop_reason": ..., "criterion": name}` (the stopping criterion, the
   strategy or `max_model_len` that finished the sequence), `{"finished": "error", "error": message}` or
   `{"finished": "abort"}`.
@@ -37,28 +40,37 @@ def wants_trace(seq: Sequence) -> bool:
     return seq.request.params.trace is not None
 
 
-def top_candidates(row: torch.Tensor, count: int, tokenizer: Any) -> list[list[Any]]:
-    """The `count` most likely tokens of one logits row: `[id, text, probability]` each."""
-    probs = torch.softmax(row.float(), dim=-1)
+def top_candidates(probs: torch.Tensor, count: int, tokenizer: Any) -> list[list[Any]]:
+    """The `count` most likely tokens of one row of probabilities, `[id, text, probability]` each; tokens a stage
+    removed (probability 0) are left out, so a truncating stage lists fewer."""
     values, ids = probs.topk(min(count, probs.shape[-1]))
-    return [[i, token_text(tokenizer, i), round(v, 6)] for v, i in zip(values.tolist(), ids.tolist())]
+    return [[i, token_text(tokenizer, i), round(v, 6)] for v, i in zip(values.tolist(), ids.tolist()) if v > 0]
 
 
 class StageObserver:
-    """Collects, for the traced rows of one `apply_processors` call, the top candidates at each stage."""
+    """Collects, for the traced rows of one `apply_processors` call, the top candidates at each stage (and each
+    stage's probabilities, until the chosen token's own probability is read off them in `record_tokens`)."""
 
     def __init__(self, raw: torch.Tensor, traced: dict[int, int], tokenizer: Any) -> None:
         self.traced = traced  # row -> candidates to keep
         self.tokenizer = tokenizer
-        self.stages: dict[int, Stages] = {
-            row: [{"stage": "model", "top": top_candidates(raw[row], count, tokenizer)}]
-            for row, count in traced.items()}
+        self.stages: dict[int, Stages] = {row: [] for row in traced}
+        for row in traced:
+            self._add(row, "model", raw[row])
+
+    def _add(self, row: int, name: str, logits: torch.Tensor) -> None:
+        probs = torch.softmax(logits.float(), dim=-1)
+        self.stages[row].append({"stage": name, "top": top_candidates(probs, self.traced[row], self.tokenizer),
+                                 _PROBS: probs})
 
     def __call__(self, name: str, rows: list[int], out: torch.Tensor) -> None:
         for i, row in enumerate(rows):
             if row in self.traced:
-                self.stages[row].append({"stage": name, "top": top_candidates(out[i], self.traced[row],
-                                                                              self.tokenizer)})
+                self._add(row, name, out[i])
+
+
+_PROBS = "_probs"
+"""A stage's probabilities, kept in its dict until the token is chosen; never written out."""
 
 
 def observer_for(raw: torch.Tensor, positions: list[Sequence], tokenizer: Any) -> StageObserver | None:
@@ -95,12 +107,25 @@ def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, l
             event: dict[str, Any] = {"index": first_index + j, "token": token, "text": token_text(tokenizer, token),
                                      "chosen_by": how,
                                      "strategy": seq.request.plan.strategy.name,
-                                     "stages": rows[j] if j < len(rows) else []}
+                                     "stages": _with_chosen(rows[j], token) if j < len(rows) else []}
             if j == 0 and proposed:
-                event["drafts"] = {"proposed": list(proposed), "accepted": count - 1}
+                event["drafts"] = {"proposed": list(proposed), "proposed_text": [token_text(tokenizer, t)
+                                                                                 for t in proposed],
+                                   "accepted": count - 1, "produced": count}
             if j == 0 and notes and seq in notes:
                 _merge(event, notes[seq])
             seq.trace.append(event)
+
+
+def _with_chosen(stages: Stages, token: int) -> Stages:
+    """The stages of the row a token was chosen from, each with that token's own probability (`p`: it may be
+    outside the top candidates), without the probabilities kept for reading it."""
+    out = []
+    for stage in stages:
+        probs = stage.get(_PROBS)
+        out.append({"stage": stage["stage"], "top": stage["top"],
+                    "p": round(float(probs[token]), 6) if probs is not None else None})
+    return out
 
 
 def _merge(event: dict[str, Any], facts: dict[str, Any]) -> None:
