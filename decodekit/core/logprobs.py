@@ -124,12 +124,11 @@ def _entries(rows: torch.Tensor, tokens: list[int], top: int | list[int], tokeni
     """Per row: the chosen token, then the `top` (per row, or for every row) most likely ones, each with its
     logprob, rank and text. `rows` are logits (`normalize`: log-softmaxed here) or log-probabilities already.
 
-    Nothing of the size of the rows is written: a logprob is `logit - logsumexp(row)`, the top-k runs on the rows
-    as they are (the same order), and a chosen token's rank is read off the top-k when it is among them (every
-    token more likely than it is then among them too); only the other rows count over the whole vocabulary."""
+    One log-softmax (faster than a `logsumexp` here, and the very values transformers' scores are compared with),
+    one gather, one top-k; a chosen token's rank is read off the top-k when it is among them (every token more
+    likely than it is then among them too), and only the other rows count over the whole vocabulary."""
     tops = top if isinstance(top, list) else [top] * len(tokens)
-    rows = rows.float()
-    shift = torch.logsumexp(rows, dim=-1, keepdim=True) if normalize else rows.new_zeros(rows.shape[0], 1)
+    rows = torch.log_softmax(rows.float(), dim=-1) if normalize else rows.float()
     chosen_ids = torch.tensor(tokens, device=rows.device)[:, None]
     chosen = rows.gather(1, chosen_ids)
     most = max(tops, default=0)
@@ -141,11 +140,11 @@ def _entries(rows: torch.Tensor, tokens: list[int], top: int | list[int], tokeni
         if bool(outside.any()):
             far = outside.nonzero()[:, 0]
             ranks[far] = (rows[far] > chosen[far]).sum(dim=-1) + 1
-        top_value_list, top_id_list = (top_rows - shift).tolist(), top_ids.tolist()
+        top_value_list, top_id_list = top_rows.tolist(), top_ids.tolist()
     else:
         ranks = (rows > chosen).sum(dim=-1) + 1
         top_value_list = top_id_list = [[] for _ in tokens]
-    chosen_list, rank_list = (chosen - shift)[:, 0].tolist(), ranks.tolist()
+    chosen_list, rank_list = chosen[:, 0].tolist(), ranks.tolist()
     entries: list[TokenLogprobs] = []
     for token, value, rank, alt_values, alt_ids, n in zip(tokens, chosen_list, rank_list, top_value_list,
                                                           top_id_list, tops):
