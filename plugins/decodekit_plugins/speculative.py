@@ -264,7 +264,7 @@ class SpeculativeStrategy(Strategy):
             self._adapt(seq, len(draft), accepted)
             valid = len(seq.token_ids) + accepted
             ctx.accept_draft(seq, accepted, token)
-            if draft:
+            if draft and seq.request.params.trace is not None:
                 ctx.note(seq, drafts={"proposer": seq.request.plan.strategy_options.proposer})
             for proposer in self.proposers.values():
                 proposer.rollback(seq, valid)
