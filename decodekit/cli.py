@@ -266,6 +266,47 @@ def trace(
                   highlight=False)
 
 
+@app.command()
+def serve(
+    recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file: the model, engine limits and "
+                                                "every request's defaults (see docs/serving.md).")],
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(envvar="DECODEKIT_API_KEY", show_default=False,
+                                                help="Require `Authorization: Bearer KEY` on /v1/* (401 "
+                                                "otherwise); /health and /metrics stay open.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Another name the model answers to (listed first "
+                                                          "by /v1/models).")] = None,
+    max_waiting: Annotated[int | None, typer.Option(min=1, help="Answer 429 while this many requests wait to "
+                                                    "start (default: no bound).")] = None,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="Answer 413 to larger request bodies.")] = 4 << 20,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
+                                                        "(repeatable).")] = None,
+) -> None:
+    """Serve a recipe over HTTP with OpenAI's API: POST /v1/chat/completions and /v1/completions (streaming,
+    logprobs, JSON schemas, beam search and speculative decoding through extra fields), GET /v1/models, /health,
+    /metrics. SIGTERM or Ctrl-C lets the requests in flight finish, then exits."""
+    _setup_logging(False)
+    from decodekit.core.plugin_manager import get_plugin_manager
+    from decodekit.core.registry import Registry
+    from decodekit.recipe import load_recipe
+    from decodekit.serve import ServeOptions, create_app, run_server
+
+    options = ServeOptions(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
+                           max_waiting=max_waiting, max_body_bytes=max_body_bytes)
+    try:
+        pm = get_plugin_manager()
+        recipe = load_recipe(recipe_path, overrides or [], registry=Registry.from_plugin_manager(pm))
+        server = create_app(recipe, options, plugin_manager=pm)
+    except DecodeKitError as exc:
+        _fail(str(exc))
+    address = f"[{host}]" if ":" in host else host
+    names = ", ".join(repr(n) for n in dict.fromkeys(n for n in (served_model_name, recipe.model) if n))
+    console.print(f"serving {escape(names)} ({escape(recipe.source)}) at http://{address}:{port}/v1"
+                  f"{' (API key required)' if options.api_key else ''}", soft_wrap=True, highlight=False)
+    run_server(server, options)
+
+
 recipe_app = typer.Typer(help="Work with recipe files.", no_args_is_help=True)
 app.add_typer(recipe_app, name="recipe")
 

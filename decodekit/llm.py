@@ -183,9 +183,10 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if kind == "add":
-                rid, prompt, params, priority = payload
+                rid, prompt, params, priority, add_special_tokens = payload
                 try:
-                    self.engine.add_request(prompt, params, request_id=rid, priority=priority)
+                    self.engine.add_request(prompt, params, request_id=rid, priority=priority,
+                                            add_special_tokens=add_special_tokens)
                 except Exception as exc:
                     self._deliver(rid, exc)
             elif kind == "abort":
@@ -199,17 +200,18 @@ class AsyncLLM:
         loop.call_soon_threadsafe(q.put_nowait, item)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: each carries `delta_text`; the last has `finished=True`.
 
-        Leaving the loop early (or cancelling the task) aborts the request.
+        Leaving the loop early (or cancelling the task) aborts the request. Text is tokenized with the tokenizer's
+        special tokens (e.g. BOS) unless `add_special_tokens` is False, as for a prompt rendered by a chat template.
         """
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
         if rid in self._streams:  # the first stream must keep its queue: refuse the second one instead
             raise RequestError(f"request id {rid!r} is already in use by a running stream")
         q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", (rid, prompt, params or SamplingParams(), priority)))
+        self._commands.put(("add", (rid, prompt, params or SamplingParams(), priority, add_special_tokens)))
         self._wake.set()
         finished = False
         try:

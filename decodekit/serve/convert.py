@@ -1,0 +1,408 @@
+"""Requests to decodekit and back: a chat or completions body becomes prompts and `SamplingParams` (the recipe's
+defaults with the request's fields merged over them), and engine outputs become OpenAI's responses and streamed
+chunks (with logprobs in chat's or the legacy completions' shape)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from decodekit.api.errors import DecodeKitError
+from decodekit.api.params import ComponentSpec, SamplingParams
+from decodekit.api.sequence import CompletionOutput, RequestOutput, TokenLogprobs
+from decodekit.recipe import Recipe
+from decodekit.serve.errors import APIError, param_of
+from decodekit.serve.protocol import (
+    IGNORED_FIELDS,
+    MESSAGE_IGNORED_FIELDS,
+    MESSAGE_UNSUPPORTED_FIELDS,
+    NEG_INF_LOGPROB,
+    UNSUPPORTED_FIELDS,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingFields,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    check_extra_fields,
+)
+
+_SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
+_PLAIN_FIELDS = ("temperature", "top_p", "n", "seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
+                 "trace", "logprobs_mode")
+
+
+@dataclass
+class PreparedRequest:
+    """A request ready for the engine.
+
+    Attributes:
+        prompts: one engine request each (text or token ids).
+        params: the recipe's defaults with the request's fields merged over them.
+        add_special_tokens: False for a chat prompt (its template holds the special tokens).
+        origins: which request field asked for what (see `decodekit.serve.errors.param_of`).
+        prompt_field: `messages` or `prompt`.
+        top_logprobs: how many alternatives each token's logprobs show (None: no logprobs).
+        include_usage: streaming: end with a usage chunk.
+    """
+
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    add_special_tokens: bool
+    origins: dict[str, str] = field(default_factory=dict)
+    prompt_field: str = "prompt"
+    top_logprobs: int | None = None
+    include_usage: bool = False
+
+    def refusal(self, output: RequestOutput) -> APIError | None:
+        """A 400 for an output the engine refused before running it (an invalid prompt, or a plan that cannot
+        run: unknown plugin, bad parameters, a combination a strategy refuses), naming the request field."""
+        if output.error is None or output.metrics.first_scheduled_time is not None:
+            return None
+        return APIError(400, output.error, param=param_of(output.error, self.params, self.origins, self.prompt_field))
+
+
+def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any) -> PreparedRequest:
+    """A chat request's prompt (the conversation rendered by the tokenizer's chat template) and parameters.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    for i, message in enumerate(request.messages):
+        _refuse_extra(check_extra_fields(message, MESSAGE_IGNORED_FIELDS, MESSAGE_UNSUPPORTED_FIELDS,
+                                         f"messages[{i}]."))
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    overrides, origins = _overrides(request, recipe)
+    if request.max_completion_tokens is not None:
+        overrides["max_tokens"] = request.max_completion_tokens
+        origins["max_tokens"] = "max_completion_tokens"
+    top = None
+    if request.logprobs:
+        top = request.top_logprobs or 0
+        overrides["logprobs"] = top
+        origins["logprobs"] = "top_logprobs" if request.top_logprobs is not None else "logprobs"
+    prompt = render_chat(tokenizer, request.messages)
+    return PreparedRequest([prompt], _params(recipe, overrides, origins, "messages"), False, origins, "messages", top,
+                           _include_usage(request))
+
+
+def prepare_completion(request: CompletionRequest, recipe: Recipe) -> PreparedRequest:
+    """A completions request's prompts and parameters.
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    prompts = request.prompts()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    overrides, origins = _overrides(request, recipe)
+    if request.logprobs is not None:
+        overrides["logprobs"] = request.logprobs
+    return PreparedRequest(prompts, _params(recipe, overrides, origins, "prompt"), True, origins, "prompt",
+                           request.logprobs, _include_usage(request))
+
+
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+    """The conversation rendered by the tokenizer's chat template, ready for the assistant's turn (a `developer`
+    message is given to the template as `system`).
+
+    Raises:
+        APIError: 400 when the model has no chat template or the template refuses the conversation.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
+    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    try:
+        return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+    except Exception as exc:  # jinja2's errors (a template may raise on roles it does not accept)
+        raise APIError(400, f"messages: the model's chat template refused the conversation: {exc}",
+                       param="messages") from None
+
+
+def _refuse_extra(found: tuple[str, str] | None) -> None:
+    if found is not None:
+        raise APIError(400, found[1], param=found[0])
+
+
+def _include_usage(request: SamplingFields) -> bool:
+    return bool(request.stream and request.stream_options and request.stream_options.include_usage)
+
+
+def _overrides(request: SamplingFields, recipe: Recipe) -> tuple[dict[str, Any], dict[str, str]]:
+    """The request's fields as `Recipe.params_for` overrides, and which field asked for which processor."""
+    _refuse_extra(check_extra_fields(request, IGNORED_FIELDS, UNSUPPORTED_FIELDS))
+    overrides: dict[str, Any] = {name: getattr(request, name) for name in _PLAIN_FIELDS
+                                 if getattr(request, name) is not None}
+    origins: dict[str, str] = {}
+    if request.max_tokens is not None:
+        overrides["max_tokens"] = request.max_tokens
+    if request.stop is not None:
+        overrides["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    for key in ("processors", "stopping"):
+        specs = _specs(getattr(request, key), key)
+        if specs is not None:
+            overrides[key] = specs
+            origins.update({f"{key}:{s.name}": key for s in specs})
+    if request.strategy is not None:
+        overrides["strategy"] = request.strategy
+    processors: list[ComponentSpec] = list(overrides.get("processors", []))
+    recipe_names = {s.name for s in recipe.processors}
+
+    def add(name: str, params: dict[str, Any], source: str, noop: bool) -> None:
+        if noop and name not in recipe_names:
+            return  # nothing to do, and nothing of the recipe's to override
+        processors.append(ComponentSpec(name=name, params=params))
+        origins[f"processors:{name}"] = source
+
+    if request.repetition_penalty is not None:
+        add("repetition_penalty", {"penalty": request.repetition_penalty}, "repetition_penalty",
+            request.repetition_penalty == 1.0)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value is not None:
+            add(name, {"penalty": value}, name, value == 0.0)
+    if request.logit_bias is not None:
+        add("logit_bias", {"bias": _logit_bias(request.logit_bias)}, "logit_bias", not request.logit_bias)
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        add("json", {}, "response_format", False)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format.json_schema: required with type json_schema",
+                           param="response_format.json_schema")
+        options: dict[str, Any] = {"schema": fmt.json_schema.schema_}
+        if fmt.json_schema.strict is not None:
+            options["strict"] = fmt.json_schema.strict
+        add("json_schema", options, "response_format", False)
+    if processors:
+        overrides["processors"] = processors
+    return overrides, origins
+
+
+def _specs(value: Any, key: str) -> list[ComponentSpec] | None:
+    if value is None:
+        return None
+    try:
+        return _SPECS.validate_python(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+        raise APIError(400, f"{key}{where}: {first['msg']}", param=key) from None
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().lstrip("-").isdigit():
+            raise APIError(400, f"logit_bias: keys are token ids, got {key!r}", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias: biases are between -100 and 100, got {value} for {key}",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _params(recipe: Recipe, overrides: dict[str, Any], origins: dict[str, str], prompt_field: str) -> SamplingParams:
+    try:
+        return recipe.params_for(overrides)
+    except DecodeKitError as exc:
+        message = str(exc)
+        raise APIError(400, message, param=param_of(message, None, origins, prompt_field)) from None
+
+
+# ---- outputs -------------------------------------------------------------------------------------------------------
+def finite(value: float) -> float:
+    """A logprob JSON can carry: -inf (and NaN, a position with no row recorded) become `NEG_INF_LOGPROB`."""
+    return value if math.isfinite(value) else NEG_INF_LOGPROB
+
+
+def _ranked(entry: TokenLogprobs) -> list[tuple[int, Any]]:
+    return sorted(entry.items(), key=lambda item: item[1].rank)
+
+
+def _top(entry: TokenLogprobs, chosen: int, n: int) -> list[tuple[int, Any]]:
+    """The `n` most likely tokens at a position (the chosen one only if it is among them)."""
+    return [(t, lp) for t, lp in _ranked(entry) if t != chosen or lp.rank <= n][:n]
+
+
+def _token_text(entry: TokenLogprobs, token: int) -> tuple[str, float]:
+    lp = entry.get(token)
+    return ("", NEG_INF_LOGPROB) if lp is None else (lp.decoded_token or "", finite(lp.logprob))
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], top_n: int) -> ChatLogprobs:
+    """Chat's logprobs for these tokens: each with its logprob, UTF-8 bytes and the `top_n` most likely tokens."""
+    content = []
+    for token, entry in zip(token_ids, entries):
+        text, logprob = _token_text(entry, token)
+        top = [TopLogprob(token=lp.decoded_token or "", logprob=finite(lp.logprob),
+                          bytes=list((lp.decoded_token or "").encode("utf-8"))) for _, lp in _top(entry, token, top_n)]
+        content.append(TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], offset: int = 0
+                        ) -> CompletionLogprobs:
+    """The legacy completions logprobs for these tokens: texts, logprobs, the most likely tokens with the chosen one
+    (`{text: logprob}`), and each token's offset in the text (from `offset`)."""
+    out = CompletionLogprobs()
+    for token, entry in zip(token_ids, entries):
+        text, logprob = _token_text(entry, token)
+        out.tokens.append(text)
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append({lp.decoded_token or "": finite(lp.logprob) for _, lp in _ranked(entry)})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def usage(outputs: Sequence[RequestOutput]) -> Usage:
+    """Token counts over the requests' final outputs (every returned sequence's tokens)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _extras(choice: CompletionOutput) -> dict[str, Any]:
+    return {"stop_reason": choice.stop_reason, "score": choice.score, "trace": choice.trace}
+
+
+def chat_response(response_id: str, created: int, model: str, output: RequestOutput, prepared: PreparedRequest
+                  ) -> ChatCompletionResponse:
+    """A non-streamed chat completion: one choice per returned sequence."""
+    choices = []
+    for c in output.outputs:
+        logprobs = None
+        if prepared.top_logprobs is not None:
+            logprobs = chat_logprobs(c.token_ids, c.logprobs or [], prepared.top_logprobs)
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
+                                  finish_reason=c.finish_reason, **_extras(c)))
+    return ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
+                                  usage=usage([output]))
+
+
+def completion_response(response_id: str, created: int, model: str, outputs: Sequence[RequestOutput],
+                        prepared: PreparedRequest) -> CompletionResponse:
+    """A non-streamed completion: the choices of every prompt, numbered on from one prompt to the next."""
+    choices = []
+    for base, output in zip(choice_bases(outputs), outputs):
+        for c in output.outputs:
+            logprobs = None
+            if prepared.top_logprobs is not None:
+                logprobs = completion_logprobs(c.token_ids, c.logprobs or [])
+            choices.append(CompletionChoice(index=base + c.index, text=c.text, logprobs=logprobs,
+                                            finish_reason=c.finish_reason, **_extras(c)))
+    return CompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=usage(outputs))
+
+
+def choice_bases(first_outputs: Sequence[RequestOutput]) -> list[int]:
+    """The index of each prompt's first choice: the choices of earlier prompts come first."""
+    bases, total = [], 0
+    for out in first_outputs:
+        bases.append(total)
+        total += len(out.outputs)
+    return bases
+
+
+# ---- streaming -------------------------------------------------------------------------------------------------------
+@dataclass
+class _Cursor:
+    tokens: int = 0  # tokens whose logprobs were sent
+    text_offset: int = 0  # characters of the tokens whose logprobs were sent (legacy logprobs' text_offset)
+    started: bool = False
+    finished: bool = False
+
+
+class ChunkStream:
+    """Turns engine outputs into server-sent events, one chunk per choice that changed.
+
+    Args:
+        chat: chat chunks (`chat.completion.chunk`, a first chunk with the role) or completions ones.
+        response_id, created, model: the fields every chunk repeats.
+        prepared: the request (logprobs asked for, usage chunk wanted).
+        first_outputs: each prompt's first output (their choice counts number the choices).
+    """
+
+    def __init__(self, chat: bool, response_id: str, created: int, model: str, prepared: PreparedRequest,
+                 first_outputs: Sequence[RequestOutput]) -> None:
+        self.chat = chat
+        self.header = {"id": response_id, "created": created, "model": model}
+        self.prepared = prepared
+        self.bases = choice_bases(first_outputs)
+        self.cursors: dict[int, _Cursor] = {}
+        self.finals: dict[int, RequestOutput] = {}
+
+    def events(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        """The events for one engine output (none when it adds nothing)."""
+        if output.finished:
+            self.finals[prompt_index] = output
+        events = []
+        for i, c in enumerate(output.outputs):
+            index = self.bases[prompt_index] + c.index
+            cursor = self.cursors.setdefault(index, _Cursor())
+            delta = output.delta_text[i] if i < len(output.delta_text) else ""
+            new_tokens = c.token_ids[cursor.tokens:]
+            new_entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
+            finish = c.finish_reason if c.finish_reason is not None and not cursor.finished else None
+            if self.chat and not cursor.started:
+                cursor.started = True
+                events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(role="assistant",
+                                                                                                content=""))))
+            if not delta and not new_entries and finish is None:
+                continue
+            extras = _extras(c) if finish is not None else {}
+            if self.chat:
+                logprobs = None
+                if self.prepared.top_logprobs is not None:
+                    logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)
+                events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(content=delta),
+                                                               logprobs=logprobs, finish_reason=finish, **extras)))
+            else:
+                legacy = None
+                if self.prepared.top_logprobs is not None:
+                    legacy = completion_logprobs(new_tokens, new_entries, cursor.text_offset)
+                    cursor.text_offset += sum(len(t) for t in legacy.tokens)
+                events.append(self._completion_chunk(CompletionChoice(index=index, text=delta, logprobs=legacy,
+                                                                      finish_reason=finish, **extras)))
+            cursor.tokens = len(c.token_ids)
+            cursor.finished = cursor.finished or finish is not None
+        return events
+
+    def usage_event(self) -> str:
+        """The last chunk of `stream_options.include_usage`: no choices, the usage of every prompt."""
+        totals = usage([self.finals[i] for i in sorted(self.finals)])
+        if self.chat:
+            return sse(ChatCompletionChunk(**self.header, choices=[], usage=totals).model_dump_json())
+        return sse(CompletionResponse(**self.header, choices=[], usage=totals).model_dump_json())
+
+    def _chat_chunk(self, choice: ChatChoice) -> str:
+        chunk = ChatCompletionChunk(**self.header, choices=[choice])
+        return sse(chunk.model_dump_json(exclude=None if self.prepared.include_usage else {"usage"}))
+
+    def _completion_chunk(self, choice: CompletionChoice) -> str:
+        chunk = CompletionResponse(**self.header, choices=[choice])
+        return sse(chunk.model_dump_json(exclude=None if self.prepared.include_usage else {"usage"}))
+
+
+def sse(data: str) -> str:
+    """One server-sent event."""
+    return f"data: {data}\n\n"
+
+
+DONE_EVENT = sse("[DONE]")
+"""The event that ends a stream."""

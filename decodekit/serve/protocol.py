@@ -1,0 +1,308 @@
+"""The wire shapes of the OpenAI-compatible server: request bodies (OpenAI's fields plus decodekit's own) and
+responses, as pydantic models.
+
+Requests accept OpenAI's field names. Fields OpenAI defines that do not change decoding (`user`, `metadata`, ...)
+are accepted and ignored; fields that would change decoding but that this server does not implement (`tools`,
+`echo`, ...) are refused by name unless their value is one that asks for nothing; any other unknown field is
+refused, with the closest known name suggested (`check_extra_fields`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from decodekit.api.params import MAX_LOGPROBS
+
+NEG_INF_LOGPROB = -9999.0
+"""What a -inf (or NaN) logprob is sent as: JSON has no infinities (vLLM sends the same value)."""
+
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier",
+})
+"""OpenAI request fields that do not change decoding: accepted and ignored."""
+
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    # field -> the values that ask for nothing (accepted); any other value is refused with a 400 naming the field
+    "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
+    "verbosity": (), "echo": (), "suffix": (), "best_of": (1,),
+}
+"""OpenAI request fields that would change decoding and are not implemented, with the values that are harmless
+(None, False and empty values always are)."""
+
+MESSAGE_IGNORED_FIELDS = frozenset({"name", "refusal", "annotations"})
+"""Fields of a chat message that are accepted and ignored."""
+
+MESSAGE_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {"tool_calls": (), "function_call": (), "audio": ()}
+"""Fields of a chat message that are refused unless empty."""
+
+
+class WireModel(BaseModel):
+    """A request model that keeps unknown fields (`model_extra`) so that they can be named in the error."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def check_extra_fields(model: BaseModel, ignored: frozenset[str], unsupported: dict[str, tuple[Any, ...]],
+                       where: str = "") -> tuple[str, str] | None:
+    """The first unknown or unsupported field of `model` as (param, message), or None when every extra field is
+    one to ignore or has a harmless value. `where` prefixes the param (`messages[0].`)."""
+    known = sorted(type(model).model_fields)
+    for name, value in (model.model_extra or {}).items():
+        param = f"{where}{name}"
+        if name in ignored:
+            continue
+        if name in unsupported:
+            if value in (None, False, [], {}, "") or value in unsupported[name]:
+                continue
+            return param, f"{param}: not supported by this server"
+        close = difflib.get_close_matches(name, [*known, *ignored, *unsupported], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return param, f"{param}: unknown field{hint}"
+    return None
+
+
+# ---- requests ----------------------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    """`stream_options`: `include_usage` adds a last chunk with the usage (and `"usage": null` on the others)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the output must match."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema.")
+    strict: bool | None = Field(None, description="True: objects may only have the keys they list (unless "
+                                                  "additionalProperties says otherwise); False: JSON Schema's rule.")
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(WireModel):
+    """The fields chat and completions requests share: OpenAI's, then decodekit's own (what the openai client sends
+    through `extra_body`). A field left out keeps the recipe's default."""
+
+    model: str | None = Field(None, description="The served model's name (see GET /v1/models).")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as text) -> bias in [-100, 100].")
+    response_format: ResponseFormat | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # decodekit's own
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    processors: list[Any] | None = Field(None, description="Processors merged over the recipe's, by name.")
+    stopping: list[Any] | None = Field(None, description="Stopping criteria merged over the recipe's, by name.")
+    strategy: Any = Field(None, description="A strategy replacing the recipe's, e.g. {\"beam_search\": {...}}.")
+    trace: int | None = Field(None, ge=1, le=MAX_LOGPROBS, description="Record the decoding trace (per choice).")
+    logprobs_mode: Literal["raw", "processed"] | None = Field(
+        None, description="Logprobs of the model's distribution (raw) or of the one each token was drawn from.")
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content (the only kind this server takes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(WireModel):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        """The message's text (parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`: `prompt` is a text, texts, token ids, or lists of token ids."""
+
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one engine request each."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(t, int) for t in self.prompt):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+# ---- responses ---------------------------------------------------------------------------------------------------
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
+class Usage(BaseModel):
+    """Token counts of a response (every choice's tokens count)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    """One candidate token at a position (chat logprobs)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's logprob and the most likely tokens at its position (chat logprobs)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's logprobs."""
+
+    content: list[TokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: per token its text, logprob, the most likely tokens and its offset."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChoiceExtras(BaseModel):
+    """decodekit's fields on a choice, sent only when set: why it stopped (the stop string or token, or the
+    criterion), the strategy's score (beam search) and the decoding trace."""
+
+    stop_reason: str | int | None = Field(None, exclude_if=_omit_none)
+    score: float | None = Field(None, exclude_if=_omit_none)
+    trace: list[dict[str, Any]] | None = Field(None, exclude_if=_omit_none)
+
+
+class AssistantMessage(BaseModel):
+    """The generated message of a chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class DeltaMessage(BaseModel):
+    """What a chat chunk adds to a choice's message."""
+
+    role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
+    content: str | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatChoice(ChoiceExtras):
+    """One choice of a chat completion (`message`), or its delta in a streamed chunk (`delta`)."""
+
+    index: int
+    message: AssistantMessage | None = Field(None, exclude_if=_omit_none)
+    delta: DeltaMessage | None = Field(None, exclude_if=_omit_none)
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChoice(ChoiceExtras):
+    """One choice of a completion (also a streamed chunk's delta)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Envelope(BaseModel):
+    """What every response and chunk carries, in OpenAI's order: its id, object type, creation time, model and
+    choices; `usage` when it is sent."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[Any]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatCompletionResponse(Envelope):
+    """A non-streamed chat completion."""
+
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(Envelope):
+    """One server-sent event of a streamed chat completion."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChoice]
+
+
+class CompletionResponse(Envelope):
+    """A completion, or one streamed chunk of it (same object)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    """One entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "decodekit"
+    root: str | None = None
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
