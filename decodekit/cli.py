@@ -367,10 +367,12 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
 
 @app.command()
 def bench(
-    workload: Annotated[str, typer.Argument(help="batch1, batch, mixed or ttft.")] = "mixed",
+    workload: Annotated[str, typer.Argument(help="batch1, batch, mixed, ttft, or serve (`decodekit serve` against "
+                                            "`transformers serve --continuous-batching` over HTTP).")] = "mixed",
     recipe_path: Annotated[Path | None, typer.Option("--recipe", help="Take the model, dtype and engine limits "
                                                      "from this recipe (not its sampling: every system runs the "
-                                                     "same greedy fixed-length requests).")] = None,
+                                                     "same greedy fixed-length requests). serve: the recipe "
+                                                     "served (default recipes/quickstart.yaml).")] = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a key of the --recipe: "
                                                         "key.path=value (repeatable).")] = None,
     model: Annotated[str | None, typer.Option(help="Model to benchmark (default: the recipe's, else "
@@ -381,13 +383,21 @@ def bench(
     batch_size: Annotated[int, typer.Option(help="Batch size (batch workload, HF static batches).")] = 16,
     output_len: Annotated[int, typer.Option(help="Output tokens (batch1/batch workloads).")] = 64,
     repeats: Annotated[int, typer.Option(help="Interleaved rounds; medians are reported.")] = 3,
-    baseline: Annotated[list[str] | None, typer.Option(help="hf-sequential, hf-static, hf-cb (repeatable).")] = None,
+    baseline: Annotated[list[str] | None, typer.Option(help="hf-sequential, hf-static, hf-cb (repeatable); serve: "
+                                                       "transformers-serve (default) or none.")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's).")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's); serve: the servers'.")
+                       ] = None,
+    clients: Annotated[int, typer.Option(min=1, help="serve: concurrent streaming clients.")] = 16,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Run decodekit and transformers side by side on one workload; print medians and ratios."""
     _setup_logging(True)
+    if workload == "serve":
+        picked = [f"{key}={value}" for key, value in (("model", model), ("dtype", dtype)) if value]
+        _bench_serve(recipe_path, [*(overrides or []), *picked], baseline or ["transformers-serve"], clients,
+                     num_requests, seed, threads, as_json)
+        return
     from decodekit.bench import render_table, result_json, run_benchmark
 
     kwargs: dict[str, Any] = {"num_requests": num_requests, "batch_size": batch_size, "output_len": output_len,
@@ -408,6 +418,27 @@ def bench(
         print(result_json(result))
     else:
         render_table(result, console)
+
+
+def _bench_serve(recipe_path: Path | None, overrides: list[str], baseline: list[str], clients: int, num_requests: int,
+                 seed: int, threads: int | None, as_json: bool) -> None:
+    """`bench serve`: both servers as subprocesses, one after the other, the same streamed workload."""
+    from decodekit.bench.serving import DEFAULT_RECIPE, render_serve_table, run_serve_benchmark, serve_result_json
+
+    unknown = sorted(set(baseline) - {"transformers-serve", "none"})
+    if unknown:
+        _fail(f"unknown baseline(s) {unknown} for serve; choose transformers-serve or none")
+    try:
+        result = run_serve_benchmark(recipe_path or DEFAULT_RECIPE, overrides, clients=clients,
+                                     num_requests=num_requests, seed=seed, threads=threads,
+                                     baseline="none" not in baseline,
+                                     progress=lambda line: err_console.print(f"[dim]{escape(line)}[/dim]"))
+    except (DecodeKitError, ValueError, RuntimeError) as exc:
+        _fail(str(exc))
+    if as_json:
+        print(serve_result_json(result))
+    else:
+        render_serve_table(result, console)
 
 
 def main() -> None:
