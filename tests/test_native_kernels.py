@@ -156,6 +156,45 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
             token += 1
 
 
+@settings(max_examples=15, deadline=None)
+@given(contexts=st.lists(st.integers(0, 300), min_size=1, max_size=9), query_len=st.sampled_from([1, 2, 4]),
+       threads=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
+def test_attention_split_over_threads_is_bit_identical_to_one_thread(native, contexts, query_len, threads, seed):
+    """Whatever the split of (token, kv head) items over threads, every output bit is what one thread computes."""
+    block_size, kv_heads, group, dim = 16, 3, 3, 64
+    heads = kv_heads * group
+    g = torch.Generator().manual_seed(seed)
+    tables, next_block = [], 0
+    for ctx in contexts:
+        need = -(-(ctx + query_len) // block_size)
+        tables.append(list(range(next_block, next_block + need)))
+        next_block += need
+    slots = [t[p // block_size] * block_size + p % block_size for t, c in zip(tables, contexts)
+             for p in range(c, c + query_len)]
+    pools = [torch.randn(next_block * block_size, kv_heads, dim, generator=g) for _ in range(2)]
+    qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * dim, generator=g)
+    cos, sin = torch.randn(len(slots), dim, generator=g), torch.randn(len(slots), dim, generator=g)
+
+    def attend(min_keys: int, torch_threads: int) -> torch.Tensor:
+        plan = DecodeAttentionPlan(torch.tensor(slots), [query_len] * len(contexts), contexts, tables, block_size)
+        plan.set_rope(cos, sin)
+        previous = torch.get_num_threads(), native_kernels.PARALLEL_MIN_KEYS
+        torch.set_num_threads(torch_threads)
+        native_kernels.PARALLEL_MIN_KEYS = min_keys
+        try:
+            return native.rope_cache_attend(qkv.clone(), heads, kv_heads, *(p.clone() for p in pools), plan, 0.125)
+        finally:
+            torch.set_num_threads(previous[0])
+            native_kernels.PARALLEL_MIN_KEYS = previous[1]
+
+    assert torch.equal(attend(0, threads), attend(2**62, 1))
+
+
+def test_the_kernels_are_built_with_openmp_where_the_compiler_has_it(native):
+    """Attention runs on torch's threads only if the library was built with OpenMP: gcc and clang have it here."""
+    assert native.parallel
+
+
 def test_the_library_is_built_once_with_its_hash_recorded_privately_and_reused(native, tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
     compiler = find_compiler()
@@ -189,9 +228,7 @@ def test_a_planted_library_is_never_loaded_and_the_genuine_one_is_rebuilt_and_us
             FILE *f = fopen("{marker}", "w");
             if (f) fclose(f);
         }}
-        void dk_rms_norm(void) {{}}
-        void dk_silu_mul(void) {{}}
-        void dk_rope_cache_attend(void) {{}}
+        {" ".join(f"int {name}(void) {{{{ return 0; }}}}" for name in native_kernels.SYMBOLS)}
     """)
     NativeKernels(planted)
     assert marker.exists(), "the plant is live: loading it runs its constructor"
@@ -263,10 +300,11 @@ def test_a_cache_folder_others_own_or_can_write_is_refused_and_nothing_in_it_is_
 def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, tokenizer, tmp_path, monkeypatch,
                                                                          fresh_load):
     partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
-    with pytest.raises(RuntimeError, match="lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend"):
+    missing = "lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel"
+    with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)
-    assert load_kernels() == "partial.so lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend"
+    assert load_kernels() == f"partial.so {missing}"
     with pytest.raises(ConfigError, match=r"native_kernels: partial\.so lacks the kernel entry points"):
         LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True, native_kernels=True)
     llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True)

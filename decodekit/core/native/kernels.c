@@ -15,11 +15,42 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 static inline v8f load8(const float* p) { v8f v; memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
+static inline v8f splat8(float x) { v8f v = {x, x, x, x, x, x, x, x}; return v; }
+
+/* exp of 8 floats at once (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), within 2 ulp of
+ * expf; inputs below -87.3 give 0. Attention's softmax calls it once per (head, key): libm's scalar expf there
+ * cost as much as the dot products. */
+static inline v8f exp8(v8f x) {
+    const v8f lowest = splat8(-87.3365447f);
+    v8i under = x < lowest;
+    x = (v8f)(((v8i)x & ~under) | ((v8i)lowest & under));
+    v8f fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
+    v8i n = __builtin_convertvector(fx, v8i);  /* truncates; floor() for the negative values below */
+    v8f fn = __builtin_convertvector(n, v8f);
+    v8i above = fn > fx;
+    n += above;  /* -1 where truncation rounded up */
+    fn += __builtin_convertvector(above, v8f);
+    x = x - fn * splat8(0.693359375f);
+    x = x - fn * splat8(-2.12194440e-4f);
+    v8f y = splat8(1.9875691500e-4f);
+    y = y * x + splat8(1.3981999507e-3f);
+    y = y * x + splat8(8.3334519073e-3f);
+    y = y * x + splat8(4.1665795894e-2f);
+    y = y * x + splat8(1.6666665459e-1f);
+    y = y * x + splat8(5.0000001201e-1f);
+    y = y * (x * x) + x + splat8(1.0f);
+    v8f scale = (v8f)((n + 127) << 23);
+    return (v8f)((v8i)(y * scale) & ~under);
+}
 
 /* Dot product of two float vectors: four independent 8-lane accumulators (one chain would wait on the adder's
  * latency), then a fixed pairwise reduction. */
@@ -102,64 +133,138 @@ static void rotate(float* x, const float* cos, const float* signed_sin, int64_t 
     }
 }
 
-/* One decoder layer's attention for the tokens of a step that belong to sequences scoring a few new tokens
- * (decode, speculative verification, beams):
+/* One decoder layer's RoPE and KV write for the tokens of a step (the first half of attention):
  *   1. RoPE on every query and key head of `qkv` ([T, (H + 2*KVH) * D], rotated in place), all T tokens;
- *   2. every token's key and value written to its pool slot (`kpool`/`vpool` are the layer's [slots, KVH, D]);
- *   3. each query t with key_len[t] > 0 attends the first key_len[t] keys of its sequence, whose blocks are
- *      tables[table_start[t] ...]; the result goes to out [T, H, D]. Tokens with key_len 0 (long prefill chunks,
- *      which the caller attends with a blocked SDPA) are left untouched in `out`.
- * Every write happens before any read, so queries of one sequence see each other's keys (causality comes from
- * key_len). Returns 0, or -1 if scratch memory could not be allocated. */
-int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
-                         const float* cos, const float* signed_sin, float* kpool, float* vpool,
-                         const int64_t* slots, const int64_t* tables, const int64_t* table_start,
-                         const int64_t* key_len, int64_t block_size, float scale, float* out) {
+ *   2. every token's key and value written to its pool slot (`kpool`/`vpool` are the layer's [slots, KVH, D]).
+ * Returns 0, or -1 if scratch memory could not be allocated. */
+int dk_rope_store(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, const float* cos,
+                  const float* signed_sin, float* kpool, float* vpool, const int64_t* slots) {
     int64_t width = (heads + 2 * kv_heads) * dim;
-    int64_t group = heads / kv_heads;
-    int64_t max_keys = 1;
-    for (int64_t t = 0; t < tokens; ++t) max_keys = key_len[t] > max_keys ? key_len[t] : max_keys;
     float* tmp = malloc((size_t)dim * sizeof(float));
-    float* scores = malloc((size_t)(group * max_keys) * sizeof(float));
-    int64_t* rows = malloc((size_t)max_keys * sizeof(int64_t));
-    if (tmp == NULL || scores == NULL || rows == NULL) { free(tmp); free(scores); free(rows); return -1; }
-
+    if (tmp == NULL) return -1;
     for (int64_t t = 0; t < tokens; ++t) {
         float* row = qkv + t * width;
         for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(row + h * dim, cos + t * dim, signed_sin + t * dim, dim, tmp);
         memcpy(kpool + slots[t] * kv_heads * dim, row + heads * dim, (size_t)(kv_heads * dim) * sizeof(float));
         memcpy(vpool + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim, (size_t)(kv_heads * dim) * sizeof(float));
     }
+    free(tmp);
+    return 0;
+}
 
-    for (int64_t t = 0; t < tokens; ++t) {
-        const float* q = qkv + t * width;
-        const int64_t* table = tables + table_start[t];
+/* Attention for the work items [item_begin, item_end), item = t * KVH + g being query token t's `group` query
+ * heads that share kv head g. Each query t with key_len[t] > 0 attends the first key_len[t] keys of its sequence,
+ * whose blocks are tables[table_start[t] ...]; the result goes to out [T, H, D]. Tokens with key_len 0 (long
+ * prefill chunks, which the caller attends with a blocked SDPA) are left untouched in `out`. Items are independent
+ * (each writes its own slice of `out`; the keys were all written before), so disjoint ranges may run on several
+ * threads at once with results identical to one pass. Returns 0, or -1 if scratch memory could not be allocated. */
+static int attend_items(const float* qkv, int64_t item_begin, int64_t item_end, int64_t heads, int64_t kv_heads,
+                        int64_t dim, const float* kpool, const float* vpool, const int64_t* tables,
+                        const int64_t* table_start, const int64_t* key_len, int64_t block_size, float scale,
+                        float* out) {
+    if (item_begin >= item_end) return 0;
+    int64_t width = (heads + 2 * kv_heads) * dim;
+    int64_t group = heads / kv_heads;
+    int64_t max_keys = 1;
+    for (int64_t it = item_begin; it < item_end; ++it) {
+        int64_t n = key_len[it / kv_heads];
+        max_keys = n > max_keys ? n : max_keys;
+    }
+    float* scores = malloc((size_t)(group * max_keys) * sizeof(float));
+    int64_t* rows = malloc((size_t)max_keys * sizeof(int64_t));
+    if (scores == NULL || rows == NULL) { free(scores); free(rows); return -1; }
+
+    int64_t rows_of = -1;  /* the token whose key offsets `rows` holds */
+    for (int64_t it = item_begin; it < item_end; ++it) {
+        int64_t t = it / kv_heads, g = it % kv_heads;
         int64_t n = key_len[t];
         if (n == 0) continue;
-        /* the pool offset (in floats, kv head 0) of each key, walked block by block: no division per key */
-        for (int64_t j = 0, b = 0; j < n; ++b)
-            for (int64_t i = 0; i < block_size && j < n; ++i, ++j) rows[j] = (table[b] * block_size + i) * kv_heads * dim;
-        for (int64_t g = 0; g < kv_heads; ++g) {
-            const float* qg = q + g * group * dim;
-            /* scores[h][j] = scale * q_h . k_j for the `group` query heads sharing kv head g */
-            for (int64_t j = 0; j < n; ++j) {
-                const float* k = kpool + rows[j] + g * dim;
-                for (int64_t h = 0; h < group; ++h) scores[h * n + j] = dot(qg + h * dim, k, dim) * scale;
+        if (rows_of != t) {
+            /* the pool offset (in floats, kv head 0) of each key, walked block by block: no division per key */
+            const int64_t* table = tables + table_start[t];
+            for (int64_t j = 0, b = 0; j < n; ++b)
+                for (int64_t i = 0; i < block_size && j < n; ++i, ++j) rows[j] = (table[b] * block_size + i) * kv_heads * dim;
+            rows_of = t;
+        }
+        const float* qg = qkv + t * width + g * group * dim;
+        /* scores[h][j] = scale * q_h . k_j for the `group` query heads sharing kv head g */
+        for (int64_t j = 0; j < n; ++j) {
+            const float* k = kpool + rows[j] + g * dim;
+            for (int64_t h = 0; h < group; ++h) scores[h * n + j] = dot(qg + h * dim, k, dim) * scale;
+        }
+        for (int64_t h = 0; h < group; ++h) {
+            float* sc = scores + h * n;
+            float m = sc[0];
+            for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
+            v8f sums = {0};
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {
+                v8f e = exp8(load8(sc + j) - splat8(m));
+                store8(sc + j, e);
+                sums += e;
             }
-            for (int64_t h = 0; h < group; ++h) {
-                float* sc = scores + h * n;
-                float m = sc[0];
-                for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
-                float sum = 0;
-                for (int64_t j = 0; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
-                float inv = 1.0f / sum;
-                for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
-                weighted_rows(out + (t * heads + g * group + h) * dim, sc, vpool + g * dim, rows, n, dim);
-            }
+            float sum = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
+            for (; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+            float inv = 1.0f / sum;
+            for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
+            weighted_rows(out + (t * heads + g * group + h) * dim, sc, vpool + g * dim, rows, n, dim);
         }
     }
-    free(tmp);
     free(scores);
     free(rows);
     return 0;
+}
+
+/* The first item of the `part`-th of `parts` consecutive ranges of about equal work (keys read). */
+static int64_t range_start(const int64_t* key_len, int64_t tokens, int64_t kv_heads, int64_t total, int64_t part,
+                           int64_t parts) {
+    if (part <= 0) return 0;
+    if (part >= parts) return tokens * kv_heads;
+    int64_t goal = total * part / parts, done = 0;
+    for (int64_t it = 0; it < tokens * kv_heads; ++it) {
+        if (done >= goal) return it;
+        done += key_len[it / kv_heads];
+    }
+    return tokens * kv_heads;
+}
+
+/* Whether this library was built with OpenMP (attention then runs on torch's threads: the library links the
+ * libgomp torch has already loaded, so the two share one thread pool and one thread count). */
+int dk_parallel(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One decoder layer's attention for the tokens of a step that belong to sequences scoring a few new tokens
+ * (decode, speculative verification, beams): RoPE and KV write for all T tokens (dk_rope_store), then attention
+ * (attend_items) for all of them: every write happens before any read, so queries of one sequence see each
+ * other's keys (causality comes from key_len). With OpenMP and at least `parallel_min_keys` keys to read, the
+ * attention is cut into one range of about equal work per thread. Returns 0, or -1 if scratch memory could not be
+ * allocated. */
+int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
+                         const float* cos, const float* signed_sin, float* kpool, float* vpool,
+                         const int64_t* slots, const int64_t* tables, const int64_t* table_start,
+                         const int64_t* key_len, int64_t block_size, float scale, int64_t parallel_min_keys,
+                         float* out) {
+    if (dk_rope_store(qkv, tokens, heads, kv_heads, dim, cos, signed_sin, kpool, vpool, slots) != 0) return -1;
+    int64_t total = 0;
+    for (int64_t t = 0; t < tokens; ++t) total += key_len[t] * kv_heads;
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel if (total >= parallel_min_keys && tokens * kv_heads > 1) reduction(|| : failed)
+    {
+        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+#else
+    {
+        int64_t parts = 1, part = 0;
+#endif
+        int64_t begin = range_start(key_len, tokens, kv_heads, total, part, parts);
+        int64_t end = range_start(key_len, tokens, kv_heads, total, part + 1, parts);
+        failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
+                              block_size, scale, out) != 0;
+    }
+    return failed ? -1 : 0;
 }
