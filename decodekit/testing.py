@@ -1,5 +1,11 @@
-"""Moved to `decodekit.api.testing` (the conformance kit for plugin authors); this import path stays for code
-written against earlier docs."""
+"""What a plugin's tests need, in one import: the conformance kit (`decodekit.api.testing`: hypothesis strategies
+and the checks every processor must pass) and the ready-made parts (`decodekit.plugin_testing`: a tiny model,
+tokenizer and `LLM` with your plugin registered, and named processors run on logits). This import path also keeps
+working for code written against earlier docs, which found the kit here."""
 
 from decodekit.api.testing import *  # noqa: F403  (every public name of the kit, as its own __all__ lists them)
-from decodekit.api.testing import __all__ as __all__
+from decodekit.api.testing import __all__ as _kit_names
+from decodekit.plugin_testing import *  # noqa: F403
+from decodekit.plugin_testing import __all__ as _parts_names
+
+__all__ = [*_kit_names, *_parts_names]

@@ -7,6 +7,7 @@ states and generator; the KV side of each action goes through the scheduler.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,13 @@ from decodekit.api.strategy import StrategyResult
 from decodekit.core import drafts
 from decodekit.core.scheduler import Scheduler
 from decodekit.core.stages.process import Processing
+
+
+def fork_seed(request_seed: int, fork_number: int) -> int:
+    """The seed of a seeded request's `fork_number`-th fork when the strategy names none: a 64-bit hash of both,
+    so it depends on nothing outside the request (not the batch, not the step) and differs between forks."""
+    digest = hashlib.blake2b(f"{request_seed}:{fork_number}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @dataclass
@@ -115,9 +123,16 @@ class EngineStepContext:
         self.record.appended[seq] = self.record.appended.get(seq, 0) + len(token_ids)
 
     def fork(self, seq: Sequence, seed: int | None = None) -> Sequence:
-        """A new running sequence sharing `seq`'s tokens and KV blocks (copy-on-write); `seed` seeds its generator
-        (so a seeded request's forks draw the same tokens alone or batched)."""
+        """A new running sequence sharing `seq`'s tokens and KV blocks (copy-on-write), with its own generator.
+
+        `seed` seeds that generator. Without one, a seeded request's fork gets a seed derived from the request's
+        seed and the fork's number within the request (`fork_seed`), so a strategy that forks and samples gives the
+        same tokens alone or batched without seeding children itself; an unseeded request's forks draw from the
+        global RNG, as the request does."""
         request = seq.request
+        request.forks += 1
+        if seed is None and request.params.seed is not None:
+            seed = fork_seed(request.params.seed, request.forks)
         child = Sequence(request, list(seq.token_ids), seq.num_prompt_tokens)
         # plugin code first: if a fork_state raises, no block has been shared yet
         try:
