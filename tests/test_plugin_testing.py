@@ -67,9 +67,9 @@ def test_a_plugin_strategys_unseeded_forks_of_a_seeded_request_are_the_same_alon
     prompt = [5, 17, 42, 9]
     alone = forking_llm.generate([prompt], _forked(7))[0]
     others = [[3 + i, 40 + i, 80 + i] for i in range(4)]
-    batched = forking_llm.generate(others[:2] + [prompt] + others[2:],
-                                   [SamplingParams(temperature=1.0, max_tokens=12)] * 2 + [_forked(7)]
-                                   + [_forked(11)] * 2)[2]
+    plain = SamplingParams(temperature=1.0, max_tokens=12)
+    batched = forking_llm.generate([*others[:2], prompt, *others[2:]],
+                                   [plain, plain, _forked(7), _forked(11), _forked(11)])[2]
     assert [c.token_ids for c in batched.outputs] == [c.token_ids for c in alone.outputs]
     assert len({tuple(c.token_ids) for c in alone.outputs}) == 3, "each fork draws its own samples"
     again = forking_llm.generate([prompt], _forked(7))[0]
