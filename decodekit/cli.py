@@ -19,6 +19,7 @@ from rich.table import Table
 
 from decodekit.api.errors import DecodeKitError
 from decodekit.models import BUNDLED_MODEL_NAME
+from decodekit.tables import print_table
 
 app = typer.Typer(help="decodekit: composable decoding strategies on a paged, continuously batched engine.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -359,10 +360,12 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
         return
     table = Table(title="decodekit plugins")
     for col in ("plugin", "from", "processors", "stopping criteria", "strategies", "proposers"):
-        table.add_column(col)
+        # every cell is a name to copy into a recipe: in a terminal too narrow, fold it rather than cut it
+        table.add_column(col, overflow="fold")
     for name, row in rows.items():  # constraint backends are in --json (a seventh column wraps names at 80 columns)
-        table.add_row(name, row["origin"], *(", ".join(e["name"] for e in row[k]) for k in kinds[:4]))
-    console.print(table)
+        # one name a line: the table stays narrow, and a name never breaks at a wrap between two of them
+        table.add_row(name, row["origin"], *("\n".join(e["name"] for e in row[k]) for k in kinds[:4]))
+    print_table(console, table)
 
 
 @app.command()

@@ -4,9 +4,6 @@ aliases that expand too far), `--set key.path=value` overrides, and pydantic err
 
 from __future__ import annotations
 
-import difflib
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from decodekit.api.components import dotted_path, format_validation_error
 from decodekit.api.errors import RecipeError
 
 MAX_ALIAS_NODES = 100_000
@@ -150,8 +148,8 @@ def apply_override(data: dict[str, Any], item: str) -> dict[str, Any]:
     value = parse_value(raw)
     node: Any = root
     for depth, step in enumerate(path):
-        where = f"--set {key.strip()}: {_dotted(path[:depth]) or 'the recipe'}"
-        here = f"--set {key.strip()}: {_dotted(path[: depth + 1])}"
+        where = f"--set {key.strip()}: {dotted_path(path[:depth]) or 'the recipe'}"
+        here = f"--set {key.strip()}: {dotted_path(path[: depth + 1])}"
         last = depth == len(path) - 1
         if isinstance(node, list):
             if not isinstance(step, int) or step > len(node):
@@ -186,50 +184,9 @@ def _copy(value: Any) -> Any:
 
 
 # ---- error messages ---------------------------------------------------------------------------------------------
-def _dotted(loc: Sequence[Any]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def format_validation_errors(exc: ValidationError, root: type[BaseModel] | None, label: str = "",
                              prefix: Sequence[Any] = ()) -> str:
     """One line per pydantic error: `label: key.path[i]: message, got value`; an unknown key lists the known ones
-    (with a close match when there is one)."""
-    lines = []
-    for err in exc.errors():
-        loc = (*prefix, *err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            known = _known_keys(root, err["loc"][:-1])
-            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
-            message = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
-            message += f"; known: {', '.join(known)}" if known else ""
-        elif err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
-            got = f"got {err.get('input')!r}"
-            message += "" if got in message else f", {got}"
-        path = _dotted(loc)
-        lines.append(": ".join(p for p in (label, path, message) if p))
-    return "\n".join(lines)
-
-
-def _known_keys(root: type[BaseModel] | None, loc: Sequence[Any]) -> list[str]:
-    current: Any = root
-    for part in loc:
-        if isinstance(part, int):
-            args = typing.get_args(current)
-            current = args[0] if args else None
-            continue
-        current = _model_class(current)
-        if current is None or part not in current.model_fields:
-            return []
-        current = current.model_fields[part].annotation
-    model = _model_class(current)
-    return list(model.model_fields) if model is not None else []
-
-
-def _model_class(annotation: Any) -> type[BaseModel] | None:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), None)
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    (with a close match when there is one). `prefix` is where the validated value sits in the recipe; `root` is
+    the model it was validated against (None: no list of known keys)."""
+    return format_validation_error(dotted_path(prefix), exc, root, label=label, sep="\n")

@@ -10,8 +10,10 @@ import torch
 from rich.console import Console
 
 from decodekit.bench import (
+    SYSTEMS,
     WORKLOADS,
     BenchResult,
+    SystemFigures,
     default_baselines,
     make_workload,
     render_table,
@@ -108,6 +110,26 @@ def test_default_baselines_and_reports(tiny):
     render_table(result, Console(file=buffer, width=200))
     text = buffer.getvalue()
     assert "decodekit" in text and "hf-static" in text and "useful tok/s" in text
+
+
+def test_the_table_printed_to_a_narrow_non_terminal_shows_every_system_name_in_full(monkeypatch):
+    """Piped or redirected output has no terminal width (rich assumes 80 columns): the table is printed as wide as
+    its names and figures need, instead of cutting them to 'hf-seq…'."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    workload = {"name": "mixed", "num_requests": 4, "prompt_len_min": 8, "prompt_len_max": 64, "output_len_min": 4,
+                "output_len_max": 32, "output_tokens": 60}
+    systems = {name: SystemFigures(name, rounds=1, useful_tokens=60, computed_tokens=80, wall_s=1.5,
+                                   tokens_per_s=40.0, peak_rss_mb=512.0) for name in SYSTEMS}
+    systems["hf-cb"].error = "out of memory"
+    result = BenchResult(workload, "HuggingFaceTB/SmolLM2-135M-Instruct", "float32", "cpu", 1, systems,
+                         {name: 1.0 for name in SYSTEMS[1:]}, environment={"torch_threads": 1})
+    buffer = io.StringIO()
+    render_table(result, Console(file=buffer, width=60))
+    text = buffer.getvalue()
+    assert "…" not in text
+    cells = {cell.strip() for line in text.splitlines() for cell in line.replace("┃", "│").split("│")}
+    assert {"decodekit", "hf-sequential", "hf-static", "hf-cb (error)", "useful tok/s", "40.0", "1.33"} <= cells
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in text and "hf-cb: out of memory" in text
 
 
 def test_bad_arguments(tiny):

@@ -165,6 +165,26 @@ def test_the_table_shows_both_servers_the_ratios_and_a_server_that_did_not_run()
     assert json.loads(serve_result_json(result))["servers"]["transformers"]["errors"] == 1
 
 
+def test_the_table_printed_to_a_narrow_non_terminal_shows_the_server_names_in_full(monkeypatch):
+    """Piped or redirected output has no terminal width (rich assumes 80 columns): the table is printed as wide as
+    it needs rather than wrapping or cutting the servers' names."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    dk, tf = ServerFigures("decodekit serve"), ServerFigures("transformers serve --continuous-batching")
+    from decodekit.bench.serving import StreamResult
+
+    summarize_run(dk, [StreamResult(status=200, usage_tokens=10, ttft_s=0.1, e2e_s=1.0, done=True)], 2.0)
+    tf.unavailable = "cannot run transformers: missing"
+    result = ServeBenchResult({"name": "serve", "num_requests": 1, "greedy": 1, "sampled": 0, "max_tokens_min": 10,
+                               "max_tokens_max": 10}, "HuggingFaceTB/SmolLM2-135M-Instruct", "float32", 2,
+                              {"decodekit": dk, "transformers": tf}, serving._ratios(dk, tf), {"server_threads": 1})
+    out = io.StringIO()
+    render_serve_table(result, Console(file=out, width=60))
+    text = out.getvalue()
+    cells = {cell.strip() for line in text.splitlines() for cell in line.replace("┃", "│").split("│")}
+    assert {"decodekit serve", "transformers serve --continuous-batching (not run)", "TTFT p50 ms"} <= cells
+    assert "…" not in text and "HuggingFaceTB/SmolLM2-135M-Instruct" in text
+
+
 @pytest.mark.slow
 def test_transformers_serve_runs_the_same_workload(tiny_recipe):
     """The real baseline, on the tiny model (transformers serve takes ~10 s to start)."""

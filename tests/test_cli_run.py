@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from rich.console import Console
 from typer.testing import CliRunner
 
 from decodekit.cli import app, render_summary
@@ -112,7 +113,7 @@ def test_the_summary_reports_acceptance_when_drafts_were_proposed(capsys):
 # ---- user mistakes: one message, a non-zero exit, no traceback ----------------------------------------------------
 @pytest.mark.parametrize(("text", "message"), [
     ("model: m\nsampling:\n  temperature: 0.5\n   top_p: 1\n", "x.yaml: YAML syntax error at line 4, column 9"),
-    ("model: m\nmodle: n\n", "x.yaml: modle: unknown key (did you mean 'model'?)"),
+    ("model: m\nmodle: n\n", "x.yaml: modle: unknown key 'modle' (did you mean 'model'?)"),
     ("model: m\nprocessors: [{top_q: {q: 1}}]\n", "x.yaml: processors[0]: unknown processor 'top_q' (did you mean"),
     ("model: m\nprocessors: [{top_p: {top_p: -1}}]\n", "x.yaml: processors[0].top_p.top_p: Input should be greater"),
 ])
@@ -177,6 +178,38 @@ def test_plugins_json_lists_what_each_plugin_registers_with_parameter_schemas():
     assert limit["description"].startswith("Stop a request `seconds` after it arrived")
     table = _invoke("plugins")
     assert table.exit_code == 0 and "time_limit" in table.stdout
+
+
+def test_piped_plugins_table_shows_every_plugin_and_component_name_in_full(monkeypatch):
+    """Piped output has no terminal width: rich's default of 80 columns cut names to 'decodekit…'. The console here
+    is 60 columns and not a terminal (CliRunner captures stdout), as in CI or `decodekit plugins | grep`."""
+    import decodekit.cli as cli
+    from decodekit.core.plugin_manager import get_plugin_manager
+    from decodekit.core.registry import Registry
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(cli, "console", Console(width=60))  # no file: it writes to CliRunner's stdout
+    result = _invoke("plugins")
+    assert result.exit_code == 0 and "…" not in result.stdout
+    registry = Registry.from_plugin_manager(get_plugin_manager())
+    shown = {cell.strip() for line in result.stdout.splitlines() for cell in line.split("│")}
+    for kind in ("processors", "stopping_criteria", "strategies", "proposers"):
+        for entry in getattr(registry, kind).values():
+            assert entry.name in shown and entry.plugin in shown, (kind, entry.name, entry.plugin)
+    assert max(len(line) for line in result.stdout.splitlines()) > 60  # as wide as the names need
+
+
+def test_plugins_table_keeps_an_explicit_columns_width_and_folds_names_instead_of_cutting_them(monkeypatch):
+    import decodekit.cli as cli
+
+    monkeypatch.setenv("COLUMNS", "60")
+    monkeypatch.setattr(cli, "console", Console(width=60))
+    result = _invoke("plugins")
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 0 and "…" not in result.stdout and max(len(line) for line in lines) <= 60
+    # a name too long for its column goes on over the next lines rather than ending in an ellipsis
+    plugin_column = "".join(line.split("│")[1].strip() for line in lines if line.startswith("│"))
+    assert "decodekit_plugins.structured" in plugin_column
 
 
 def test_bench_takes_the_model_and_engine_limits_from_a_recipe(tiny_dir, tmp_path):

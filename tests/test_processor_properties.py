@@ -303,7 +303,8 @@ def test_every_catalogue_name_and_bad_value_is_checked_when_a_request_is_planned
            ({"logit_bias": {"bias": {"100000": 1}}}, "vocabulary size"),
            ({"allowed_token_ids": {"token_ids": []}}, "at least 1"),
            ({"dry": {"sequence_breakers": [""]}}, "at least 1 character"),
-           ({"no_repeat_ngram": {"ngram": 3}}, "Extra inputs are not permitted")]
+           ({"no_repeat_ngram": {"ngram": 3}}, r"^processors\[0\]\.no_repeat_ngram\.ngram: unknown key 'ngram' "
+                                               r"\(did you mean 'ngram_size'\?\); known keys: ngram_size$")]
     for spec, message in bad:
         with pytest.raises(PlanError, match=message):
             components.resolve(SamplingParams(processors=[spec]))

@@ -64,14 +64,16 @@ def test_duplicate_keys_are_refused_instead_of_silently_overwritten(tmp_path):
 
 def test_unknown_top_level_key_suggests_the_close_one_and_lists_the_known(tmp_path):
     message = _error(tmp_path, "model: m\nsamplng: {temperature: 0}\n")
-    assert message.endswith("x.yaml: samplng: unknown key (did you mean 'sampling'?); known: description, model, "
-                            "dtype, device, draft, engine, sampling, processors, stopping, strategy, inputs, outputs")
+    assert message.endswith("x.yaml: samplng: unknown key 'samplng' (did you mean 'sampling'?); known keys: "
+                            "description, model, dtype, device, draft, engine, sampling, processors, stopping, "
+                            "strategy, inputs, outputs")
 
 
 def test_unknown_nested_key_lists_that_section_s_keys(tmp_path):
     message = _error(tmp_path, "model: m\nengine: {max_num_seq: 4}\n")
-    assert "engine.max_num_seq: unknown key (did you mean 'max_num_seqs'?); known: kv_cache_memory," in message
-    assert "sampling.temprature: unknown key (did you mean 'temperature'?)" in _error(
+    assert ("engine.max_num_seq: unknown key 'max_num_seq' (did you mean 'max_num_seqs'?); known keys: "
+            "kv_cache_memory,") in message
+    assert "sampling.temprature: unknown key 'temprature' (did you mean 'temperature'?)" in _error(
         tmp_path, "model: m\nsampling: {temprature: 0}\n")
 
 
@@ -93,6 +95,35 @@ def test_unknown_stopping_criterion_and_strategy_list_the_known_ones(tmp_path):
 def test_wrong_parameter_range_names_the_key_path_and_the_value(tmp_path):
     message = _error(tmp_path, "model: m\nprocessors:\n  - temperature: {temperature: 0.5}\n  - top_p: {top_p: -1}\n")
     assert message == f"{tmp_path / 'x.yaml'}: processors[1].top_p.top_p: Input should be greater than 0, got -1"
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ("processors:\n  - repetition_penalty: {penalty: 1.1, penalti: 2}\n",
+     "processors[0].repetition_penalty.penalti: unknown key 'penalti' (did you mean 'penalty'?); known keys: penalty"),
+    ("stopping: [max_tokens, {time_limit: {secnds: 2}}]\n",  # not also "seconds: Field required": the same typo
+     "stopping[1].time_limit.secnds: unknown key 'secnds' (did you mean 'seconds'?); known keys: seconds"),
+    ("strategy: {beam_search: {num_beam: 2}}\n",
+     "strategy.beam_search.num_beam: unknown key 'num_beam' (did you mean 'num_beams'?); known keys: num_beams, "
+     "length_penalty, early_stopping, num_return_sequences"),
+    ("strategy: {speculative: {proposer: ngram, proposer_options: {prompt_lookup_mx: 2}}}\n",
+     "strategy.speculative.proposer_options.prompt_lookup_mx: unknown key 'prompt_lookup_mx' (did you mean "
+     "'prompt_lookup_max'?); known keys: prompt_lookup_min, prompt_lookup_max"),
+], ids=["processor", "stopping_criterion", "strategy", "proposer"])
+def test_a_typo_in_a_plugin_parameter_names_its_recipe_key_path_and_the_key_meant(tmp_path, section, message):
+    assert _error(tmp_path, "model: m\n" + section) == f"{tmp_path / 'x.yaml'}: {message}"
+
+
+def test_a_required_plugin_parameter_is_still_reported_missing_when_no_unknown_key_looks_like_it(tmp_path):
+    assert _error(tmp_path, "model: m\nstopping: [{time_limit: {wait: 2}}]\n") == (
+        f"{tmp_path / 'x.yaml'}: stopping[0].time_limit.seconds: Field required; "
+        "stopping[0].time_limit.wait: unknown key 'wait'; known keys: seconds")
+
+
+def test_an_unknown_plugin_parameter_suggests_a_field_by_the_name_the_recipe_uses_not_its_python_name(tmp_path):
+    # json_schema's parameter is `schema` in a recipe (the Python field is `schema_`, aliased)
+    message = _error(tmp_path, "model: m\nprocessors: [{json_schema: {schma: {type: object}}}]\n")
+    assert "processors[0].json_schema.schma: unknown key 'schma' (did you mean 'schema'?); known keys: " in message
+    assert ", schema," in message and "schema_" not in message
 
 
 def test_wrong_parameter_types_name_the_key_path(tmp_path):
@@ -239,7 +270,7 @@ def test_a_prompts_file_with_bad_lines_keeps_the_good_ones_and_names_each_bad_li
     assert bad[0].message.startswith("not valid JSON: Expecting value")
     assert bad[1].message == "temperature: Input should be greater than or equal to 0, got -1"
     assert bad[2].message == "processors[0].top_p.top_p: Input should be less than or equal to 1, got 2"
-    assert bad[3].message.startswith("colour: unknown key; known: prompt, id, sampling")
+    assert bad[3].message.startswith("colour: unknown key 'colour'; known keys: prompt, id, sampling")
     assert "unknown" in bad[4].message and "'beem'" in bad[4].message
 
 

@@ -522,7 +522,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("model: m\nmodle: n\n", "x.yaml: modle: unknown key (did you mean 'model'?)"),
+    ("model: m\nmodle: n\n", "x.yaml: modle: unknown key 'modle' (did you mean 'model'?)"),
     ("model: /nowhere/at/all\n", "no such file or folder: '/nowhere/at/all'"),
 ])
 def test_serve_reports_a_bad_recipe_or_model_in_one_line_and_exits_2(text, message, tmp_path):

@@ -162,9 +162,17 @@ def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
     spec = llm.generate(prompts, _spec("repeat_last", 3, max_tokens=12, temperature=0))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.metrics.num_draft_tokens for o in spec) > 0
-    bad = llm.generate(prompts[:2], [
+    bad = llm.generate(prompts[:3] + prompts[:1], [
         SamplingParams(max_tokens=4, strategy={"speculative": {"proposer": "ngrma"}}),
         SamplingParams(max_tokens=4, strategy={"speculative": {"proposer": "ngram",
-                                                               "proposer_options": {"prompt_lookup_max": 0}}})])
+                                                               "proposer_options": {"prompt_lookup_max": 0}}}),
+        SamplingParams(max_tokens=4, strategy={"speculative": {"proposer": "ngram",
+                                                               "proposer_options": {"prompt_lookup_mx": 2}}}),
+        SamplingParams(max_tokens=4, strategy={"speculative": {"proposer": "repeat_last",
+                                                               "proposer_options": {"times": 2}}})])
     assert "unknown proposer 'ngrma' (did you mean 'ngram'?)" in bad[0].error
-    assert "proposer_options (ngram).prompt_lookup_max" in bad[1].error
+    # option errors name the key where the request (or recipe) writes it
+    assert "strategy.speculative.proposer_options.prompt_lookup_max: Input should be greater" in bad[1].error
+    assert ("strategy.speculative.proposer_options.prompt_lookup_mx: unknown key 'prompt_lookup_mx' (did you mean "
+            "'prompt_lookup_max'?); known keys: prompt_lookup_min, prompt_lookup_max") in bad[2].error
+    assert "strategy.speculative.proposer_options: takes no parameters, got ['times']" in bad[3].error

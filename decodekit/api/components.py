@@ -3,7 +3,10 @@ per-request parameters (`Params`) are validated, with errors that name the offen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,16 +65,88 @@ class PlanError(ConfigError):
         self.reason = message
 
 
-def format_validation_error(prefix: str, exc: ValidationError) -> str:
-    """One line per pydantic error, each with its dotted key path under `prefix`."""
+def dotted_path(loc: Sequence[Any], prefix: str = "") -> str:
+    """A key path as a user writes it in a recipe or request: `processors[0].top_k.top_k` (list indexes in
+    brackets, keys joined with dots), under `prefix` when one is given."""
+    out = prefix
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def closest_key(key: str, known: Sequence[str]) -> str | None:
+    """The known key `key` is most likely a typo of (difflib's closest match), or None when none is close."""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return close[0] if close else None
+
+
+def unknown_key_message(key: str, known: Sequence[str]) -> str:
+    """What to say about a key a model does not have: `unknown key 'penalti' (did you mean 'penalty'?); known
+    keys: penalty` (the suggestion only when one is close, the list only when the known keys are known)."""
+    close = closest_key(key, known)
+    message = f"unknown key {key!r}" + (f" (did you mean {close!r}?)" if close else "")
+    return message + (f"; known keys: {', '.join(known)}" if known else "")
+
+
+def known_keys(model: Any, loc: Sequence[Any] = ()) -> list[str]:
+    """The keys the pydantic model at `loc` under `model` accepts (a field's alias when it has one, since that is
+    what the input must use), in declaration order; [] when `loc` does not lead to a model."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):  # an item of a list field (`list[Model]`, or `list[Model] | None`): the item type
+            args = typing.get_args(_non_optional(current))
+            current = args[0] if args else None
+            continue
+        cls = _model_class(current)
+        if cls is None:
+            return []
+        field = next((f for name, f in cls.model_fields.items() if (f.alias or name) == part), None)
+        if field is None:
+            return []
+        current = field.annotation
+    cls = _model_class(current)
+    return [f.alias or name for name, f in cls.model_fields.items()] if cls is not None else []
+
+
+def _non_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # `X | None`: X
+        return next((a for a in typing.get_args(annotation) if a is not type(None)), None)
+    return annotation
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    annotation = _non_optional(annotation)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def format_validation_error(prefix: str, exc: ValidationError, model: type[BaseModel] | None = None, *,
+                            label: str = "", sep: str = "; ") -> str:
+    """Every pydantic error as `label: key.path[i]: message, got value`, joined with `sep`.
+
+    The path is the error's location under `prefix` (the key the validated mapping sits at in the recipe or
+    request, e.g. `processors[0].repetition_penalty`). An unknown key names the keys `model` (the model that was
+    validated) accepts at that place, with the closest one suggested (`unknown_key_message`). This is the one
+    formatter for recipes, requests and every plugin's `Params`, so all of them read the same.
+    """
+    errors = exc.errors()
+    known = {i: known_keys(model, err["loc"][:-1]) for i, err in enumerate(errors) if err["type"] == "extra_forbidden"}
+    # a required key misspelt is also reported missing; the suggestion for the typo already names it, so the
+    # "Field required" of the key it suggests is the same mistake told twice
+    meant = {(*errors[i]["loc"][:-1], closest_key(str(errors[i]["loc"][-1]), keys)) for i, keys in known.items()}
     lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        path = f"{prefix}.{loc}" if prefix and loc else prefix or loc
-        got = err.get("input")
-        suffix = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f", got {got!r}"
-        lines.append(f"{path}: {err['msg']}{suffix}")
-    return "; ".join(lines)
+    for i, err in enumerate(errors):
+        if err["type"] == "missing" and tuple(err["loc"]) in meant:
+            continue
+        message = err["msg"].removeprefix("Value error, ")  # a validator's own message needs no pydantic preamble
+        if i in known:
+            message = unknown_key_message(str(err["loc"][-1]), known[i])
+        elif err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
+            # a scalar is short enough to echo back; a mapping or list would swamp the message
+            got = f"got {err.get('input')!r}"
+            message += "" if got in message else f", {got}"
+        path = dotted_path(err["loc"], prefix)
+        lines.append(": ".join(p for p in (label, path, message) if p))
+    return sep.join(lines)
 
 
 def validate_options(component: Any, params: dict[str, Any], path: str) -> BaseModel | None:
@@ -84,4 +159,4 @@ def validate_options(component: Any, params: dict[str, Any], path: str) -> BaseM
     try:
         return model.model_validate(params)
     except ValidationError as exc:
-        raise PlanError("", format_validation_error(path, exc)) from None
+        raise PlanError("", format_validation_error(path, exc, model)) from None

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from decodekit.bench.baselines import RunRecord
+from decodekit.tables import print_table
 
 MISSING = "-"
 
@@ -126,7 +127,8 @@ def render_table(result: BenchResult, console: Console | None = None) -> Table:
     table = Table(title=_title(result), title_justify="left")
     for header in ("system", "useful tok/s", "decodekit x", "wall s", "TTFT p50 ms", "TTFT p90 ms",
                    "TPOT p50 ms", "TPOT p90 ms", "peak RSS MiB", "computed/useful", "same tokens"):
-        table.add_column(header, justify="left" if header == "system" else "right")
+        # fold rather than cut (a system's name, a figure): in a terminal too narrow nothing ends in an ellipsis
+        table.add_column(header, justify="left" if header == "system" else "right", overflow="fold")
     for name, fig in result.systems.items():
         ratio = MISSING if name == "decodekit" else _num(result.ratios.get(name), "{:.2f}")
         waste = _num(fig.computed_tokens / fig.useful_tokens, "{:.2f}") if fig.useful_tokens else MISSING
@@ -135,7 +137,7 @@ def render_table(result: BenchResult, console: Console | None = None) -> Table:
         table.add_row(label, _num(fig.tokens_per_s), ratio, _num(fig.wall_s, "{:.2f}"),
                       _ms(fig.ttft_p50_s), _ms(fig.ttft_p90_s), _ms(fig.tpot_p50_s), _ms(fig.tpot_p90_s),
                       _num(fig.peak_rss_mb, "{:.0f}"), waste, match)
-    console.print(table)
+    print_table(console, table)  # piped or redirected: as wide as the names need
     for name, fig in result.systems.items():
         if fig.error:
             console.print(f"[red]{name}: {fig.error}[/red]")

@@ -40,6 +40,7 @@ from rich.table import Table
 
 from decodekit.bench.harness import _environment
 from decodekit.bench.report import MISSING, percentile
+from decodekit.tables import print_table
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 """The recipe `decodekit bench serve` serves by default (the bundled model, from the source checkout)."""
@@ -700,7 +701,8 @@ def render_serve_table(result: ServeBenchResult, console: Console | None = None)
     table = Table(title=title, title_justify="left")
     for header in ("server", "ok", "errors", "tokens", "wall s", "tok/s", "TTFT p50 ms", "TTFT p99 ms",
                    "TPOT p50 ms", "TPOT p99 ms", "RSS MiB", "greedy same text"):
-        table.add_column(header, justify="left" if header == "server" else "right")
+        # fold rather than cut (a server's name, a figure): in a terminal too narrow nothing ends in an ellipsis
+        table.add_column(header, justify="left" if header == "server" else "right", overflow="fold")
     for fig in result.servers.values():
         if fig.unavailable is not None:
             table.add_row(f"{fig.name} [red](not run)[/red]", *([MISSING] * 11))
@@ -713,7 +715,7 @@ def render_serve_table(result: ServeBenchResult, console: Console | None = None)
     if any(v is not None for v in r.values()):
         table.add_row("[bold]decodekit / transformers[/bold]", "", "", "", "", _num(r["tokens_per_s"], "{:.2f}x"),
                       *(_num(r[k], "{:.2f}x") for k in RATIO_FIELDS[1:]), "", "")
-    console.print(table)
+    print_table(console, table)  # piped or redirected: as wide as the names need
     for fig in result.servers.values():
         if fig.unavailable is not None:
             console.print(f"[red]{fig.name} did not run: {fig.unavailable}[/red]", soft_wrap=True)

@@ -180,4 +180,4 @@ def _validated(params: object) -> tuple[SamplingParams, str | None]:
             return SamplingParams.model_validate(dict(params)), None
         return SamplingParams.model_validate(params), None
     except ValidationError as exc:
-        return SamplingParams(), f"invalid sampling parameters: {format_validation_error('', exc)}"
+        return SamplingParams(), f"invalid sampling parameters: {format_validation_error('', exc, SamplingParams)}"

@@ -214,7 +214,7 @@ class SpeculativeStrategy(Strategy):
 
     def _proposer(self, name: str) -> Proposer:
         assert self.components is not None, "the registry binds the strategy when it builds it"
-        proposer: Proposer = self.components.get("proposers", name, "strategy.speculative.proposer")
+        proposer: Proposer = self.components.get("proposers", name, f"strategy.{self.name}.proposer")
         self.proposers[name] = proposer
         return proposer
 
@@ -223,9 +223,10 @@ class SpeculativeStrategy(Strategy):
         if params.n > 1:
             raise ValueError("parallel sampling (n > 1) cannot be combined with speculative decoding")
         proposer = self._proposer(options.proposer)
-        # validated once, when the request is planned, and kept with its options
+        # validated once, when the request is planned, and kept with its options; errors name the key where the
+        # recipe or request writes it (`strategy: {speculative: {proposer_options: {...}}}`)
         options._proposer_params = validate_options(proposer, options.proposer_options,
-                                                   f"proposer_options ({proposer.name})")
+                                                   f"strategy.{self.name}.proposer_options")
         proposer.check(options._proposer_params)
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
