@@ -8,6 +8,7 @@ CLI, the benchmarks). This module re-exports what users and plugin authors impor
 from __future__ import annotations
 
 from decodekit.api.errors import DecodeKitError
+from decodekit.api.hf_adapter import HFProcessorAdapter, hf_logits_processor, hf_processor
 from decodekit.api.hookspecs import hookimpl
 from decodekit.api.params import SamplingParams
 from decodekit.api.processors import BatchView, LogitsProcessor
@@ -26,6 +27,7 @@ __all__ = [
     "CompletionOutput",
     "DecodeKitError",
     "EngineConfig",
+    "HFProcessorAdapter",
     "LogitsProcessor",
     "Proposer",
     "RequestMetrics",
@@ -36,6 +38,8 @@ __all__ = [
     "StoppingCriterion",
     "Strategy",
     "StrategyResult",
+    "hf_logits_processor",
+    "hf_processor",
     "hookimpl",
     "select_tokens",
 ]

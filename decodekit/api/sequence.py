@@ -85,6 +85,7 @@ class Sequence:
     | `token_ids`, `processor_states`, `generator` | the step context (`append_token`, `accept_draft`, `fork`) |
     | `status`, `num_computed_tokens` | the scheduler (admission, preemption, forward progress, rollback) |
     | `draft_token_ids` | a strategy's `propose`; the engine trims and clears it in `core/drafts.py` only |
+    | `candidate_token_ids` | the step context (`score_candidates`, `accept_candidate`) and the scheduler |
     | `detokenizer`, `text`, `new_text_len` | the stop stage (`core/stages/stop.py`), which detokenizes each token |
     | `finish_reason`, `stop_reason` | request lifecycle (`core/requests.py`) when the sequence finishes |
     | `logprobs`, `cumulative_logprob` | `core/logprobs.py` (after the select stage; trimmed after stop); `fork` |
@@ -107,6 +108,8 @@ class Sequence:
     stash: Stash = field(default_factory=Stash)  # typed per-plugin state (`StashKey`s)
     state: dict[str, Any] = field(default_factory=dict)  # untyped per-plugin state (kept for existing plugins)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed, not yet verified (speculative decoding)
+    # sibling next tokens scored side by side in the next forward (`StepContext.score_candidates`)
+    candidate_token_ids: list[int] = field(default_factory=list)
     processor_states: list[Any] = field(default_factory=list)  # one per stage of the request's plan
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when the request asks for them
     cumulative_logprob: float = 0.0
@@ -134,8 +137,9 @@ class Sequence:
 
     @property
     def num_scored_positions(self) -> int:
-        """Positions this sequence gets scores for when its pending tokens complete: one, plus one per draft."""
-        return 1 + len(self.draft_token_ids)
+        """Rows of scores this sequence gets when its pending work completes: one, plus one per draft token; or,
+        when it has candidates (`StepContext.score_candidates`), one per candidate (each the position after it)."""
+        return len(self.candidate_token_ids) or 1 + len(self.draft_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -41,6 +41,20 @@ class StrategyResult:
     sequence: Sequence | None = None
 
 
+@dataclass
+class HiddenStates:
+    """Last hidden states of one sequence's positions computed in a step (`StepContext.hidden_states`).
+
+    Row `i` is the final norm's output (the LM head's input) at position `start + i` of `seq.token_ids` followed by
+    its draft; for a sequence whose candidates were scored (`candidates` True), row `i` is candidate `i`'s, every
+    one at position `start`. A prompt computed in chunks arrives whole, when its last chunk is scored.
+    """
+
+    start: int
+    states: torch.Tensor
+    candidates: bool = False
+
+
 class StepContext(Protocol):
     """What the engine offers a strategy during one step."""
 
@@ -80,6 +94,25 @@ class StepContext(Protocol):
         """Drop a sequence of a request that goes on (a pruned beam); it is not returned."""
         ...
 
+    def score_candidates(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Score these sibling tokens as `seq`'s next token, side by side, in the next step's forward (instead of
+        appending one now): `seq` then gets one row of scores per candidate, the position after it
+        (`seq.candidate_token_ids` lists them), and hidden states per candidate when the strategy asks for them.
+        Costs one forward row per candidate, sharing the sequence's KV blocks. Every token of `seq` must be
+        computed (call it instead of `append_token`, or after `accept_candidate`). A preemption or any other action
+        on `seq` drops them: the strategy then gets the ordinary single row again."""
+        ...
+
+    def accept_candidate(self, seq: Sequence, index: int) -> None:
+        """Append `seq.candidate_token_ids[index]` (scored this step), keeping the key and value the forward computed
+        for it: the token is not recomputed, and the rows of its candidate are the scores of the next position."""
+        ...
+
+    def hidden_states(self, seq: Sequence) -> HiddenStates | None:
+        """The last hidden states of the positions computed for `seq` this step (strategies with
+        `hidden_states = True` only; None otherwise or when nothing was computed for it)."""
+        ...
+
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Finish a sequence with a finish reason ("stop", "length")."""
         ...
@@ -106,15 +139,29 @@ class Strategy:
         handles_stopping: the strategy finishes its own sequences (the engine's stopping criteria are skipped).
         scores: what `select` receives: "logits" (after each request's processors), "logprobs" (processors
             applied to log-softmax scores) or "raw" (the model's logits; call `ctx.process` yourself).
+        hidden_states: the strategy reads last hidden states (`ctx.hidden_states(seq)`, contrastive search); its
+            requests' prompts are then computed in full, never served from the prefix cache.
+        finalizes: the strategy chooses its request's outputs after the engine's stopping (`finalize`: best-of-n
+            ranking); its requests stream no deltas, only the final output.
     """
 
     name: ClassVar[str] = "strategy"
     Params: ClassVar[type[BaseModel] | None] = None
     handles_stopping: ClassVar[bool] = False
     scores: ClassVar[Literal["raw", "logits", "logprobs"]] = "raw"
+    hidden_states: ClassVar[bool] = False
+    finalizes: ClassVar[bool] = False
 
     def setup(self, info: Any) -> None:
         """Called once with the engine's `ComponentInfo` (tokenizer, vocab size, draft model, ...)."""
+
+    def check_options(self, options: BaseModel | None) -> None:
+        """Refuse parameters pydantic cannot: raise `ValueError` saying why (path `strategy.<name>`). Static: runs
+        at `decodekit recipe check` too, where no engine exists; before `check_compatible`."""
+
+    def check_options_with(self, options: BaseModel | None, info: Any) -> None:
+        """Refuse parameters this engine cannot serve (`info`: the `ComponentInfo` given to `setup`): raise
+        `ValueError`. Runs only inside an engine, after `check_options` and `setup(info)`."""
 
     def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
         """Refuse a combination this strategy cannot run (raise `ValueError` saying which and why)."""
@@ -130,6 +177,12 @@ class Strategy:
         """Turn `logits` (the scores `scores` asks for, `1 + len(seq.draft_token_ids)` rows per sequence, in order)
         into actions."""
         raise NotImplementedError
+
+    def finalize(self, request: Request) -> list[StrategyResult] | None:
+        """Called once when every sequence of a request has finished (stopping criteria included), before its final
+        output is built, when `finalizes` is True: return the outputs, best first (None keeps one per sequence).
+        Not called for a request that failed or was aborted."""
+        return None
 
     def on_request_finished(self, request: Request) -> None:
         """Release per-request resources (a draft model's KV blocks, ...)."""

@@ -243,6 +243,13 @@ class BlockAllocator:
         if h is not None and self._hash_to_block.get(h) == block:
             del self._hash_to_block[h]
 
+    def adopt(self, seq_id: int, donor_id: int) -> None:
+        """`seq_id` takes over `donor_id`'s blocks and prefix hashes (a candidate it accepted: the donor forked from
+        it and computed one more token); its own are released, and the donor has no table any more."""
+        donor = self._tables.pop(donor_id)
+        self.free(seq_id)
+        self._tables[seq_id] = donor
+
     def free(self, seq_id: int) -> None:
         """Release all of a sequence's blocks (cached prefixes stay reusable until their block is reused)."""
         table = self._tables.pop(seq_id)

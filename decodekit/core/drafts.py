@@ -2,7 +2,7 @@
 
 A strategy's `propose` sets `seq.draft_token_ids`; from then on only this module changes them: the scheduler trims
 a draft to the step's token budget, the forward stage feeds `pending_tokens`, the process stage expands a sequence
-into one row per scored position (`row_histories`), and the step context `clear`s the draft when the strategy
+into one row per scored position (`scored_rows`), and the step context `clear`s the draft when the strategy
 accepts a prefix of it (or the scheduler when it preempts the sequence).
 """
 
@@ -29,7 +29,11 @@ def pending_tokens(seq: Sequence, start: int, count: int) -> list[int]:
     return tokens[start : start + count]
 
 
-def row_histories(seq: Sequence) -> list[list[int]]:
-    """The history each scored position of `seq` sees: position j after the first j draft tokens."""
+def scored_rows(seq: Sequence) -> list[tuple[list[int], int]]:
+    """Each scored row of `seq`: the history it sees and how many of its trailing tokens are unverified. Row j of a
+    drafting sequence sees the first j draft tokens; a sequence scoring candidates has one row per candidate, each
+    seeing that one candidate (`StepContext.score_candidates`)."""
+    if seq.candidate_token_ids:
+        return [([*seq.token_ids, token], 1) for token in seq.candidate_token_ids]
     draft = seq.draft_token_ids
-    return [seq.token_ids + draft[:j] if j else seq.token_ids for j in range(1 + len(draft))]
+    return [(seq.token_ids + draft[:j] if j else seq.token_ids, j) for j in range(1 + len(draft))]

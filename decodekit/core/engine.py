@@ -8,6 +8,7 @@ engine only wires them up and runs them in order.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import pluggy
@@ -16,7 +17,7 @@ import torch
 from decodekit.api.components import ComponentInfo
 from decodekit.api.models import LoadedModel
 from decodekit.api.params import SamplingParams
-from decodekit.api.sequence import Request, RequestOutput
+from decodekit.api.sequence import Request, RequestOutput, Sequence
 from decodekit.core.config import EngineConfig
 from decodekit.core.hooks import LifecycleHooks
 from decodekit.core.logprobs import record_prompt_logprobs, trim_logprobs
@@ -33,7 +34,7 @@ from decodekit.core.stages.process import Processing
 from decodekit.core.stages.propose import propose
 from decodekit.core.stages.select import select
 from decodekit.core.stages.stop import StopStage
-from decodekit.core.step_context import EngineStepContext, StepRecord
+from decodekit.core.step_context import CandidateOrigin, EngineStepContext, StepRecord
 from decodekit.core.trace import record_stops
 
 log = logging.getLogger("decodekit.engine")
@@ -79,6 +80,8 @@ class Engine:
                                           self.max_model_len, self.vocab_size, loaded.device)
         self.requests = self.lifecycle.requests
         self.step_count = 0
+        # per sequence with candidates, the row they were chosen from (`StepContext.score_candidates`)
+        self.candidate_origins: weakref.WeakKeyDictionary[Sequence, CandidateOrigin] = weakref.WeakKeyDictionary()
         torch.manual_seed(config.seed)
         log.info("engine: %s, %s, %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, %s forward",
                  loaded.name, str(loaded.dtype).removeprefix("torch."), self.allocator.num_blocks,
@@ -123,7 +126,8 @@ class Engine:
         self.processing.kept.clear()
         self.processing.trace_rows.clear()
         ctx = EngineStepContext(self.scheduler, self.processing, record, self.stop.finish_sequence,
-                                self.lifecycle.set_results, self.eos_token_ids, self.max_model_len, self.vocab_size)
+                                self.lifecycle.set_results, self.eos_token_ids, self.max_model_len, self.vocab_size,
+                                self.candidate_origins)  # type: ignore[arg-type]
         self._fail(propose(self.scheduler.running, ctx))
         self._fail(self.processing.take_faults())  # a proposer's processors failed for these
         sched = self.scheduler.schedule()

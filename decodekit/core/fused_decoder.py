@@ -179,6 +179,7 @@ class FusedDecoder:
         self.rotary_emb = base.rotary_emb
         self.final_norm = base.norm.weight
         self.final_eps = float(base.norm.variance_epsilon)
+        self.last_hidden: torch.Tensor | None = None  # the last call's hidden states at `hidden_index`
         self.prepacked = prepack
         with torch.no_grad():
             self.layers = [self._fuse(layer, prepack) for layer in base.layers]
@@ -217,8 +218,12 @@ class FusedDecoder:
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                 logit_index: torch.Tensor, plan: DecodeAttentionPlan | None = None) -> torch.Tensor:
+                 logit_index: torch.Tensor, plan: DecodeAttentionPlan | None = None,
+                 hidden_index: torch.Tensor | None = None) -> torch.Tensor:
         """Forward `[T]` packed tokens at `[T]` positions; return logits `[len(logit_index), vocab]`.
+
+        With `hidden_index`, the final norm's output at those tokens (the LM head's input) is kept in
+        `self.last_hidden` (`[len(hidden_index), hidden]`) for the strategies that read hidden states.
 
         With a `plan` (and native kernels) the step's small ops run natively; the runner makes one for every step
         whose short-query sequences bring at most `runner.NATIVE_MAX_TOKENS` tokens (long chunks in it get SDPA).
@@ -234,10 +239,15 @@ class FusedDecoder:
             plan.set_rope(cos[:, 0], sin[:, 0])
             for index, layer in enumerate(self.layers):
                 hidden = self._native_layer(native, index, layer, hidden, cache, plan)
+            if hidden_index is not None:
+                self.last_hidden = native.rms_norm(hidden.index_select(0, hidden_index), self.final_norm,
+                                                   self.final_eps)
             hidden = native.rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
             return self.lm_head(hidden)
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, cache, tokens)
+        if hidden_index is not None:
+            self.last_hidden = _rms_norm(hidden.index_select(0, hidden_index), self.final_norm, self.final_eps)
         hidden = _rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
         return self.lm_head(hidden)
 

@@ -30,8 +30,11 @@ DEFAULT_PLUGINS = (
     "decodekit_plugins.biases",
     "decodekit_plugins.stopping",
     "decodekit_plugins.strategies",
+    "decodekit_plugins.contrastive_search",
+    "decodekit_plugins.best_of",
     "decodekit_plugins.models",
     "decodekit_plugins.structured",
+    "decodekit_plugins.hf_processors",
 )
 
 

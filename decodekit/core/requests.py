@@ -133,7 +133,7 @@ class RequestLifecycle:
             if not seq.finished:
                 self.stop.finish_sequence(seq, "abort")
                 record_end(seq, "abort")
-        self.complete(request)
+        self.complete(request, finalize=False)
         return True
 
     def fail(self, request: Request, error: str) -> None:
@@ -156,12 +156,16 @@ class RequestLifecycle:
         request.metrics.num_generated_tokens = sum(len(r.token_ids) for r in results)
         self.complete(request)
 
-    def complete(self, request: Request) -> None:
-        """Release a finished request's blocks, tell its strategy, and queue its final output."""
+    def complete(self, request: Request, finalize: bool = True) -> None:
+        """Release a finished request's blocks, let a strategy that `finalizes` choose its outputs (unless the
+        request failed, or `finalize` is False: an abort), tell its strategy, and queue its final output."""
         if request.request_id not in self.requests:
             return  # already completed this step (a strategy's results, then the stop stage)
         request.metrics.finished_time = time.perf_counter()
         self.scheduler.remove(request)
+        if finalize and request.error is None and request.results is None and request.plan is not None \
+                and request.plan.strategy.finalizes:
+            self._finalize(request)
         if request.plan is not None:
             try:
                 request.plan.strategy.on_request_finished(request)
@@ -169,6 +173,20 @@ class RequestLifecycle:
                 log.exception("%s: on_request_finished failed", request.plan.strategy.name)
         self.emitter.final(request)
         del self.requests[request.request_id]
+
+
+    def _finalize(self, request: Request) -> None:
+        """The strategy's final outputs after the engine's stopping; a strategy that raises fails the request."""
+        strategy = request.plan.strategy
+        try:
+            results = strategy.finalize(request)
+        except Exception as exc:
+            log.warning("request %s: %s failed to finalize: %r", request.request_id, strategy.name, exc)
+            request.error = f"{strategy.name} failed to finalize: {exc!r}"
+            return
+        if results is not None:
+            request.results = list(results)
+            request.metrics.num_generated_tokens = sum(len(r.token_ids) for r in results)
 
 
 def _validated(params: object) -> tuple[SamplingParams, str | None]:

@@ -136,6 +136,7 @@ class ForwardItem:
     context_len: int
     block_table: list[int]
     num_logits: int  # logits for the last `num_logits` of the new tokens (0 for a mid-prompt chunk)
+    num_hidden: int = 0  # last hidden states for the last `num_hidden` of the new tokens (`Strategy.hidden_states`)
 
 
 class ModelRunner:
@@ -154,9 +155,15 @@ class ModelRunner:
         self._config = model.config
         self.fused = FusedDecoder(model, wants_prepacking(model, prepack_weights), native) if fused else None
 
-    @torch.inference_mode()
     def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run one packed forward pass and return float32 logits for the requested positions, in item order."""
+        return self.forward_with_hidden(items, block_copies)[0]
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and the last hidden states (the final norm's output, the LM head's input) of the positions
+        the items ask for (`num_hidden`), in item order; None when none asks."""
         self.kv_cache.copy_blocks(block_copies)
         layout, positions = build_layout(
             [len(it.token_ids) for it in items], [it.context_len for it in items],
@@ -169,6 +176,12 @@ class ModelRunner:
             logit_index.extend(range(len(flat) - it.num_logits, len(flat)))
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)[None]
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        hidden_rows: list[int] = []
+        end = 0
+        for it in items:
+            end += len(it.token_ids)
+            hidden_rows.extend(range(end - it.num_hidden, end))
+        hidden_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device) if hidden_rows else None
         self.kv_cache.layout = layout
         if self.fused is not None:
             plan = None
@@ -178,14 +191,18 @@ class ModelRunner:
                 plan = DecodeAttentionPlan(layout.slot_mapping, query_lens, [it.context_len for it in items],
                                            [it.block_table for it in items], self.kv_cache.block_size)
             try:
-                return self.fused(input_ids[0], positions, self.kv_cache, keep, plan).float()
+                logits = self.fused(input_ids[0], positions, self.kv_cache, keep, plan, hidden_index).float()
+                return logits, None if hidden_index is None else self.fused.last_hidden
             finally:
                 self.kv_cache.layout = None
+                self.fused.last_hidden = None
         # Switch attention only for this call, so the same model object stays usable by plain transformers
         # (`generate` with padding masks) between engine steps.
         previous = self._config._attn_implementation
         self._config._attn_implementation = ATTENTION_NAME
         try:
+            if hidden_index is not None:
+                return self._forward_base(input_ids, positions, keep, hidden_index)
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions[None],
@@ -197,4 +214,19 @@ class ModelRunner:
         finally:
             self._config._attn_implementation = previous
             self.kv_cache.layout = None
-        return out.logits[0].float()
+        return out.logits[0].float(), None
+
+    def _forward_base(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                      hidden_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformers forward split at the LM head, for steps where a strategy reads hidden states: the base
+        model's last hidden state (after its final norm), then the output embeddings on the kept rows, which is
+        what the causal-LM head computes for the models decodekit pages."""
+        base = self.model.base_model
+        head = self.model.get_output_embeddings()
+        if base is self.model or head is None:
+            raise ValueError(f"{type(self.model).__name__} has no separate base model and LM head, so its hidden "
+                             "states cannot be read")
+        out = base(input_ids=input_ids, position_ids=positions[None], past_key_values=self.kv_cache, use_cache=True,
+                   paged_kv_cache=self.kv_cache)
+        hidden = out.last_hidden_state[0]
+        return head(hidden.index_select(0, keep)).float(), hidden.index_select(0, hidden_index)

@@ -9,6 +9,12 @@ are admitted while the token budget, the sequence limit and the free KV blocks a
 budget is prefilled in chunks over several steps, mixed with other requests' decodes. When a running sequence
 needs a block and none is free, the newest (or lowest-priority) running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (prefix caching usually makes that cheap).
+
+Candidates (`StepContext.score_candidates`): a sequence that scores several sibling next tokens at once is run as
+one hidden probe per candidate, a sequence that shares its blocks copy-on-write and has the candidate as its one
+pending token. The probes are scheduled together (all or none) in place of the sequence; when the strategy accepts
+one, the sequence takes over that probe's blocks (its key and value are kept, not recomputed) and the others are
+freed. Anything that ends, frees or preempts the sequence drops its probes.
 """
 
 from __future__ import annotations
@@ -54,6 +60,12 @@ def needs_prompt_logits(request: Request) -> bool:
     return wanted and (request.prompt_logprobs is None or len(request.prompt_logprobs) < len(request.prompt_token_ids))
 
 
+def wants_hidden_states(request: Request) -> bool:
+    """Whether the request's strategy reads hidden states (`Strategy.hidden_states`): then every position must be
+    computed, none served from the prefix cache (cached positions have no hidden states)."""
+    return bool(request.plan is not None and getattr(request.plan.strategy, "hidden_states", False))
+
+
 class Scheduler:
     """FCFS or priority continuous batching over a `BlockAllocator`.
 
@@ -75,6 +87,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.probes: dict[Sequence, list[Sequence]] = {}  # a sequence's candidate probes, in candidate order
+        self.probe_parent: dict[Sequence, Sequence] = {}
 
     def _key(self, request: Request) -> tuple[float, float]:
         return (request.priority if self.policy == "priority" else 0, request.arrival_time)
@@ -98,9 +112,75 @@ class Scheduler:
             self.free_sequence(seq)
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Release one sequence's blocks (it finished, or its request is done)."""
+        """Release one sequence's blocks (it finished, or its request is done), and its candidates'."""
+        if seq.candidate_token_ids:
+            self.drop_candidates(seq)
         if self.allocator.has(seq.seq_id):
             self.allocator.free(seq.seq_id)
+
+    # ---- candidates ----------------------------------------------------------------------------------------
+    def add_candidates(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Score `token_ids` side by side as `seq`'s next token in the next forward: one probe per candidate, sharing
+        `seq`'s blocks (every token of `seq` must be computed)."""
+        self.drop_candidates(seq)
+        probes = []
+        for token in token_ids:
+            probe = Sequence(seq.request, [*seq.token_ids, token], seq.num_prompt_tokens,
+                             status=SequenceStatus.RUNNING, num_computed_tokens=seq.num_computed_tokens)
+            self.allocator.fork(seq.seq_id, probe.seq_id)
+            probes.append(probe)
+            self.probe_parent[probe] = seq
+        self.probes[seq] = probes
+        seq.candidate_token_ids = list(token_ids)
+
+    def drop_candidates(self, seq: Sequence) -> None:
+        """Forget `seq`'s candidates and free their probes."""
+        for probe in self.probes.pop(seq, ()):
+            del self.probe_parent[probe]
+            if self.allocator.has(probe.seq_id):
+                self.allocator.free(probe.seq_id)
+        seq.candidate_token_ids = []
+
+    def accept_candidate(self, seq: Sequence, index: int) -> None:
+        """`seq` keeps its `index`-th candidate's key and value: it takes over that probe's blocks (the token itself
+        is appended by the step context); the other probes are freed."""
+        probes = self.probes[seq]
+        chosen = probes[index]
+        if chosen.num_computed_tokens != len(chosen.token_ids):
+            raise ValueError("candidates can be accepted only after the forward that scored them")
+        del self.probe_parent[chosen]
+        self.probes[seq] = [p for p in probes if p is not chosen]
+        self.drop_candidates(seq)
+        self.allocator.adopt(seq.seq_id, chosen.seq_id)
+        seq.num_computed_tokens = chosen.num_computed_tokens
+
+    def scored_parents(self, seqs: list[Sequence]) -> list[Sequence]:
+        """`seqs` with each run of a sequence's candidate probes replaced by that sequence (once)."""
+        out: list[Sequence] = []
+        for seq in seqs:
+            parent = self.probe_parent.get(seq)
+            if parent is None:
+                out.append(seq)
+            elif not out or out[-1] is not parent:
+                out.append(parent)
+        return out
+
+    def _schedule_probes(self, request: Request, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule all of `seq`'s probes (one token each) or none; return the tokens used."""
+        probes = self.probes[seq]
+        if len(probes) > budget:
+            return 0
+        start = seq.num_computed_tokens
+        while sum(self.allocator.blocks_to_write(p.seq_id, start, start + 1) for p in probes) \
+                > self.allocator.num_free_blocks:
+            victim = self._victim()
+            self._preempt(victim, out)
+            if victim is request:
+                return 0
+        for probe in probes:
+            self.allocator.ensure_slots(probe.seq_id, start, start + 1)
+            out.scheduled.append(ScheduledSequence(probe, 1))
+        return len(probes)
 
     def finish_sequence(self, seq: Sequence) -> None:
         """Mark a sequence finished and release its blocks."""
@@ -129,7 +209,7 @@ class Scheduler:
         self.running.remove(request)
         for seq in request.sequences:
             if not seq.finished:
-                self.free_sequence(seq)
+                self.free_sequence(seq)  # candidates too: the strategy picks them again from the recomputed row
                 seq.status = SequenceStatus.WAITING
                 seq.num_computed_tokens = 0
                 drafts.clear(seq)
@@ -152,6 +232,11 @@ class Scheduler:
             if request not in self.running:  # preempted earlier in this loop
                 continue
             for seq in request.sequences:
+                if seq.candidate_token_ids and not seq.finished:
+                    budget -= self._schedule_probes(request, seq, budget, out)
+                    if request not in self.running:
+                        break
+                    continue
                 if seq.finished or seq.num_pending == 0 or budget == 0:
                     continue
                 drafts.trim(seq, budget)
@@ -199,7 +284,7 @@ class Scheduler:
             if num_seqs + width > self.max_num_seqs:
                 break
             # One sequence may reuse cached prefix blocks; several are checked conservatively (no reuse counted).
-            reuse = not needs_prompt_logits(request)
+            reuse = not needs_prompt_logits(request) and not wants_hidden_states(request)
             fits = (self.allocator.can_allocate(seqs[0].token_ids, reuse_prefix=reuse) if len(seqs) == 1
                     else needed <= self.allocator.num_free_blocks)
             if not fits:

@@ -17,10 +17,21 @@ import torch
 from decodekit.api.errors import ProcessorError
 from decodekit.api.processors import BatchView, fork_states, update_states
 from decodekit.api.sequence import Request, Sequence
-from decodekit.api.strategy import StrategyResult
+from decodekit.api.strategy import HiddenStates, StrategyResult
 from decodekit.core import drafts
 from decodekit.core.scheduler import Scheduler
+from decodekit.core.stages.forward import ScoredRows
 from decodekit.core.stages.process import Processing
+
+
+@dataclass
+class CandidateOrigin:
+    """The row of scores a sequence's candidates were chosen from, kept until one is accepted: the model's logits,
+    the processed row (requests asking for `processed` logprobs) and the trace's stages (traced requests)."""
+
+    raw: torch.Tensor | None = None
+    processed: torch.Tensor | None = None
+    trace: Any = None
 
 
 def fork_seed(request_seed: int, fork_number: int) -> int:
@@ -46,6 +57,11 @@ class StepRecord:
     finished_by: dict[Sequence, str] = field(default_factory=dict)
     """Who finished each sequence that finished this step: a stopping criterion's name, `max_model_len`, or the
     strategy that finished it (the trace's stop event names it)."""
+    accepted_index: dict[Sequence, int] = field(default_factory=dict)
+    """Which of its candidates each sequence accepted this step."""
+    accepted_from: dict[Sequence, CandidateOrigin] = field(default_factory=dict)
+    """Each sequence that accepted a candidate this step, and the row of scores that candidate was chosen from (a
+    step earlier): its logprobs and trace event read that row, not this step's."""
 
     def requests(self) -> list[Request]:
         """The requests whose sequences got tokens this step, each once, in order."""
@@ -69,7 +85,8 @@ class EngineStepContext:
     def __init__(self, scheduler: Scheduler, processing: Processing, record: StepRecord,
                  finish: Callable[[Sequence, str, str | int | None], None],
                  set_results: Callable[[Request, list[StrategyResult]], None],
-                 eos_token_ids: tuple[int, ...], max_model_len: int, vocab_size: int = 2**62) -> None:
+                 eos_token_ids: tuple[int, ...], max_model_len: int, vocab_size: int = 2**62,
+                 origins: dict[Sequence, CandidateOrigin] | None = None) -> None:
         self.scheduler = scheduler
         self.processing = processing
         self.record = record
@@ -78,6 +95,10 @@ class EngineStepContext:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.scored: ScoredRows | None = None
+        """This step's scored rows (set by the select stage before the strategies run)."""
+        self.origins: dict[Sequence, CandidateOrigin] = origins if origins is not None else {}
+        """Per sequence with candidates, the row they were chosen from (lives across steps: the engine's)."""
 
     def batch_view(self, seqs: list[Sequence]) -> BatchView:
         """The processors' view of these sequences: one row per scored position (drafts expand a sequence)."""
@@ -93,10 +114,73 @@ class EngineStepContext:
 
     def append_token(self, seq: Sequence, token_id: int) -> None:
         """Append a generated token; stopping runs at the end of the step."""
+        self._drop_candidates(seq)
         self._append(seq, [token_id])
+
+    def _drop_candidates(self, seq: Sequence) -> None:
+        if seq.candidate_token_ids:
+            self.scheduler.drop_candidates(seq)
+        self.origins.pop(seq, None)
+
+    def score_candidates(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Score sibling next tokens of `seq` side by side in the next forward (one hidden probe each)."""
+        if seq.finished or seq.request in self.record.faults:
+            return
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise ValueError("score_candidates needs at least one candidate token")
+        if seq.draft_token_ids or seq.num_computed_tokens != len(seq.token_ids):
+            raise ValueError("score_candidates needs a sequence whose every token is computed and that has no draft "
+                             "(call it instead of append_token, or after accept_candidate)")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"candidate token ids outside the vocabulary [0, {self.vocab_size}): {bad}")
+        origin = self._origin_row(seq)
+        self.scheduler.add_candidates(seq, tokens)
+        if origin is not None:
+            self.origins[seq] = origin
+
+    def _origin_row(self, seq: Sequence) -> CandidateOrigin | None:
+        """The row of scores `seq`'s next candidates are chosen from: its only row this step, or the row of the
+        candidate it accepted this step. Kept only for requests that record logprobs or a trace."""
+        params = seq.request.params
+        if (params.logprobs is None and params.trace is None) or self.scored is None:
+            return None
+        rows = self.scored.rows_for(seq)
+        if rows is None:
+            return None
+        row = self.record.accepted_index.get(seq, 0)
+        kept = self.processing.kept.get(seq)
+        traced = self.processing.trace_rows.get(seq)
+        return CandidateOrigin(rows[row : row + 1], None if kept is None else kept[row : row + 1],
+                               None if traced is None or row >= len(traced) else traced[row])
+
+    def accept_candidate(self, seq: Sequence, index: int) -> None:
+        """Append candidate `index` of `seq`, keeping the key and value the forward computed for it."""
+        if not seq.candidate_token_ids:
+            raise ValueError("accept_candidate: the sequence has no scored candidates")
+        if not 0 <= index < len(seq.candidate_token_ids):
+            raise ValueError(f"accept_candidate: index {index} is not one of the {len(seq.candidate_token_ids)} "
+                             "candidates")
+        token = seq.candidate_token_ids[index]
+        before = self.record.appended.get(seq, 0)
+        origin = self.origins.pop(seq, None)
+        self._append(seq, [token])
+        if self.record.appended.get(seq, 0) == before:  # refused (a processor's state, a failed request)
+            self.scheduler.drop_candidates(seq)
+            return
+        self.scheduler.accept_candidate(seq, index)
+        self.record.accepted_index[seq] = index
+        if origin is not None:
+            self.record.accepted_from[seq] = origin
+
+    def hidden_states(self, seq: Sequence) -> HiddenStates | None:
+        """The last hidden states of the positions computed for `seq` this step (strategies that ask only)."""
+        return None if self.scored is None else self.scored.hidden.get(seq)
 
     def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int) -> None:
         """Keep `num_accepted` draft tokens then `token_id`; roll the rest of the draft back out of the cache."""
+        self._drop_candidates(seq)
         proposed = seq.draft_token_ids
         kept = proposed[:num_accepted]
         seq.request.metrics.num_draft_tokens += len(proposed)
@@ -159,12 +243,14 @@ class EngineStepContext:
 
     def free(self, seq: Sequence) -> None:
         """Drop a sequence whose request goes on (a pruned beam): its blocks are released, it is not returned."""
+        self.origins.pop(seq, None)
         self.scheduler.finish_sequence(seq)
         seq.request.sequences.remove(seq)
         self.record.appended.pop(seq, None)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Finish a sequence with a reason ("stop", "length")."""
+        self.origins.pop(seq, None)
         self._finish(seq, reason, stop_reason)
         self.record.finished_by[seq] = seq.request.plan.strategy.name
 

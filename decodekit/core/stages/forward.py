@@ -8,16 +8,24 @@ After the pass the scheduler advances each sequence's computed tokens.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from decodekit.api.sequence import Request, Sequence
+from decodekit.api.strategy import HiddenStates
 from decodekit.core import drafts
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.runner import ForwardItem, ModelRunner
-from decodekit.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput, needs_prompt_logits
+from decodekit.core.scheduler import (
+    ScheduledSequence,
+    Scheduler,
+    SchedulerOutput,
+    needs_prompt_logits,
+    wants_hidden_states,
+)
 from decodekit.core.stages import Failure
 
 log = logging.getLogger("decodekit.engine")
@@ -30,13 +38,25 @@ class ScoredRows:
 
     seqs: list[Sequence]
     logits: torch.Tensor
+    hidden: dict[Sequence, HiddenStates] = field(default_factory=dict)
+    """The last hidden states of the sequences whose strategies read them (`Strategy.hidden_states`)."""
 
     def __post_init__(self) -> None:
         self.starts: list[int] = []
+        self.index: dict[Sequence, int] = {}
         offset = 0
-        for seq in self.seqs:
+        for i, seq in enumerate(self.seqs):
             self.starts.append(offset)
+            self.index[seq] = i
             offset += seq.num_scored_positions
+
+    def rows_for(self, seq: Sequence) -> torch.Tensor | None:
+        """One scored sequence's rows (None if it was not scored this step)."""
+        i = self.index.get(seq)
+        if i is None:
+            return None
+        end = self.starts[i + 1] if i + 1 < len(self.seqs) else self.logits.shape[0]
+        return self.logits[self.starts[i] : end]
 
     def rows_by_sequence(self, wanted: Callable[[Sequence], bool]) -> dict[Sequence, torch.Tensor]:
         """Each wanted sequence's rows (as scored: drafts the strategy has since cleared still count)."""
@@ -66,6 +86,9 @@ class ForwardStage:
         self.allocator = allocator
         self.scheduler = scheduler
         self.on_prompt_rows = on_prompt_rows
+        # hidden states of a chunked prompt's earlier chunks, until its last chunk completes: (start, [rows])
+        self._chunks: weakref.WeakKeyDictionary[Sequence, tuple[int, list[torch.Tensor]]] = \
+            weakref.WeakKeyDictionary()
 
     def run(self, sched: SchedulerOutput) -> tuple[ScoredRows | None, list[Failure]]:
         """Run the scheduled work; a failed forward fails this step's requests, not the engine."""
@@ -76,20 +99,51 @@ class ForwardStage:
         items = [
             ForwardItem(drafts.pending_tokens(s.seq, s.seq.num_computed_tokens, s.num_tokens),
                         s.seq.num_computed_tokens, self.allocator.block_table(s.seq.seq_id),
-                        s.num_tokens if rows else s.seq.num_scored_positions if s.completes else 0)
+                        s.num_tokens if rows else s.seq.num_scored_positions if s.completes else 0,
+                        s.num_tokens if wants_hidden_states(s.seq.request) else 0)
             for s, rows in zip(sched.scheduled, prompt_rows)
         ]
         try:
-            logits = self.runner.forward(items, self.allocator.take_pending_copies())
+            logits, hidden = self.runner.forward_with_hidden(items, self.allocator.take_pending_copies())
         except Exception as exc:
             log.exception("forward pass failed")
             requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}.values()
             return None, [(request, f"model forward failed: {exc!r}") for request in requests]
         if any(prompt_rows):
             logits = self._split_prompt_rows(sched, items, prompt_rows, logits)
+        states = self._hidden_states(sched, items, hidden) if hidden is not None else {}
         for s in sched.scheduled:
             self.scheduler.advance(s.seq, s.num_tokens)
-        return ScoredRows([s.seq for s in sched.scheduled if s.completes], logits), []
+        return ScoredRows(self.scheduler.scored_parents([s.seq for s in sched.scheduled if s.completes]), logits,
+                          states), []
+
+    def _hidden_states(self, sched: SchedulerOutput, items: list[ForwardItem], hidden: torch.Tensor
+                       ) -> dict[Sequence, HiddenStates]:
+        """Each completed sequence's hidden states: a prompt's earlier chunks joined to its last; a sequence's
+        candidate probes stacked, one row per candidate."""
+        out: dict[Sequence, HiddenStates] = {}
+        probes: dict[Sequence, list[torch.Tensor]] = {}
+        offset = 0
+        for s, item in zip(sched.scheduled, items):
+            rows = hidden[offset : offset + item.num_hidden]
+            offset += item.num_hidden
+            if not item.num_hidden:
+                continue
+            seq, start = s.seq, s.seq.num_computed_tokens
+            parent = self.scheduler.probe_parent.get(seq)
+            if parent is not None:
+                probes.setdefault(parent, []).append(rows)
+                continue
+            earlier = self._chunks.pop(seq, None)
+            if earlier is not None and earlier[0] + sum(r.shape[0] for r in earlier[1]) == start:
+                start, rows = earlier[0], torch.cat([*earlier[1], rows])  # else: recomputed from the start
+            if s.completes:
+                out[seq] = HiddenStates(start, rows)
+            else:
+                self._chunks[seq] = (start, [rows])
+        for parent, rows_list in probes.items():
+            out[parent] = HiddenStates(parent.num_computed_tokens, torch.cat(rows_list), candidates=True)
+        return out
 
     def _split_prompt_rows(self, sched: SchedulerOutput, items: list[ForwardItem], prompt_rows: list[int],
                            logits: torch.Tensor) -> torch.Tensor:

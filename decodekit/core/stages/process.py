@@ -46,11 +46,11 @@ class Processing:
         """The processors' view of these sequences: one row per scored position (drafts expand a sequence)."""
         params, histories, prompt_lens, offsets, generators = [], [], [], [], []
         for seq in seqs:
-            for j, history in enumerate(drafts.row_histories(seq)):
+            for history, offset in drafts.scored_rows(seq):
                 params.append(seq.request.params)
                 histories.append(history)
                 prompt_lens.append(seq.num_prompt_tokens)
-                offsets.append(j)
+                offsets.append(offset)
                 generators.append(seq.generator)
         return BatchView(params, histories, prompt_lens, self.eos_token_ids, self.device,
                          draft_offsets=offsets, generators=generators)

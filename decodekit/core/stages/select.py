@@ -46,6 +46,7 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
     """Run every strategy on its rows, record the logprobs of what they chose (requests that ask); return the
     requests that failed."""
     rows = scored.seqs
+    ctx.scored = scored
     groups: dict[int, list[int]] = defaultdict(list)
     for i, seq in enumerate(rows):
         groups[id(seq.request.plan.strategy)].append(i)
@@ -86,9 +87,20 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
                     failures.append((request, f"{strategy.name} failed: {exc!r}"))
     for seq in rows:
         drafts.clear(seq)
-    if any(wants_logprobs(seq) for seq in rows):
-        record_logprobs(scored.rows_by_sequence(wants_logprobs), ctx.processing.kept, ctx.record.appended,
-                        ctx.record.parents, tokenizer)
+    raw_rows = scored.rows_by_sequence(wants_logprobs) if any(wants_logprobs(seq) for seq in rows) else {}
+    for seq, origin in ctx.record.accepted_from.items():
+        # an accepted candidate was chosen from a row of an earlier step (`StepContext.score_candidates`)
+        proposed.pop(seq, None)
+        if origin.raw is not None and seq in raw_rows:
+            raw_rows[seq] = origin.raw
+        if origin.processed is not None:
+            ctx.processing.kept[seq] = origin.processed
+        if origin.trace is not None:
+            ctx.processing.trace_rows[seq] = [origin.trace]
+        if wants_trace(seq):
+            proposed[seq] = []
+    if raw_rows:
+        record_logprobs(raw_rows, ctx.processing.kept, ctx.record.appended, ctx.record.parents, tokenizer)
     if proposed:
         record_tokens(ctx.processing.trace_rows, proposed, ctx.record.appended, ctx.record.parents, tokenizer,
                       ctx.record.notes)
@@ -96,7 +108,7 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
     failed = {id(request) for request, _ in failures}
     for request in {id(s.request): s.request for s in rows}.values():
         if id(request) not in failed and not request.finished and all(
-                s.finished or s.num_pending == 0 for s in request.sequences):
+                s.finished or (s.num_pending == 0 and not s.candidate_token_ids) for s in request.sequences):
             # nothing left to compute means never scheduled again: the request would hang its caller forever (one
             # sequence waiting alone is fine: beam search waits for beams that recompute after a preemption)
             failures.append((request, f"strategy {request.plan.strategy.name!r} left a sequence without a new "
