@@ -355,6 +355,8 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
             rows.setdefault(entry.plugin, {"origin": "?", **{k: [] for k in kinds}})[kind].append({
                 "name": entry.name, "description": entry.description, "default": entry.default,
                 "params": model.model_json_schema() if model is not None else None})
+    for plugin_name, extras in _loaders_and_commands(pm).items():
+        rows.setdefault(plugin_name, {"origin": "?", **{k: [] for k in kinds}}).update(extras)
     if as_json:
         print(json.dumps(rows, indent=2))
         return
@@ -366,6 +368,28 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
         # one name a line: the table stays narrow, and a name never breaks at a wrap between two of them
         table.add_row(name, row["origin"], *("\n".join(e["name"] for e in row[k]) for k in kinds[:4]))
     print_table(console, table)
+
+
+def _loaders_and_commands(pm: Any) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Each plugin's model loaders and CLI commands, by calling its own registration hooks alone (the registry keeps
+    loaders without their plugin, and commands live on the typer app)."""
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for impl in pm.hook.decodekit_register_model_loaders.get_hookimpls():
+        loaders: list[Any] = []
+        impl.function(register=loaders.append)
+        out.setdefault(impl.plugin_name, {"model_loaders": [], "commands": []})["model_loaders"] = [
+            {"name": getattr(loader, "name", type(loader).__name__),
+             "description": (getattr(getattr(loader, "load", None), "__doc__", None) or "").strip().split("\n")[0]}
+            for loader in loaders]
+    for impl in pm.hook.decodekit_register_commands.get_hookimpls():
+        scratch = typer.Typer()
+        impl.function(cli=scratch)
+        out.setdefault(impl.plugin_name, {"model_loaders": [], "commands": []})["commands"] = [
+            {"name": command.name or (command.callback.__name__.replace("_", "-") if command.callback else "?"),
+             "description": (command.help or (command.callback.__doc__ if command.callback else "") or "")
+             .strip().split("\n")[0]}
+            for command in scratch.registered_commands]
+    return out
 
 
 @app.command()

@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from decodekit.api.errors import DecodeKitError, RecipeError
-from decodekit.api.params import ComponentSpec, SamplingParams
+from decodekit.api.params import SAMPLING_ALIASES, ComponentSpec, SamplingParams
 from decodekit.core.config import EngineConfig
 from decodekit.core.plan import Components, Plan
 from decodekit.core.registry import Registry
@@ -164,7 +164,8 @@ def plain_params(params: SamplingParams) -> SamplingParams:
 def merge_params(base: SamplingParams, override: Mapping[str, Any]) -> SamplingParams:
     """Merge a request's overrides over recipe defaults.
 
-    `override` holds `SamplingParams` fields; each replaces the default. `processors` and `stopping` entries
+    `override` holds `SamplingParams` fields (or their transformers aliases, `SAMPLING_ALIASES`); each replaces the
+    default (`max_new_tokens` replaces the recipe's `max_tokens`). `processors` and `stopping` entries
     named in both keep the recipe's position with their parameters merged (the override's win); new names are
     appended. `strategy` replaces the recipe's.
 
@@ -174,6 +175,11 @@ def merge_params(base: SamplingParams, override: Mapping[str, Any]) -> SamplingP
     if not isinstance(override, Mapping):
         raise RecipeError(f"overrides must be a mapping of sampling fields, got {type(override).__name__}")
     fields = base.model_dump(exclude_unset=True, exclude=set(COMPONENT_KEYS))
+    for alias, target in SAMPLING_ALIASES.items():
+        # an override in transformers' spelling replaces the recipe's value of the field it stands for (the base is
+        # already in decodekit's names); `do_sample: true` keeps the recipe's temperature, so it stays to be checked
+        if alias in override and not (alias == "do_sample" and override[alias] is True):
+            fields.pop(target, None)
     fields.update({k: v for k, v in override.items() if k not in COMPONENT_KEYS})
     merged: dict[str, Any] = {
         "processors": _merge_specs(base.processors, override.get("processors"), "processors"),

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,6 +30,27 @@ def model(request):
 def llama():
     """A tiny random Llama-style model."""
     return tiny_model("llama")
+
+
+EXAMPLE_PLUGIN = "decodekit_example_plugin"
+"""The import name of the third-party plugin package in tests/fixtures/plugin_pkg."""
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory):
+    """tests/fixtures/plugin_pkg installed (offline, no dependencies) into a private folder: its package and its
+    dist-info with the `decodekit` entry point. The venv is not touched; nothing is left behind. A test puts the
+    folder on `sys.path` (`monkeypatch.syspath_prepend`) to make the plugin installed for its duration."""
+    work = tmp_path_factory.mktemp("plugin")
+    source = Path(__file__).parent / "fixtures" / "plugin_pkg"
+    # the build writes next to its sources (build/, *.egg-info): build from a copy, never from the repository
+    shutil.copytree(source, work / "src", ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+           "--target", str(work / "site"), str(work / "src")]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    yield work / "site"
+    for name in [m for m in sys.modules if m == EXAMPLE_PLUGIN or m.startswith(f"{EXAMPLE_PLUGIN}.")]:
+        del sys.modules[name]  # the package and its modules, imported from the folder that is now gone
 
 
 @pytest.fixture

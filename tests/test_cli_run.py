@@ -5,9 +5,6 @@ and found through its entry point."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -224,17 +221,8 @@ def test_bench_takes_the_model_and_engine_limits_from_a_recipe(tiny_dir, tmp_pat
 
 
 # ---- a third-party plugin from its own folder -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def plugin_site(tmp_path_factory):
-    """tests/fixtures/plugin_pkg installed (offline, no dependencies) into a private folder: its module and its
-    dist-info with the `decodekit` entry point. The venv is not touched; nothing is left behind."""
-    work = tmp_path_factory.mktemp("plugin")
-    shutil.copytree(ROOT / "tests" / "fixtures" / "plugin_pkg", work / "src")  # the build writes next to sources
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-           "--target", str(work / "site"), str(work / "src")]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    yield work / "site"
-    sys.modules.pop("decodekit_example_plugin", None)
+# `plugin_site` (tests/fixtures/plugin_pkg installed into a private folder) is in tests/conftest.py, shared with
+# tests/test_third_party_package.py.
 
 
 PLUGIN_RECIPE = """\

@@ -63,6 +63,8 @@ OPTIONS = {
                                                temperature=floats(0.0, 3.0), delta=floats(0.0, 2.0),
                                                exponent=floats(0.1, 3.0)),
     "mirostat": lambda v: st.builds(warpers.MirostatProcessor.Params, tau=floats(0.1, 10.0), eta=floats(0.01, 1.0)),
+    "mirostat_v1": lambda v: st.builds(warpers.MirostatV1Processor.Params, tau=floats(0.1, 10.0),
+                                       eta=floats(0.01, 1.0), m=st.integers(2, 120)),
     "repetition_penalty": lambda v: st.builds(penalties.RepetitionPenaltyProcessor.Params, penalty=floats(0.1, 3.0)),
     "presence_penalty": lambda v: st.builds(penalties.PresencePenaltyProcessor.Params, penalty=floats(-2.0, 2.0)),
     "frequency_penalty": lambda v: st.builds(penalties.FrequencyPenaltyProcessor.Params, penalty=floats(-2.0, 2.0)),
@@ -83,7 +85,7 @@ def registered() -> dict[str, type[LogitsProcessor]]:
 
 
 def test_every_catalogue_and_builtin_processor_has_conformance_options():
-    names = {"typical_p", "top_n_sigma", "epsilon", "eta", "xtc", "dynamic_temperature", "mirostat",
+    names = {"typical_p", "top_n_sigma", "epsilon", "eta", "xtc", "dynamic_temperature", "mirostat", "mirostat_v1",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram", "dry", "logit_bias",
              "bad_words", "allowed_token_ids", "min_tokens", "temperature", "top_k", "top_p", "min_p"}
     assert set(registered()) == names == set(OPTIONS)
@@ -92,6 +94,7 @@ def test_every_catalogue_and_builtin_processor_has_conformance_options():
 KNOWN_EXCEPTIONS = {
     "top_p": check_argmax_invariant,  # tested on its own below (a known bug)
     "mirostat": check_state_not_changed,  # records its steps in the state in __call__, see below
+    "mirostat_v1": check_state_not_changed,  # the same state handling as mirostat (v2)
 }
 
 
@@ -101,13 +104,15 @@ def test_processor_passes_the_conformance_kit(name):
     check_processor(registered()[name](), OPTIONS[name], max_examples=EXAMPLES, checks=checks)
 
 
-def test_mirostat_changes_its_state_in_call():
-    """Mirostat records each scored position's truncated distribution in the sequence's state inside `__call__` (row
-    `j + 1` of a speculative sequence reads what row `j` recorded; `update_state` consumes it), the pattern
-    docs/processors.md describes; the contract's rule is that states change only in `update_state`. Until the two
-    agree the catalogue test skips that check for mirostat, and this test pins the conflict."""
-    with pytest.raises(ConformanceError, match=r"'mirostat' changed its state in `__call__`"):
-        check_processor(warpers.MirostatProcessor(), OPTIONS["mirostat"], max_examples=10, derandomize=True,
+@pytest.mark.parametrize("name", ["mirostat", "mirostat_v1"])
+def test_mirostat_changes_its_state_in_call(name):
+    """Mirostat (v2, and v1 which shares its state handling) records each scored position's truncated distribution
+    in the sequence's state inside `__call__` (row `j + 1` of a speculative sequence reads what row `j` recorded;
+    `update_state` consumes it), the pattern docs/processors.md describes; the contract's rule is that states change
+    only in `update_state`. Until the two agree the catalogue test skips that check for mirostat, and this test
+    pins the conflict."""
+    with pytest.raises(ConformanceError, match=rf"'{name}' changed its state in `__call__`"):
+        check_processor(registered()[name](), OPTIONS[name], max_examples=10, derandomize=True,
                         checks=[check_state_not_changed], hypothesis_settings=NO_SHRINKING)
 
 

@@ -1,6 +1,6 @@
 """The catalogue against its sources: transformers' own processors (run on the same logits and histories, one row
 at a time, while ours run batched with per-row parameters), and line-by-line Python ports of llama.cpp's samplers
-(DRY, XTC, top-n-sigma, dynamic temperature, mirostat v2)."""
+(DRY, XTC, top-n-sigma, dynamic temperature, mirostat v1 and v2)."""
 
 from __future__ import annotations
 
@@ -328,17 +328,20 @@ def test_dry_string_breakers_come_from_the_tokenizer(tokenizer):
     from decodekit.plan import ComponentInfo
 
     dry = penalties.DryProcessor()
-    dry.setup(ComponentInfo(tokenizer=tokenizer, vocab_size=len(tokenizer)))
+    info = ComponentInfo(tokenizer=tokenizer, vocab_size=len(tokenizer))
+    dry.setup(info)
     opts = penalties.DryProcessor.Params(sequence_breakers=["\n"])
     dry.check_options(opts)
+    dry.check_options_with(opts, info)
     single = set(dry._breakers(opts).single.tolist())
     newline_tokens = {i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])}
     assert newline_tokens and single == newline_tokens
     no_tokenizer = penalties.DryProcessor()
     no_tokenizer.setup(ComponentInfo())
     with pytest.raises(ValueError, match="need a tokenizer"):
-        no_tokenizer.check_options(opts)
-    no_tokenizer.check_options(penalties.DryProcessor.Params(sequence_breakers=[], sequence_breaker_ids=[[3]]))
+        no_tokenizer.check_options_with(opts, ComponentInfo())
+    no_tokenizer.check_options_with(penalties.DryProcessor.Params(sequence_breakers=[], sequence_breaker_ids=[[3]]),
+                                    ComponentInfo())
 
 
 def llama_xtc(logits, threshold, min_keep):
@@ -458,6 +461,93 @@ def test_mirostat_v2_truncation_and_mu_updates_match_a_port_of_llama_cpp(logits,
         assert set(out[0].isfinite().nonzero()[:, 0].tolist()) == kept
         state = miro.update_state(state, opts, [token])
         assert float(state["mu"]) == pytest.approx(mu, rel=1e-4, abs=1e-4)
+
+
+def llama_mirostat_v1(logits, mu, tau, eta, m, pick):
+    """llama.cpp's `llama_sampler_mirostat_apply` line by line, in double precision: fit the Zipf exponent on the m
+    most likely tokens, keep the top k, 'sample' `pick` (an index into the kept tokens with a probability) and
+    update mu. Returns the kept tokens with a probability, the token, the new mu and k before truncation. A pair
+    with a zero probability is left out of the fit (llama.cpp would divide by zero), and with nothing to fit
+    k is 1 (decodekit's documented choice where llama.cpp's k is NaN)."""
+    n_vocab = len(logits)
+    ids = sorted(range(n_vocab), key=lambda i: -logits[i])
+    probs = torch.tensor([logits[i] for i in ids], dtype=torch.double).softmax(0).tolist()
+    sum_ti_bi = sum_ti_sq = 0.0
+    for i in range(min(m - 1, n_vocab - 1)):
+        if probs[i + 1] == 0:
+            break
+        t_i = math.log((i + 2) / (i + 1))
+        b_i = math.log(probs[i] / probs[i + 1])
+        sum_ti_bi += t_i * b_i
+        sum_ti_sq += t_i * t_i
+    if sum_ti_sq == 0:
+        k = 1.0
+    else:
+        s_hat = sum_ti_bi / sum_ti_sq
+        epsilon_hat = s_hat - 1
+        try:
+            k = ((epsilon_hat * 2**mu) / (1 - n_vocab ** (-epsilon_hat))) ** (1 / s_hat)
+        except OverflowError:
+            k = math.inf
+    size = min(max(int(k) if k < n_vocab else n_vocab, 1), n_vocab)
+    kept_ids = [i for i, p in zip(ids[:size], probs[:size]) if p > 0]
+    kept = torch.tensor([logits[i] for i in kept_ids], dtype=torch.double).softmax(0).tolist()
+    token = kept_ids[pick % len(kept_ids)]
+    return set(kept_ids), token, mu - eta * (-math.log2(kept[pick % len(kept_ids)]) - tau), k
+
+
+@FAST
+@given(logits=distinct_logits(rows=st.just(1), vocab=st.sampled_from([2, 7, 40, 300])), tau=st.floats(0.5, 6.0),
+       eta=st.floats(0.01, 1.0), m=st.sampled_from([2, 5, 100]), picks=st.lists(st.integers(0, 100), min_size=1,
+                                                                                  max_size=4))
+def test_mirostat_v1_zipf_fit_truncation_and_mu_updates_match_a_port_of_llama_cpp(logits, tau, eta, m, picks):
+    miro = warpers.MirostatV1Processor()
+    opts = warpers.MirostatV1Processor.Params(tau=tau, eta=eta, m=m)
+    state = miro.init_state(opts, [1])
+    mu = 2 * tau
+    for pick in picks:  # several steps on the same logits: mu moves each time, and k with it
+        row = logits[0].tolist()
+        kept, token, next_mu, k = llama_mirostat_v1(row, mu, tau, eta, m, pick)
+        # float32 here, double there: only a k within rounding of an integer could be truncated differently
+        assume(k >= len(row) + 1 or abs(k - round(k)) > 1e-3 * max(1.0, k))
+        v = view([opts])
+        v.states = [state]
+        out = miro(logits, v)
+        assert set(out[0].isfinite().nonzero()[:, 0].tolist()) == kept
+        state = miro.update_state(state, opts, [token])
+        mu = next_mu
+        assert float(state["mu"]) == pytest.approx(mu, rel=1e-4, abs=1e-4)
+
+
+def mirostat_v1_kept(logits, opts):
+    """How many tokens mirostat v1 keeps of each row, at the sequence's first step (mu = 2 * tau)."""
+    miro = warpers.MirostatV1Processor()
+    v = view([opts] * len(logits))
+    v.states = [miro.init_state(opts, [1]) for _ in range(len(logits))]
+    return miro(logits, v).isfinite().sum(dim=-1).tolist()
+
+
+def test_mirostat_v1_keeps_the_k_of_the_formula_on_a_zipf_distribution():
+    """On an exact Zipf distribution p_i ~ 1 / i ** s the fit finds s, so k is the paper's formula with s itself."""
+    vocab, s, mu = 1000, 1.3, 6.0
+    logits = -s * torch.log(torch.arange(1, vocab + 1, dtype=torch.float64))
+    epsilon = s - 1
+    k = ((epsilon * 2**mu) / (1 - vocab ** (-epsilon))) ** (1 / s)  # 10.77
+    assert int(k) == 10
+    assert mirostat_v1_kept(logits[None, :].float(), warpers.MirostatV1Processor.Params(tau=mu / 2)) == [int(k)]
+
+
+def test_mirostat_v1_fits_only_the_m_most_likely_tokens():
+    """A tail that is not Zipf past the m-th token changes nothing."""
+    vocab, m = 300, 20
+    zipf = -1.1 * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+    bent = zipf.clone()
+    bent[m:] -= torch.linspace(0, 8, vocab - m)  # a steeper tail after the first m tokens
+    rows = torch.stack([zipf, bent])
+    narrow = mirostat_v1_kept(rows, warpers.MirostatV1Processor.Params(tau=5.0, m=m))
+    assert narrow[0] == narrow[1]
+    wide = mirostat_v1_kept(rows, warpers.MirostatV1Processor.Params(tau=5.0, m=100))
+    assert wide[0] == narrow[0] and wide[1] != narrow[1]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

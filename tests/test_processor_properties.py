@@ -262,10 +262,12 @@ def test_speculative_greedy_with_history_penalties_equals_plain_greedy_with_them
     assert [o.token_ids for o in plain] != [o.token_ids for o in unprocessed]
 
 
-def test_mirostat_rows_at_draft_offsets_equal_scoring_the_positions_one_after_another():
-    from decodekit_plugins.warpers import MirostatProcessor
+@pytest.mark.parametrize("version", ["mirostat", "mirostat_v1"])
+def test_mirostat_rows_at_draft_offsets_equal_scoring_the_positions_one_after_another(version):
+    from decodekit_plugins.warpers import MirostatProcessor, MirostatV1Processor
 
-    miro, opts = MirostatProcessor(), MirostatProcessor.Params(tau=2.0, eta=0.5)
+    miro = MirostatProcessor() if version == "mirostat" else MirostatV1Processor()
+    opts = miro.Params(tau=2.0, eta=0.5)
     logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) * 2
     history, drafts, bonus = [1, 2, 3], [4, 5], 6
     rows = [history, history + drafts[:1], history + drafts]
@@ -282,6 +284,18 @@ def test_mirostat_rows_at_draft_offsets_equal_scoring_the_positions_one_after_an
     assert torch.equal(together, torch.cat(one_by_one))
     assert float(state["mu"]) == pytest.approx(float(sequential["mu"]))
     assert float(state["mu"]) != 2 * opts.tau
+
+
+def test_seeded_mirostat_v1_and_v2_requests_sample_the_same_alone_and_batched_together(llm):
+    """Each sequence's mu is its own: v1 and v2 rows, batched with each other and a plain row, draw what they draw
+    alone."""
+    prompts = random_prompts(4, 4, 20, seed=45)
+    params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=12, ignore_eos=True,
+                             processors=[{name: {"tau": 3.0, "eta": 0.5}}])
+              for seed, name in ((1, "mirostat_v1"), (2, "mirostat"), (3, "mirostat_v1"))]
+    params.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == alone
 
 
 def test_every_catalogue_name_and_bad_value_is_checked_when_a_request_is_planned(tokenizer):

@@ -71,6 +71,7 @@ DETERMINISTIC = {
     "top_n_sigma": SamplingParams(processors=[{"top_n_sigma": {"n": 1.0}}]),
     "dynamic_temperature": SamplingParams(processors=[{"dynamic_temperature": {"temperature": 1.0, "delta": 0.5}}]),
     "mirostat": SamplingParams(processors=[{"mirostat": {"tau": 2.0}}]),
+    "mirostat_v1": SamplingParams(processors=[{"mirostat_v1": {"tau": 2.0}}]),
     "penalties + top_k + top_p": SamplingParams(top_k=8, top_p=0.9, temperature=0.8, processors=[
         {"repetition_penalty": {"penalty": 1.5}}, {"frequency_penalty": {"penalty": 0.3}}]),
 }

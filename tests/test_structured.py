@@ -366,9 +366,10 @@ def test_a_tokenizer_the_backend_cannot_read_refuses_requests_instead_of_breakin
             return 10
 
     proc = RegexProcessor()
-    proc.setup(ComponentInfo(tokenizer=NotFast(), vocab_size=10, eos_token_ids=(EOS,)))
+    info = ComponentInfo(tokenizer=NotFast(), vocab_size=10, eos_token_ids=(EOS,))
+    proc.setup(info)
     with pytest.raises(ConstraintError, match="llguidance"):
-        proc.check_options(proc.Params(pattern="a"))
+        proc.check_options_with(proc.Params(pattern="a"), info)
 
 
 # ---- end to end on the bundled model -----------------------------------------------------------------------------

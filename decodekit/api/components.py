@@ -90,7 +90,8 @@ def unknown_key_message(key: str, known: Sequence[str]) -> str:
 
 def known_keys(model: Any, loc: Sequence[Any] = ()) -> list[str]:
     """The keys the pydantic model at `loc` under `model` accepts (a field's alias when it has one, since that is
-    what the input must use), in declaration order; [] when `loc` does not lead to a model."""
+    what the input must use), in declaration order, then the other spellings the model lists in a `key_aliases`
+    mapping; [] when `loc` does not lead to a model."""
     current: Any = model
     for part in loc:
         if isinstance(part, int):  # an item of a list field (`list[Model]`, or `list[Model] | None`): the item type
@@ -105,7 +106,12 @@ def known_keys(model: Any, loc: Sequence[Any] = ()) -> list[str]:
             return []
         current = field.annotation
     cls = _model_class(current)
-    return [f.alias or name for name, f in cls.model_fields.items()] if cls is not None else []
+    if cls is None:
+        return []
+    # a model may accept other spellings too (`SamplingParams.key_aliases`: transformers' names): listed after its
+    # fields, so a typo of one is matched to it rather than to a field it merely resembles
+    aliases = list(getattr(cls, "key_aliases", {}))
+    return [f.alias or name for name, f in cls.model_fields.items()] + aliases
 
 
 def _non_optional(annotation: Any) -> Any:

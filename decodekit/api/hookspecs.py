@@ -25,11 +25,19 @@ The step protocol. `Engine.step()` (`decodekit/core/engine.py`) runs these stage
 5. select (`core/stages/select.py`): the request's search strategy turns scores into actions on the
    `StepContext`: `append_token`, `accept_draft(seq, n, token)` (keep n drafts, roll the rest back out of the KV
    cache), `fork(seq, seed)` (a new sequence sharing the blocks copy-on-write), `free(seq)`, `finish(seq, reason)`,
-   `set_results(request, ...)`;
+   `set_results(request, ...)`, `score_candidates(seq, tokens)` (score k sibling next tokens as k rows of the next
+   forward, each a hidden probe sharing the sequence's blocks; the sequence then gets one row per candidate) and
+   `accept_candidate(seq, i)` (append candidate i keeping the key and value the forward computed for it). A
+   strategy with `hidden_states = True` also reads `ctx.hidden_states(seq)`: the last hidden states (the final
+   norm's output) of every position computed for the sequence in the step, a chunked prompt's whole, or one per
+   candidate;
 6. stop (`core/stages/stop.py`): the request's stopping criteria check each new token (several per sequence after
    speculation; tokens after a stop are dropped), unless the strategy `handles_stopping` itself (beam search);
 7. emit (`core/stages/emit.py`): the step's outputs are returned: the final outputs queued since the last step,
    then a delta for every other request that got tokens; `decodekit_step_finished` is called once.
+
+When every sequence of a request has finished (stopping criteria included), a strategy with `finalizes = True`
+chooses the request's outputs (`Strategy.finalize`: best-of-n ranks its samples); such requests stream no deltas.
 
 `decodekit_request_finished` is called when a request's final output is built: in the emit stage of the step in
 which it stopped, failed or got a strategy's results, or of the next step for a request refused in `add_request`

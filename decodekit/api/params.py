@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,6 +43,91 @@ class ComponentSpec(BaseModel):
         return data
 
 
+SAMPLING_ALIASES: Mapping[str, str] = MappingProxyType({
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "num_return_sequences": "n",
+    "eos_token_id": "stop_token_ids",
+    "stop_strings": "stop",
+    "do_sample": "temperature",
+})
+"""transformers' `generate()` / `GenerationConfig` names `SamplingParams` also accepts: alias -> decodekit's field.
+
+`eos_token_id` takes one id or a list; `do_sample=False` means `temperature: 0` (greedy) and `do_sample=True` keeps
+the temperature (which then must not be 0). An alias given together with its field is an error naming both. The
+aliases are read when parameters are validated; a validated `SamplingParams` (and its dump) has only the field."""
+
+
+def resolve_aliases(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` with transformers' spellings (`SAMPLING_ALIASES`) replaced by decodekit's field names.
+
+    Raises:
+        ValueError: an alias and its field are both given, or an alias' value has the wrong shape (the message
+            names the key the user wrote).
+    """
+    out = dict(data)
+    for alias, target in SAMPLING_ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if alias == "do_sample":
+            _resolve_do_sample(out, value)
+            continue
+        if target in out:
+            raise ValueError(f"`{alias}` is transformers' name for `{target}`: give one of them, not both "
+                             f"(got {alias}={value!r} and {target}={out[target]!r})")
+        if alias == "eos_token_id":
+            value = _token_id_list(value)
+        out[target] = value
+    return out
+
+
+def _resolve_do_sample(out: dict[str, Any], value: Any) -> None:
+    """Apply `do_sample` to the mapping in place: False is greedy (temperature 0), True keeps the temperature."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`do_sample` must be true or false, got {value!r}")
+    temperature = out.get("temperature")
+    # transformers warns and ignores a temperature when do_sample=False; here a contradiction is an error, since
+    # silently dropping either setting would decode differently from what one of them asks
+    if value is False and temperature not in (None, 0, 0.0):
+        raise ValueError(f"`do_sample=False` asks for greedy decoding but `temperature={temperature!r}` asks for "
+                         "sampling: give one of them (temperature 0 is greedy)")
+    if value is True and temperature in (0, 0.0) and not isinstance(temperature, bool):
+        raise ValueError("`do_sample=True` asks for sampling but `temperature=0` asks for greedy decoding: give a "
+                         "temperature above 0, or leave do_sample out")
+    if value is False:
+        out["temperature"] = 0.0
+
+
+def _token_id_list(value: Any) -> Any:
+    """`eos_token_id` as `stop_token_ids` takes it: one id becomes a list of one."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    raise ValueError(f"`eos_token_id` must be a token id or a list of token ids, got {value!r}")
+
+
+def _alias_schema(schema: dict[str, Any]) -> None:
+    """Add the aliases to `SamplingParams`' JSON schema, so a document using them validates against it (the model
+    refuses unknown keys, so the schema says `additionalProperties: false`), and forbid an alias beside its field."""
+    properties = schema.get("properties", {})
+    for alias, target in SAMPLING_ALIASES.items():
+        if alias == "do_sample":
+            entry: dict[str, Any] = {"type": "boolean"}
+        elif alias == "eos_token_id":
+            entry = {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "integer"}}]}
+        elif alias == "stop_strings":
+            entry = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+        else:
+            entry = {k: v for k, v in properties.get(target, {}).items() if k not in ("default", "title")}
+        entry["description"] = f"transformers' name for `{target}` (an alias: give one of them)."
+        properties[alias] = entry
+    schema["properties"] = properties
+    schema["allOf"] = [*schema.get("allOf", []),
+                       *({"not": {"required": [alias, target]}} for alias, target in SAMPLING_ALIASES.items())]
+
+
 MAX_LOGPROBS = 20
 """The most alternatives `SamplingParams.logprobs` may ask for per token (vLLM's default `max_logprobs`)."""
 
@@ -52,7 +139,10 @@ class SamplingParams(BaseModel):
         >>> SamplingParams(temperature=0, max_tokens=32, stop=["\\n\\n"])
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # the aliases are not fields (a dump has one name per setting), so the schema lists them separately
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, json_schema_extra=_alias_schema)
+    key_aliases: ClassVar[Mapping[str, str]] = SAMPLING_ALIASES
+    """Other spellings accepted for some fields (transformers' names; see `SAMPLING_ALIASES`)."""
 
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
     min_tokens: int = Field(0, ge=0, description="EOS and stop tokens are suppressed until this many are made.")
@@ -100,6 +190,7 @@ class SamplingParams(BaseModel):
     @classmethod
     def _normalize(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            data = resolve_aliases(data)
             if data.get("top_k") == -1:
                 data = {**data, "top_k": 0}
             if isinstance(data.get("stop"), str):

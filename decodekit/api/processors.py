@@ -157,6 +157,22 @@ class LogitsProcessor:
         """This processor's parameters implied by `SamplingParams` fields, or None when they do not ask for it."""
         return None
 
+    def check_options(self, options: BaseModel | None) -> None:
+        """Refuse parameters pydantic cannot: raise `ValueError` saying why (the key path is added).
+
+        Static: runs wherever a request is planned, `decodekit recipe check` included, where no engine exists and
+        `setup` was never called; checks that need the engine belong in `check_options_with`.
+        """
+
+    def check_options_with(self, options: BaseModel | None, info: Any) -> None:
+        """Refuse parameters this engine cannot serve (a token id past `info.vocab_size`, strings without
+        `info.tokenizer`): raise `ValueError` saying why (the key path is added).
+
+        Runs only inside an engine, after `check_options` and after `setup(info)` (the same `info`, a
+        `ComponentInfo`); never at `decodekit recipe check`. A good place for per-request work to do once rather
+        than at the first token (tokenizing strings, compiling a grammar).
+        """
+
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
         """Return processed logits `[rows, vocab]`; must not modify `logits` in place (unless `in_place`)."""
         raise NotImplementedError

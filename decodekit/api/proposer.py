@@ -49,6 +49,11 @@ class ProposerModel(Protocol):
         ...
 
 
+PROPOSER_OPTIONS_PATH = "strategy.speculative.proposer_options"
+"""Where a request or recipe writes a proposer's options (`strategy: {speculative: {proposer_options: {...}}}`): the
+key path of the errors its option checks raise."""
+
+
 class Proposer:
     """Base class of draft proposers for the `speculative` strategy (registered with
     `decodekit_register_proposers`, named by `strategy: {speculative: {proposer: NAME, proposer_options: {...}}}`).
@@ -57,6 +62,10 @@ class Proposer:
     deterministic proposal) or the `[len(draft), vocab]` probabilities it sampled the draft from (needed by the
     lossless acceptance rule for sampled requests). Built once per engine; `setup` gets the engine's
     `ComponentInfo` (tokenizer, draft model, `open_model`, ...).
+
+    Its `proposer_options` are checked like any component's options: `check_options(options)` wherever a request
+    is planned (`decodekit recipe check` included), `check_options_with(options, info)` only inside an engine,
+    after `setup(info)`; errors name `strategy.speculative.proposer_options`.
     """
 
     name: ClassVar[str] = "proposer"
@@ -69,8 +78,31 @@ class Proposer:
     def setup(self, info: Any) -> None:
         """Called once with the engine's `ComponentInfo`."""
 
+    def bind(self, components: Any) -> None:
+        """Called when the proposer is built, with the components of the engine (or recipe check) it serves: the
+        `ComponentLookup` that `check` runs the option checks through. An override must call `super().bind`."""
+        self._components = components
+
+    def check_options(self, options: BaseModel | None) -> None:
+        """Refuse `proposer_options` pydantic cannot: raise `ValueError` saying why. Static: runs at
+        `decodekit recipe check` too, where no engine exists and `setup` was never called."""
+
+    def check_options_with(self, options: BaseModel | None, info: Any) -> None:
+        """Refuse a configuration this engine cannot serve (no `info.draft` model, a vocabulary too small): raise
+        `ValueError` saying why. Runs only inside an engine, after `check_options` and `setup(info)`."""
+
     def check(self, options: BaseModel | None) -> None:
-        """Refuse a configuration that cannot work here (raise `ValueError` saying why)."""
+        """Check a request's validated `proposer_options`: the strategy that uses the proposer calls this once per
+        planned request. Runs `check_options`, then (inside an engine) `check_options_with`, through the components
+        the proposer was bound to, so an error is a `PlanError` at `PROPOSER_OPTIONS_PATH`. Implement those two, not
+        this (a proposer written before them may still override `check`: it then runs in both places, as before).
+        """
+        components = getattr(self, "_components", None)
+        run = getattr(components, "check_options", None)
+        if run is None:  # built by hand (a unit test), not by the engine's components: the static part only
+            self.check_options(options)
+            return
+        run(self, options, PROPOSER_OPTIONS_PATH)
 
     def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
                 options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:

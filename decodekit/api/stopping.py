@@ -44,6 +44,14 @@ class StoppingCriterion:
         """For default criteria: whether a request with these parameters uses this criterion."""
         return True
 
+    def check_options(self, options: BaseModel | None) -> None:
+        """Refuse parameters pydantic cannot (named criteria): raise `ValueError` saying why; the key path
+        (`stopping[i].name`) is added. Static: runs at `decodekit recipe check` too, where no engine exists."""
+
+    def check_options_with(self, options: BaseModel | None, info: Any) -> None:
+        """Refuse parameters this engine cannot serve (a token id past `info.vocab_size`, strings without
+        `info.tokenizer`): raise `ValueError`. Runs only inside an engine, after `check_options` and `setup(info)`."""
+
     def check(self, seq: Sequence, params: SamplingParams, eos_token_ids: tuple[int, ...],
               options: Any = None) -> StopDecision | None:
         """Return a decision to stop `seq` (whose newest token is `seq.token_ids[-1]`), or None to go on.

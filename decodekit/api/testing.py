@@ -37,6 +37,11 @@ repeats, per-row options and `SamplingParams`, seeded and unseeded rows, and spe
 scoring positions 0..k in consecutive rows, row `j` with `j` drafted tokens at the end of its history and
 `draft_offsets == j`). Stateful processors get states built by `init_state`/`update_state` over each history,
 shared by the rows of one sequence. This module needs hypothesis, not pytest.
+
+Options pass `check_options` as at planning; give `info=` (the `ComponentInfo` the processor was set up with) to run
+its `check_options_with` too, as an engine does. The kits for the plugins that run inside the engine (stopping
+criteria, proposers, strategies) need one, so they live with the front-ends in `decodekit.kits`;
+`decodekit.testing` re-exports both.
 """
 
 from __future__ import annotations
@@ -186,12 +191,19 @@ def _resolve(strategy: StrategyOrFactory, vocab: int) -> st.SearchStrategy[Any]:
     return strategy if isinstance(strategy, st.SearchStrategy) else strategy(vocab)
 
 
-def _validated(processor: LogitsProcessor, options: Any) -> Any:
+def _validated(processor: LogitsProcessor, options: Any, info: Any = None) -> Any:
+    """Options as a request's plan holds them: validated against `Params`, passed through `check_options` and,
+    when the kit was given the engine's `info`, `check_options_with` (the lifecycle `Components.check_options`
+    runs)."""
     if isinstance(options, dict) and processor.Params is not None:
         options = processor.Params.model_validate(options)
-    check = getattr(processor, "check_options", None)
-    if check is not None and isinstance(options, BaseModel):
-        check(options)
+    if isinstance(options, BaseModel):
+        check = getattr(processor, "check_options", None)
+        if check is not None:
+            check(options)
+        with_engine = getattr(processor, "check_options_with", None)
+        if info is not None and with_engine is not None:
+            with_engine(options, info)
     return options
 
 
@@ -199,7 +211,7 @@ def _validated(processor: LogitsProcessor, options: Any) -> Any:
 def cases(draw: st.DrawFn, processor: LogitsProcessor, options: StrategyOrFactory,
           vocab: int | st.SearchStrategy[int] = DEFAULT_VOCAB, sequences: st.SearchStrategy[int] = _SEQUENCES,
           params: StrategyOrFactory = _PARAMS, max_drafts: int = 3,
-          dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Case:
+          dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", info: Any = None) -> Case:
     """Generated `Case`s for `processor`.
 
     Args:
@@ -210,6 +222,8 @@ def cases(draw: st.DrawFn, processor: LogitsProcessor, options: StrategyOrFactor
         sequences: how many sequences (requests) share the batch.
         params: strategy of `SamplingParams` (or a function of the vocabulary size returning one).
         max_drafts: most drafted tokens per sequence (0: no speculative rows).
+        info: the `ComponentInfo` the processor was set up with: each drawn option then also passes its
+            `check_options_with`, as in an engine (None: `check_options` only, as at a recipe check).
     """
     v = vocab if isinstance(vocab, int) else draw(vocab)
     rows: dict[str, list[Any]] = {k: [] for k in ("histories", "prompt_lens", "params", "options", "sequences",
@@ -219,7 +233,7 @@ def cases(draw: st.DrawFn, processor: LogitsProcessor, options: StrategyOrFactor
         prompt = draw(histories(v, min_size=1))
         generated = draw(histories(v))
         drafts = draw(histories(v, max_size=max_drafts)) if max_drafts else []
-        row_options = _validated(processor, draw(_resolve(options, v)))
+        row_options = _validated(processor, draw(_resolve(options, v)), info)
         row_params = draw(_resolve(params, v))
         seeds.append(draw(st.one_of(st.none(), st.integers(0, 2**31 - 1))))
         for j in range(len(drafts) + 1):
@@ -587,7 +601,8 @@ def check_processor(processor: LogitsProcessor, options: StrategyOrFactory, *, m
         hypothesis_settings: settings to start from (e.g. `settings(phases=[Phase.generate])`, no shrinking);
             without them, every phase runs but `explain` (which re-runs a failing case many times to tell which of
             its parts matter: slow, and of little use on a tensor).
-        **case_options: passed to `cases` (`vocab`, `sequences`, `params`, `max_drafts`, `dtype`, `device`).
+        **case_options: passed to `cases` (`vocab`, `sequences`, `params`, `max_drafts`, `dtype`, `device`,
+            `info`: the `ComponentInfo` the processor was set up with, to run its `check_options_with` too).
     """
     base = (settings(phases=[phase for phase in Phase if phase is not Phase.explain]) if hypothesis_settings is None
             else hypothesis_settings)

@@ -4,6 +4,16 @@ Each registered component is built once per engine (`Components`) and shared by 
 a request's own parameters are validated against the component's pydantic `Params` model. Errors say where:
 `processors[1].repetition_penalty.penalty: Input should be greater than 0`, and an unknown name lists the
 known ones.
+
+Checking a request's options has two parts (`Components.check_options`), the same for every kind of component:
+
+- `check_options(options)`: static checks, run wherever a plan is made: by `decodekit recipe check` (no engine,
+  `setup` never called) and when an engine plans a request;
+- `check_options_with(options, info)`: checks that need the engine (its tokenizer, vocabulary, draft model), run
+  only by `Components` that serve an engine, after the component's `setup(info)`, with the same `info`.
+
+Both are optional and raise `ValueError`; the message gets the key path of the options (`processors[0].logit_bias`,
+`stopping[1].my_criterion`, `strategy.my_strategy`, `strategy.speculative.proposer_options`).
 """
 
 from __future__ import annotations
@@ -59,6 +69,26 @@ class Components:
     info: ComponentInfo | None = None
     _built: dict[tuple[str, str], Any] = field(default_factory=dict)
 
+    def check_options(self, component: Any, options: BaseModel | None, path: str) -> None:
+        """Run a component's own checks of a request's validated options, raising `PlanError` at `path`.
+
+        First its `check_options(options)` (static: no engine needed), then, when these components serve an
+        engine, its `check_options_with(options, info)` (after `setup(info)`: the tokenizer, vocabulary and draft
+        model are there). Either is optional; a `ValueError` from either refuses the request (or recipe). A
+        component with options of its own to check in turn (the `speculative` strategy's proposer) calls this for
+        them, so they follow the same lifecycle and their errors name their own key path.
+        """
+        try:
+            static = getattr(component, "check_options", None)
+            if static is not None:
+                static(options)
+            if self.info is not None:
+                with_engine = getattr(component, "check_options_with", None)
+                if with_engine is not None:
+                    with_engine(options, self.info)
+        except ValueError as exc:  # PlanError is no ValueError: one raised by a nested check keeps its own path
+            raise PlanError(path, str(exc)) from None
+
     def get(self, kind: str, name: str, path: str = "") -> Any:
         """The shared instance of a registered component (built and set up on first use)."""
         key = (kind, name)
@@ -99,12 +129,7 @@ class Components:
             path = f"processors[{i}].{spec.name}"
             proc = self.get("processors", spec.name, f"processors[{i}]")
             options = validate_options(proc, spec.params, path)
-            check = getattr(proc, "check_options", None)
-            if check is not None:
-                try:
-                    check(options)
-                except ValueError as exc:
-                    raise PlanError(path, str(exc)) from None
+            self.check_options(proc, options, path)
             stages.append(Stage(proc, options))
             listed.add(spec.name)
         for proc in self.implied_processors():
@@ -117,11 +142,15 @@ class Components:
             stages.append(Stage(proc, implied))
         criteria = [CriterionStage(crit, default=True) for crit in self.default_criteria() if crit.is_active(params)]
         for i, spec in enumerate(params.stopping):
+            path = f"stopping[{i}].{spec.name}"
             crit = self.get("stopping_criteria", spec.name, f"stopping[{i}]")
-            criteria.append(CriterionStage(crit, validate_options(crit, spec.params, f"stopping[{i}].{spec.name}")))
+            crit_options = validate_options(crit, spec.params, path)
+            self.check_options(crit, crit_options, path)
+            criteria.append(CriterionStage(crit, crit_options))
         spec = params.strategy or ComponentSpec(name="sample")
         strategy: Strategy = self.get("strategies", spec.name, "strategy")
         strategy_options = validate_options(strategy, spec.params, f"strategy.{spec.name}")
+        self.check_options(strategy, strategy_options, f"strategy.{spec.name}")
         try:
             strategy.check_compatible(strategy_options, params, tuple(stages))
         except ValueError as exc:

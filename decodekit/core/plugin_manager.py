@@ -30,6 +30,7 @@ DEFAULT_PLUGINS = (
     "decodekit_plugins.biases",
     "decodekit_plugins.stopping",
     "decodekit_plugins.strategies",
+    "decodekit_plugins.diverse_beam_search",
     "decodekit_plugins.contrastive_search",
     "decodekit_plugins.best_of",
     "decodekit_plugins.models",

@@ -21,29 +21,32 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class _UsesTokenizer(LogitsProcessor):
-    """Keeps the engine's tokenizer and vocabulary size (from `setup`) and caches string tokenizations."""
+    """Keeps the engine's tokenizer (from `setup`) and caches string tokenizations.
+
+    Token ids and strings are checked against the engine in `check_options_with`, which runs only inside an engine
+    (after `setup`): a recipe check, with no tokenizer and no vocabulary, accepts them, and the engine refuses the
+    request that names a token past its vocabulary.
+    """
 
     def __init__(self) -> None:
         self._tokenizer: Any = None
-        self._vocab_size = 0
-        self._set_up = False
         self._encoded: dict[str, list[list[int]]] = {}
 
     def setup(self, info: Any) -> None:
-        """Keep the tokenizer (for strings) and the vocabulary size (to validate token ids)."""
-        self._tokenizer, self._vocab_size, self._set_up = info.tokenizer, info.vocab_size, True
+        """Keep the tokenizer: strings are tokenized with it, once each."""
+        self._tokenizer = info.tokenizer
 
-    def _check_ids(self, ids: list[int], what: str) -> None:
-        if self._vocab_size and any(t >= self._vocab_size for t in ids):
-            raise ValueError(f"{what} must be below the vocabulary size {self._vocab_size}, "
-                             f"got {sorted(t for t in ids if t >= self._vocab_size)}")
+    @staticmethod
+    def _check_ids(ids: list[int], what: str, vocab_size: int) -> None:
+        if vocab_size and any(t >= vocab_size for t in ids):
+            raise ValueError(f"{what} must be below the vocabulary size {vocab_size}, "
+                             f"got {sorted(t for t in ids if t >= vocab_size)}")
 
-    def _check_strings(self, strings: list[str], what: str) -> None:
-        if self._set_up and strings and self._tokenizer is None:
+    def _check_strings(self, strings: list[str], what: str, info: Any) -> None:
+        if strings and info.tokenizer is None:
             raise ValueError(f"{what} need a tokenizer; give token ids instead")
-        if self._tokenizer is not None:
-            for text in strings:
-                self._check_ids([t for ids in self._encode(text) for t in ids], what)
+        for text in strings:  # tokenized now (and cached), not at the request's first token
+            self._check_ids([t for ids in self._encode(text) for t in ids], what, info.vocab_size)
 
     def _encode(self, text: str) -> list[list[int]]:
         if text not in self._encoded:
@@ -73,10 +76,10 @@ class LogitBiasProcessor(_UsesTokenizer):
         bias_strings: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
             default_factory=dict, description="String -> bias added to each token of its tokenization.")
 
-    def check_options(self, options: Any) -> None:
-        """Token ids must be in the vocabulary; strings need a tokenizer."""
-        self._check_ids(list(options.bias), "`bias` token ids")
-        self._check_strings(list(options.bias_strings), "`bias_strings`")
+    def check_options_with(self, options: Any, info: Any) -> None:
+        """Token ids must be in the engine's vocabulary; strings need its tokenizer."""
+        self._check_ids(list(options.bias), "`bias` token ids", info.vocab_size)
+        self._check_strings(list(options.bias_strings), "`bias_strings`", info)
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
         rows: list[int] = []
@@ -118,10 +121,10 @@ class BadWordsProcessor(_UsesTokenizer):
         words: list[Annotated[str, Field(min_length=1)]] = Field(
             default_factory=list, description="Words that must not be generated (tokenized by the engine).")
 
-    def check_options(self, options: Any) -> None:
-        """Token ids must be in the vocabulary; strings need a tokenizer."""
-        self._check_ids([t for ids in options.words_ids for t in ids], "`words_ids`")
-        self._check_strings(options.words, "`words`")
+    def check_options_with(self, options: Any, info: Any) -> None:
+        """Token ids must be in the engine's vocabulary; strings need its tokenizer."""
+        self._check_ids([t for ids in options.words_ids for t in ids], "`words_ids`", info.vocab_size)
+        self._check_strings(options.words, "`words`", info)
 
     def _tokenizations(self, text: str) -> list[list[int]]:
         plain = list(self._tokenizer.encode(text, add_special_tokens=False))
@@ -162,9 +165,9 @@ class AllowedTokenIdsProcessor(_UsesTokenizer):
     class Params(StrictParams):
         token_ids: list[TokenId] = Field(min_length=1, description="The only token ids that may be generated.")
 
-    def check_options(self, options: Any) -> None:
-        """Token ids must be in the vocabulary."""
-        self._check_ids(options.token_ids, "`token_ids`")
+    def check_options_with(self, options: Any, info: Any) -> None:
+        """Token ids must be in the engine's vocabulary."""
+        self._check_ids(options.token_ids, "`token_ids`", info.vocab_size)
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
         vocab = logits.shape[-1]

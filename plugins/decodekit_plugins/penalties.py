@@ -201,20 +201,19 @@ class DryProcessor(LogitsProcessor):
 
     def __init__(self) -> None:
         self._tokenizer: Any = None
-        self._set_up = False
         self._pieces: list[str] | None = None
         self._cache: dict[tuple[Any, ...], _Breakers] = {}
 
     def setup(self, info: Any) -> None:
         """Keep the engine's tokenizer for string sequence breakers."""
-        self._tokenizer, self._set_up = info.tokenizer, True
+        self._tokenizer = info.tokenizer
 
-    def check_options(self, options: Any) -> None:
-        """Refuse string breakers without a tokenizer; process the breakers now, not at the first token."""
-        if self._set_up and options.sequence_breakers and self._tokenizer is None:
+    def check_options_with(self, options: Any, info: Any) -> None:
+        """Inside an engine: refuse string breakers without a tokenizer; process the breakers now (a scan of the
+        vocabulary, once per distinct set), not at the request's first token. A recipe check accepts them."""
+        if options.sequence_breakers and info.tokenizer is None:
             raise ValueError("`sequence_breakers` strings need a tokenizer; give `sequence_breaker_ids` instead")
-        if self._tokenizer is not None:
-            self._breakers(options)
+        self._breakers(options)
 
     def __call__(self, logits: torch.Tensor, batch: BatchView) -> torch.Tensor:
         groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)

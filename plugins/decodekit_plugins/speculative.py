@@ -111,8 +111,9 @@ class DraftModelProposer(Proposer):
     def setup(self, info: ComponentInfo) -> None:
         self.info = info
 
-    def check(self, options: BaseModel | None) -> None:
-        if self.info is not None and self.info.draft is None:
+    def check_options_with(self, options: BaseModel | None, info: Any) -> None:
+        """Inside an engine only: the engine must have a draft model (`recipe check` has no engine to ask)."""
+        if info.draft is None:
             raise ValueError("proposer 'draft' needs a draft model: set `draft:` in the recipe or LLM(draft=...)")
 
     def _model(self) -> ProposerModel:

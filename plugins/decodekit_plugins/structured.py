@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -51,6 +52,8 @@ from decodekit.api.processors import BatchView, LogitsProcessor
 
 log = logging.getLogger("decodekit.structured")
 
+_CHECKED_CACHE_SIZE = 256  # constraints remembered as passing the static check (a backend's compile cache's order)
+
 
 class _Params(StrictParams):
     backend: str = Field(DEFAULT_BACKEND, description="Constraint backend: llguidance, or xgrammar (optional extra).")
@@ -73,6 +76,8 @@ class ConstraintProcessor(LogitsProcessor):
         self._info: Any = None
         self._available: Mapping[str, BackendLoader] = BUILTIN_BACKENDS  # the registry's, once bound
         self._backends: dict[str, ConstraintBackend] = {}
+        self._checked: OrderedDict[tuple[str, ConstraintSpec], None] = OrderedDict()  # passed `check_options`
+        self._checked_lock = threading.Lock()  # planning may run beside a server's validation thread
 
     def bind(self, lookup: ComponentLookup) -> None:
         """Use the backends registered with the engine's (or recipe check's) plugins."""
@@ -102,16 +107,34 @@ class ConstraintProcessor(LogitsProcessor):
         return self._backends[name]
 
     def check_options(self, options: Any) -> None:
-        """Compile the request's constraint now (cached for its sequences); `ConstraintError` (a `ValueError`)
-        with the backend's reason when it cannot. Without an engine, checks it without a tokenizer."""
+        """Check the request's constraint without a tokenizer (a recipe check does only this): `ConstraintError`
+        (a `ValueError`) with the backend's reason when it cannot compile, or names an option the backend cannot
+        honour. A constraint that passed is remembered, so an engine planning many requests with one schema checks
+        it once."""
         spec = self.spec(options)
+        key = (options.backend, spec)
+        with self._checked_lock:
+            if key in self._checked:
+                self._checked.move_to_end(key)
+                return
         try:
-            if self._info is None:
-                cls = backend_class(options.backend, self._available)
-                cls.refuse_unsupported(spec)
-                cls.check(spec)
-            else:
-                self.backend(options.backend).compile(spec)
+            cls = backend_class(options.backend, self._available)
+            cls.refuse_unsupported(spec)
+            cls.check(spec)
+        except ConstraintError:
+            raise
+        except Exception as exc:  # a backend's unexpected failure still refuses just this request
+            raise ConstraintError(f"the {options.backend} backend failed: {exc!r}") from exc
+        with self._checked_lock:
+            self._checked[key] = None
+            while len(self._checked) > _CHECKED_CACHE_SIZE:
+                self._checked.popitem(last=False)
+
+    def check_options_with(self, options: Any, info: Any) -> None:
+        """Inside an engine: compile the request's constraint for its tokenizer now (cached for its sequences), so
+        a constraint the tokenizer cannot serve refuses the request at submission, with the backend's reason."""
+        try:
+            self.backend(options.backend).compile(self.spec(options))
         except ConstraintError:
             raise
         except Exception as exc:  # a backend's unexpected failure still refuses just this request

@@ -1,8 +1,8 @@
-"""Catalogue warpers: typical-p, top-n-sigma, epsilon, eta, XTC, dynamic temperature and mirostat v2.
+"""Catalogue warpers: typical-p, top-n-sigma, epsilon, eta, XTC, dynamic temperature and mirostat (v1 and v2).
 
 None of them is on by default: a request or recipe names them in its `processors:` list, in the order they
 should run. Typical, epsilon and eta follow transformers' warpers (same formulas, `min_keep` for its
-`min_tokens_to_keep`); top-n-sigma, XTC, dynamic temperature and mirostat v2 follow llama.cpp's samplers. The math
+`min_tokens_to_keep`); top-n-sigma, XTC, dynamic temperature and mirostat follow llama.cpp's samplers. The math
 is vectorized over the rows; per-row parameters come from `batch.options`.
 """
 
@@ -205,26 +205,19 @@ class DynamicTemperatureProcessor(LogitsProcessor):
         return torch.where(untouched, logits, torch.where((t > 0) & ~overflow, scaled, greedy))
 
 
-class MirostatProcessor(LogitsProcessor):
-    """Mirostat v2 (llama.cpp): keep tokens whose surprise (-log2 p) is at most the request's `mu`, which steers
-    the observed surprise toward `tau`.
+class _Mirostat(LogitsProcessor):
+    """What mirostat v1 and v2 share: `mu` per sequence, steered so the observed surprise tends to `tau`.
 
     State per sequence: `mu` (starts at `2 * tau`) and, per scored position, the truncated distribution. When a
     token is accepted, `update_state` moves `mu` by `-eta * (surprise - tau)`, the surprise being the token's under
     the truncated distribution (so later processors, e.g. temperature, do not change it; put `temperature` before
-    `mirostat` in the list for llama.cpp's order). Speculative rows are exact: the row at draft offset `j` uses the
+    mirostat in the list for llama.cpp's order). Speculative rows are exact: the row at draft offset `j` uses the
     `mu` that the `j` drafted tokens would produce if accepted. Everything stays on the device (no host sync).
-
-    Example (recipe): `processors: [{mirostat: {tau: 5.0, eta: 0.1}}]`
+    Subclasses say which tokens a row keeps for its `mu` (`_keep`).
     """
 
-    name = "mirostat"
     argmax_invariant = True
     stateful = True
-
-    class Params(StrictParams):
-        tau: float = Field(5.0, gt=0.0, description="Target surprise in bits.")
-        eta: float = Field(0.1, gt=0.0, description="Learning rate of mu.")
 
     def init_state(self, options: Any, prompt_ids: list[int]) -> dict[str, Any]:
         """`mu = 2 * tau`; `steps[j]`: the log2 distribution and `mu` at draft offset `j`, kept until accepted."""
@@ -252,9 +245,7 @@ class MirostatProcessor(LogitsProcessor):
             rows = [r for r, o in enumerate(offsets) if o == depth]
             mu = torch.stack([self._mu(batch, r, logits) for r in rows])[:, None]
             part = logits if len(rows) == len(batch) else logits[torch.tensor(rows, device=logits.device)]
-            surprise = -part.log_softmax(dim=-1) / math.log(2)
-            keep = (surprise <= mu) | (part == part.amax(dim=-1, keepdim=True))
-            kept = part.masked_fill(~keep, NEG_INF)
+            kept = part.masked_fill(~self._keep(part, mu, [batch.options[r] for r in rows]), NEG_INF)
             log2p = kept.log_softmax(dim=-1) / math.log(2)
             for i, r in enumerate(rows):
                 batch.states[r]["steps"][depth] = (log2p, i, mu, i)
@@ -263,12 +254,76 @@ class MirostatProcessor(LogitsProcessor):
             out[torch.tensor(rows, device=logits.device)] = kept
         return out
 
+    def _keep(self, logits: torch.Tensor, mu: torch.Tensor, options: list[Any]) -> torch.Tensor:
+        """`[rows, vocab]` bool: the tokens each row keeps, given its `mu` (`[rows, 1]`)."""
+        raise NotImplementedError
+
     def _mu(self, batch: BatchView, row: int, like: torch.Tensor) -> torch.Tensor:
         state, depth = batch.states[row], batch.draft_offsets[row]
         previous = state["steps"].get(depth - 1) if depth > 0 else None
         if previous is not None:
             return _next_mu(previous, batch.histories[row][-1], batch.options[row])
         return torch.as_tensor(state["mu"], dtype=like.dtype, device=like.device)
+
+
+class MirostatProcessor(_Mirostat):
+    """Mirostat v2 (llama.cpp's `mirostat_v2`): keep tokens whose surprise (-log2 p) is at most the request's `mu`,
+    which steers the observed surprise toward `tau` (state, updates and speculative rows: see `_Mirostat`).
+
+    Example (recipe): `processors: [{mirostat: {tau: 5.0, eta: 0.1}}]`
+    """
+
+    name = "mirostat"
+
+    class Params(StrictParams):
+        tau: float = Field(5.0, gt=0.0, description="Target surprise in bits.")
+        eta: float = Field(0.1, gt=0.0, description="Learning rate of mu.")
+
+    def _keep(self, logits: torch.Tensor, mu: torch.Tensor, options: list[Any]) -> torch.Tensor:
+        surprise = -logits.log_softmax(dim=-1) / math.log(2)
+        return (surprise <= mu) | (logits == logits.amax(dim=-1, keepdim=True))
+
+
+class MirostatV1Processor(_Mirostat):
+    """Mirostat v1 (Basu et al. 2021; llama.cpp's `mirostat`, `--mirostat 1`): keep the `k` most likely tokens,
+    `k` from a Zipf fit of the distribution and the request's `mu`, which steers the observed surprise toward `tau`
+    (state, updates and speculative rows: see `_Mirostat`).
+
+    Per row, as llama.cpp: the Zipf exponent `s_hat` is the least-squares fit of `log(p_i / p_(i+1))` on
+    `log((i + 2) / (i + 1))` over the `m` most likely tokens; with `epsilon = s_hat - 1` and `N` the vocabulary
+    size, `k = ((epsilon * 2 ** mu) / (1 - N ** -epsilon)) ** (1 / s_hat)`, truncated to an integer and clamped to
+    [1, N]. Where llama.cpp's arithmetic has no answer, the row keeps its most likely token: a NaN `k`
+    (`s_hat == 1`, or fewer than two tokens with a probability to fit); an infinite `k` (a flat top) keeps them
+    all. Pairs with a removed token (-inf; llama.cpp would divide by a zero probability) are left out of the fit.
+    Tokens tied with the `k`-th are all kept (llama.cpp keeps `k` of them, in its sort order). One sort of the row
+    per call (the fit needs the top `m`, the cut the `k`-th, and `k` stays on the device).
+
+    Example (recipe): `processors: [{mirostat_v1: {tau: 5.0, eta: 0.1}}]`
+    """
+
+    name = "mirostat_v1"
+
+    class Params(StrictParams):
+        tau: float = Field(5.0, gt=0.0, description="Target surprise in bits.")
+        eta: float = Field(0.1, gt=0.0, description="Learning rate of mu.")
+        m: int = Field(100, ge=2, description="Most likely tokens the Zipf exponent is fitted on (llama.cpp: 100).")
+
+    def _keep(self, logits: torch.Tensor, mu: torch.Tensor, options: list[Any]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        work = torch.promote_types(logits.dtype, torch.float32)  # the fit in float32 at least, as llama.cpp
+        ordered = logits.sort(dim=-1, descending=True).values  # one sort: the top m for the fit, the k-th for k
+        widest = min(max(o.m for o in options), vocab)
+        logp = ordered[:, :widest].to(work) - logits.to(work).logsumexp(dim=-1, keepdim=True)
+        i = torch.arange(widest - 1, device=logits.device, dtype=work)[None, :]
+        t = torch.log((i + 2) / (i + 1))
+        b = logp[:, :-1] - logp[:, 1:]  # log(p_i / p_(i+1))
+        m = torch.tensor([o.m for o in options], device=logits.device)[:, None]
+        fitted = (i < m - 1) & logp[:, 1:].isfinite()
+        s_hat = (t * b).masked_fill(~fitted, 0.0).sum(dim=-1, keepdim=True) / (t * t * fitted).sum(dim=-1, keepdim=True)
+        epsilon = s_hat - 1
+        k = ((epsilon * 2 ** mu.to(work)) / (1 - float(vocab) ** -epsilon)) ** (1 / s_hat)
+        k = torch.nan_to_num(k.floor(), nan=1.0, posinf=float(vocab)).clamp(1, vocab).long()
+        return logits >= ordered.gather(1, k - 1)
 
 
 def _next_mu(step: tuple[torch.Tensor, int, torch.Tensor, int], token: int, options: Any) -> torch.Tensor:
@@ -282,5 +337,5 @@ def _next_mu(step: tuple[torch.Tensor, int, torch.Tensor, int], token: int, opti
 def decodekit_register_processors(register: Callable[..., None]) -> None:
     """Register the catalogue warpers (used only when a request or recipe names them)."""
     for proc in (TypicalPProcessor, TopNSigmaProcessor, EpsilonProcessor, EtaProcessor, XTCProcessor,
-                 DynamicTemperatureProcessor, MirostatProcessor):
+                 DynamicTemperatureProcessor, MirostatProcessor, MirostatV1Processor):
         register(proc.name, proc)
