@@ -3,22 +3,54 @@
 The package is three layers (docs/architecture.md): `decodekit.api` (the plugin contracts, depending on nothing
 above), `decodekit.core` (the engine, under the front-ends) and the front-ends (`LLM`/`AsyncLLM`, recipes, the
 CLI, the benchmarks). This module re-exports what users and plugin authors import most.
+
+The re-exports are loaded on first use (PEP 562), so `import decodekit.cli` (and `decodekit --help`) does not pay
+for torch and transformers; `from decodekit import LLM, SamplingParams` works as before.
 """
 
 from __future__ import annotations
 
-from decodekit.api.errors import DecodeKitError
-from decodekit.api.hf_adapter import HFProcessorAdapter, hf_logits_processor, hf_processor
-from decodekit.api.hookspecs import hookimpl
-from decodekit.api.params import SamplingParams
-from decodekit.api.processors import BatchView, LogitsProcessor
-from decodekit.api.proposer import Proposer
-from decodekit.api.sampling import select_tokens
-from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
-from decodekit.api.stopping import StopDecision, StoppingCriterion
-from decodekit.api.strategy import StepContext, Strategy, StrategyResult
-from decodekit.core.config import EngineConfig
-from decodekit.llm import LLM, AsyncLLM
+from typing import TYPE_CHECKING
+
+from decodekit.api.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from decodekit.api.errors import DecodeKitError
+    from decodekit.api.hf_adapter import HFProcessorAdapter, hf_logits_processor, hf_processor
+    from decodekit.api.hookspecs import hookimpl
+    from decodekit.api.params import SamplingParams
+    from decodekit.api.processors import BatchView, LogitsProcessor
+    from decodekit.api.proposer import Proposer
+    from decodekit.api.sampling import select_tokens
+    from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
+    from decodekit.api.stopping import StopDecision, StoppingCriterion
+    from decodekit.api.strategy import StepContext, Strategy, StrategyResult
+    from decodekit.core.config import EngineConfig
+    from decodekit.llm import LLM, AsyncLLM
+
+_EXPORTS = {
+    "DecodeKitError": "decodekit.api.errors",
+    "HFProcessorAdapter": "decodekit.api.hf_adapter",
+    "hf_logits_processor": "decodekit.api.hf_adapter",
+    "hf_processor": "decodekit.api.hf_adapter",
+    "hookimpl": "decodekit.api.hookspecs",
+    "SamplingParams": "decodekit.api.params",
+    "BatchView": "decodekit.api.processors",
+    "LogitsProcessor": "decodekit.api.processors",
+    "Proposer": "decodekit.api.proposer",
+    "select_tokens": "decodekit.api.sampling",
+    "CompletionOutput": "decodekit.api.sequence",
+    "RequestMetrics": "decodekit.api.sequence",
+    "RequestOutput": "decodekit.api.sequence",
+    "StopDecision": "decodekit.api.stopping",
+    "StoppingCriterion": "decodekit.api.stopping",
+    "StepContext": "decodekit.api.strategy",
+    "Strategy": "decodekit.api.strategy",
+    "StrategyResult": "decodekit.api.strategy",
+    "EngineConfig": "decodekit.core.config",
+    "LLM": "decodekit.llm",
+    "AsyncLLM": "decodekit.llm",
+}
 
 __all__ = [
     "LLM",
@@ -43,3 +75,6 @@ __all__ = [
     "hookimpl",
     "select_tokens",
 ]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -58,8 +58,10 @@ def render_summary(summary: dict[str, Any]) -> None:
         table.add_row("draft acceptance", f"{summary['acceptance_rate']:.1%} "
                                           f"({summary['accepted_tokens']} of {summary['draft_tokens']} tokens)")
     if summary.get("speedup_vs_plain") is not None:
+        # the speedup and the two rates it is the ratio of (each strategy's mean over its runs of the comparison)
         table.add_row("speedup vs plain sample", f"{summary['speedup_vs_plain']:.2f}x "
-                                                 f"({summary['plain_tokens_per_s']:.1f} tokens/s plain)")
+                                                 f"({summary['strategy_tokens_per_s']:.1f} vs "
+                                                 f"{summary['plain_tokens_per_s']:.1f} mean tokens/s)")
     if summary.get("errors"):
         table.add_row("failed requests", str(len(summary["errors"])))
     if summary.get("bad_inputs"):
@@ -283,29 +285,165 @@ def serve(
     max_body_bytes: Annotated[int, typer.Option(min=1, help="Answer 413 to larger request bodies.")] = 4 << 20,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
                                                         "(repeatable).")] = None,
+    use_ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve deployment of replicas, each with "
+                                          "its own engine (needs decodekit[ray]).")] = False,
+    ray_address: Annotated[str | None, typer.Option(help="With --ray: the cluster to join (`auto`, "
+                                                    "`ray://host:10001`); default: RAY_ADDRESS, else a local "
+                                                    "cluster.")] = None,
+    replicas: Annotated[int, typer.Option(min=1, help="With --ray: replicas (a fixed number).")] = 1,
+    min_replicas: Annotated[int, typer.Option(min=0, help="With --ray and --max-replicas: the fewest replicas.")
+                            ] = 1,
+    max_replicas: Annotated[int | None, typer.Option(min=1, help="With --ray: autoscale between --min-replicas and "
+                                                     "this, by requests in flight.")] = None,
+    target_ongoing_requests: Annotated[float, typer.Option(min=0.1, help="With --max-replicas: requests in flight "
+                                                           "per replica that autoscaling aims at.")] = 8.0,
+    cpus_per_replica: Annotated[int, typer.Option(min=1, help="With --ray: CPUs (and torch threads) per replica.")
+                                ] = 1,
 ) -> None:
     """Serve a recipe over HTTP with OpenAI's API: POST /v1/chat/completions and /v1/completions (streaming,
     logprobs, JSON schemas, beam search and speculative decoding through extra fields), GET /v1/models, /health,
-    /metrics. SIGTERM or Ctrl-C lets the requests in flight finish, then exits."""
+    /metrics. SIGTERM or Ctrl-C lets the requests in flight finish, then exits. With --ray, the same app runs as
+    a Ray Serve deployment of --replicas replicas (or autoscaled up to --max-replicas) behind Ray's HTTP proxy."""
     _setup_logging(False)
     from decodekit.core.plugin_manager import get_plugin_manager
     from decodekit.core.registry import Registry
-    from decodekit.recipe import load_recipe
+    from decodekit.recipe import check_models, load_recipe
     from decodekit.serve import ServeOptions, create_app, run_server
 
     options = ServeOptions(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
                            max_waiting=max_waiting, max_body_bytes=max_body_bytes)
+    ray_flags = (ray_address is not None, replicas != 1, max_replicas is not None, cpus_per_replica != 1)
+    if not use_ray and any(ray_flags):
+        _fail("--ray-address, --replicas, --max-replicas and --cpus-per-replica need --ray")
     try:
         pm = get_plugin_manager()
         recipe = load_recipe(recipe_path, overrides or [], registry=Registry.from_plugin_manager(pm))
-        server = create_app(recipe, options, plugin_manager=pm)
+        if use_ray:
+            from decodekit.serve.ray_serve import ReplicaOptions, import_serve
+
+            import_serve()  # a missing extra fails here, before anything starts
+            if _local_ray(ray_address):  # a model missing here fails now, not in every replica's start-up
+                check_models(recipe, Registry.from_plugin_manager(pm))
+            scale = ReplicaOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas,
+                                   target_ongoing_requests=target_ongoing_requests,
+                                   cpus_per_replica=cpus_per_replica, address=ray_address)
+            scale.deployment_options()  # contradictory replica options fail here too
+        else:
+            server = create_app(recipe, options, plugin_manager=pm)
     except DecodeKitError as exc:
         _fail(str(exc))
     address = f"[{host}]" if ":" in host else host
     names = ", ".join(repr(n) for n in dict.fromkeys(n for n in (served_model_name, recipe.model) if n))
-    console.print(f"serving {escape(names)} ({escape(recipe.source)}) at http://{address}:{port}/v1"
-                  f"{' (API key required)' if options.api_key else ''}", soft_wrap=True, highlight=False)
-    run_server(server, options)
+    where = f"http://{address}:{port}/v1{' (API key required)' if options.api_key else ''}"
+    if not use_ray:
+        console.print(f"serving {escape(names)} ({escape(recipe.source)}) at {where}", soft_wrap=True,
+                      highlight=False)
+        run_server(server, options)
+        return
+    from decodekit.serve.ray_serve import serve_until_signalled
+
+    count = f"{min_replicas}-{max_replicas} autoscaled" if max_replicas is not None else str(replicas)
+    console.print(f"deploying {escape(names)} ({escape(recipe.source)}) on Ray Serve: {count} replicas of "
+                  f"{cpus_per_replica} CPU{'s' if cpus_per_replica > 1 else ''}, at {where}", soft_wrap=True,
+                  highlight=False)
+    try:
+        serve_until_signalled(recipe, options, scale, on_ready=lambda: console.print(
+            "ready: every replica is up (Ctrl-C or SIGTERM stops the deployment)"))
+    except (DecodeKitError, RuntimeError) as exc:  # Ray Serve reports a deployment that failed as RuntimeError
+        _fail(f"the Ray Serve deployment failed: {exc}")
+
+
+@app.command()
+def batch(
+    recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file: the model, engine limits and "
+                                                "every row's defaults.")],
+    input_path: Annotated[Path, typer.Option("--input", "-i", help="Rows: .jsonl (objects with prompt or "
+                                             "messages, optional id and overrides), .parquet or .txt.")],
+    output_path: Annotated[Path, typer.Option("--output", "-o", help="One row per input row, joined by id, in "
+                                              "input order: .jsonl or .parquet. Rows already there are skipped.")],
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
+                                                        "(repeatable).")] = None,
+    use_ray: Annotated[bool, typer.Option("--ray", help="Run over Ray Data: one engine per replica (needs "
+                                          "decodekit[ray]).")] = False,
+    ray_address: Annotated[str | None, typer.Option(help="The Ray cluster to join (`auto`, `ray://host:10001`); "
+                                                    "default: RAY_ADDRESS, else a local cluster.")] = None,
+    replicas: Annotated[int, typer.Option(min=1, help="With --ray: engines (Ray actors).")] = 1,
+    cpus_per_replica: Annotated[int | None, typer.Option(min=1, help="With --ray: CPUs (and torch threads) per "
+                                                         "replica (default: the cluster's CPUs / replicas).")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="With --ray: rows per batch handed to a replica.")] = 32,
+    retry_errors: Annotated[bool, typer.Option(help="Run again the rows the output holds with an error.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, less logging.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Offline batch inference: run a recipe over every row of a dataset and write one output row per input row
+    (a row that cannot run gets an `error`, never lost). A rerun resumes: rows already in the output are skipped.
+
+    Exit status: 0 when every row ran; 1 when some rows have an error; 2 when nothing could run.
+    """
+    _setup_logging(quiet or as_json)
+    from rich.progress import TimeRemainingColumn
+
+    from decodekit.batch import RayOptions, run_batch
+    from decodekit.core.plugin_manager import get_plugin_manager
+    from decodekit.core.registry import Registry
+    from decodekit.recipe import check_models, load_recipe
+
+    if not use_ray and (ray_address is not None or replicas != 1 or cpus_per_replica is not None):
+        _fail("--ray-address, --replicas and --cpus-per-replica need --ray")
+    ray = RayOptions(ray_address, replicas, cpus_per_replica, batch_size) if use_ray else None
+    columns = (SpinnerColumn(), TextColumn("rows"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[rate]} tokens/s"), TimeElapsedColumn(), TextColumn("eta"),
+               TimeRemainingColumn())
+    try:
+        pm = get_plugin_manager()
+        recipe = load_recipe(recipe_path, overrides or [], registry=Registry.from_plugin_manager(pm))
+        if use_ray and _local_ray(ray_address):  # a model missing here fails now, not in every replica
+            check_models(recipe, Registry.from_plugin_manager(pm))
+        with Progress(*columns, console=err_console, transient=True, disable=quiet or as_json) as progress:
+            task = progress.add_task("batch", total=None, rate="-")
+            clock = {"start": time.perf_counter(), "tokens": 0}
+
+            def on_start(rows: int, todo: int) -> None:
+                progress.update(task, total=todo)
+                if rows > todo:
+                    err_console.print(f"resuming: {rows - todo} of {rows} rows are already in {output_path}")
+
+            def on_row(row: dict[str, Any]) -> None:
+                usage = row.get("usage") or {}
+                clock["tokens"] += usage.get("completion_tokens", 0)
+                rate = clock["tokens"] / max(time.perf_counter() - clock["start"], 1e-9)
+                progress.update(task, advance=1, rate=f"{rate:.1f}")
+
+            summary = run_batch(recipe, input_path, output_path, ray=ray, retry_errors=retry_errors,
+                                plugin_manager=pm, on_start=on_start, on_row=on_row)
+    except DecodeKitError as exc:
+        _fail(str(exc))
+    figures = {"rows": summary.rows, "skipped (already in the output)": summary.skipped,
+               "written": summary.written, "errors": summary.errors, "output tokens": summary.output_tokens,
+               "wall time": f"{summary.wall_s:.2f} s", "replicas": summary.replicas,
+               "rows/s": f"{summary.rows_per_s:.2f}" if summary.rows_per_s else "-",
+               "tokens/s": f"{summary.tokens_per_s:.1f}" if summary.tokens_per_s else "-"}
+    if as_json:
+        print(json.dumps({"recipe": recipe.source, "output": str(output_path), **{
+            "rows": summary.rows, "skipped": summary.skipped, "written": summary.written, "errors": summary.errors,
+            "output_tokens": summary.output_tokens, "wall_s": summary.wall_s, "replicas": summary.replicas,
+            "error_samples": summary.error_samples}}))
+    else:
+        table = Table(title=f"batch → {output_path}", show_header=False)
+        for key, value in figures.items():
+            table.add_row(key, str(value))
+        for sample in summary.error_samples:  # the first few; every one is in its row's `error`
+            table.add_row("error", escape(sample if len(sample) <= 100 else sample[:99] + "…"))
+        console.print(table)
+    if summary.errors:
+        raise typer.Exit(1)
+
+
+def _local_ray(address: str | None) -> bool:
+    """Whether a Ray job runs on this machine (no cluster address given): then its models can be checked here."""
+    import os
+
+    return address is None and not os.environ.get("RAY_ADDRESS")
 
 
 recipe_app = typer.Typer(help="Work with recipe files.", no_args_is_help=True)
@@ -318,16 +456,20 @@ def recipe_check(
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
                                                         "(repeatable).")] = None,
 ) -> None:
-    """Validate a recipe without loading its model, and print it resolved (defaults filled in, the plan in order)."""
+    """Validate a recipe without loading its model, and print it resolved (defaults filled in, the plan in order).
+
+    The model (and draft) must resolve without loading: the bundled name, a .gguf file, a folder with a
+    config.json, a hub id in the local Hugging Face cache, or a spec a plugin's loader accepts."""
     import yaml
 
     from decodekit.core.plugin_manager import get_plugin_manager
     from decodekit.core.registry import Registry
-    from decodekit.recipe import describe_recipe, load_recipe
+    from decodekit.recipe import check_models, describe_recipe, load_recipe
 
     try:
         registry = Registry.from_plugin_manager(get_plugin_manager())
         recipe = load_recipe(recipe_path, overrides or [], registry=registry)
+        check_models(recipe, registry)
     except DecodeKitError as exc:
         _fail(str(exc))
     print(yaml.safe_dump(describe_recipe(recipe, registry), sort_keys=False, allow_unicode=True), end="")
@@ -468,12 +610,26 @@ def _bench_serve(recipe_path: Path | None, overrides: list[str], baseline: list[
         render_serve_table(result, console)
 
 
+def _third_party_plugins_installed() -> bool:
+    """Whether an entry-point plugin would load (one of the `decodekit` group that `DECODEKIT_PLUGINS` allows, as
+    `decodekit.core.plugin_manager` reads them). Only those can add commands: decodekit's own plugins add none
+    (tests/test_first_minutes.py holds them to that), so without one `decodekit --help` imports no plugin (nor
+    torch) to list the commands."""
+    import importlib.metadata
+    import os
+
+    allowed_env = os.environ.get("DECODEKIT_PLUGINS")
+    allowed = None if allowed_env is None else {n.strip() for n in allowed_env.split(",") if n.strip()}
+    return any(allowed is None or ep.name in allowed for ep in importlib.metadata.entry_points(group="decodekit"))
+
+
 def main() -> None:
     """Entry point: add plugin commands, run, and turn a DecodeKitError into one line and a non-zero exit."""
     try:
-        from decodekit.core.plugin_manager import get_plugin_manager
+        if _third_party_plugins_installed():
+            from decodekit.core.plugin_manager import get_plugin_manager
 
-        get_plugin_manager().hook.decodekit_register_commands(cli=app)
+            get_plugin_manager().hook.decodekit_register_commands(cli=app)
         app()
     except DecodeKitError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)

@@ -279,6 +279,27 @@ def check_recipe(recipe: Recipe, registry: Registry) -> Plan:
     return plan
 
 
+def check_models(recipe: Recipe, registry: Registry) -> dict[str, str]:
+    """Resolve the recipe's `model` (and `draft.model`) to the loader that would load it, loading nothing
+    (`decodekit.models.resolve_model`: the bundled name, an existing .gguf file, a folder with a config.json, a hub id
+    in the local Hugging Face cache, or a spec a plugin's loader accepts). Returns each key's loader name.
+
+    Raises:
+        RecipeError: no loader accepts a model, or its loader's check refused it; the message names the key and
+            says what would be accepted.
+    """
+    from decodekit.models import resolve_model
+
+    specs = {"model": recipe.model, **({"draft.model": recipe.draft.model} if recipe.draft else {})}
+    found = {}
+    for key, spec in specs.items():
+        try:
+            found[key] = resolve_model(spec, registry.model_loaders).name
+        except DecodeKitError as exc:
+            raise RecipeError(f"{recipe.source}: {key}: {exc}") from None
+    return found
+
+
 def describe_recipe(recipe: Recipe, registry: Registry) -> dict[str, Any]:
     """The recipe with every default filled in, and its default request's plan: the processors in the order they
     run (those the sampling fields imply included), the stopping criteria that apply, and the strategy."""

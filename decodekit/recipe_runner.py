@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -113,7 +113,16 @@ def _file_lines(file: Path) -> list[tuple[str, Any]]:
     return parsed
 
 
-def _request_from_line(recipe: Recipe, components: Components, line: Any, default_id: str) -> RecipeRequest:
+L = TypeVar("L", bound=InputLine)
+
+
+def parse_line(recipe: Recipe, components: Components, line: Any, model: type[L]) -> tuple[L, SamplingParams]:
+    """An input line (a parsed JSON value, a text line, or the error that reading it raised) validated into `model`,
+    and its parameters: the recipe's defaults with the line's overrides merged and resolved.
+
+    Raises:
+        DecodeKitError: the line is not an object of `model`'s shape, names an unknown plugin or bad parameters.
+    """
     if isinstance(line, Exception):
         raise line
     if isinstance(line, str):  # a .txt line, or a bare JSON string
@@ -121,11 +130,16 @@ def _request_from_line(recipe: Recipe, components: Components, line: Any, defaul
     if not isinstance(line, dict):
         raise RecipeError(f"expected an object like {{\"prompt\": \"...\"}}, got {type(line).__name__}")
     try:
-        item = InputLine.model_validate(line)
+        item = model.model_validate(line)
     except ValidationError as exc:
-        raise RecipeError(format_validation_errors(exc, InputLine).replace("\n", "; ")) from None
+        raise RecipeError(format_validation_errors(exc, model).replace("\n", "; ")) from None
     params = recipe.params_for(item.overrides())
     components.resolve(params)  # unknown names, bad plugin parameters and refused combinations fail here
+    return item, params
+
+
+def _request_from_line(recipe: Recipe, components: Components, line: Any, default_id: str) -> RecipeRequest:
+    item, params = parse_line(recipe, components, line, InputLine)
     return RecipeRequest(default_id if item.id is None else str(item.id), item.prompt, params)
 
 
@@ -221,8 +235,12 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
               plain_outputs: Sequence[RequestOutput] | None = None, plain_wall: float | None = None,
               strategy_wall: float | None = None) -> dict[str, Any]:
     """Summary figures: requests, tokens (every choice), tokens/s, TTFT/TPOT p50/p90, finish reasons, the
-    acceptance rate when draft tokens were proposed, the speedup over the plain strategy (`strategy_wall`: the
-    recipe strategy's mean wall time over the comparison runs, default `wall`), and what failed."""
+    acceptance rate when draft tokens were proposed, the plain-strategy comparison, and what failed.
+
+    `tokens_per_s` is this run's (`wall`). With a comparison (`plain_outputs`, `plain_wall`: the plain runs' mean
+    wall time), `strategy_tokens_per_s` is the recipe strategy's rate over its mean wall time in the comparison
+    (`strategy_wall`, default `wall`), `plain_tokens_per_s` the plain strategy's, and `speedup_vs_plain` exactly
+    their ratio: the figures the summary prints side by side are the ones the speedup is computed from."""
     from decodekit.bench.report import percentile
 
     tokens = _tokens(outputs)
@@ -246,9 +264,11 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
     }
     if plain_outputs is not None and plain_wall:
         plain_rate = _tokens(plain_outputs) / plain_wall
-        summary["plain_tokens_per_s"] = plain_rate
         own_wall = strategy_wall or wall
-        summary["speedup_vs_plain"] = (tokens / own_wall) / plain_rate if plain_rate and own_wall > 0 else None
+        own_rate = tokens / own_wall if own_wall > 0 else None
+        summary["strategy_tokens_per_s"] = own_rate
+        summary["plain_tokens_per_s"] = plain_rate
+        summary["speedup_vs_plain"] = own_rate / plain_rate if own_rate is not None and plain_rate else None
     return summary
 
 

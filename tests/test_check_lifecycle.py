@@ -193,7 +193,7 @@ def llm():
 
 def _recipe(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "r.yaml"
-    path.write_text("model: m\n" + textwrap.dedent(body))
+    path.write_text("model: smollm2-135m-instruct\n" + textwrap.dedent(body))
     return path
 
 

@@ -88,7 +88,8 @@ def test_a_recipe_takes_the_aliases_and_suggests_them_for_typos(tmp_path):
                                                           "eos_token_id": 5}})
     assert recipe.default_params().model_dump(include={"max_tokens", "temperature", "stop_token_ids"}) == {
         "max_tokens": 8, "temperature": 0.0, "stop_token_ids": [5]}
-    (tmp_path / "r.yaml").write_text("model: m\nsampling: {max_new_tokens: 8, num_return_sequences: 2}\n")
+    (tmp_path / "r.yaml").write_text("model: smollm2-135m-instruct\n"  # recipe check looks the model up
+                                     "sampling: {max_new_tokens: 8, num_return_sequences: 2}\n")
     result = CliRunner().invoke(app, ["recipe", "check", str(tmp_path / "r.yaml")])
     assert result.exit_code == 0, result.stderr
     assert "max_tokens: 8" in result.stdout and "n: 2" in result.stdout  # resolved to decodekit's names

@@ -15,19 +15,56 @@ the engine underneath is rearranged.
 - `components`: `ComponentInfo`, what `setup` receives; `models`: the model-loader contract;
 - `params`, `errors`, `sampling` (`select_tokens`); `testing`: the conformance kit (imported on its own: it
   needs hypothesis).
+
+The names below are loaded on first use (PEP 562): importing `decodekit.api.errors` alone does not import torch.
 """
 
-from decodekit.api.components import ComponentInfo
-from decodekit.api.errors import DecodeKitError, PluginError, ProcessorError
-from decodekit.api.hookspecs import hookimpl
-from decodekit.api.models import LoadedModel, ModelLoader
-from decodekit.api.params import ComponentSpec, SamplingParams
-from decodekit.api.processors import BatchView, LogitsProcessor, Stage, apply_processors
-from decodekit.api.proposer import Proposer
-from decodekit.api.sampling import select_tokens
-from decodekit.api.sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from decodekit.api.stopping import StopDecision, StoppingCriterion
-from decodekit.api.strategy import StepContext, Strategy, StrategyResult
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from decodekit.api.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from decodekit.api.components import ComponentInfo
+    from decodekit.api.errors import DecodeKitError, PluginError, ProcessorError
+    from decodekit.api.hookspecs import hookimpl
+    from decodekit.api.models import LoadedModel, ModelLoader
+    from decodekit.api.params import ComponentSpec, SamplingParams
+    from decodekit.api.processors import BatchView, LogitsProcessor, Stage, apply_processors
+    from decodekit.api.proposer import Proposer
+    from decodekit.api.sampling import select_tokens
+    from decodekit.api.sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+    from decodekit.api.stopping import StopDecision, StoppingCriterion
+    from decodekit.api.strategy import StepContext, Strategy, StrategyResult
+
+_EXPORTS = {
+    "ComponentInfo": "decodekit.api.components",
+    "DecodeKitError": "decodekit.api.errors",
+    "PluginError": "decodekit.api.errors",
+    "ProcessorError": "decodekit.api.errors",
+    "hookimpl": "decodekit.api.hookspecs",
+    "LoadedModel": "decodekit.api.models",
+    "ModelLoader": "decodekit.api.models",
+    "ComponentSpec": "decodekit.api.params",
+    "SamplingParams": "decodekit.api.params",
+    "BatchView": "decodekit.api.processors",
+    "LogitsProcessor": "decodekit.api.processors",
+    "Stage": "decodekit.api.processors",
+    "apply_processors": "decodekit.api.processors",
+    "Proposer": "decodekit.api.proposer",
+    "select_tokens": "decodekit.api.sampling",
+    "CompletionOutput": "decodekit.api.sequence",
+    "Request": "decodekit.api.sequence",
+    "RequestMetrics": "decodekit.api.sequence",
+    "RequestOutput": "decodekit.api.sequence",
+    "Sequence": "decodekit.api.sequence",
+    "StopDecision": "decodekit.api.stopping",
+    "StoppingCriterion": "decodekit.api.stopping",
+    "StepContext": "decodekit.api.strategy",
+    "Strategy": "decodekit.api.strategy",
+    "StrategyResult": "decodekit.api.strategy",
+}
 
 __all__ = [
     "BatchView",
@@ -56,3 +93,6 @@ __all__ = [
     "hookimpl",
     "select_tokens",
 ]
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

