@@ -357,10 +357,12 @@ def serve(
 def batch(
     recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file: the model, engine limits and "
                                                 "every row's defaults.")],
-    input_path: Annotated[Path, typer.Option("--input", "-i", help="Rows: .jsonl (objects with prompt or "
-                                             "messages, optional id and overrides), .parquet or .txt.")],
-    output_path: Annotated[Path, typer.Option("--output", "-o", help="One row per input row, joined by id, in "
-                                              "input order: .jsonl or .parquet. Rows already there are skipped.")],
+    input_path: Annotated[str, typer.Option("--input", "-i", help="Rows: .jsonl (objects with prompt or "
+                                            "messages, optional id and overrides), .parquet or .txt; with --ray "
+                                            "also a folder, glob or URI of them (s3://...).")],
+    output_path: Annotated[str, typer.Option("--output", "-o", help="One row per input row, joined by id, in "
+                                             "input order: .jsonl or .parquet. Rows already there are skipped. "
+                                             "With --ray, a folder (or URI) makes Ray Data write it as files.")],
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
                                                         "(repeatable).")] = None,
     use_ray: Annotated[bool, typer.Option("--ray", help="Run over Ray Data: one engine per replica (needs "
@@ -371,6 +373,8 @@ def batch(
     cpus_per_replica: Annotated[int | None, typer.Option(min=1, help="With --ray: CPUs (and torch threads) per "
                                                          "replica (default: the cluster's CPUs / replicas).")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="With --ray: rows per batch handed to a replica.")] = 32,
+    output_format: Annotated[str, typer.Option(help="With --ray and a folder output: jsonl or parquet files.")
+                             ] = "jsonl",
     retry_errors: Annotated[bool, typer.Option(help="Run again the rows the output holds with an error.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, less logging.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
@@ -390,7 +394,7 @@ def batch(
 
     if not use_ray and (ray_address is not None or replicas != 1 or cpus_per_replica is not None):
         _fail("--ray-address, --replicas and --cpus-per-replica need --ray")
-    ray = RayOptions(ray_address, replicas, cpus_per_replica, batch_size) if use_ray else None
+    ray = RayOptions(ray_address, replicas, cpus_per_replica, batch_size, output_format) if use_ray else None
     columns = (SpinnerColumn(), TextColumn("rows"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[rate]} tokens/s"), TimeElapsedColumn(), TextColumn("eta"),
                TimeRemainingColumn())
@@ -404,6 +408,8 @@ def batch(
             clock = {"start": time.perf_counter(), "tokens": 0}
 
             def on_start(rows: int, todo: int) -> None:
+                if not rows:  # a folder job: Ray Data counts the rows as it reads them
+                    return
                 progress.update(task, total=todo)
                 if rows > todo:
                     err_console.print(f"resuming: {rows - todo} of {rows} rows are already in {output_path}")

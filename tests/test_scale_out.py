@@ -195,3 +195,54 @@ def test_without_ray_batch_and_serve_name_the_extra_to_install(monkeypatch, reci
         assert result.exit_code == 2, result.output
         assert "decodekit[ray]" in result.output
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "o.jsonl").exists()
+
+
+def test_replica_options_give_a_fixed_count_or_an_autoscaling_config_and_refuse_a_contradiction():
+    from decodekit.serve.ray_serve import ReplicaOptions
+
+    fixed = ReplicaOptions(replicas=3, cpus_per_replica=4).deployment_options()
+    assert fixed == {"num_replicas": 3, "ray_actor_options": {"num_cpus": 4}}
+    scaled = ReplicaOptions(min_replicas=0, max_replicas=8, target_ongoing_requests=4).deployment_options()
+    assert "num_replicas" not in scaled
+    assert scaled["autoscaling_config"] == {"min_replicas": 0, "max_replicas": 8, "initial_replicas": 1,
+                                            "target_ongoing_requests": 4}
+    with pytest.raises(ConfigError, match=r"max_replicas \(2\) must be at least min_replicas \(3\)"):
+        ReplicaOptions(min_replicas=3, max_replicas=2).deployment_options()
+
+
+def test_a_folder_job_reads_and_writes_through_ray_data_and_resumes_from_the_files_there(ray_cluster, recipe,
+                                                                                     tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [row for row in mixed_rows(80) if isinstance(row, dict)]
+    for i, row in enumerate(rows):
+        row.setdefault("id", f"r{i}")
+    rows[3].pop("id")  # a row without an id gets the hash of its content
+    source = tmp_path / "rows"
+    source.mkdir()
+    write_jsonl(source / "part-0.jsonl", rows[:40])  # a folder of files, read in parallel
+    write_jsonl(source / "part-1.jsonl", rows[40:])
+    reference = read_jsonl(_local_job(recipe, rows, tmp_path))
+    target = tmp_path / "answers"
+    options = RayOptions(replicas=2, batch_size=16, folder_format="parquet")
+    summary = run_batch(recipe, source, target, ray=options)
+    assert (summary.written, summary.skipped) == (len(rows), 0)
+    files = sorted(target.glob("*.parquet"))
+    assert len(files) > 1
+    got = {r["id"]: r for r in pq.read_table(target).to_pylist()}
+    assert len(got) == len(rows)
+    by_id = {r["id"]: r for r in reference}
+    differ = [(rid, got.get(rid), by_id[rid]) for rid in by_id if rid != "4" and not same(got.get(rid), by_id[rid])]
+    assert not differ, differ[:2]  # "4": the row without an id
+    no_id = next(r for rid, r in got.items() if rid not in by_id)
+    assert no_id["token_ids"] == by_id["4"]["token_ids"]
+    files[0].unlink()  # a job that stopped before writing this file
+    lost = len(got) - pq.read_table(target).num_rows
+    again = run_batch(recipe, source, target, ray=options)
+    assert (again.written, again.skipped) == (lost, len(rows) - lost)
+    assert sorted(r["id"] for r in pq.read_table(target).to_pylist()) == sorted(got)
+
+
+def _local_job(recipe: Recipe, rows: list[dict[str, Any]], tmp_path: Path) -> Path:
+    out = tmp_path / "local.jsonl"
+    run_batch(recipe, write_jsonl(tmp_path / "all.jsonl", rows), out)
+    return out

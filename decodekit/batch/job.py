@@ -21,8 +21,8 @@ from typing import Any
 
 import pluggy
 
-from decodekit.api.errors import DecodeKitError
-from decodekit.batch.output import OutputFile
+from decodekit.api.errors import DecodeKitError, RecipeError
+from decodekit.batch.output import OUTPUT_SUFFIXES, OutputFile
 from decodekit.batch.ray_job import RayOptions, run_on_ray
 from decodekit.batch.rows import InputRow, read_rows
 from decodekit.batch.worker import BatchWorker, tokens_of
@@ -81,6 +81,8 @@ def run_batch(recipe: Recipe, input_path: str | Path, output_path: str | Path, *
         DecodeKitError: the input or output cannot be read, the model does not load, or Ray is not installed.
     """
     start = time.perf_counter()
+    if ray is not None and is_folder(output_path):
+        return _run_dataset(recipe, str(input_path), str(output_path), ray, retry_errors, start, on_start)
     output = OutputFile(output_path)
     rows = read_rows(input_path)
     if retry_errors:
@@ -126,3 +128,24 @@ def _write(results: Iterator[dict[str, Any]], todo: Sequence[InputRow], output: 
     if missing:
         raise DecodeKitError(f"{len(missing)} rows came back without output (first: {missing[:5]}); rerun to "
                              "resume them")
+
+
+def is_folder(output_path: str | Path) -> bool:
+    """Whether an output is a folder of files (written by Ray Data's writers) rather than one .jsonl or .parquet
+    file."""
+    return Path(str(output_path).rstrip("/")).suffix not in OUTPUT_SUFFIXES or str(output_path).endswith("/")
+
+
+def _run_dataset(recipe: Recipe, source: str, target: str, ray: RayOptions, retry_errors: bool, start: float,
+                 on_start: Callable[[int, int], None] | None) -> BatchSummary:
+    """A job whose input and output Ray Data reads and writes (`decodekit.batch.ray_dataset`)."""
+    from decodekit.batch.ray_dataset import run_dataset_on_ray
+
+    if retry_errors:
+        raise RecipeError("--retry-errors needs a .jsonl or .parquet output file (a folder's files are not rewritten)")
+    if on_start is not None:
+        on_start(0, 0)  # the rows are only counted as Ray Data reads them
+    counts = run_dataset_on_ray(recipe, source, target, ray, ray.folder_format)
+    return BatchSummary(rows=counts["skipped"] + counts["written"], skipped=counts["skipped"],
+                        written=counts["written"], errors=counts["errors"], output_tokens=counts["output_tokens"],
+                        wall_s=time.perf_counter() - start, replicas=ray.replicas)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from decodekit.api.errors import RecipeError
-from decodekit.batch.rows import OUTPUT_KEYS, _import_pyarrow_parquet
+from decodekit.batch.rows import OUTPUT_KEYS, _import_pyarrow_parquet, output_schema
 
 log = logging.getLogger("decodekit.batch")
 
@@ -30,7 +30,7 @@ class OutputFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if self.path.suffix not in OUTPUT_SUFFIXES:
-            raise RecipeError(f"{self.path}: a batch output is .jsonl or .parquet")
+            raise RecipeError(f"{self.path}: a batch output is .jsonl or .parquet (with --ray, also a folder)")
         self.parquet = self.path.suffix == ".parquet"
         self.journal = self.path.with_name(self.path.name + ".partial.jsonl") if self.parquet else self.path
         self._handle: Any = None
@@ -122,5 +122,5 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
 def _write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
     import pyarrow as pa
 
-    columns = {key: [row.get(key) for row in rows] for key in OUTPUT_KEYS}
-    _import_pyarrow_parquet().write_table(pa.table(columns), path)
+    table = pa.Table.from_pylist([{key: row.get(key) for key in OUTPUT_KEYS} for row in rows], schema=output_schema())
+    _import_pyarrow_parquet().write_table(table, path)

@@ -36,17 +36,30 @@ class RayOptions:
             divided by `replicas`).
         batch_size: rows per Ray Data batch (a replica runs a batch as one continuous batch; a failed replica's
             batch is retried whole on another).
+        folder_format: the files written when the output is a folder (`jsonl` or `parquet`; see
+            `decodekit.batch.ray_dataset`).
+        batches_per_replica: batches a replica takes at once, all in its one continuous batch (so that a replica's
+            engine stays as full as an in-process job's while a batch's last rows finish).
     """
 
     address: str | None = None
     replicas: int = 1
     cpus_per_replica: int | None = None
     batch_size: int = 32
+    folder_format: str = "jsonl"
+    batches_per_replica: int = 4
+
+    def compute(self, ray: Any) -> Any:
+        """Ray Data's actor pool for these options."""
+        k = self.batches_per_replica
+        return ray.data.ActorPoolStrategy(size=self.replicas, max_tasks_in_flight_per_actor=k,
+                                          max_concurrent_calls_per_actor=k)
 
 
 
 class BatchReplica:
-    """A Ray Data actor: one engine built from the recipe, running a batch of rows at a time.
+    """A Ray Data actor: one engine built from the recipe, running in a background thread (`AsyncLLM`), taking
+    several batches of rows at once into its one continuous batch (`RayOptions.batches_per_replica`).
 
     Args:
         recipe: the job's recipe (model paths absolute, see `portable`).
@@ -58,15 +71,18 @@ class BatchReplica:
         from transformers.utils import logging as hf_logging
 
         from decodekit.batch.worker import BatchWorker
+        from decodekit.llm import AsyncLLM
 
         torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()  # Ray forwards workers' output to the driver: no loading bars in it
         self.worker = BatchWorker(recipe)
+        self.engine = AsyncLLM(engine=self.worker.llm.engine)
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
+    async def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
         """Output rows (JSON text, so that rows of any shape travel as one column) for a batch of input rows."""
         rows = [InputRow.from_json(str(text)) for text in batch["row"]]
-        return {"out": [json.dumps(out, ensure_ascii=False) for out in self.worker.run_all(rows)]}
+        outputs = await self.worker.run_async(rows, self.engine)
+        return {"out": [json.dumps(out, ensure_ascii=False) for out in outputs]}
 
 
 def run_on_ray(recipe: Recipe, rows: Sequence[InputRow], options: RayOptions) -> Iterator[dict[str, Any]]:
@@ -78,22 +94,15 @@ def run_on_ray(recipe: Recipe, rows: Sequence[InputRow], options: RayOptions) ->
     ray = import_ray()
     started = connect(options.address)
     try:
-        cpus = int(ray.cluster_resources().get("CPU", 1))
-        per_replica = options.cpus_per_replica or max(1, cpus // options.replicas)
-        if per_replica * options.replicas > cpus:
-            raise ConfigError(f"{options.replicas} replicas of {per_replica} CPUs need {per_replica * options.replicas}"
-                              f" CPUs; the Ray cluster has {cpus}")
-        context = ray.data.DataContext.get_current()
-        context.execution_options.preserve_order = True  # rows come back in input order
-        context.enable_progress_bars = False  # `decodekit batch` draws its own
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        per_replica = replica_cpus(ray, options)
+        configure(ray)
         blocks = max(1, math.ceil(len(rows) / options.batch_size))
         dataset = ray.data.from_items([{"row": row.to_json()} for row in rows], override_num_blocks=blocks)
         # Ray Data restarts a dead actor and retries its batch by default (max_restarts=-1, max_task_retries=-1):
         # that is what makes a killed replica lose no row.
         dataset = dataset.map_batches(
             BatchReplica, fn_constructor_args=(portable(recipe), per_replica), batch_size=options.batch_size,
-            batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=options.replicas), num_cpus=per_replica)
+            batch_format="numpy", compute=options.compute(ray), num_cpus=per_replica)
         for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
             for text in batch["out"]:
                 yield json.loads(str(text))
@@ -101,3 +110,26 @@ def run_on_ray(recipe: Recipe, rows: Sequence[InputRow], options: RayOptions) ->
         if started:
             ray.shutdown()
 
+
+def replica_cpus(ray: Any, options: RayOptions) -> int:
+    """The CPUs (and torch threads) of each replica: `options.cpus_per_replica`, else the cluster's CPUs divided
+    by the replicas.
+
+    Raises:
+        ConfigError: the cluster has fewer CPUs than the replicas need.
+    """
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    per_replica = options.cpus_per_replica or max(1, cpus // options.replicas)
+    if per_replica * options.replicas > cpus:
+        raise ConfigError(f"{options.replicas} replicas of {per_replica} CPUs need {per_replica * options.replicas} "
+                          f"CPUs; the Ray cluster has {cpus}")
+    return per_replica
+
+
+def configure(ray: Any) -> None:
+    """Ray Data's settings for a batch job: rows in input order, no progress bars of its own (`decodekit batch`
+    draws one), its logging at warnings."""
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)

@@ -14,6 +14,7 @@ row with `error` set: no row is ever lost.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,16 +116,22 @@ def _parquet_values(path: Path) -> Iterator[Any]:
     pq = _import_pyarrow_parquet()
     for batch in pq.ParquetFile(path).iter_batches():
         for row in batch.to_pylist():
-            yield _without_nulls(row)
+            yield without_nulls(row)
 
 
-def _without_nulls(value: Any) -> Any:
-    """Parquet gives every row every column (and every struct field): a null means "not given" there."""
+def without_nulls(value: Any) -> Any:
+    """`value` with the nulls of its mappings removed, recursively: Parquet gives every row every column (and
+    every struct field), and a null there means "not given"; so does a NaN, which is how a missing value comes
+    through a pandas block of Ray Data."""
     if isinstance(value, dict):
-        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+        return {key: without_nulls(item) for key, item in value.items() if not _missing(item)}
     if isinstance(value, list):
-        return [_without_nulls(item) for item in value]
+        return [without_nulls(item) for item in value]
     return value
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _import_pyarrow_parquet() -> Any:
@@ -209,3 +216,18 @@ def output_row(row: InputRow, output: RequestOutput | None = None, error: str | 
                            "cumulative_logprob": o.cumulative_logprob} for o in output.outputs]
     return out
 
+
+def output_schema() -> Any:
+    """The Arrow schema of every output file (one schema, so that files of blocks with and without beams, errors
+    or choices read back as one table)."""
+    import pyarrow as pa
+
+    tokens = pa.list_(pa.int64())
+    usage = pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+                       ("total_tokens", pa.int64())])
+    choice = pa.struct([("index", pa.int64()), ("text", pa.string()), ("token_ids", tokens),
+                        ("finish_reason", pa.string()), ("score", pa.float64()),
+                        ("cumulative_logprob", pa.float64())])
+    fields = {"id": pa.string(), "text": pa.string(), "token_ids": tokens, "finish_reason": pa.string(),
+              "stop_reason": pa.string(), "usage": usage, "choices": pa.list_(choice), "error": pa.string()}
+    return pa.schema([(key, fields[key]) for key in OUTPUT_KEYS])

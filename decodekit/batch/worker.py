@@ -7,6 +7,7 @@ the rows before it), so the engine stays full without holding the whole dataset.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from decodekit.batch.rows import InputRow, output_row, prepare_row, uses_chat_te
 from decodekit.core.plan import Components
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
+from decodekit.llm import AsyncLLM
 from decodekit.recipe import Recipe
 
 
@@ -70,6 +72,24 @@ class BatchWorker:
     def run_all(self, rows: Sequence[InputRow]) -> list[dict[str, Any]]:
         """Every output row of `rows`, in their order."""
         return list(self.run(rows))
+
+    async def run_async(self, rows: Sequence[InputRow], engine: AsyncLLM) -> list[dict[str, Any]]:
+        """Every output row of `rows`, in their order, generated through `engine` (an `AsyncLLM` over this worker's
+        engine): several calls may run at once, all their rows in the one continuous batch (how a Ray replica takes
+        several batches at a time)."""
+        return list(await asyncio.gather(*(self._run_one(row, engine) for row in rows)))
+
+    async def _run_one(self, row: InputRow, engine: AsyncLLM) -> dict[str, Any]:
+        try:
+            prepared = prepare_row(self.recipe, self.components, self.llm, row)
+            final = None
+            async for out in engine.generate(prepared.text, prepared.params,
+                                             request_id=f"batch-{row.id}-{uuid.uuid4().hex[:8]}",
+                                             add_special_tokens=not uses_chat_template(self.recipe, row)):
+                final = out
+        except DecodeKitError as exc:
+            return output_row(row, error=str(exc))
+        return output_row(row, final)
 
     def _start(self, row: InputRow, running: dict[str, InputRow]) -> dict[str, Any] | None:
         try:
