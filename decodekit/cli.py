@@ -296,7 +296,7 @@ def serve(
     max_replicas: Annotated[int | None, typer.Option(min=1, help="With --ray: autoscale between --min-replicas and "
                                                      "this, by requests in flight.")] = None,
     target_ongoing_requests: Annotated[float, typer.Option(min=0.1, help="With --max-replicas: requests in flight "
-                                                           "per replica that autoscaling aims at.")] = 8.0,
+                                                           "per replica that autoscaling aims at.")] = 32.0,
     cpus_per_replica: Annotated[int, typer.Option(min=1, help="With --ray: CPUs (and torch threads) per replica.")
                                 ] = 1,
 ) -> None:

@@ -201,7 +201,7 @@ def test_replica_options_give_a_fixed_count_or_an_autoscaling_config_and_refuse_
     from decodekit.serve.ray_serve import ReplicaOptions
 
     fixed = ReplicaOptions(replicas=3, cpus_per_replica=4).deployment_options()
-    assert fixed == {"num_replicas": 3, "ray_actor_options": {"num_cpus": 4}}
+    assert fixed == {"num_replicas": 3, "ray_actor_options": {"num_cpus": 4}, "max_ongoing_requests": 256}
     scaled = ReplicaOptions(min_replicas=0, max_replicas=8, target_ongoing_requests=4).deployment_options()
     assert "num_replicas" not in scaled
     assert scaled["autoscaling_config"] == {"min_replicas": 0, "max_replicas": 8, "initial_replicas": 1,

@@ -42,6 +42,8 @@ class ReplicaOptions:
         min_replicas: with autoscaling, the fewest replicas (0 lets it scale to zero when idle).
         max_replicas: set to autoscale between `min_replicas` and this.
         target_ongoing_requests: with autoscaling, the requests in flight per replica it aims at.
+        max_ongoing_requests: requests a replica takes at once, all in its engine's continuous batch (Ray Serve's
+            own default, 5, would leave an engine mostly idle); more wait at the proxy.
         cpus_per_replica: CPUs Ray reserves for each replica, also its torch threads (default 1).
         address: the Ray cluster (`auto`, `ray://host:10001`); None: `RAY_ADDRESS`, else a local cluster.
     """
@@ -49,13 +51,15 @@ class ReplicaOptions:
     replicas: int = 1
     min_replicas: int = 1
     max_replicas: int | None = None
-    target_ongoing_requests: float = 8.0
+    target_ongoing_requests: float = 32.0
+    max_ongoing_requests: int = 256
     cpus_per_replica: int = 1
     address: str | None = None
 
     def deployment_options(self) -> dict[str, Any]:
         """`serve.deployment` options: a replica count or an autoscaling config, and the CPUs of each."""
-        options: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.cpus_per_replica}}
+        options: dict[str, Any] = {"ray_actor_options": {"num_cpus": self.cpus_per_replica},
+                                   "max_ongoing_requests": self.max_ongoing_requests}
         if self.max_replicas is None:
             options["num_replicas"] = self.replicas
         else:
