@@ -92,7 +92,7 @@ class Recipe(_Section):
 
     description: str | None = Field(None, description="What the recipe shows (one line).")
     model: str = Field(description="Model: bundled name, local folder, .gguf file or hub id.")
-    dtype: Dtype = Field("auto", description="auto (bf16 where native, else fp32), float32, bfloat16, float16.")
+    dtype: Dtype = Field("auto", description="auto (float32 on a CPU, bf16 on CUDA), float32, bfloat16, float16.")
     device: str | None = Field(None, description="cpu or cuda (default: cuda when available).")
     draft: DraftConfig | None = Field(None, description="A draft model for speculative decoding.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine limits and memory.")

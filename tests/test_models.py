@@ -64,3 +64,18 @@ def test_bf16_engine_runs_and_the_kv_pool_uses_the_model_dtype(llama, tokenizer)
     assert llm.engine.kv_cache.pool.dtype is torch.bfloat16
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
+
+
+def test_auto_dtype_is_float32_on_any_cpu_even_one_with_native_bf16_and_says_why(monkeypatch, caplog):
+    import logging
+
+    from decodekit.models import loader
+
+    for native in (False, True):
+        monkeypatch.setattr(loader, "_cpu_supports_bf16", lambda native=native: native)
+        with caplog.at_level(logging.INFO, logger=loader.log.name):
+            caplog.clear()
+            assert loader.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+        assert "float32" in caplog.text and "dtype='bfloat16'" in caplog.text
+        assert ("this CPU has native bf16" in caplog.text) is native
+    assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16  # asked for, it is given

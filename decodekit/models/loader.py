@@ -50,13 +50,20 @@ def _cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+CPU_AUTO_REASON = ("decodekit's CPU fast paths (prepacked products, native kernels) are float32; bfloat16 measured "
+                   "0.90x its throughput even on an AVX512-BF16 CPU (issue 21): pass dtype='bfloat16' to choose it")
+"""Why `auto` is float32 on every CPU, until a bf16 path measures faster there."""
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 where the hardware runs it natively (CUDA, or a CPU with AVX-512 BF16/AMX), else float32."""
+    """What `auto` picks: on CUDA, bfloat16 (float16 where bf16 is not supported); on a CPU, float32 whatever its
+    flags, because decodekit's CPU kernels are float32 and its bf16 path is slower (`CPU_AUTO_REASON`); a user who
+    wants bf16 there asks for it."""
     import torch
 
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_supports_bf16() else torch.float32
+    return torch.float32
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -67,7 +74,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return dtype
     if dtype in (None, "auto"):
         chosen = default_dtype(device)
-        why = "native bf16 support" if chosen == torch.bfloat16 else "no native bf16 support detected"
+        if device.type == "cuda":
+            why = "bf16 supported" if chosen == torch.bfloat16 else "no bf16 support: float16"
+        else:
+            why = CPU_AUTO_REASON + (" (this CPU has native bf16)" if _cpu_supports_bf16() else "")
         log.info("dtype auto -> %s on %s (%s)", str(chosen).removeprefix("torch."), device, why)
         return chosen
     if dtype not in _DTYPES:
@@ -270,7 +280,7 @@ def load_model(
     Args:
         model: `"smollm2-135m-instruct"`, a local HF folder, a `.gguf` file, a hub id, or a `PreTrainedModel`.
         tokenizer: the tokenizer to use with a model object (loaded with the model otherwise).
-        dtype: "auto" (bf16 where native, else fp32), "float32", "bfloat16", "float16" or a torch dtype.
+        dtype: "auto" (float32 on a CPU, bf16 on CUDA), "float32", "bfloat16", "float16" or a torch dtype.
         device: "cpu", "cuda", ...; default CUDA when available, else CPU.
         loaders: the loaders to try (default: the built-ins).
 
