@@ -176,3 +176,57 @@ def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
     assert ("strategy.speculative.proposer_options.prompt_lookup_mx: unknown key 'prompt_lookup_mx' (did you mean "
             "'prompt_lookup_max'?); known keys: prompt_lookup_min, prompt_lookup_max") in bad[2].error
     assert "strategy.speculative.proposer_options: takes no parameters, got ['times']" in bad[3].error
+
+
+class _WrappedLinear(torch.nn.Linear):
+    """A projection the fused decoder does not take (it is not a plain `nn.Linear`)."""
+
+
+def _unfusable_draft() -> torch.nn.Module:
+    draft = tiny_model("qwen2", seed=5)
+    old = draft.model.layers[0].mlp.down_proj
+    new = _WrappedLinear(old.in_features, old.out_features, bias=False)
+    new.weight = old.weight
+    draft.model.layers[0].mlp.down_proj = new
+    return draft
+
+
+def test_a_draft_the_fused_decoder_cannot_take_is_refused_at_construction_when_asked_for(llama, tokenizer):
+    from decodekit.api.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="draft_fused_decoder: a projection is not a plain torch.nn.Linear"):
+        LLM(tiny_model("llama"), tokenizer, draft=_unfusable_draft(), kv_cache_memory="16MiB",
+            draft_fused_decoder=True)
+
+
+def test_an_unfusable_draft_beside_a_fused_target_runs_unfused_and_stays_lossless(tokenizer):
+    target = tiny_model("llama")
+    llm = LLM(target, tokenizer, draft=_unfusable_draft(), kv_cache_memory="16MiB", block_size=4,
+              fused_decoder=True)
+    prompts = random_prompts(6, 3, 30, seed=4)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    for _ in range(2):  # every request works, the first and the later ones
+        spec = llm.generate(prompts, _spec("draft", 3, max_tokens=12, temperature=0))
+        assert [o.error for o in spec] == [None] * len(prompts)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    proposer = llm.engine.components.get("proposers", "draft")
+    assert llm.engine.runner.fused is not None and proposer.model.runner.fused is None
+
+
+def test_a_draft_model_object_is_fused_when_asked_and_says_how_when_not(tokenizer, caplog):
+    import logging
+
+    prompts = random_prompts(6, 3, 30, seed=6)
+    outputs = {}
+    for setting in (None, True):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="decodekit"):
+            llm = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("qwen2", seed=3), kv_cache_memory="16MiB",
+                      block_size=4, draft_fused_decoder=setting)
+        assert ("draft_fused_decoder=True" in caplog.text) is (setting is None)
+        outputs[setting] = [o.token_ids for o in llm.generate(prompts, _spec("draft", 3, max_tokens=12,
+                                                                                  temperature=0))]
+        proposer = llm.engine.components.get("proposers", "draft")
+        assert (proposer.model.runner.fused is not None) is (setting is True)
+        plain = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+        assert outputs[setting] == [o.token_ids for o in plain]

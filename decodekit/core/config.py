@@ -36,6 +36,10 @@ class EngineConfig(BaseModel):
     fused_decoder: bool | None = Field(
         None, description="Run Llama-family models through the fused decoder (re-lays their weights in place). "
         "Default: on for models decodekit loads itself, off for model objects passed in.")
+    draft_fused_decoder: bool | None = Field(
+        None, description="The same choice for the draft model of speculative decoding (True fuses a draft passed "
+        "as a model object too, re-laying its weights in place). Default: the target's fused_decoder where the "
+        "draft can be fused, else the default rule.")
     prepack_weights: bool | None = Field(
         None, description="With the fused decoder on a CPU in float32, keep a second, oneDNN-blocked copy of every "
         "weight for steps of 2-128 rows (batches, speculation, beams: 1.3-1.8x faster products). Default: on "

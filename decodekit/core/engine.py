@@ -25,7 +25,7 @@ from decodekit.core.paged_model import PagedModel, kv_pool_blocks
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
 from decodekit.core.requests import RequestLifecycle
-from decodekit.core.runner import model_geometry
+from decodekit.core.runner import draft_config, model_geometry
 from decodekit.core.scheduler import Scheduler
 from decodekit.core.stages import Failure
 from decodekit.core.stages.emit import OutputEmitter
@@ -67,6 +67,9 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(loaded)
         self.vocab_size = geometry.vocab_size
         self.draft = draft
+        # the draft's options, checked now: a draft the fused decoder cannot take is refused here, not at the
+        # first speculative request
+        self.draft_config = draft_config(config, draft) if draft is not None else None
         self.components = Components(registry, ComponentInfo(
             loaded.tokenizer, self.vocab_size, self.eos_token_ids, loaded.device, loaded.name, draft,
             open_model=self._open_model))
@@ -90,8 +93,10 @@ class Engine:
         self.hooks.engine_started()
 
     def _open_model(self, loaded: LoadedModel) -> PagedModel:
-        # A proposer's own model: a KV pool with as many blocks as the engine's, under the engine's options.
-        return PagedModel(loaded, self.config, self.allocator.num_blocks)
+        # A proposer's own model: a KV pool with as many blocks as the engine's, under the engine's options (the
+        # draft's own fused-decoder choice for the draft).
+        config = self.draft_config if loaded is self.draft and self.draft_config is not None else self.config
+        return PagedModel(loaded, config, self.allocator.num_blocks)
 
     def _on_final(self, request: Request, output: RequestOutput) -> None:
         self.hooks.request_finished(request, output)

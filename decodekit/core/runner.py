@@ -50,16 +50,16 @@ def model_geometry(model: Any) -> ModelGeometry:
                          head_dim, max_len, config.vocab_size)
 
 
-def wants_fused_decoder(model: Any, setting: bool | None, owned: bool) -> bool:
+def wants_fused_decoder(model: Any, setting: bool | None, owned: bool, key: str = "fused_decoder") -> bool:
     """Whether to run `model` through `FusedDecoder`: `setting` True/False forces it, None means "when decodekit
     loaded the model itself and its architecture allows" (the fused decoder re-lays weights in place).
 
     Raises:
-        ConfigError: `setting` is True but the model cannot be fused (the message says why).
+        ConfigError: `setting` is True but the model cannot be fused (the message names `key` and says why).
     """
     reason = fused_decoder_refusal(model)
     if setting and reason is not None:
-        raise ConfigError(f"fused_decoder: {reason}; set fused_decoder to false or leave it unset")
+        raise ConfigError(f"{key}: {reason}; set {key} to false or leave it unset")
     if setting is None and reason is not None:
         log.info("fused decoder off: %s", reason)
     return reason is None and (setting if setting is not None else owned)
@@ -115,6 +115,29 @@ def wants_native_kernels(model: Any, setting: bool | None) -> NativeKernels | No
         log.warning("native kernels off (%s): small ops stay in torch", loaded)
         return None
     return loaded
+
+
+def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
+    """The engine options a draft model runs under: the engine's, with `fused_decoder` from
+    `draft_fused_decoder` (unset: the target's explicit `fused_decoder` where the draft can follow it, else the
+    default rule) and the native kernels only where the draft is fused. Computed when the engine is built, so a
+    draft the fused decoder cannot take is refused then (only when `draft_fused_decoder` is True), never at the
+    first speculative request.
+
+    Raises:
+        ConfigError: `draft_fused_decoder` is True but the draft cannot be fused.
+    """
+    setting = config.draft_fused_decoder
+    fusable = fused_decoder_refusal(draft.model) is None
+    if setting is None and config.fused_decoder is not None and (fusable or not config.fused_decoder):
+        setting = config.fused_decoder  # the target's explicit choice, where the draft can follow it
+    fused = wants_fused_decoder(draft.model, setting, draft.owned, key="draft_fused_decoder")
+    if not fused and setting is None and fusable:
+        log.warning("the draft model %s runs the transformers forward (a model object passed in is not re-laid in "
+                    "place unless asked); draft_fused_decoder=True runs it through the fused decoder, about twice "
+                    "as fast", draft.name)
+    return config.model_copy(update={"fused_decoder": fused, "native_kernels": config.native_kernels if fused
+                                     else False})
 
 
 def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConfig) -> ModelRunner:
