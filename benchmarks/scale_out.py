@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from decodekit.batch import RayOptions, run_batch
-from decodekit.bench.serving import cpu_description
+from decodekit.bench.machine import cpu_description
 from decodekit.recipe import recipe_from_data
 
 TOPICS = ["the ocean", "volcanoes", "bread", "chess", "the moon", "bicycles", "honeybees", "glaciers", "jazz",

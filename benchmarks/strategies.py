@@ -8,6 +8,9 @@
   beam's copy), and finished requests leave the batch.
 
 Usage: python benchmarks/strategies.py {spec,beam,all} [--repeats 3] [--threads 1]
+
+The prompts come from `decodekit.bench.workloads` (`speculative_recipe`, `summary_texts`), which `decodekit bench
+matrix` uses too.
 """
 
 from __future__ import annotations
@@ -15,15 +18,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from decodekit import LLM, SamplingParams
-
-ROOT = Path(__file__).resolve().parent.parent
+from decodekit.bench.workloads import speculative_recipe, summary_texts
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
@@ -33,7 +33,7 @@ def _timed(fn: Any) -> tuple[float, Any]:
 
 
 def bench_spec(llm: LLM, repeats: int) -> None:
-    recipe = yaml.safe_load((ROOT / "recipes" / "speculative.yaml").read_text())
+    recipe = speculative_recipe()
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in recipe["inputs"]["prompts"]]
     sampling = dict(recipe["sampling"])
     spec = SamplingParams(**sampling, strategy=recipe["strategy"])
@@ -61,27 +61,9 @@ def bench_spec(llm: LLM, repeats: int) -> None:
               f"acceptance {accepted / max(drafted, 1):.0%} ({accepted}/{drafted})", flush=True)
 
 
-FACTS = [
-    "The Amazon rainforest covers much of the Amazon basin of South America.",
-    "The basin encompasses seven million square kilometres, most of it covered by the rainforest.",
-    "The majority of the forest is contained within Brazil, followed by Peru and Colombia.",
-    "It represents over half of the planet's remaining rainforests.",
-    "It is the largest and most biodiverse tract of tropical rainforest in the world.",
-    "An estimated 390 billion individual trees are divided into 16,000 species.",
-    "More than 30 million people of 350 different ethnic groups live in the Amazon.",
-    "Deforestation has cleared about a fifth of the forest since the 1970s.",
-    "Scientists warn that further loss could turn parts of the forest into savanna.",
-    "The river that drains the basin carries more water than any other river on Earth.",
-]
-
-
 def beam_prompts(llm: LLM, num_requests: int) -> list[str]:
     """Summarization prompts of different lengths (about 40 to 220 tokens), the typical beam-search job."""
-    prompts = []
-    for i in range(num_requests):
-        passage = " ".join(FACTS[(i + j) % len(FACTS)] for j in range(1 + (i * 3) % 10))
-        prompts.append(llm.apply_chat_template([{"role": "user", "content": f"Summarize in one sentence: {passage}"}]))
-    return prompts
+    return [llm.apply_chat_template([{"role": "user", "content": text}]) for text in summary_texts(num_requests)]
 
 
 def bench_beam(llm: LLM, repeats: int, num_requests: int = 16, max_tokens: int = 32) -> None:

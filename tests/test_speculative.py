@@ -194,7 +194,7 @@ def _unfusable_draft() -> torch.nn.Module:
 def test_a_draft_the_fused_decoder_cannot_take_is_refused_at_construction_when_asked_for(llama, tokenizer):
     from decodekit.api.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="draft_fused_decoder: a projection is not a plain torch.nn.Linear"):
+    with pytest.raises(ConfigError, match=r"draft_fused_decoder: a projection is not a plain torch\.nn\.Linear"):
         LLM(tiny_model("llama"), tokenizer, draft=_unfusable_draft(), kv_cache_memory="16MiB",
             draft_fused_decoder=True)
 

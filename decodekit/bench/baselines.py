@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,20 @@ def _tpot(first: float, last: float, n: int) -> float | None:
     return (last - first) / (n - 1) if n >= 2 else None
 
 
+OnDone = Callable[[int], None]
+"""Called with a count of requests just finished (a benchmark's progress)."""
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """The bytes one token's keys and values take over all of a model's layers, in its dtype."""
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    itemsize = torch.tensor([], dtype=model.dtype).element_size()
+    return int(text.num_hidden_layers * 2 * kv_heads * head_dim * itemsize)
+
+
 class System:
     """Base class: `prepare` once (warm-up, not timed), `run` per round, `close` at the end."""
 
@@ -52,8 +67,8 @@ class System:
     def prepare(self, workload: Workload) -> None:
         """Warm up (untimed)."""
 
-    def run(self, requests: list[BenchRequest]) -> RunRecord:
-        """Serve a round of requests that all arrive now."""
+    def run(self, requests: list[BenchRequest], on_done: OnDone | None = None) -> RunRecord:
+        """Serve a round of requests that all arrive now (`on_done` is told as requests finish)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -61,9 +76,16 @@ class System:
 
 
 class DecodekitSystem(System):
-    """decodekit's `LLM`, built once on the shared model object (or on its own copy for the fused decoder)."""
+    """decodekit's `LLM`, built once on the shared model object (or on its own copy for the fused decoder).
+
+    By default every request decodes greedily to its exact length (`ignore_eos`), all submitted at once.
+    `variant` gives systems that share this one's `LLM` but run a strategy or fixed-size groups (a benchmark
+    matrix).
+    """
 
     name = "decodekit"
+    strategy: dict[str, Any] | None = None  # SamplingParams.strategy; then `min_tokens` holds EOS off instead
+    batch_size: int | None = None  # None: every request at once; else groups of this many, one after another
 
     def __init__(self, model: Any, tokenizer: Any, dtype: Any, engine_options: dict[str, Any]) -> None:
         from decodekit.core.fused_decoder import fused_decoder_refusal
@@ -82,18 +104,44 @@ class DecodekitSystem(System):
             notes.append("native kernels for small ops: " + ("on" if fused.native is not None else "off"))
         self.notes = tuple(notes)
 
+    def variant(self, *, strategy: dict[str, Any] | None = None, batch_size: int | None = None) -> DecodekitSystem:
+        """A system on this one's `LLM` (no second copy of the weights) with its own strategy and grouping.
+
+        With a `strategy`, requests hold EOS off with `min_tokens` (as transformers' `min_new_tokens` does)
+        rather than `ignore_eos`, which beam search refuses.
+        """
+        other = copy.copy(self)
+        other.strategy, other.batch_size = strategy, batch_size
+        return other
+
     def prepare(self, workload: Workload) -> None:
         """Run a small prefill + decode batch once so first-call costs stay out of the timing."""
         warm = [BenchRequest(workload.token_pool[:16], 4), BenchRequest(workload.token_pool[16:48], 4)]
         self.run(warm)
 
-    def run(self, requests: list[BenchRequest]) -> RunRecord:
-        """One `LLM.generate` call with greedy, EOS-ignoring params of each request's exact length."""
+    def _params(self, request: BenchRequest) -> Any:
         from decodekit.api.params import SamplingParams
 
-        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        if self.strategy is None:
+            return SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
+        return SamplingParams(temperature=0, max_tokens=request.output_len, min_tokens=request.output_len,
+                              strategy=self.strategy)
+
+    def run(self, requests: list[BenchRequest], on_done: OnDone | None = None) -> RunRecord:
+        """`LLM.generate` calls with greedy params of each request's exact length (one call for all requests,
+        or one per group of `batch_size`)."""
+
+        def on_output(out: Any) -> None:
+            if out.finished and on_done is not None:
+                on_done(1)
+
+        size = self.batch_size or max(len(requests), 1)
+        results = []
         start = time.perf_counter()
-        results = self.llm.generate([r.prompt_ids for r in requests], params)
+        for i in range(0, len(requests), size):
+            group = requests[i : i + size]
+            results.extend(self.llm.generate([r.prompt_ids for r in group], [self._params(r) for r in group],
+                                             on_output=on_output))
         wall = time.perf_counter() - start
         errors = [o.error for o in results if o.error]
         if errors:
@@ -105,16 +153,18 @@ class DecodekitSystem(System):
 
 
 class _StepTimes:
-    """A `generate` streamer noting when each step's tokens arrive (the first `put` is the prompt)."""
+    """A `generate` streamer noting when each output token arrives (the first `put` is the prompt)."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.times: list[float] = []  # one entry per output position of a row
         self._seen_prompt = False
 
     def put(self, value: Any) -> None:
-        """Called by `generate` with the prompt, then with every step's new tokens."""
+        """Called by `generate` with the prompt, then with each step's new tokens: one per row (`[batch]`), or
+        a row's accepted run at once in assisted generation (`[1, n]`)."""
         if self._seen_prompt:
-            self.times.append(time.perf_counter())
+            now = time.perf_counter()
+            self.times.extend([now] * (int(value.shape[-1]) if value.dim() > 1 else 1))
         self._seen_prompt = True
 
     def end(self) -> None:
@@ -125,13 +175,17 @@ class HFGenerateSystem(System):
     """transformers `generate`, greedy, in static batches of `batch_size` (1 = one request at a time).
 
     Batches are formed in arrival order and left-padded; each runs to its longest output length, so shorter
-    requests' extra tokens are computed but not counted as useful.
+    requests' extra tokens are computed but not counted as useful. `generate_kwargs` go to every `generate` call
+    (`num_beams`, `prompt_lookup_num_tokens`); beam search takes no streamer, so it has no TTFT or TPOT.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int) -> None:
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int, *, name: str | None = None,
+                 generate_kwargs: dict[str, Any] | None = None) -> None:
         self.model = model
         self.batch_size = batch_size
-        self.name = "hf-sequential" if batch_size == 1 else "hf-static"
+        self.name = name or ("hf-sequential" if batch_size == 1 else "hf-static")
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self.streaming = self.generate_kwargs.get("num_beams", 1) <= 1
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
         self.device = next(model.parameters()).device
@@ -141,7 +195,7 @@ class HFGenerateSystem(System):
         self.run([BenchRequest(workload.token_pool[:16], 4)] * min(2, self.batch_size))
 
     @torch.inference_mode()
-    def _generate(self, batch: list[BenchRequest]) -> tuple[list[list[int]], list[float]]:
+    def _generate(self, batch: list[BenchRequest]) -> tuple[list[list[int]], list[float], int]:
         width = max(len(r.prompt_ids) for r in batch)
         ids = [[self.pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch]
         mask = [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch]
@@ -151,13 +205,13 @@ class HFGenerateSystem(System):
             input_ids=torch.tensor(ids, device=self.device),
             attention_mask=torch.tensor(mask, device=self.device),
             max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=self.pad_id,
-            streamer=streamer,
+            **({"streamer": streamer} if self.streaming else {}), **self.generate_kwargs,
         )
         gen = out[:, width:].tolist()
-        return [g[: r.output_len] for g, r in zip(gen, batch, strict=True)], streamer.times
+        return [g[: r.output_len] for g, r in zip(gen, batch, strict=True)], streamer.times, out.shape[1] - width
 
-    def run(self, requests: list[BenchRequest]) -> RunRecord:
-        """Serve the requests batch after batch; TTFT/TPOT come from the per-step token times."""
+    def run(self, requests: list[BenchRequest], on_done: OnDone | None = None) -> RunRecord:
+        """Serve the requests batch after batch; TTFT/TPOT come from the per-token arrival times."""
         outputs: list[list[int]] = []
         ttft: list[float] = []
         tpot: list[float] = []
@@ -165,9 +219,9 @@ class HFGenerateSystem(System):
         start = time.perf_counter()
         for i in range(0, len(requests), self.batch_size):
             batch = requests[i : i + self.batch_size]
-            outs, times = self._generate(batch)
+            outs, times, steps = self._generate(batch)
             outputs.extend(outs)
-            computed += len(batch) * len(times)
+            computed += len(batch) * steps
             for r in batch:
                 if times:
                     ttft.append(times[0] - start)
@@ -175,6 +229,8 @@ class HFGenerateSystem(System):
                     value = _tpot(times[0], times[n - 1], n)
                     if value is not None:
                         tpot.append(value)
+            if on_done is not None:
+                on_done(len(batch))
         wall = time.perf_counter() - start
         return RunRecord(wall, _useful(outputs, requests), computed, outputs, ttft, tpot)
 
@@ -196,12 +252,7 @@ class HFContinuousBatchingSystem(System):
 
         self.model = model
         config = EngineConfig(**engine_options)
-        text = model.config.get_text_config()
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        itemsize = torch.tensor([], dtype=model.dtype).element_size()
-        bytes_per_block = text.num_hidden_layers * 2 * kv_heads * head_dim * itemsize * page_size
+        bytes_per_block = kv_bytes_per_token(model) * page_size
         self.num_blocks = max(2, config.kv_cache_memory // bytes_per_block)
         self.cb_config = ContinuousBatchingConfig(
             page_size=page_size, num_blocks=self.num_blocks, max_batch_tokens=config.max_num_batched_tokens,
@@ -219,7 +270,7 @@ class HFContinuousBatchingSystem(System):
         self.run([BenchRequest(workload.token_pool[:16], 4), BenchRequest(workload.token_pool[16:48], 4)])
 
     @torch.no_grad()
-    def run(self, requests: list[BenchRequest]) -> RunRecord:
+    def run(self, requests: list[BenchRequest], on_done: OnDone | None = None) -> RunRecord:
         """Add every request to the manager, then collect the results as they finish."""
         with self.model.continuous_batching_context_manager(
             generation_config=self.gen_config, continuous_batching_config=self.cb_config,
@@ -234,6 +285,8 @@ class HFContinuousBatchingSystem(System):
                 result = manager.get_result(timeout=1)
                 if result is not None and result.is_finished():
                     results[result.request_id] = result
+                    if on_done is not None:
+                        on_done(1)
                 elif result is None and not manager.is_running():
                     raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
             wall = time.perf_counter() - start

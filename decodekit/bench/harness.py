@@ -8,19 +8,22 @@ rounds; the ratios decodekit / baseline are medians of the per-round (paired) ra
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
-import platform
 import resource
-import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from decodekit.api.errors import ConfigError
 from decodekit.bench.baselines import SYSTEMS, RunRecord, System, build_system
+from decodekit.bench.machine import environment
+from decodekit.bench.progress import BenchProgress
 from decodekit.bench.report import BenchResult, SystemFigures, median, summarize
 from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
 from decodekit.core.config import EngineConfig
@@ -62,14 +65,15 @@ class _RssSampler:
         self.peak = max(self.peak, _rss_bytes())
 
 
-def _setup(names: list[str], figures: dict[str, SystemFigures], work: Workload, model: Any, tokenizer: Any,
-           dtype: Any, batch_size: int, options: dict[str, Any]) -> dict[str, System]:
-    """Build and warm up every system; a baseline that fails is reported in its figures and left out."""
+def _setup(builders: Mapping[str, Callable[[], System]], figures: dict[str, SystemFigures], work: Workload,
+           progress: BenchProgress) -> dict[str, System]:
+    """Build and warm up every system; a baseline that fails is reported in its figures and left out (the
+    first system, the reference, must come up)."""
     systems: dict[str, System] = {}
-    for name in names:
+    for name, build in builders.items():
         try:
-            system = build_system(name, model, tokenizer, dtype=dtype, batch_size=batch_size,
-                                  engine_options=options)
+            progress.stage(f"{name}: setting up and warming up")
+            system = build()
             started = time.perf_counter()
             system.prepare(work)
             log.info("%s ready (warm-up %.1fs)", name, time.perf_counter() - started)
@@ -78,22 +82,25 @@ def _setup(names: list[str], figures: dict[str, SystemFigures], work: Workload, 
         except Exception as exc:
             figures[name].error = f"setup failed: {exc!r}"
             log.exception("%s setup failed", name)
-    if "decodekit" not in systems:
+    reference = next(iter(builders))
+    if reference not in systems:
         for system in systems.values():
             system.close()
-        raise RuntimeError(f"decodekit could not be set up: {figures['decodekit'].error}")
+        raise RuntimeError(f"{reference} could not be set up: {figures[reference].error}")
     return systems
 
 
 def _run_rounds(systems: dict[str, System], figures: dict[str, SystemFigures],
-                records: dict[str, list[RunRecord]], work: Workload, repeats: int, limit_s: float) -> None:
+                records: dict[str, list[RunRecord]], work: Workload, repeats: int, limit_s: float,
+                progress: BenchProgress) -> None:
     """The interleaved rounds: each round's requests go to every live system in turn."""
     for round_index in range(repeats):
         requests = work.requests(round_index)
         for name in list(systems):
+            progress.round_started(name, round_index, repeats, len(requests))
             try:
                 with _RssSampler() as rss:
-                    record = systems[name].run(requests)
+                    record = systems[name].run(requests, progress.requests_done)
                 record.peak_rss_bytes, record.round_index = rss.peak, round_index
             except Exception as exc:
                 figures[name].error = f"round {round_index} failed: {exc!r}"
@@ -101,6 +108,7 @@ def _run_rounds(systems: dict[str, System], figures: dict[str, SystemFigures],
                 systems.pop(name).close()
                 continue
             records[name].append(record)
+            progress.round_finished(name, round_index, repeats, record)
             log.info("round %d %s: %.2fs, %.1f tok/s", round_index, name, record.wall_s,
                      record.useful_tokens / record.wall_s)
             if record.wall_s > limit_s and round_index + 1 < repeats:
@@ -109,23 +117,47 @@ def _run_rounds(systems: dict[str, System], figures: dict[str, SystemFigures],
                 systems.pop(name).close()
 
 
-def _git_commit() -> str | None:
+def measure(builders: Mapping[str, Callable[[], System]], work: Workload, repeats: int, *, time_limit_s: float = 600.0,
+            progress: BenchProgress | None = None) -> tuple[dict[str, SystemFigures], dict[str, float | None],
+                                                            list[str]]:
+    """Set up the systems, run `repeats` interleaved rounds of `work`, and summarize them.
+
+    Args:
+        builders: system name -> a function building that system; the first is the reference (decodekit) that
+            every other is compared with, and must set up (else RuntimeError).
+        work: the workload; round r gives every system `work.requests(r)`.
+        repeats: rounds.
+        time_limit_s: a system whose round takes longer is not run again (noted in its figures).
+        progress: told of each stage, round and finished request.
+
+    Returns:
+        Each system's figures (medians over its rounds), the ratios reference / system (the median of the
+        per-round paired ratios of useful tokens/s) for every other system, and notes.
+    """
+    progress = progress or BenchProgress()
+    names = list(builders)
+    figures = {n: SystemFigures(n) for n in names}
+    records: dict[str, list[RunRecord]] = {n: [] for n in names}
+    systems = _setup(builders, figures, work, progress)
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=os.path.dirname(__file__),
-                             capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def _environment() -> dict[str, Any]:
-    import transformers
-
-    return {
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(), "machine": platform.machine(), "git_commit": _git_commit(),
-    }
+        _run_rounds(systems, figures, records, work, repeats, time_limit_s, progress)
+    finally:
+        for system in systems.values():
+            system.close()
+    notes: list[str] = []
+    reference_name = names[0]
+    reference = {r.round_index: r.outputs for r in records[reference_name]}
+    speed = {name: {r.round_index: r.useful_tokens / r.wall_s for r in recs} for name, recs in records.items()}
+    for name in names:
+        summarize(figures[name], records[name], None if name == reference_name else reference)
+        if figures[name].rounds and figures[name].useful_tokens != work.total_output_tokens:
+            notes.append(f"{name} produced {figures[name].useful_tokens} useful tokens, "
+                         f"expected {work.total_output_tokens}")
+    ratios: dict[str, float | None] = {}
+    for name in names[1:]:
+        paired = [speed[reference_name][i] / speed[name][i] for i in speed[name] if i in speed[reference_name]]
+        ratios[name] = median(list(paired))
+    return figures, ratios, notes
 
 
 def run_benchmark(
@@ -145,6 +177,7 @@ def run_benchmark(
     prompt_len: int = 32,
     time_limit_s: float = 600.0,
     num_threads: int | None = None,
+    progress: BenchProgress | None = None,
 ) -> BenchResult:
     """Benchmark decodekit against baselines on one workload; see the module docstring for the method.
 
@@ -164,6 +197,7 @@ def run_benchmark(
         time_limit_s: a system whose round takes longer than this is not run again (noted in the result).
         num_threads: torch threads for the run (restored afterwards); default torch's current setting. On a
             shared 2-core machine, 1 thread is far steadier when a neighbour process is busy.
+        progress: told of each stage, round and finished request (`RichBenchProgress` draws a bar).
     """
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
@@ -173,25 +207,19 @@ def run_benchmark(
     unknown = [b for b in chosen if b not in SYSTEMS[1:]]
     if unknown:
         raise ValueError(f"unknown baseline(s) {unknown}; choose from {', '.join(SYSTEMS[1:])}")
-    options = dict(engine_options or {})
-    try:
-        EngineConfig(**options)
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        raise ConfigError(f"bad engine_options: {exc}") from exc
-    threads_before = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
+    options = checked_engine_options(engine_options)
+    with torch_threads(num_threads):
         return _benchmark(workload, chosen, model, dtype, hf_model, tokenizer, options, repeats, time_limit_s,
                           dict(num_requests=num_requests, batch_size=batch_size, output_len=output_len,
-                               prompt_len=prompt_len, seed=seed))
-    finally:
-        torch.set_num_threads(threads_before)
+                               prompt_len=prompt_len, seed=seed), progress or BenchProgress())
 
 
 def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_model: Any, tokenizer: Any,
-               options: dict[str, Any], repeats: int, time_limit_s: float, sizes: dict[str, int]) -> BenchResult:
-    environment = _environment()  # the code and settings as the run starts
+               options: dict[str, Any], repeats: int, time_limit_s: float, sizes: dict[str, int],
+               progress: BenchProgress) -> BenchResult:
+    env = environment()  # the code, the machine and the settings as the run starts
+    env["dtype_requested"] = str(dtype).removeprefix("torch.")
+    progress.stage(f"loading {model if hf_model is None else 'the model'}")
     if hf_model is None:
         loaded = load_model(model, tokenizer, dtype=dtype)
         hf_model, tokenizer, model_name = loaded.model, loaded.tokenizer, loaded.name
@@ -203,30 +231,39 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
     vocab = hf_model.config.get_text_config().vocab_size
     work = make_workload(workload, tokenizer, vocab_size=vocab, **sizes)
     names = ["decodekit", *[b for b in chosen if b != "decodekit"]]
-    figures = {n: SystemFigures(n) for n in names}
-    records: dict[str, list[RunRecord]] = {n: [] for n in names}
-    systems = _setup(names, figures, work, hf_model, tokenizer, loaded.dtype, sizes["batch_size"], options)
-    try:
-        _run_rounds(systems, figures, records, work, repeats, time_limit_s)
-    finally:
-        for system in systems.values():
-            system.close()
-    notes: list[str] = []
-    reference = {r.round_index: r.outputs for r in records["decodekit"]}
-    speed = {name: {r.round_index: r.useful_tokens / r.wall_s for r in recs} for name, recs in records.items()}
-    for name in names:
-        summarize(figures[name], records[name], None if name == "decodekit" else reference)
-        if figures[name].rounds and figures[name].useful_tokens != work.total_output_tokens:
-            notes.append(f"{name} produced {figures[name].useful_tokens} useful tokens, "
-                         f"expected {work.total_output_tokens}")
-    ratios: dict[str, float | None] = {}
-    for name in names[1:]:
-        paired = [speed["decodekit"][i] / speed[name][i] for i in speed[name] if i in speed["decodekit"]]
-        ratios[name] = median(list(paired))
+    builders = {name: functools.partial(build_system, name, hf_model, tokenizer, dtype=loaded.dtype,
+                                        batch_size=sizes["batch_size"], engine_options=options) for name in names}
+    figures, ratios, notes = measure(builders, work, repeats, time_limit_s=time_limit_s, progress=progress)
     notes.append("TTFT is measured from the round's start (all requests arrive at once); TPOT per request "
                  "is (last token - first token) / (tokens - 1); peak RSS is the whole process while that "
                  "system ran (the shared model and decodekit's KV pool stay resident throughout)")
-    environment["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    env["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     return BenchResult(work.describe(), model_name, dtype_name, str(loaded.device), repeats, figures, ratios,
-                       options, environment, notes)
+                       options, env, notes)
+
+
+def checked_engine_options(engine_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`engine_options` as a dict, checked against `EngineConfig` before anything loads.
+
+    Raises:
+        ConfigError: an unknown option or a bad value.
+    """
+    options = dict(engine_options or {})
+    try:
+        EngineConfig(**options)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ConfigError(f"bad engine_options: {exc}") from exc
+    return options
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """Run with `num_threads` torch threads (None: as they are), and put the count back afterwards."""
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -9,9 +9,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from decodekit.bench.baselines import RunRecord
+from decodekit.bench.machine import machine_line
 from decodekit.tables import print_table
 
 MISSING = "-"
@@ -53,9 +55,16 @@ class BenchResult:
     environment: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def machine(self) -> str:
+        """The machine line (`decodekit.bench.machine.machine_line`): the CPU and its flags, the dtype used, the
+        torch threads, the versions and the commit."""
+        return machine_line(self.environment, self.dtype, device=self.device,
+                            dtype_requested=self.environment.get("dtype_requested"))
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly dict of the whole result."""
-        return asdict(self)
+        """A JSON-friendly dict of the whole result, with the machine line as `machine`."""
+        return {**asdict(self), "machine": self.machine}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -145,16 +154,18 @@ def render_table(result: BenchResult, console: Console | None = None) -> Table:
             console.print(f"{name}: {note}")
     for note in result.notes:
         console.print(f"[dim]{note}[/dim]")
+    console.print(f"machine: {escape(result.machine)}", soft_wrap=True, highlight=False)
     return table
 
 
-def _clean(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """`value` with NaN as None, dict keys as strings, tuples as lists and anything else not JSON as its `str`."""
     if isinstance(value, float) and value != value:  # NaN is not JSON
         return None
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
@@ -162,4 +173,4 @@ def _clean(value: Any) -> Any:
 
 def result_json(result: BenchResult) -> str:
     """The result as an indented JSON document (`BenchResult.to_dict()`, with non-JSON values stringified)."""
-    return json.dumps(_clean(result.to_dict()), indent=2)
+    return json.dumps(jsonable(result.to_dict()), indent=2)

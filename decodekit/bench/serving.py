@@ -30,15 +30,15 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from decodekit.bench.harness import _environment
+from decodekit.bench.machine import environment, machine_line
 from decodekit.bench.report import MISSING, percentile
 from decodekit.tables import print_table
 
@@ -514,9 +514,14 @@ class ServeBenchResult:
     environment: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def machine(self) -> str:
+        """The machine line (`decodekit.bench.machine.machine_line`), with the servers' threads."""
+        return machine_line(self.environment, self.dtype, threads=self.environment.get("server_threads"))
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly dict of the whole result."""
-        return asdict(self)
+        """A JSON-friendly dict of the whole result, with the machine line as `machine`."""
+        return {**asdict(self), "machine": self.machine}
 
 
 def summarize_run(fig: ServerFigures, results: Sequence[StreamResult], wall_s: float) -> None:
@@ -550,18 +555,6 @@ def _ratios(a: ServerFigures, b: ServerFigures | None) -> dict[str, float | None
         x, y = getattr(a, name), getattr(b, name) if b is not None else None
         out[name] = x / y if x is not None and y else None
     return out
-
-
-def cpu_description() -> dict[str, Any]:
-    """The CPU's model name and the vector extensions that matter for these figures."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")
-    return {"cpu": name, "cpu_flags": [f for f in wanted if f in flags]}
 
 
 def _run_server(fig: ServerFigures, server: ServerProcess, model: str, requests: Sequence[ChatRequest],
@@ -637,10 +630,9 @@ def run_serve_benchmark(
     loaded = load_recipe(recipe, list(overrides))
     dtype = str(resolve_dtype(loaded.dtype, torch.device(loaded.device or "cpu"))).removeprefix("torch.")
     work = list(requests) if requests is not None else make_chat_workload(num_requests, seed)
-    environment = {**_environment(), **cpu_description(), "date": datetime.now(timezone.utc).isoformat(
-        timespec="seconds"), "server_threads": threads if threads is not None else
-        f"torch default ({torch.get_num_threads()} here)"}
-    environment.pop("torch_threads", None)
+    env = {**environment(), "server_threads": threads if threads is not None else
+           f"torch default ({torch.get_num_threads()} here)"}
+    env.pop("torch_threads", None)
     figures = {"decodekit": ServerFigures("decodekit serve")}
     dk = decodekit_server(recipe, overrides, threads=threads)
     dk_results = _run_server(figures["decodekit"], dk, loaded.model, work, clients, startup_timeout_s, say)
@@ -679,7 +671,7 @@ def run_serve_benchmark(
                 "max_tokens_min": min(r.max_tokens for r in work), "max_tokens_max": max(r.max_tokens for r in work),
                 "max_tokens_total": sum(r.max_tokens for r in work)}
     return ServeBenchResult(workload, loaded.model, dtype, clients, figures, _ratios(figures["decodekit"], tf),
-                            environment, notes)
+                            env, notes)
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------------
@@ -727,9 +719,7 @@ def render_serve_table(result: ServeBenchResult, console: Console | None = None)
             console.print(f"{fig.name}: {note}")
     for note in result.notes:
         console.print(f"[dim]{note}[/dim]")
-    console.print(f"[dim]{env.get('date')}, {env.get('cpu')} ({', '.join(env.get('cpu_flags', []))}), "
-                  f"{env.get('cpu_count')} cores, torch {env.get('torch')}, transformers {env.get('transformers')}, "
-                  f"commit {env.get('git_commit')}[/dim]")
+    console.print(f"machine: {escape(result.machine)} | {env.get('date')}", soft_wrap=True, highlight=False)
     return table
 
 

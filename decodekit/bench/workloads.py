@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("batch1", "batch", "mixed", "ttft")
@@ -19,6 +20,29 @@ MIXED_MIN_LEN = 16
 MIXED_MAX_LEN = 256
 TTFT_PROMPT_LEN = 256
 DEFAULT_PROMPT_LEN = 32
+
+MIXED_REQUESTS, MIXED_REPEATS = 16, 2
+"""`decodekit bench mixed`'s default size: 16 requests, 2 rounds (a few minutes for the three systems on a
+2-core CPU with the bundled model). The same generator as the full size, so the same kind of figures."""
+MIXED_FULL_REQUESTS, MIXED_FULL_REPEATS = 64, 3
+"""`decodekit bench mixed --full`: the size of the figures in docs/benchmarks.md (~45 minutes on that CPU)."""
+
+SPECULATIVE_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "speculative.yaml"
+"""The recipe whose copy-style prompts and n-gram settings the speculative benchmarks use (source checkout)."""
+
+FACTS = (
+    "The Amazon rainforest covers much of the Amazon basin of South America.",
+    "The basin encompasses seven million square kilometres, most of it covered by the rainforest.",
+    "The majority of the forest is contained within Brazil, followed by Peru and Colombia.",
+    "It represents over half of the planet's remaining rainforests.",
+    "It is the largest and most biodiverse tract of tropical rainforest in the world.",
+    "An estimated 390 billion individual trees are divided into 16,000 species.",
+    "More than 30 million people of 350 different ethnic groups live in the Amazon.",
+    "Deforestation has cleared about a fifth of the forest since the 1970s.",
+    "Scientists warn that further loss could turn parts of the forest into savanna.",
+    "The river that drains the basin carries more water than any other river on Earth.",
+)
+"""The sentences the summarization prompts of the beam-search benchmarks are made of."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,83 @@ class Workload:
             "output_len_min": min(self.output_lens),
             "output_len_max": max(self.output_lens),
         }
+
+
+@dataclass
+class TextWorkload(Workload):
+    """A workload of natural-language prompts: request i asks `texts[i % len(texts)]` and must generate exactly
+    its output length.
+
+    Every prompt starts with its own tag, "Request R.I" (R the round, I the request): in the system turn of the
+    tokenizer's chat template, or as the first line without one. So, as with the token-id workloads, no prompt
+    shares a cached prefix with another one or with an earlier round's (the transformers baselines have no
+    prefix cache). `prompt_lens` are round 0's; the tag's digits can change them by a token in other rounds.
+    """
+
+    texts: list[str] = field(default_factory=list, repr=False)
+    tokenizer: Any = field(default=None, repr=False)
+    vocab_size: int | None = None
+
+    def prompt_ids(self, round_index: int, index: int) -> list[int]:
+        """Request `index`'s prompt token ids in round `round_index`."""
+        tag, text = f"Request {round_index}.{index}.", self.texts[index % len(self.texts)]
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": tag}, {"role": "user", "content": text}]
+            text = str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        else:
+            text = f"{tag}\n{text}"
+        ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        if self.vocab_size is not None and max(ids) >= self.vocab_size:
+            raise ValueError(f"the tokenizer gives ids up to {max(ids)}, beyond the model's {self.vocab_size}")
+        return ids
+
+    def requests(self, round_index: int = 0) -> list[BenchRequest]:
+        """Round `round_index`'s requests: the texts, freshly tagged."""
+        return [BenchRequest(self.prompt_ids(round_index, i), out) for i, out in enumerate(self.output_lens)]
+
+
+def make_text_workload(name: str, tokenizer: Any, texts: list[str], *, num_requests: int, output_len: int,
+                       batch_size: int, seed: int = 0, vocab_size: int | None = None) -> TextWorkload:
+    """A `TextWorkload` of `num_requests` requests cycling through `texts`, each generating `output_len` tokens.
+
+    Args:
+        name: the workload's name (its token-id pool is the tokenizer's ordinary vocabulary, for warm-ups).
+        batch_size: the batch size static batching uses.
+        vocab_size: the model's vocabulary size (a prompt with an id beyond it is refused).
+    """
+    if not texts:
+        raise ValueError("a text workload needs at least one text")
+    for label, value in (("num_requests", num_requests), ("batch_size", batch_size), ("output_len", output_len)):
+        if value < 1:
+            raise ValueError(f"`{label}` must be >= 1, got {value}")
+    work = TextWorkload(name, [], [output_len] * num_requests, batch_size, safe_token_pool(tokenizer, vocab_size),
+                        seed, texts=list(texts), tokenizer=tokenizer, vocab_size=vocab_size)
+    work.prompt_lens = [len(r.prompt_ids) for r in work.requests(0)]
+    return work
+
+
+def speculative_recipe() -> dict[str, Any]:
+    """recipes/speculative.yaml as a dict: its copy-style prompts (`inputs.prompts`: repeat, rewrite, add type
+    hints, summarize) and its n-gram settings (`strategy`).
+
+    Raises:
+        FileNotFoundError: not run from a source checkout (the recipes are not installed with the package).
+    """
+    import yaml
+
+    try:
+        data: dict[str, Any] = yaml.safe_load(SPECULATIVE_RECIPE.read_text())
+    except OSError as exc:
+        raise FileNotFoundError(f"cannot read {SPECULATIVE_RECIPE} (the speculative benchmarks take their prompts "
+                                f"from the source checkout's recipes): {exc}") from None
+    return data
+
+
+def summary_texts(num_requests: int) -> list[str]:
+    """Summarization requests of different lengths (1 to 10 of `FACTS`: about 40 to 220 tokens in a chat
+    template), the typical beam-search job."""
+    return [f"Summarize in one sentence: {' '.join(FACTS[(i + j) % len(FACTS)] for j in range(1 + (i * 3) % 10))}"
+            for i in range(num_requests)]
 
 
 def safe_token_pool(tokenizer: Any, vocab_size: int | None = None) -> list[int]:
