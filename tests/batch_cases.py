@@ -13,15 +13,16 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n
             "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
 
-def write_tiny_recipe(folder: Path, extra: str = "") -> Path:
-    """A recipe over a tiny random Llama saved with its tokenizer (with a chat template): greedy, 10 tokens."""
+def write_tiny_recipe(folder: Path, extra: str = "", max_tokens: int = 10) -> Path:
+    """A recipe over a tiny random Llama saved with its tokenizer (with a chat template): greedy, `max_tokens`
+    tokens."""
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = TEMPLATE
     tiny_model("llama").save_pretrained(folder / "tiny")
     tokenizer.save_pretrained(folder / "tiny")
     recipe = folder / "tiny.yaml"
     recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 16MiB}}\n"
-                      f"sampling: {{temperature: 0, max_tokens: 10}}\n{extra}")
+                      f"sampling: {{temperature: 0, max_tokens: {max_tokens}}}\n{extra}")
     return recipe
 
 

@@ -80,3 +80,25 @@ def assert_idle(llm) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests() and not engine.requests
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama and its tokenizer (with a chat template) saved as a local HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tiny_model("llama").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def tiny_overrides(tiny_dir: Path, max_tokens: int = 6) -> list[str]:
+    """--set options that point a recipe at the tiny model, small and on the CPU."""
+    sets = [f"model={tiny_dir}", "dtype=float32", "device=cpu", "engine.kv_cache_memory=16MiB",
+            f"sampling.max_tokens={max_tokens}"]
+    return [arg for item in sets for arg in ("--set", item)]

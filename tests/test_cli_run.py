@@ -14,30 +14,10 @@ from typer.testing import CliRunner
 
 from decodekit.cli import app, render_summary
 from decodekit.core.sequence import CompletionOutput, RequestMetrics, RequestOutput
-from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from decodekit.recipe_runner import summarize
+from tests.conftest import tiny_overrides as _tiny
 
 ROOT = Path(__file__).parent.parent
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama and its tokenizer (with a chat template) saved as a local HF folder."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tiny_model("llama").save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def _tiny(tiny_dir: Path, max_tokens: int = 6) -> list[str]:
-    """--set options that point a recipe at the tiny model, small and on the CPU."""
-    sets = [f"model={tiny_dir}", "dtype=float32", "device=cpu", "engine.kv_cache_memory=16MiB",
-            f"sampling.max_tokens={max_tokens}"]
-    return [arg for item in sets for arg in ("--set", item)]
 
 
 def _invoke(*args: str, env: dict[str, str] | None = None):

@@ -27,35 +27,14 @@ import decodekit.cli as cli
 from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from decodekit.cli import app, render_summary
 from decodekit.models import BUNDLED_MODEL_NAME, resolve_model
-from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from decodekit.recipe_runner import summarize
+from tests.conftest import tiny_overrides as _tiny
 from tests.test_plugin_docs import Block, blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
 SPECULATIVE = str(ROOT / "recipes" / "speculative.yaml")
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama and its tokenizer (with a chat template) saved as a local HF folder."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tiny_model("llama").save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def _tiny(tiny_dir: Path, max_tokens: int = 6) -> list[str]:
-    sets = [f"model={tiny_dir}", "dtype=float32", "device=cpu", "engine.kv_cache_memory=16MiB",
-            f"sampling.max_tokens={max_tokens}"]
-    return [arg for item in sets for arg in ("--set", item)]
-
-
 def _invoke(*args: str):
     return CliRunner().invoke(app, list(args))
 

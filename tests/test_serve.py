@@ -29,16 +29,14 @@ from typer.testing import CliRunner
 
 from decodekit import hookimpl
 from decodekit.cli import app
-from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from decodekit.plugins import get_plugin_manager
 from decodekit.processors import LogitsProcessor
 from decodekit.recipe import Recipe, load_recipe
 from decodekit.serve import ServeOptions, create_app
+from tests.batch_cases import write_tiny_recipe
 
 ROOT = Path(__file__).parent.parent
 KEY = "test-key"
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 HELLO = [{"role": "user", "content": "What is 2+2?"}]
 
 
@@ -110,15 +108,7 @@ class Served:
 @pytest.fixture(scope="module")
 def tiny_recipe(tmp_path_factory) -> Path:
     """A recipe over a tiny random Llama saved with its tokenizer (given a chat template): greedy, 8 tokens."""
-    folder = tmp_path_factory.mktemp("serve")
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = TEMPLATE
-    tiny_model("llama").save_pretrained(folder / "tiny")
-    tokenizer.save_pretrained(folder / "tiny")
-    recipe = folder / "tiny.yaml"
-    recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 16MiB}}\n"
-                      "sampling: {temperature: 0, max_tokens: 8}\n")
-    return recipe
+    return write_tiny_recipe(tmp_path_factory.mktemp("serve"), max_tokens=8)
 
 
 @pytest.fixture(scope="module")

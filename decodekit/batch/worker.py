@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import pluggy
@@ -69,10 +69,6 @@ class BatchWorker:
                     row = running.pop(out.request_id)
                     done[row.index] = output_row(row, out)
 
-    def run_all(self, rows: Sequence[InputRow]) -> list[dict[str, Any]]:
-        """Every output row of `rows`, in their order."""
-        return list(self.run(rows))
-
     async def run_async(self, rows: Sequence[InputRow], engine: AsyncLLM) -> list[dict[str, Any]]:
         """Every output row of `rows`, in their order, generated through `engine` (an `AsyncLLM` over this worker's
         engine): several calls may run at once, all their rows in the one continuous batch (how a Ray replica takes
@@ -107,8 +103,4 @@ def tokens_of(row: dict[str, Any]) -> int:
     """Completion tokens of an output row (0 for an error row)."""
     usage = row.get("usage")
     return int(usage["completion_tokens"]) if isinstance(usage, dict) else 0
-
-
-OnRows = Callable[[list[dict[str, Any]]], None]
-"""Called with output rows as they are written (progress bars)."""
 
