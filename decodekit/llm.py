@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import uuid
@@ -23,12 +24,20 @@ from decodekit.models import BUNDLED_MODEL_NAME, load_model
 Prompt = str | list[int]
 Message = dict[str, str]
 
+# `draft=TARGET_DRAFT`: the target model itself, run as a quantized copy (`draft_quantization`), as the draft.
+TARGET_DRAFT = "target"
+
 
 def build_engine(model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtype: Any = "auto", device: Any = None,
                  plugin_manager: pluggy.PluginManager | None = None, draft: Any = None, draft_dtype: Any = None,
                  **engine_options: Any) -> Engine:
     """Load a model (and optionally a draft model for speculative decoding) and build an `Engine` with the
-    installed plugins (see `EngineConfig` for options). The draft must share the target's vocabulary."""
+    installed plugins (see `EngineConfig` for options). The draft must share the target's vocabulary; `draft="target"`
+    with `draft_quantization="int8"` drafts with an int8 copy of the target itself.
+
+    Raises:
+        ConfigError: bad engine options, no tokenizer, or a draft that cannot serve this target.
+    """
     pm = plugin_manager or get_plugin_manager()
     registry = Registry.from_plugin_manager(pm)
     try:
@@ -39,7 +48,18 @@ def build_engine(model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtyp
     if loaded.tokenizer is None:
         raise ConfigError("a tokenizer is needed: pass `tokenizer=` with a model object")
     draft_loaded = None
-    if draft is not None:
+    if draft == TARGET_DRAFT:
+        if config.draft_quantization is None:
+            raise ConfigError(f"draft {TARGET_DRAFT!r} drafts with the target's own weights, which only pays when they "
+                              "run faster than the target: set draft_quantization (recipe: "
+                              "`draft: {model: target, quantization: int8}`)")
+        if draft_dtype is not None and str(draft_dtype) not in ("auto", str(loaded.dtype).removeprefix("torch.")):
+            raise ConfigError(f"draft {TARGET_DRAFT!r} shares the target's {loaded.dtype} weights; leave draft_dtype "
+                              "unset")
+        # the same module, marked not owned: its quantized copy never re-lays the target's weights
+        draft_loaded = dataclasses.replace(loaded, name=f"{loaded.name} ({config.draft_quantization} copy)",
+                                           owned=False)
+    elif draft is not None:
         draft_loaded = load_model(draft, loaded.tokenizer, dtype=draft_dtype or dtype, device=loaded.device,
                                   loaders=registry.model_loaders)
         target_vocab = loaded.model.config.get_text_config().vocab_size
@@ -78,7 +98,8 @@ class LLM:
         dtype: "auto" (float32 on a CPU, where decodekit's fast paths are; bf16 on CUDA), "float32", "bfloat16",
             "float16".
         device: "cpu" or "cuda" (default: CUDA when available).
-        draft: a draft model for speculative decoding (same forms as `model`; same tokenizer as the target).
+        draft: a draft model for speculative decoding (same forms as `model`; same tokenizer as the target), or
+            "target" for a quantized copy of the target itself (with `draft_quantization="int8"`).
         draft_dtype: the draft's dtype (default: `dtype`).
         **engine_options: `EngineConfig` fields, e.g. `kv_cache_memory="512MiB"`, `max_num_seqs=64`.
     """

@@ -32,6 +32,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from decodekit.api.errors import DecodeKitError, RecipeError
@@ -56,8 +57,19 @@ class _Section(BaseModel):
 class DraftConfig(_Section):
     """The draft model of speculative decoding (it must share the target model's tokenizer)."""
 
-    model: str = Field(description="Draft model: bundled name, local folder, .gguf file or hub id.")
+    model: str = Field(description="Draft model: bundled name, local folder, .gguf file or hub id; `target` for a "
+                       "quantized copy of the target model itself (with `quantization`).")
     dtype: Dtype = Field("auto", description="The draft's dtype.")
+    quantization: Literal["int8"] | None = Field(
+        None, description="Run the draft on int8 copies of its weights (see the engine's `quantization`); "
+        "required with `model: target`.")
+
+    @model_validator(mode="after")
+    def _check_target(self) -> DraftConfig:
+        if self.model == "target" and self.quantization is None:
+            raise ValueError("`model: target` drafts with the target's own weights, which only pays when they run "
+                             "faster: add `quantization: int8`")
+        return self
 
 
 class InputsConfig(_Section):
@@ -151,9 +163,12 @@ class Recipe(_Section):
         """Load the recipe's model (and draft) into an `LLM`."""
         from decodekit.llm import LLM
 
+        options = self.engine_options()
+        if self.draft is not None and self.draft.quantization is not None:
+            options["draft_quantization"] = self.draft.quantization
+        draft_dtype = self.draft.dtype if self.draft and self.draft.model != "target" else None
         return LLM(self.model, dtype=self.dtype, device=self.device, plugin_manager=plugin_manager,
-                   draft=self.draft.model if self.draft else None,
-                   draft_dtype=self.draft.dtype if self.draft else None, **self.engine_options())
+                   draft=self.draft.model if self.draft else None, draft_dtype=draft_dtype, **options)
 
 
 def plain_params(params: SamplingParams) -> SamplingParams:
@@ -290,7 +305,9 @@ def check_models(recipe: Recipe, registry: Registry) -> dict[str, str]:
     """
     from decodekit.models import resolve_model
 
-    specs = {"model": recipe.model, **({"draft.model": recipe.draft.model} if recipe.draft else {})}
+    specs = {"model": recipe.model}
+    if recipe.draft is not None and recipe.draft.model != "target":
+        specs["draft.model"] = recipe.draft.model
     found = {}
     for key, spec in specs.items():
         try:

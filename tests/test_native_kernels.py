@@ -300,7 +300,7 @@ def test_a_cache_folder_others_own_or_can_write_is_refused_and_nothing_in_it_is_
 def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, tokenizer, tmp_path, monkeypatch,
                                                                          fresh_load):
     partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
-    missing = "lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel"
+    missing = "lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_linear_i8"
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)

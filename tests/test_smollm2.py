@@ -131,6 +131,24 @@ def test_ngram_speculative_greedy_equals_plain_greedy_on_the_bundled_model(smol)
     assert sum(o.metrics.num_accepted_tokens for o in spec) > 10  # copying text is mostly drafted correctly
 
 
+def test_an_int8_self_draft_gives_plain_greedy_output_alone_and_batched_on_the_bundled_model(pristine):
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", draft="target", draft_quantization="int8",
+              max_num_batched_tokens=256)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": f"Tell me about {topic}."}])
+               for topic in TOPICS[:4]]
+    spec_params = SamplingParams(temperature=0, max_tokens=24, strategy={"speculative": {
+        "proposer": "draft", "num_speculative_tokens": 4}})
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), add_special_tokens=False)
+    batched = llm.generate(prompts, spec_params, add_special_tokens=False)
+    alone = llm.generate(prompts[:1], spec_params, add_special_tokens=False)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
+    assert alone[0].token_ids == plain[0].token_ids
+    ids = llm.tokenizer(prompts[0], add_special_tokens=False).input_ids
+    assert plain[0].token_ids == _hf_greedy(pristine, llm, ids, 24)  # the float target is untouched by its int8 copy
+    drafted = sum(o.metrics.num_draft_tokens for o in batched)
+    assert sum(o.metrics.num_accepted_tokens for o in batched) > drafted // 2  # a close copy: most drafts accepted
+
+
 def test_raw_and_prompt_logprobs_in_a_mixed_batch_equal_hf_generate_and_a_plain_forward(smol, pristine):
     prompts = _prompts(smol)[:4]
     plain = SamplingParams(temperature=0, max_tokens=8)

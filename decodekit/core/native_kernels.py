@@ -1,4 +1,5 @@
-"""Native CPU kernels for the fused decoder's small float32 ops, compiled at first use and loaded with ctypes.
+"""Native CPU kernels for the fused decoder's small float32 ops (and its int8-weight product), compiled at first use
+and loaded with ctypes.
 
 `load_kernels()` returns the loaded `NativeKernels`, or the reason they cannot run (no C compiler, a failed build,
 or `DECODEKIT_NATIVE_KERNELS=0`); callers then keep their torch ops. The shared library is cached under
@@ -10,7 +11,8 @@ was built) are regular files owned by this user that nobody else can write, and 
 Anything else is rebuilt over; a folder that cannot be made private is not used at all.
 
 The kernels (see `native/kernels.c`) do RMSNorm, SiLU-gating, and RoPE + KV write + attention for the sequences
-of a step that score a few tokens each (long prefill chunks are rotated and stored, and attended by the caller).
+of a step that score a few tokens each (long prefill chunks are rotated and stored, and attended by the caller),
+and the products of int8 weights (`quantization: int8`).
 They take raw pointers: every tensor passed must be float32 (int64 for the index arrays), contiguous, and on the
 CPU. The wrappers below make inputs contiguous and check the attention's shapes; dtype and device are checked
 once, when the fused decoder is built with them (`FusedDecoder`, `runner.wants_native_kernels`).
@@ -56,7 +58,7 @@ log = logging.getLogger("decodekit.runner")
 
 # The entry points `NativeKernels` binds; all are looked up when a library is loaded, so one lacking any is refused
 # there (a reason for the torch fallback) rather than failing later.
-SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel")
+SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_linear_i8")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -195,6 +197,9 @@ class NativeKernels:
         self._attend = lib.dk_rope_cache_attend
         self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _p]
         self._attend.restype = ctypes.c_int
+        self._linear_i8 = lib.dk_linear_i8
+        self._linear_i8.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p, _i]
+        self._linear_i8.restype = None
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -210,6 +215,23 @@ class NativeKernels:
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def linear_i8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ (weight * scale[:, None]).T (+ bias) (+ residual)` for float32 rows `x` `[rows, in]`, int8 `weight`
+        `[out, in]` (contiguous) and float32 `scale` `[out]`; returns `[rows, out]` (see `dk_linear_i8`)."""
+        x = x.contiguous()
+        rows, width = x.shape
+        out_dim = weight.shape[0]
+        if weight.shape[1] != width:
+            raise ValueError(f"x has {width} columns, the int8 weight {weight.shape[1]}")
+        out = x.new_empty(rows, out_dim)
+        if residual is not None:
+            residual = residual.contiguous()
+        self._linear_i8(x.data_ptr(), rows, width, weight.data_ptr(), scale.data_ptr(),
+                        None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+                        out.data_ptr(), out_dim)
         return out
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,

@@ -54,10 +54,13 @@ class PagedModel:
 
     @property
     def forward_name(self) -> str:
-        """How the model runs, for logs: "transformers", "fused" or "fused (prepacked weights)"."""
+        """How the model runs, for logs: "transformers", "fused", "fused (prepacked weights)" or "fused (int8
+        weights)"."""
         fused = self.runner.fused
         if fused is None:
             return "transformers"
+        if fused.quantization is not None:
+            return f"fused ({fused.quantization} weights)"
         return "fused (prepacked weights)" if fused.prepacked else "fused"
 
     # ---- driven by sequence (decodekit.api.proposer.ProposerModel) -----------------------------------------

@@ -129,26 +129,44 @@ def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
     """
     setting = config.draft_fused_decoder
     fusable = fused_decoder_refusal(draft.model) is None
+    if config.draft_quantization is not None:  # quantized copies leave the module as it is, owned or not
+        if setting is False:
+            raise ConfigError("draft_quantization runs in the fused decoder; leave draft_fused_decoder unset or true")
+        setting = True
     if setting is None and config.fused_decoder is not None and (fusable or not config.fused_decoder):
         setting = config.fused_decoder  # the target's explicit choice, where the draft can follow it
     fused = wants_fused_decoder(draft.model, setting, draft.owned, key="draft_fused_decoder")
-    if not fused and setting is None and fusable:
+    if not fused and config.draft_fused_decoder is None and setting is None and fusable:
         log.warning("the draft model %s runs the transformers forward (a model object passed in is not re-laid in "
                     "place unless asked); draft_fused_decoder=True runs it through the fused decoder, about twice "
                     "as fast", draft.name)
     return config.model_copy(update={"fused_decoder": fused, "native_kernels": config.native_kernels if fused
-                                     else False})
+                                     else False, "quantization": config.draft_quantization})
 
 
 def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConfig) -> ModelRunner:
     """The runner for `loaded` under an engine's `config`: fused or transformers forward, prepacked or not, native
-    kernels or not."""
-    fused = wants_fused_decoder(loaded.model, config.fused_decoder, loaded.owned)
+    kernels or not, int8 weights or not.
+
+    Raises:
+        ConfigError: an option asks for what cannot run here (each message names the option and says why).
+    """
+    quantization = config.quantization
+    if quantization is not None and config.fused_decoder is False:
+        raise ConfigError(f"quantization {quantization!r} runs in the fused decoder; leave fused_decoder unset")
+    # int8 copies leave the module's own weights alone, so a model object passed in can be quantized too
+    fused = wants_fused_decoder(loaded.model, True if quantization else config.fused_decoder, loaded.owned,
+                                key="quantization" if quantization else "fused_decoder")
     if config.native_kernels and not fused:
         raise ConfigError("native_kernels: the native kernels run inside the fused decoder, which is off for this "
                           "model; set fused_decoder to true as well, or leave native_kernels unset")
-    return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights,
-                       native=wants_native_kernels(loaded.model, config.native_kernels) if fused else None)
+    native = wants_native_kernels(loaded.model, config.native_kernels) if fused else None
+    if quantization is not None and native is None:
+        raise ConfigError(f"quantization {quantization!r} multiplies on the native kernels, which cannot run here "
+                          f"(they need float32 weights on a CPU, a C compiler, and native_kernels not false; this "
+                          f"model is {loaded.dtype} on {loaded.device})")
+    return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights, native=native,
+                       quantization=quantization)
 
 
 @dataclass
@@ -166,17 +184,20 @@ class ModelRunner:
     """Runs a model over the paged KV cache it is given (a `PagedModel` owns both); turns a list of `ForwardItem`s
     into logits `[sum(num_logits), vocab]`.
 
-    With `fused=True` the model runs through `FusedDecoder` (which re-lays its weights in place); otherwise
-    through its own transformers forward with the paged attention function.
+    With `fused=True` the model runs through `FusedDecoder` (which re-lays its weights in place, or with
+    `quantization` makes int8 copies of them); otherwise through its own transformers forward with the paged
+    attention function.
     """
 
     def __init__(self, model: Any, kv_cache: PagedKVCache, fused: bool = False,
-                 prepack_weights: bool | None = None, native: NativeKernels | None = None) -> None:
+                 prepack_weights: bool | None = None, native: NativeKernels | None = None,
+                 quantization: str | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.pool.device
         self._config = model.config
-        self.fused = FusedDecoder(model, wants_prepacking(model, prepack_weights), native) if fused else None
+        prepack = quantization is None and wants_prepacking(model, prepack_weights)
+        self.fused = FusedDecoder(model, prepack, native, quantization) if fused else None
 
     def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run one packed forward pass and return float32 logits for the requested positions, in item order."""

@@ -18,6 +18,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -267,4 +270,104 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
                               block_size, scale, out) != 0;
     }
     return failed ? -1 : 0;
+}
+
+/* ---- int8 weights ---------------------------------------------------------------------------------------------
+ * out[m, o] = scale[o] * dot(x[m], w[o]) (+ bias[o]) (+ residual[m, o]) for float32 rows x [rows, in] and int8
+ * weights w [out, in] with one float32 scale per output row: weight-only int8 (llama.cpp's Q8_0 weights, without
+ * quantizing the activations), multiplied in float32 with fused multiply-adds. At batch 1 the fp32 products stream
+ * 4 bytes per weight; these stream 1, so the step is bound by the int8->float conversions instead. Measured on
+ * SmolLM2's shapes (2-core AVX2 EPYC, cold weights): 20.7 ms per token on one thread and 13.0 ms on two, against
+ * 32-41 ms for the float32 products; torch's `_weight_int8pack_mm` took 180 ms there (no AVX2 path), and
+ * fbgemm's dynamic int8 (13.6 ms) also quantizes the activations, which costs the draft acceptance (82% against
+ * ~95% here). Output rows are split over torch's OpenMP threads, four at a time; each output is computed as on
+ * one thread, so results do not depend on the thread count. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 i8x8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* sums[r * 2 + m] = dot(x[m], w[r]) for R weight rows and M activation rows: R * M independent accumulators
+ * (8 of 16 registers at 4 x 2), each weight converted once and used M times. */
+#define DK_I8_TILE(R, M)                                                                                        \
+    static void i8_tile_##R##_##M(const float* x, int64_t in, const int8_t* w, float* sums) {                  \
+        __m256 acc[R][M];                                                                                       \
+        for (int r = 0; r < R; ++r)                                                                             \
+            for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();                                        \
+        int64_t i = 0;                                                                                          \
+        for (; i + 8 <= in; i += 8) {                                                                           \
+            __m256 xv[M];                                                                                       \
+            for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(x + m * in + i);                                \
+            for (int r = 0; r < R; ++r) {                                                                       \
+                __m256 wv = i8x8(w + r * in + i);                                                               \
+                for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);                  \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < R; ++r)                                                                             \
+            for (int m = 0; m < M; ++m) {                                                                       \
+                float t = hsum8(acc[r][m]);                                                                     \
+                for (int64_t j = i; j < in; ++j) t += x[m * in + j] * (float)w[r * in + j];                     \
+                sums[r * 2 + m] = t;                                                                            \
+            }                                                                                                   \
+    }
+#else
+/* Without AVX2 and FMA: the same sums, serial (correct, not fast; -march=native picks the path above on any
+ * x86 CPU from 2013 on). */
+#define DK_I8_TILE(R, M)                                                                                        \
+    static void i8_tile_##R##_##M(const float* x, int64_t in, const int8_t* w, float* sums) {                  \
+        for (int r = 0; r < R; ++r)                                                                             \
+            for (int m = 0; m < M; ++m) {                                                                       \
+                float t = 0;                                                                                    \
+                for (int64_t j = 0; j < in; ++j) t += x[m * in + j] * (float)w[r * in + j];                     \
+                sums[r * 2 + m] = t;                                                                            \
+            }                                                                                                   \
+    }
+#endif
+DK_I8_TILE(4, 2)
+DK_I8_TILE(4, 1)
+DK_I8_TILE(1, 2)
+DK_I8_TILE(1, 1)
+
+void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* w, const float* scale, const float* bias,
+                  const float* residual, float* out, int64_t out_dim) {
+    int64_t tiles = (out_dim + 3) / 4;
+#ifdef _OPENMP
+    int64_t work = out_dim * in * (rows < 8 ? rows : 8);  /* a product this small is not worth the fork and join */
+#pragma omp parallel for schedule(static) if (work >= 65536)
+#endif
+    for (int64_t t = 0; t < tiles; ++t) {
+        int64_t first = t * 4, nr = out_dim - first < 4 ? out_dim - first : 4;
+        for (int64_t m = 0; m < rows; m += 2) {
+            int64_t nm = rows - m < 2 ? rows - m : 2;
+            const float* xm = x + m * in;
+            float sums[8];
+            if (nr == 4) {
+                if (nm == 2) i8_tile_4_2(xm, in, w + first * in, sums);
+                else i8_tile_4_1(xm, in, w + first * in, sums);
+            } else {
+                for (int64_t r = 0; r < nr; ++r) {
+                    float one[8];
+                    if (nm == 2) i8_tile_1_2(xm, in, w + (first + r) * in, one);
+                    else i8_tile_1_1(xm, in, w + (first + r) * in, one);
+                    sums[r * 2] = one[0];
+                    sums[r * 2 + 1] = one[1];
+                }
+            }
+            for (int64_t r = 0; r < nr; ++r)
+                for (int64_t k = 0; k < nm; ++k) {
+                    int64_t o = first + r, at = (m + k) * out_dim + o;
+                    float v = sums[r * 2 + k] * scale[o];
+                    if (bias) v += bias[o];
+                    if (residual) v += residual[at];
+                    out[at] = v;
+                }
+        }
+    }
 }
