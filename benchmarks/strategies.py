@@ -1,7 +1,11 @@
 """Strategy benchmarks on the bundled model, side by side in one process (A B A B ..., medians and ratios).
 
-- `spec`: `recipes/speculative.yaml`'s prompts and settings, speculative vs the same recipe without speculation,
-  at batch 1 (one request at a time) and batch 8 (the prompts submitted together, cycled to 8).
+- `spec`: speculative decoding against plain decoding, greedy, on two prompt sets: `copy` (recipes/speculative.yaml's
+  rewrite/repeat prompts, 128 tokens) and `chat` (free-form questions, 96 tokens), at batch 1 (one request at a time)
+  and batch 8 (the prompts submitted together, cycled to 8). Configurations: n-gram (k 4, adaptive), an int8 copy of
+  the target as draft (k 3), and n-gram on two-token matches chained to the int8 draft (k 3). Each row gives the
+  median of per-repeat ratios to plain with their range, acceptance per proposer, and whether the output equalled
+  plain's token for token.
 - `beam`: 16 summarization requests (prompts of about 40 to 220 tokens) with 4 beams, decodekit's in-engine beam
   search vs transformers `generate(num_beams=4)` on the same 16 prompts as one left-padded batch; both return the
   same sequences (checked). decodekit prefills each prompt once and forks the beams (transformers prefills every
@@ -23,7 +27,8 @@ from typing import Any
 import torch
 
 from decodekit import LLM, SamplingParams
-from decodekit.bench.workloads import speculative_recipe, summary_texts
+from decodekit.bench.machine import environment, machine_line
+from decodekit.bench.workloads import CHAT_QUESTIONS, speculative_recipe, summary_texts
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
@@ -32,33 +37,78 @@ def _timed(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def bench_spec(llm: LLM, repeats: int) -> None:
-    recipe = speculative_recipe()
-    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in recipe["inputs"]["prompts"]]
-    sampling = dict(recipe["sampling"])
-    spec = SamplingParams(**sampling, strategy=recipe["strategy"])
-    plain = SamplingParams(**sampling)
-    # prefill every prompt once, untimed, so both strategies find them in the prefix cache (decode is compared)
-    llm.generate(prompts, SamplingParams(max_tokens=1), add_special_tokens=False)
-    for batch in (1, 8):
-        batch_prompts = (prompts * 8)[: max(batch, len(prompts))] if batch > 1 else prompts
-        rates: dict[str, list[float]] = {"plain": [], "speculative": []}
-        accepted = drafted = 0
-        def run(params: SamplingParams, batch: int = batch, batch_prompts: list[str] = batch_prompts) -> list[Any]:
-            if batch == 1:
-                return [llm.generate([q], params, add_special_tokens=False)[0] for q in batch_prompts]
-            return llm.generate(batch_prompts[:batch], params, add_special_tokens=False)
+# The speculative configurations compared, each against plain decoding on the same prompts in the same run.
+NGRAM = {"proposer": "ngram", "num_speculative_tokens": 4, "adaptive": True}
+INT8_DRAFT = {"proposer": "draft", "num_speculative_tokens": 3}
+CHAINED = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "draft",
+           "num_speculative_tokens": 3}
+SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM, "int8 draft": INT8_DRAFT,
+                                                  "ngram + int8 draft": CHAINED}
 
-        for _ in range(repeats):
-            for name, params in (("plain", plain), ("speculative", spec)):
-                elapsed, outs = _timed(lambda p=params: run(p))
-                rates[name].append(sum(len(o.token_ids) for o in outs) / elapsed)
-                if name == "speculative":
-                    accepted += sum(o.metrics.num_accepted_tokens for o in outs)
-                    drafted += sum(o.metrics.num_draft_tokens for o in outs)
-        p, s = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
-        print(f"spec batch {batch}: plain {p:.1f} tok/s, speculative {s:.1f} tok/s, ratio {s / p:.2f}x, "
-              f"acceptance {accepted / max(drafted, 1):.0%} ({accepted}/{drafted})", flush=True)
+
+def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
+    """The two prompt sets and their output lengths: `copy` (recipes/speculative.yaml's rewrite and repeat tasks,
+    128 tokens) and `chat` (free-form questions, 96 tokens), chat-templated."""
+    def chat(texts: Any) -> list[str]:
+        return [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+    return {"copy": (chat(speculative_recipe()["inputs"]["prompts"]), 128), "chat": (chat(CHAT_QUESTIONS), 96)}
+
+
+def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None] | None = None,
+               batches: tuple[int, ...] = (1, 8)) -> list[dict[str, Any]]:
+    """Every configuration against plain decoding, per prompt set and batch size, interleaved (plain, then each
+    configuration, repeated), greedy. Prints and returns one row per (set, batch, configuration): median tokens/s,
+    the median of the per-repeat ratios to plain, acceptance per proposer, and whether the output equalled plain's.
+    """
+    configs = configs or SPEC_CONFIGS
+    rows = []
+    for set_name, (prompts, max_tokens) in spec_prompt_sets(llm).items():
+        # prefill every prompt once, untimed, so every configuration finds them in the prefix cache; and run each
+        # configuration once, so a draft model is opened (and quantized) before the clock starts
+        llm.generate(prompts, SamplingParams(max_tokens=1), add_special_tokens=False)
+        for strategy in configs.values():
+            llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=6, **(
+                {"strategy": {"speculative": strategy}} if strategy else {})), add_special_tokens=False)
+        for batch in batches:
+            batch_prompts = (prompts * 8)[:batch] if batch > len(prompts) else prompts
+
+            def run(strategy: dict[str, Any] | None, batch: int = batch, batch_prompts: list[str] = batch_prompts,
+                    max_tokens: int = max_tokens) -> list[Any]:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens,
+                                        **({"strategy": {"speculative": strategy}} if strategy else {}))
+                if batch == 1:
+                    return [llm.generate([q], params, add_special_tokens=False)[0] for q in batch_prompts]
+                return llm.generate(batch_prompts, params, add_special_tokens=False)
+
+            rates: dict[str, list[float]] = {name: [] for name in configs}
+            counts: dict[str, dict[str, list[int]]] = {name: {} for name in configs}
+            same = dict.fromkeys(configs, True)
+            reference = None
+            for _ in range(repeats):
+                for name, strategy in configs.items():
+                    elapsed, outs = _timed(lambda s=strategy: run(s))
+                    rates[name].append(sum(len(o.token_ids) for o in outs) / elapsed)
+                    ids = [o.token_ids for o in outs]
+                    reference = ids if strategy is None else reference
+                    same[name] &= ids == reference
+                    for out in outs:
+                        for proposer, c in out.metrics.proposer_tokens.items():
+                            total = counts[name].setdefault(proposer, [0, 0])
+                            total[0] += c["accepted"]
+                            total[1] += c["drafted"]
+            for name in configs:
+                ratios = [r / p for r, p in zip(rates[name], rates["plain"])]
+                acceptance = ", ".join(f"{proposer} {a / max(d, 1):.0%} of {d // repeats}"
+                                       for proposer, (a, d) in counts[name].items()) or "-"
+                row = {"prompts": set_name, "batch": batch, "config": name, "tok_s": statistics.median(rates[name]),
+                       "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                       "acceptance": acceptance, "same_as_plain": same[name]}
+                rows.append(row)
+                print(f"spec {set_name:4} batch {batch}: {name:18} {row['tok_s']:6.1f} tok/s  {row['ratio']:.2f}x "
+                      f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f})  accepted: {acceptance}  "
+                      f"same as plain: {same[name]}", flush=True)
+    return rows
 
 
 def beam_prompts(llm: LLM, num_requests: int) -> list[str]:
@@ -109,7 +159,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM("smollm2-135m-instruct", dtype="float32")
+    # the int8 self-draft serves the `draft` configurations; plain, n-gram and beam never open it
+    llm = LLM("smollm2-135m-instruct", dtype="float32", draft="target", draft_quantization="int8")
+    print(machine_line(environment(), "float32"), flush=True)
     if args.which in ("spec", "all"):
         bench_spec(llm, args.repeats)
     if args.which in ("beam", "all"):

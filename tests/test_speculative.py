@@ -65,6 +65,50 @@ def test_a_different_draft_model_gives_the_targets_greedy_output(llama, tokenize
     assert proposer.model.allocator.num_free_blocks == proposer.model.allocator.num_blocks
 
 
+@pytest.mark.parametrize("batch", [1, 6])
+def test_ngram_chained_to_a_draft_model_is_lossless_and_counts_each_proposer(llama, tokenizer, batch):
+    llm = LLM(llama, tokenizer, draft=tiny_model("qwen2", seed=3), kv_cache_memory="16MiB", block_size=4)
+    # half the prompts repeat a phrase (n-gram matches), half are random (no match of two tokens: the draft)
+    prompts = [*_repetitive_prompts(3, seed=7), *random_prompts(3, 5, 20, seed=8)][:batch]
+    chained = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, strategy={"speculative": {
+        "proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "draft",
+        "num_speculative_tokens": 3}})
+    plain = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    spec = llm.generate(prompts, chained)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    totals: dict[str, dict[str, int]] = {}
+    for out in spec:
+        per = out.metrics.proposer_tokens
+        assert sum(c["drafted"] for c in per.values()) == out.metrics.num_draft_tokens
+        assert sum(c["accepted"] for c in per.values()) == out.metrics.num_accepted_tokens
+        for name, counts in per.items():
+            for key, value in counts.items():
+                totals.setdefault(name, {}).setdefault(key, 0)
+                totals[name][key] += value
+    assert totals["draft"]["drafted"] > 0
+    if batch > 1:
+        assert totals["ngram"]["drafted"] > 0
+    proposer = llm.engine.components.get("proposers", "draft")
+    assert proposer.model.allocator.num_free_blocks == proposer.model.allocator.num_blocks
+
+
+def test_a_fallback_is_checked_like_the_proposer(llama, tokenizer):
+    from decodekit.errors import RecipeError
+    from decodekit.recipe import recipe_from_data
+
+    base = {"model": "smollm2-135m-instruct"}
+    with pytest.raises(RecipeError, match=r"strategy\.speculative\.fallback: unknown proposer 'drafty'.*draft"):
+        recipe_from_data({**base, "strategy": {"speculative": {"fallback": "drafty"}}})
+    with pytest.raises(RecipeError, match=r"fallback_options.*prompt_lookup_max"):
+        recipe_from_data({**base, "strategy": {"speculative": {"proposer": "draft", "fallback": "ngram",
+                                                                "fallback_options": {"prompt_lookup_max": 0}}},
+                          "draft": {"model": "target", "quantization": "int8"}})
+    with pytest.raises(RecipeError, match=r"needs a draft model"):
+        recipe_from_data({**base, "strategy": {"speculative": {"fallback": "draft"}}})
+    with pytest.raises(RecipeError, match=r"fallback 'ngram' is the proposer itself"):
+        recipe_from_data({**base, "strategy": {"speculative": {"fallback": "ngram"}}})
+
+
 def test_speculative_requests_share_the_batch_with_plain_and_beam_requests(llama, tokenizer):
     llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
     prompts = _repetitive_prompts(6, seed=2)

@@ -38,6 +38,8 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed
     num_accepted_tokens: int = 0  # speculative decoding: proposed tokens the target accepted
+    # speculative decoding, per proposer that drafted: {"drafted": n, "accepted": m} (chained proposers split it)
+    proposer_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def ttft(self) -> float | None:
@@ -68,6 +70,8 @@ class RequestMetrics:
             "preemptions": self.num_preemptions,
             "draft_tokens": self.num_draft_tokens,
             "accepted_tokens": self.num_accepted_tokens,
+            **({"proposer_tokens": {k: dict(v) for k, v in self.proposer_tokens.items()}}
+               if self.proposer_tokens else {}),
         }
 
 

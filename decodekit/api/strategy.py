@@ -79,9 +79,10 @@ class StepContext(Protocol):
         """Append a token to a sequence; stopping criteria run on it at the end of the step."""
         ...
 
-    def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int) -> None:
+    def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int, proposer: str | None = None) -> None:
         """Keep the first `num_accepted` draft tokens, then append `token_id`; the rest of the draft is rolled
-        back (KV slots released)."""
+        back (KV slots released). `proposer`, when given, names who drafted it, for the request's per-proposer
+        acceptance (`RequestMetrics.proposer_tokens`)."""
         ...
 
     def fork(self, seq: Sequence, seed: int | None = None) -> Sequence:

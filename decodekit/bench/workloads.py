@@ -44,6 +44,19 @@ FACTS = (
 )
 """The sentences the summarization prompts of the beam-search benchmarks are made of."""
 
+CHAT_QUESTIONS = (
+    "What are three good habits for staying healthy while working from home?",
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What should I pack for a week-long hiking trip in the mountains?",
+    "Why do leaves change colour in autumn?",
+    "Give me some tips for learning to play the guitar as an adult.",
+    "How does a bill become a law in a parliamentary democracy?",
+    "Describe the taste of a ripe mango to someone who has never had one.",
+)
+"""Free-form chat questions: nothing in the prompt to copy, the case where n-gram lookup finds little and a draft
+model has to predict the answer itself (the speculative benchmarks' `chat` set)."""
+
 
 @dataclass(frozen=True)
 class BenchRequest:

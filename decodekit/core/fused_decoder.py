@@ -91,12 +91,13 @@ def prepacking_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class _Int8Matrix:
-    """One weight as int8 with a float32 scale per output row, multiplied in float32 (weight-only quantization).
+    """One weight as int8 with a float32 scale per output row (weight-only quantization).
 
     Symmetric and round-to-nearest: a row's largest |w| maps to 127, so each weight is off by at most half a step
     (a relative error of ~0.4% of the row's largest weight). Up to `INT8_NATIVE_MAX_ROWS` rows run the native
-    kernel, which streams the int8 bytes; more rows (prefill chunks) are bound by arithmetic, not by reading
-    weights, so they take float32 BLAS on weights dequantized a block of output rows at a time.
+    kernel, which streams the int8 bytes and rounds the activations to int16 per row (an error of at most
+    sqrt(in) / 65534 of a row's rms: see `dk_linear_i8`); more rows (prefill chunks) are bound by arithmetic, not
+    by reading weights, so they take float32 BLAS on weights dequantized a block of output rows at a time.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:

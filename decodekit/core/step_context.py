@@ -178,13 +178,18 @@ class EngineStepContext:
         """The last hidden states of the positions computed for `seq` this step (strategies that ask only)."""
         return None if self.scored is None else self.scored.hidden.get(seq)
 
-    def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int) -> None:
+    def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int, proposer: str | None = None) -> None:
         """Keep `num_accepted` draft tokens then `token_id`; roll the rest of the draft back out of the cache."""
         self._drop_candidates(seq)
         proposed = seq.draft_token_ids
         kept = proposed[:num_accepted]
-        seq.request.metrics.num_draft_tokens += len(proposed)
-        seq.request.metrics.num_accepted_tokens += num_accepted
+        metrics = seq.request.metrics
+        metrics.num_draft_tokens += len(proposed)
+        metrics.num_accepted_tokens += num_accepted
+        if proposer is not None and proposed:
+            counts = metrics.proposer_tokens.setdefault(proposer, {"drafted": 0, "accepted": 0})
+            counts["drafted"] += len(proposed)
+            counts["accepted"] += num_accepted
         drafts.clear(seq)
         self.scheduler.rollback(seq, len(seq.token_ids) + num_accepted)
         self._append(seq, [*kept, token_id])

@@ -10,8 +10,13 @@ truncating its own block table; processors only ever advance on accepted tokens,
 Proposers:
 - `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n tokens
   (n from `prompt_lookup_max` down to `prompt_lookup_min`), no model;
-- `draft`: a smaller causal LM with the target's tokenizer (the engine's `draft` model), with its own paged KV
-  cache; it sees the request's processors too, so a draft equal to the target is accepted 100%.
+- `draft`: a smaller causal LM with the target's tokenizer (the engine's `draft` model), or an int8 copy of the
+  target (`draft: {model: target, quantization: int8}`), with its own paged KV cache; it sees the request's
+  processors too, so a draft equal to the target is accepted 100%.
+
+A `fallback` proposer chains a second one per step: it drafts for the sequences the first leaves without a draft
+(`proposer: ngram` with `prompt_lookup_min: 2` where the context offers a real match, `fallback: draft` elsewhere).
+Each request's outputs count drafted and accepted tokens per proposer (`metrics.proposer_tokens`).
 """
 
 from __future__ import annotations
@@ -39,11 +44,25 @@ class SpeculativeParams(BaseModel):
 
     proposer: str = Field("ngram", description="A registered proposer: 'ngram' (prompt lookup), 'draft' (a model).")
     proposer_options: dict[str, Any] = Field(default_factory=dict, description="The proposer's own parameters.")
+    fallback: str | None = Field(
+        None, description="A second proposer, chained per step: it drafts for the sequences the first leaves "
+        "without a draft (e.g. `proposer: ngram` with `prompt_lookup_min: 2` finds no good match, then "
+        "`fallback: draft`).")
+    fallback_options: dict[str, Any] = Field(default_factory=dict, description="The fallback's own parameters.")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="Draft tokens per step (k), or the start of k.")
     adaptive: bool = Field(False, description="Adapt k per sequence: +2 when all are accepted, -1 otherwise.")
     max_speculative_tokens: int = Field(10, ge=1, le=32, description="Upper bound for adaptive k.")
 
     _proposer_params: Any = PrivateAttr(None)  # `proposer_options`, validated against the proposer at planning
+    _fallback_params: Any = PrivateAttr(None)  # `fallback_options`, likewise
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeParams:
+        if self.fallback is not None and self.fallback == self.proposer:
+            raise ValueError(f"fallback {self.fallback!r} is the proposer itself; name another one or leave it unset")
+        if self.fallback_options and self.fallback is None:
+            raise ValueError("fallback_options without a fallback")
+        return self
 
 
 class NgramParams(BaseModel):
@@ -194,12 +213,14 @@ def accept_sampled(draft: list[int], rows: torch.Tensor, q: torch.Tensor | None,
 
 _K = StashKey[int]()  # a sequence's current number of draft tokens (adaptive k)
 _Q = StashKey["torch.Tensor | None"]()  # the probabilities the sequence's draft was sampled from (None: deterministic)
+_BY = StashKey[str]()  # the proposer that drafted the sequence's current draft (with a fallback, either link)
 
 
 class SpeculativeStrategy(Strategy):
     """Speculative decoding (lossless) with an n-gram or draft-model proposer, under continuous batching.
 
-    Example (recipe): `strategy: {speculative: {proposer: ngram, num_speculative_tokens: 4, adaptive: true}}`
+    Example (recipe): `strategy: {speculative: {proposer: ngram, num_speculative_tokens: 4, adaptive: true}}`, or
+    chained: `{proposer: ngram, proposer_options: {prompt_lookup_min: 2}, fallback: draft}`
     """
 
     name = "speculative"
@@ -229,6 +250,13 @@ class SpeculativeStrategy(Strategy):
         options._proposer_params = validate_options(proposer, options.proposer_options,
                                                    f"strategy.{self.name}.proposer_options")
         proposer.check(options._proposer_params)
+        if options.fallback is not None:
+            assert self.components is not None
+            fallback: Proposer = self.components.get("proposers", options.fallback, f"strategy.{self.name}.fallback")
+            self.proposers[options.fallback] = fallback
+            options._fallback_params = validate_options(fallback, options.fallback_options,
+                                                       f"strategy.{self.name}.fallback_options")
+            fallback.check(options._fallback_params)
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
@@ -239,14 +267,28 @@ class SpeculativeStrategy(Strategy):
             # never draft past max_tokens or the context (the last position is the target's own token)
             k = min(k, seq.request.params.max_tokens - seq.num_generated - 1,
                     ctx.max_model_len - len(seq.token_ids) - 1)
+            seq.stash.pop(_BY, None)
             if k > 0:
                 groups.setdefault(options.proposer, []).append((seq, k, options._proposer_params))
+        fallbacks = self._draft(ctx, groups)
+        if fallbacks:  # the chain's second link, for the sequences the first left without a draft
+            self._draft(ctx, fallbacks)
+
+    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]]
+               ) -> dict[str, list[tuple[Sequence, int, Any]]]:
+        """Run each proposer on its sequences; return the undrafted ones grouped by their fallback proposer."""
+        fallbacks: dict[str, list[tuple[Sequence, int, Any]]] = {}
         for name, items in groups.items():
             drafts, qs = self._proposer(name).propose(ctx, [s for s, _, _ in items], [k for _, k, _ in items],
                                                      [o for _, _, o in items])
             for (seq, k, _), draft, q in zip(items, drafts, qs):
                 seq.draft_token_ids = list(draft[:k])
                 seq.stash[_Q] = q
+                seq.stash[_BY] = name
+                options = seq.request.plan.strategy_options
+                if not seq.draft_token_ids and options.fallback is not None and name == options.proposer:
+                    fallbacks.setdefault(options.fallback, []).append((seq, k, options._fallback_params))
+        return fallbacks
 
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
         argmax = logits.argmax(dim=-1).tolist()
@@ -265,9 +307,10 @@ class SpeculativeStrategy(Strategy):
             offset += len(draft) + 1
             self._adapt(seq, len(draft), accepted)
             valid = len(seq.token_ids) + accepted
-            ctx.accept_draft(seq, accepted, token)
+            drafted_by = seq.stash.get(_BY, None)
+            ctx.accept_draft(seq, accepted, token, drafted_by)
             if draft and seq.request.params.trace is not None:
-                ctx.note(seq, drafts={"proposer": seq.request.plan.strategy_options.proposer})
+                ctx.note(seq, drafts={"proposer": drafted_by})
             for proposer in self.proposers.values():
                 proposer.rollback(seq, valid)
 
