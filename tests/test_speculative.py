@@ -109,6 +109,38 @@ def test_a_fallback_is_checked_like_the_proposer(llama, tokenizer):
         recipe_from_data({**base, "strategy": {"speculative": {"fallback": "ngram"}}})
 
 
+def test_speculation_pauses_while_the_batch_is_at_least_disable_by_batch_size(llama, tokenizer):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, strategy={"speculative": {
+        "proposer": "ngram", "disable_by_batch_size": 4}})
+    for batch, drafts in ((6, False), (2, True)):
+        prompts = _repetitive_prompts(batch, seed=batch)
+        plain = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        spec = llm.generate(prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        assert (sum(o.metrics.num_draft_tokens for o in spec) > 0) is drafts
+
+
+def test_the_draft_model_reuses_the_prompt_blocks_an_earlier_request_computed(tokenizer):
+    llm = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("qwen2", seed=3), kv_cache_memory="16MiB",
+              block_size=4)
+    prompt = random_prompts(1, 41, 42, seed=12)[0]
+    params = _spec("draft", 3, max_tokens=12, temperature=0, ignore_eos=True)
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    llm.generate([[5, 6, 7]], params)  # opens the draft model
+    proposer = llm.engine.components.get("proposers", "draft")
+    fed: list[int] = []
+    forward = proposer.model.runner.forward
+    proposer.model.runner.forward = lambda items, copies: (fed.append(sum(len(i.token_ids) for i in items)),
+                                                           forward(items, copies))[1]
+    first = llm.generate([prompt], params)[0]
+    cold, fed[:] = sum(fed), []
+    second = llm.generate([prompt], params)[0]
+    assert first.token_ids == second.token_ids == plain
+    assert cold - sum(fed) >= 40 - 4  # all the prompt's full blocks but the last came from the first request
+    assert proposer.model.allocator.num_free_blocks == proposer.model.allocator.num_blocks
+
+
 def test_speculative_requests_share_the_batch_with_plain_and_beam_requests(llama, tokenizer):
     llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
     prompts = _repetitive_prompts(6, seed=2)

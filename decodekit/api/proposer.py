@@ -21,7 +21,7 @@ class ProposerModel(Protocol):
     """A model with its own paged KV cache, driven by sequence id (use the target sequence's `seq_id`).
 
     Example (draft two tokens for `seq` greedily):
-        >>> model.reserve(seq.seq_id, len(seq.token_ids) + 1)
+        >>> model.reserve(seq.seq_id, len(seq.token_ids) + 1, seq.token_ids)
         >>> new = seq.token_ids[model.num_cached(seq.seq_id):]
         >>> first = int(model.forward([(seq.seq_id, new)])[0].argmax())
         >>> second = int(model.forward([(seq.seq_id, [first])])[0].argmax())
@@ -31,8 +31,10 @@ class ProposerModel(Protocol):
         """How many leading tokens of sequence `key` have their keys and values stored."""
         ...
 
-    def reserve(self, key: int, num_tokens: int) -> bool:
-        """Make room for sequence `key` to hold `num_tokens` tokens in all; False if the pool cannot."""
+    def reserve(self, key: int, num_tokens: int, token_ids: Seq[int] | None = None) -> bool:
+        """Make room for sequence `key` to hold `num_tokens` tokens in all; False if the pool cannot. Passing a new
+        sequence's `token_ids` lets it reuse the blocks computed for the same prefix before (`num_cached` says
+        how many tokens that saved)."""
         ...
 
     def forward(self, batch: Seq[tuple[int, list[int]]]) -> torch.Tensor:

@@ -61,6 +61,11 @@ class StepContext(Protocol):
     eos_token_ids: tuple[int, ...]
     max_model_len: int
 
+    @property
+    def num_running(self) -> int:
+        """Sequences running in the engine this step, of every request and strategy (the batch size)."""
+        ...
+
     def batch_view(self, seqs: list[Sequence]) -> BatchView:
         """The processors' view of these sequences (one row per scored position)."""
         ...

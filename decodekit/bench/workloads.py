@@ -28,7 +28,7 @@ MIXED_FULL_REQUESTS, MIXED_FULL_REPEATS = 64, 3
 """`decodekit bench mixed --full`: the size of the figures in docs/benchmarks.md (~45 minutes on that CPU)."""
 
 SPECULATIVE_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "speculative.yaml"
-"""The recipe whose copy-style prompts and n-gram settings the speculative benchmarks use (source checkout)."""
+"""The recipe whose copy-style prompts the speculative benchmarks use (source checkout)."""
 
 FACTS = (
     "The Amazon rainforest covers much of the Amazon basin of South America.",
@@ -178,7 +178,7 @@ def make_text_workload(name: str, tokenizer: Any, texts: list[str], *, num_reque
 
 def speculative_recipe() -> dict[str, Any]:
     """recipes/speculative.yaml as a dict: its copy-style prompts (`inputs.prompts`: repeat, rewrite, add type
-    hints, summarize) and its n-gram settings (`strategy`).
+    hints, summarize) and its settings.
 
     Raises:
         FileNotFoundError: not run from a source checkout (the recipes are not installed with the package).

@@ -51,6 +51,7 @@ class PagedModel:
                                      geometry.head_dim, loaded.dtype, loaded.device)
         self.runner = build_runner(loaded, self.kv_cache, config)
         self._cached: dict[int, int] = {}  # a proposer's sequences: tokens whose keys/values are stored
+        self._tokens: dict[int, list[int]] = {}  # ... and those tokens, for the prefix cache's block hashes
 
     @property
     def forward_name(self) -> str:
@@ -68,11 +69,17 @@ class PagedModel:
         """How many leading tokens of sequence `key` have their keys and values stored."""
         return self._cached.get(key, 0)
 
-    def reserve(self, key: int, num_tokens: int) -> bool:
+    def reserve(self, key: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
         """Make room for sequence `key` to hold `num_tokens` tokens in all; False (nothing reserved) if the pool
-        cannot."""
+        cannot. For a new `key`, `token_ids` (its tokens so far) let it start from the blocks another sequence
+        already computed for the same prefix (the prefix cache): `num_cached` then says how many."""
         if not self.allocator.has(key):
-            self.allocator.allocate(key, [])
+            known = list(token_ids or [])
+            extra = max(0, self.allocator.blocks_needed(num_tokens) - self.allocator.blocks_needed(len(known)))
+            if not self.allocator.can_allocate(known, extra_blocks=extra):
+                return False
+            self._cached[key] = self.allocator.allocate(key, known)
+            self._tokens[key] = known[: self._cached[key]]
         start = self.num_cached(key)
         if self.allocator.blocks_to_write(key, start, num_tokens) > self.allocator.num_free_blocks:
             return False
@@ -93,16 +100,22 @@ class PagedModel:
         logits = self.runner.forward(items, self.allocator.take_pending_copies())
         for key, tokens in batch:
             self._cached[key] = self.num_cached(key) + len(tokens)
+            stored = self._tokens.setdefault(key, [])
+            stored.extend(tokens)
+            # publish the full blocks, so a later sequence with the same prefix starts from them
+            self.allocator.mark_computed(key, stored, self._cached[key])
         return logits
 
     def truncate(self, key: int, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens of sequence `key` (a rejected draft's are dropped)."""
         if self.num_cached(key) > num_tokens:
             self._cached[key] = num_tokens
+            del self._tokens.setdefault(key, [])[num_tokens:]
             self.allocator.truncate(key, num_tokens)
 
     def release(self, key: int) -> None:
         """Free everything sequence `key` holds."""
         self._cached.pop(key, None)
+        self._tokens.pop(key, None)
         if self.allocator.has(key):
             self.allocator.free(key)

@@ -100,6 +100,11 @@ class EngineStepContext:
         self.origins: dict[Sequence, CandidateOrigin] = origins if origins is not None else {}
         """Per sequence with candidates, the row they were chosen from (lives across steps: the engine's)."""
 
+    @property
+    def num_running(self) -> int:
+        """Sequences running in the engine this step, of every request and strategy (the batch size)."""
+        return len(self.scheduler.running)
+
     def batch_view(self, seqs: list[Sequence]) -> BatchView:
         """The processors' view of these sequences: one row per scored position (drafts expand a sequence)."""
         return self.processing.batch_view(seqs)

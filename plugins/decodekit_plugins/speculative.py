@@ -52,6 +52,9 @@ class SpeculativeParams(BaseModel):
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="Draft tokens per step (k), or the start of k.")
     adaptive: bool = Field(False, description="Adapt k per sequence: +2 when all are accepted, -1 otherwise.")
     max_speculative_tokens: int = Field(10, ge=1, le=32, description="Upper bound for adaptive k.")
+    disable_by_batch_size: int | None = Field(
+        None, ge=1, description="Draft nothing in steps where at least this many sequences run (vLLM's name): a "
+        "large batch keeps the products busy, so verifying drafts costs more than it saves.")
 
     _proposer_params: Any = PrivateAttr(None)  # `proposer_options`, validated against the proposer at planning
     _fallback_params: Any = PrivateAttr(None)  # `fallback_options`, likewise
@@ -154,7 +157,7 @@ class DraftModelProposer(Proposer):
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         # the last draft token is never fed: the target verifies it
         active = [i for i, seq in enumerate(seqs) if ks[i] > 0
-                  and model.reserve(seq.seq_id, len(seq.token_ids) + ks[i] - 1)]
+                  and model.reserve(seq.seq_id, len(seq.token_ids) + ks[i] - 1, seq.token_ids)]
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if len(drafts[i]) < ks[i] and step == len(drafts[i])]
             if not rows:
@@ -268,6 +271,8 @@ class SpeculativeStrategy(Strategy):
             k = min(k, seq.request.params.max_tokens - seq.num_generated - 1,
                     ctx.max_model_len - len(seq.token_ids) - 1)
             seq.stash.pop(_BY, None)
+            if options.disable_by_batch_size is not None and ctx.num_running >= options.disable_by_batch_size:
+                continue
             if k > 0:
                 groups.setdefault(options.proposer, []).append((seq, k, options._proposer_params))
         fallbacks = self._draft(ctx, groups)
