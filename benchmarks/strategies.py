@@ -14,8 +14,8 @@
 
 Usage: python benchmarks/strategies.py {spec,beam,all} [--repeats 3] [--threads 1]
 
-The prompts come from `decodekit.bench.workloads` (`speculative_recipe`, `summary_texts`), which `decodekit bench
-matrix` uses too.
+The prompts come from `decodekit.bench.workloads` (`COPY_PROMPTS`, `CHAT_QUESTIONS`, `summary_texts`), which
+`decodekit bench matrix` uses too.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from decodekit import LLM, SamplingParams
 from decodekit.bench.machine import environment, machine_line
-from decodekit.bench.workloads import CHAT_QUESTIONS, speculative_recipe, summary_texts
+from decodekit.bench.workloads import CHAT_QUESTIONS, COPY_PROMPTS, summary_texts
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
@@ -48,12 +48,12 @@ SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM,
 
 
 def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
-    """The two prompt sets and their output lengths: `copy` (recipes/speculative.yaml's rewrite and repeat tasks,
-    128 tokens) and `chat` (free-form questions, 96 tokens), chat-templated."""
+    """The two prompt sets and their output lengths, chat-templated: `copy` (rewrite and repeat tasks, 128 tokens)
+    and `chat` (free-form questions, 96 tokens)."""
     def chat(texts: Any) -> list[str]:
         return [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
-    return {"copy": (chat(speculative_recipe()["inputs"]["prompts"]), 128), "chat": (chat(CHAT_QUESTIONS), 96)}
+    return {"copy": (chat(COPY_PROMPTS), 128), "chat": (chat(CHAT_QUESTIONS), 96)}
 
 
 def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None] | None = None,

@@ -58,6 +58,11 @@ def render_summary(summary: dict[str, Any]) -> None:
     if summary.get("acceptance_rate") is not None:
         table.add_row("draft acceptance", f"{summary['acceptance_rate']:.1%} "
                                           f"({summary['accepted_tokens']} of {summary['draft_tokens']} tokens)")
+        by_proposer = summary.get("proposer_tokens") or {}
+        if len(by_proposer) > 1:  # a chain: each proposer's share
+            for name, counts in by_proposer.items():
+                rate = counts["accepted"] / counts["drafted"] if counts["drafted"] else 0.0
+                table.add_row(f"  by {name}", f"{rate:.1%} ({counts['accepted']} of {counts['drafted']} tokens)")
     if summary.get("speedup_vs_plain") is not None:
         # the speedup and the two rates it is the ratio of (each strategy's mean over its runs of the comparison)
         table.add_row("speedup vs plain sample", f"{summary['speedup_vs_plain']:.2f}x "

@@ -235,7 +235,8 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
               plain_outputs: Sequence[RequestOutput] | None = None, plain_wall: float | None = None,
               strategy_wall: float | None = None) -> dict[str, Any]:
     """Summary figures: requests, tokens (every choice), tokens/s, TTFT/TPOT p50/p90, finish reasons, the
-    acceptance rate when draft tokens were proposed, the plain-strategy comparison, and what failed.
+    acceptance rate when draft tokens were proposed (and per proposer, `proposer_tokens`), the plain-strategy
+    comparison, and what failed.
 
     `tokens_per_s` is this run's (`wall`). With a comparison (`plain_outputs`, `plain_wall`: the plain runs' mean
     wall time), `strategy_tokens_per_s` is the recipe strategy's rate over its mean wall time in the comparison
@@ -251,6 +252,12 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
         reasons[str(o.finish_reason)] = reasons.get(str(o.finish_reason), 0) + 1
     drafted = sum(o.metrics.num_draft_tokens for o in outputs)
     accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
+    by_proposer: dict[str, dict[str, int]] = {}
+    for o in outputs:
+        for name, counts in o.metrics.proposer_tokens.items():
+            total = by_proposer.setdefault(name, {"drafted": 0, "accepted": 0})
+            total["drafted"] += counts["drafted"]
+            total["accepted"] += counts["accepted"]
     summary: dict[str, Any] = {
         "requests": len(outputs), "output_tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else None,
@@ -259,6 +266,7 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
         "finish_reasons": reasons,
         "draft_tokens": drafted, "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
+        "proposer_tokens": by_proposer,
         "errors": [o.error for o in outputs if o.error],
         "bad_inputs": [str(b) for b in bad_inputs],
     }

@@ -7,8 +7,8 @@ the medians of useful tokens/s and the median of the per-round ratios decodekit 
 - **greedy**: prompts of `prompt_len` random ordinary token ids (fresh each round, as `bench batch1` and
   `bench batch`), every request generating exactly `output_len` tokens (EOS ignored); transformers: `generate`
   on the same batch, left-padded.
-- **speculative**: the n-gram proposer (`NGRAM_STRATEGY`: k 4, adaptive), on recipes/speculative.yaml's copy-style
-  prompts (repeat, rewrite, add type hints, summarize); transformers: its own prompt-lookup decoding
+- **speculative**: the n-gram proposer (`NGRAM_STRATEGY`: k 4, adaptive), on the copy-style prompts
+  (`COPY_PROMPTS`: repeat, rewrite, add type hints, summarize); transformers: its own prompt-lookup decoding
   (`generate(prompt_lookup_num_tokens=10)`) at batch 1; above batch 1 plain greedy `generate`, because
   transformers' assisted generation runs only at batch size 1 (the table says which).
 - **beam**: beam search with 4 beams on summarization prompts (`summary_texts`, as benchmarks/strategies.py);
@@ -44,11 +44,11 @@ from decodekit.bench.machine import environment, machine_line
 from decodekit.bench.progress import BenchProgress
 from decodekit.bench.report import MISSING, SystemFigures, jsonable
 from decodekit.bench.workloads import (
+    COPY_PROMPTS,
     DEFAULT_PROMPT_LEN,
     Workload,
     make_text_workload,
     safe_token_pool,
-    speculative_recipe,
     summary_texts,
 )
 from decodekit.core.config import EngineConfig
@@ -149,7 +149,7 @@ def _cell_workload(strategy: str, batch: int, requests: int, tokenizer: Any, out
     if strategy == "greedy":
         return Workload("greedy", [prompt_len] * requests, [output_len] * requests, batch,
                         safe_token_pool(tokenizer, vocab), seed)
-    texts = speculative_recipe()["inputs"]["prompts"] if strategy == "speculative" else summary_texts(requests)
+    texts = COPY_PROMPTS if strategy == "speculative" else summary_texts(requests)
     return make_text_workload("copy" if strategy == "speculative" else "summarize", tokenizer, list(texts),
                               num_requests=requests, output_len=output_len, batch_size=batch, seed=seed,
                               vocab_size=vocab)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("batch1", "batch", "mixed", "ttft")
@@ -27,8 +26,24 @@ MIXED_REQUESTS, MIXED_REPEATS = 16, 2
 MIXED_FULL_REQUESTS, MIXED_FULL_REPEATS = 64, 3
 """`decodekit bench mixed --full`: the size of the figures in docs/benchmarks.md (~45 minutes on that CPU)."""
 
-SPECULATIVE_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "speculative.yaml"
-"""The recipe whose copy-style prompts the speculative benchmarks use (source checkout)."""
+COPY_PROMPTS = (
+    "Repeat the following text exactly, word for word:\n\nThe Great Barrier Reef is the world's largest "
+    'coral reef system, composed of over 2,900 individual reefs and 900 islands stretching for over 2,300 '
+    'kilometres over an area of approximately 344,400 square kilometres. The reef is located in the Coral '
+    'Sea, off the coast of Queensland, Australia.',
+    'Rewrite this paragraph, keeping every fact:\n\nMarie Curie was a Polish and naturalised-French physicist '
+    'and chemist who conducted pioneering research on radioactivity. She was the first woman to win a Nobel '
+    'Prize, the first person to win a Nobel Prize twice, and the only person to win a Nobel Prize in two '
+    'scientific fields.',
+    'Add type hints to this Python function and return the whole function:\n\ndef mean(values):\n    total '
+    '= 0\n    for value in values:\n        total += value\n    return total / len(values)',
+    'Summarize this in two sentences:\n\nThe Amazon rainforest covers much of the Amazon basin of South '
+    'America. The basin encompasses seven million square kilometres, of which five and a half million square '
+    'kilometres are covered by the rainforest. The majority of the forest is contained within Brazil, with '
+    '60% of the rainforest, followed by Peru with 13% and Colombia with 10%.',
+)
+"""Prompts whose answers copy from their input (repeat, rewrite, add type hints, summarize): where prompt lookup
+(n-gram) drafts pay. recipes/speculative.yaml runs them too."""
 
 FACTS = (
     "The Amazon rainforest covers much of the Amazon basin of South America.",
@@ -174,23 +189,6 @@ def make_text_workload(name: str, tokenizer: Any, texts: list[str], *, num_reque
                         seed, texts=list(texts), tokenizer=tokenizer, vocab_size=vocab_size)
     work.prompt_lens = [len(r.prompt_ids) for r in work.requests(0)]
     return work
-
-
-def speculative_recipe() -> dict[str, Any]:
-    """recipes/speculative.yaml as a dict: its copy-style prompts (`inputs.prompts`: repeat, rewrite, add type
-    hints, summarize) and its settings.
-
-    Raises:
-        FileNotFoundError: not run from a source checkout (the recipes are not installed with the package).
-    """
-    import yaml
-
-    try:
-        data: dict[str, Any] = yaml.safe_load(SPECULATIVE_RECIPE.read_text())
-    except OSError as exc:
-        raise FileNotFoundError(f"cannot read {SPECULATIVE_RECIPE} (the speculative benchmarks take their prompts "
-                                f"from the source checkout's recipes): {exc}") from None
-    return data
 
 
 def summary_texts(num_requests: int) -> list[str]:
