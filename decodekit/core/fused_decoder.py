@@ -123,9 +123,11 @@ class _Int8Matrix:
         return out if self.bias is None else out.add_(self.bias)
 
 
-# Rows up to which the int8 kernel beats dequantizing to float32 BLAS (SmolLM2's shapes, 2-core AVX2: 2.4x faster
-# at 2 rows, about even at 32); beyond it a step is bound by arithmetic and BLAS's blocking wins.
-INT8_NATIVE_MAX_ROWS = 32
+# Rows up to which the int8 kernel beats dequantizing to float32 BLAS. Measured on SmolLM2 (2-core AVX2, whole
+# decode steps, benchmarks/step_cost.py): the kernel costs ~3.1 ms per row from 16 rows on, the dequantizing path
+# ~70 ms per step more than float32's ~2.6-2.9 ms per row, so they cross near 140 rows; with the limit at 32, a
+# 33-row step cost 1.7x a 32-row one.
+INT8_NATIVE_MAX_ROWS = 128
 # Output rows dequantized at once on the BLAS path: a few MB of float32, not a vocabulary-sized matrix.
 _DEQUANTIZE_BLOCK = 2048
 
