@@ -254,6 +254,59 @@ def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
     assert "strategy.speculative.proposer_options: takes no parameters, got ['times']" in bad[3].error
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_proposer_that_reads_hidden_states_sees_every_final_position_once_as_transformers_computes_it(
+        tokenizer, fused):
+    """`Proposer.hidden_states`: the target's last hidden states of every verified position reach `observe`, once
+    each, equal to transformers' (final norm's output), on both forwards; the requests skip the prefix cache while
+    others keep it."""
+    from decodekit import hookimpl
+    from decodekit.plugins import get_plugin_manager
+    from decodekit.strategy import Proposer
+
+    seen: dict[int, dict[int, torch.Tensor]] = {}
+
+    class Echo(Proposer):  # drafts the last token again; records what it observes
+        name = "echo"
+        hidden_states = True
+
+        def propose(self, ctx, seqs, ks, options):
+            return [[s.token_ids[-1]] * k for s, k in zip(seqs, ks)], [None] * len(seqs)
+
+        def observe(self, seq, states, num_valid):
+            rows = seen.setdefault(seq.request.request_id, {})
+            for j in range(states.states.shape[0]):
+                position = states.start + j
+                if position < num_valid:
+                    assert position not in rows, f"position {position} observed twice"
+                    rows[position] = states.states[j].clone()
+
+    class Plugin:
+        @hookimpl
+        def decodekit_register_proposers(self, register):
+            register("echo", Echo)
+
+    pm = get_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), "echo_plugin")
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=pm, fused_decoder=fused)
+    prompts = random_prompts(3, 9, 20, seed=13)
+    llm.generate(prompts, SamplingParams(max_tokens=2))  # published prompt blocks: the echo requests must not use them
+    outs = llm.generate(prompts, _spec("echo", 3, max_tokens=10, temperature=0, ignore_eos=True))
+    assert all(o.metrics.num_cached_prompt_tokens == 0 for o in outs)
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    for prompt, out in zip(prompts, outs):
+        tokens = prompt + out.token_ids
+        with torch.no_grad():
+            want = model.model(torch.tensor([tokens])).last_hidden_state[0]
+        rows = seen[out.request_id]
+        assert sorted(rows) == list(range(len(tokens) - 1))  # every final position; the last token is not computed
+        got = torch.stack([rows[p] for p in range(len(tokens) - 1)])
+        torch.testing.assert_close(got, want[: len(tokens) - 1], rtol=1e-4, atol=1e-4)
+    again = llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert all(o.metrics.num_cached_prompt_tokens > 0 for o in again)  # plain requests still use the cache
+
+
 class _WrappedLinear(torch.nn.Linear):
     """A projection the fused decoder does not take (it is not a plain `nn.Linear`)."""
 

@@ -14,7 +14,7 @@ import torch
 from pydantic import BaseModel
 
 from decodekit.api.sequence import Sequence
-from decodekit.api.strategy import StepContext
+from decodekit.api.strategy import HiddenStates, StepContext
 
 
 class ProposerModel(Protocol):
@@ -73,6 +73,11 @@ class Proposer:
     name: ClassVar[str] = "proposer"
     Params: ClassVar[type[BaseModel] | None] = None
 
+    hidden_states: ClassVar[bool] = False
+    """The proposer reads the target's last hidden states (the final norm's output, the LM head's input) of the
+    positions it verified, through `observe` (EAGLE-style draft heads); requests that use it then compute their
+    prompts in full (cached positions have no hidden states)."""
+
     needs_draft: ClassVar[bool] = False
     """The proposer runs the engine's draft model (`LLM(draft=...)`, recipe `draft:`): `decodekit recipe check`
     refuses a recipe that uses it without one, before any model is loaded."""
@@ -110,6 +115,12 @@ class Proposer:
                 options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Draft up to `ks[i]` tokens for `seqs[i]` (with `options[i]`, its validated `Params`)."""
         raise NotImplementedError
+
+    def observe(self, seq: Sequence, states: HiddenStates, num_valid: int) -> None:
+        """After each target forward of `seq` (proposers with `hidden_states = True` only, before `rollback`):
+        `states.states[j]` is the target's last hidden state at position `states.start + j` of `seq`'s tokens and
+        draft; the positions before `num_valid` are final (a rejected draft's rows follow them). The prompt's
+        arrive with its first generated token."""
 
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """After verification: only the first `num_valid` tokens of `seq.token_ids` are final."""

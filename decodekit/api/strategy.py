@@ -146,7 +146,8 @@ class Strategy:
         scores: what `select` receives: "logits" (after each request's processors), "logprobs" (processors
             applied to log-softmax scores) or "raw" (the model's logits; call `ctx.process` yourself).
         hidden_states: the strategy reads last hidden states (`ctx.hidden_states(seq)`, contrastive search); its
-            requests' prompts are then computed in full, never served from the prefix cache.
+            requests' prompts are then computed in full, never served from the prefix cache. A strategy that needs
+            them for some requests only overrides `reads_hidden_states` instead.
         finalizes: the strategy chooses its request's outputs after the engine's stopping (`finalize`: best-of-n
             ranking); its requests stream no deltas, only the final output.
     """
@@ -171,6 +172,11 @@ class Strategy:
 
     def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
         """Refuse a combination this strategy cannot run (raise `ValueError` saying which and why)."""
+
+    def reads_hidden_states(self, options: BaseModel | None) -> bool:
+        """Whether requests with these options read last hidden states (default: the class's `hidden_states`).
+        The speculative strategy says yes when its proposer reads them (`Proposer.hidden_states`)."""
+        return self.hidden_states
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         """How many sequences a request will run at once (for admission limits)."""

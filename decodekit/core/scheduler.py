@@ -61,9 +61,16 @@ def needs_prompt_logits(request: Request) -> bool:
 
 
 def wants_hidden_states(request: Request) -> bool:
-    """Whether the request's strategy reads hidden states (`Strategy.hidden_states`): then every position must be
-    computed, none served from the prefix cache (cached positions have no hidden states)."""
-    return bool(request.plan is not None and getattr(request.plan.strategy, "hidden_states", False))
+    """Whether the request's strategy reads hidden states (`Strategy.reads_hidden_states`, by default its
+    `hidden_states`): then every position must be computed, none served from the prefix cache (cached positions have
+    no hidden states)."""
+    plan = request.plan
+    if plan is None:
+        return False
+    reads = getattr(plan.strategy, "reads_hidden_states", None)
+    if callable(reads):
+        return bool(reads(plan.strategy_options))
+    return bool(getattr(plan.strategy, "hidden_states", False))
 
 
 class Scheduler:

@@ -237,6 +237,12 @@ class SpeculativeStrategy(Strategy):
     def bind(self, components: ComponentLookup) -> None:
         self.components = components
 
+    def reads_hidden_states(self, options: BaseModel | None) -> bool:
+        """When the proposer (or the fallback) reads the target's hidden states (`Proposer.hidden_states`)."""
+        assert isinstance(options, SpeculativeParams)
+        names = [options.proposer] + ([options.fallback] if options.fallback else [])
+        return any(getattr(self.proposers.get(name), "hidden_states", False) for name in names)
+
     def _proposer(self, name: str) -> Proposer:
         assert self.components is not None, "the registry binds the strategy when it builds it"
         proposer: Proposer = self.components.get("proposers", name, f"strategy.{self.name}.proposer")
@@ -313,10 +319,13 @@ class SpeculativeStrategy(Strategy):
             self._adapt(seq, len(draft), accepted)
             valid = len(seq.token_ids) + accepted
             drafted_by = seq.stash.get(_BY, None)
+            states = ctx.hidden_states(seq)
             ctx.accept_draft(seq, accepted, token, drafted_by)
             if draft and seq.request.params.trace is not None:
                 ctx.note(seq, drafts={"proposer": drafted_by})
             for proposer in self.proposers.values():
+                if states is not None and proposer.hidden_states:
+                    proposer.observe(seq, states, valid)
                 proposer.rollback(seq, valid)
 
     @staticmethod
