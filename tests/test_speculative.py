@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -213,10 +215,23 @@ def test_speculative_with_repetition_penalty_equals_plain_greedy_with_it(llama, 
         assert sum(o.metrics.num_accepted_tokens for o in spec) == sum(o.metrics.num_draft_tokens for o in spec)
 
 
-def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
-    """Proposers register through the same public hook as everything else; a wrong option names its key."""
+def _with_proposer(proposer: type) -> Any:
+    """A plugin manager with the built-in plugins and one more registering `proposer` under its name."""
     from decodekit import hookimpl
     from decodekit.plugins import get_plugin_manager
+
+    class Plugin:
+        @hookimpl
+        def decodekit_register_proposers(self, register):
+            register(proposer.name, proposer)
+
+    pm = get_plugin_manager(load_entry_points=False)
+    pm.register(Plugin(), f"{proposer.name}_plugin")
+    return pm
+
+
+def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
+    """Proposers register through the same public hook as everything else; a wrong option names its key."""
     from decodekit.strategy import Proposer
 
     class RepeatLast(Proposer):
@@ -225,14 +240,7 @@ def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
         def propose(self, ctx, seqs, ks, options):
             return [[s.token_ids[-1]] * k for s, k in zip(seqs, ks)], [None] * len(seqs)
 
-    class Plugin:
-        @hookimpl
-        def decodekit_register_proposers(self, register):
-            register("repeat_last", RepeatLast)
-
-    pm = get_plugin_manager(load_entry_points=False)
-    pm.register(Plugin(), "repeat_last_plugin")
-    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", plugin_manager=pm)
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", plugin_manager=_with_proposer(RepeatLast))
     prompts = random_prompts(3, 4, 20, seed=8)
     plain = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
     spec = llm.generate(prompts, _spec("repeat_last", 3, max_tokens=12, temperature=0))
@@ -260,8 +268,6 @@ def test_a_proposer_that_reads_hidden_states_sees_every_final_position_once_as_t
     """`Proposer.hidden_states`: the target's last hidden states of every verified position reach `observe`, once
     each, equal to transformers' (final norm's output), on both forwards; the requests skip the prefix cache while
     others keep it."""
-    from decodekit import hookimpl
-    from decodekit.plugins import get_plugin_manager
     from decodekit.strategy import Proposer
 
     seen: dict[int, dict[int, torch.Tensor]] = {}
@@ -281,15 +287,9 @@ def test_a_proposer_that_reads_hidden_states_sees_every_final_position_once_as_t
                     assert position not in rows, f"position {position} observed twice"
                     rows[position] = states.states[j].clone()
 
-    class Plugin:
-        @hookimpl
-        def decodekit_register_proposers(self, register):
-            register("echo", Echo)
-
-    pm = get_plugin_manager(load_entry_points=False)
-    pm.register(Plugin(), "echo_plugin")
     model = tiny_model("llama")
-    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=pm, fused_decoder=fused)
+    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=_with_proposer(Echo),
+              fused_decoder=fused)
     prompts = random_prompts(3, 9, 20, seed=13)
     llm.generate(prompts, SamplingParams(max_tokens=2))  # published prompt blocks: the echo requests must not use them
     outs = llm.generate(prompts, _spec("echo", 3, max_tokens=10, temperature=0, ignore_eos=True))
