@@ -185,6 +185,8 @@ def test_asking_for_int8_where_it_cannot_run_is_refused_with_the_option_named(to
 
         gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_embd=64, n_layer=1, n_head=4, n_positions=64)).eval()
         LLM(gpt2, tokenizer, quantization="int8", kv_cache_memory="16MiB")
+    with pytest.raises(ConfigError, match=r"draft_quantization: GPT2LMHeadModel is not one of"):
+        LLM(gpt2, tokenizer, draft="target", draft_quantization="int8", fused_decoder=False, kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match=r"(?s)quantization.*Input should be 'int8'"):
         LLM(tiny_model("llama"), tokenizer, quantization="int4", kv_cache_memory="16MiB")
 

@@ -135,7 +135,8 @@ def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
         setting = True
     if setting is None and config.fused_decoder is not None and (fusable or not config.fused_decoder):
         setting = config.fused_decoder  # the target's explicit choice, where the draft can follow it
-    fused = wants_fused_decoder(draft.model, setting, draft.owned, key="draft_fused_decoder")
+    key = "draft_quantization" if config.draft_quantization is not None else "draft_fused_decoder"
+    fused = wants_fused_decoder(draft.model, setting, draft.owned, key=key)
     if not fused and config.draft_fused_decoder is None and setting is None and fusable:
         log.warning("the draft model %s runs the transformers forward (a model object passed in is not re-laid in "
                     "place unless asked); draft_fused_decoder=True runs it through the fused decoder, about twice "
