@@ -15,7 +15,7 @@ import pluggy
 from decodekit.api.errors import ConfigError, DecodeKitError, RequestError
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import RequestOutput
-from decodekit.core.config import EngineConfig
+from decodekit.core.config import TARGET_DRAFT, EngineConfig
 from decodekit.core.engine import Engine
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
@@ -23,9 +23,6 @@ from decodekit.models import BUNDLED_MODEL_NAME, load_model
 
 Prompt = str | list[int]
 Message = dict[str, str]
-
-# `draft=TARGET_DRAFT`: the target model itself, run as a quantized copy (`draft_quantization`), as the draft.
-TARGET_DRAFT = "target"
 
 
 def build_engine(model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtype: Any = "auto", device: Any = None,

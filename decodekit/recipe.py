@@ -37,7 +37,7 @@ from pydantic import (
 
 from decodekit.api.errors import DecodeKitError, RecipeError
 from decodekit.api.params import SAMPLING_ALIASES, ComponentSpec, SamplingParams
-from decodekit.core.config import EngineConfig
+from decodekit.core.config import TARGET_DRAFT, EngineConfig
 from decodekit.core.plan import Components, Plan
 from decodekit.core.registry import Registry
 from decodekit.recipe_syntax import apply_override, format_validation_errors, parse_yaml, read_text_capped
@@ -66,7 +66,7 @@ class DraftConfig(_Section):
 
     @model_validator(mode="after")
     def _check_target(self) -> DraftConfig:
-        if self.model == "target" and self.quantization is None:
+        if self.model == TARGET_DRAFT and self.quantization is None:
             raise ValueError("`model: target` drafts with the target's own weights, which only pays when they run "
                              "faster: add `quantization: int8`")
         return self
@@ -166,7 +166,7 @@ class Recipe(_Section):
         options = self.engine_options()
         if self.draft is not None and self.draft.quantization is not None:
             options["draft_quantization"] = self.draft.quantization
-        draft_dtype = self.draft.dtype if self.draft and self.draft.model != "target" else None
+        draft_dtype = self.draft.dtype if self.draft and self.draft.model != TARGET_DRAFT else None
         return LLM(self.model, dtype=self.dtype, device=self.device, plugin_manager=plugin_manager,
                    draft=self.draft.model if self.draft else None, draft_dtype=draft_dtype, **options)
 
@@ -306,7 +306,7 @@ def check_models(recipe: Recipe, registry: Registry) -> dict[str, str]:
     from decodekit.models import resolve_model
 
     specs = {"model": recipe.model}
-    if recipe.draft is not None and recipe.draft.model != "target":
+    if recipe.draft is not None and recipe.draft.model != TARGET_DRAFT:
         specs["draft.model"] = recipe.draft.model
     found = {}
     for key, spec in specs.items():

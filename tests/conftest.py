@@ -86,15 +86,19 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def save_tiny_llama(folder: Path, chat_template: str = CHAT_TEMPLATE, **overrides) -> Path:
+    """Save a tiny random Llama (config `overrides`) and its tokenizer with `chat_template` as an HF folder."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = chat_template
+    tiny_model("llama", **overrides).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A tiny random Llama and its tokenizer (with a chat template) saved as a local HF folder."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tiny_model("llama").save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def tiny_overrides(tiny_dir: Path, max_tokens: int = 6) -> list[str]:

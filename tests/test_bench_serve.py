@@ -33,7 +33,7 @@ from decodekit.bench.serving import (
     summarize_run,
 )
 from decodekit.cli import app
-from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from tests.conftest import save_tiny_llama
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
@@ -43,10 +43,7 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n
 def tiny_recipe(tmp_path_factory) -> Path:
     """A recipe over a tiny random Llama (2048 positions: the workload's longest prompts fit) with a chat template."""
     folder = tmp_path_factory.mktemp("bench-serve")
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = TEMPLATE
-    tiny_model("llama", max_position_embeddings=2048).save_pretrained(folder / "tiny")
-    tokenizer.save_pretrained(folder / "tiny")
+    save_tiny_llama(folder / "tiny", TEMPLATE, max_position_embeddings=2048)
     recipe = folder / "tiny.yaml"
     recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 32MiB}}\n"
                       "sampling: {temperature: 0, max_tokens: 8}\n")

@@ -7,6 +7,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+TARGET_DRAFT = "target"
+"""The draft spec (`LLM(draft=...)`, recipe `draft.model`) meaning the target model itself, run as a quantized copy
+(`draft_quantization`)."""
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 

@@ -391,6 +391,24 @@ DK_I8_TILE(4, 1)
 DK_I8_TILE(1, 2)
 DK_I8_TILE(1, 1)
 
+/* sums for the nr (<= 4) weight rows from `first` and the nm (<= 2) activation rows at xm, by the tiles of one
+ * path (`i16` or `i8`): one 4-row tile, or single rows at the end of the output. */
+#define DK_TILES(path, xm)                                                                                      \
+    do {                                                                                                        \
+        if (nr == 4) {                                                                                          \
+            if (nm == 2) path##_tile_4_2(xm, in, w + first * in, sums);                                         \
+            else path##_tile_4_1(xm, in, w + first * in, sums);                                                 \
+        } else {                                                                                                \
+            for (int64_t r = 0; r < nr; ++r) {                                                                  \
+                float one[8];                                                                                   \
+                if (nm == 2) path##_tile_1_2(xm, in, w + (first + r) * in, one);                                \
+                else path##_tile_1_1(xm, in, w + (first + r) * in, one);                                        \
+                sums[r * 2] = one[0];                                                                           \
+                sums[r * 2 + 1] = one[1];                                                                       \
+            }                                                                                                   \
+        }                                                                                                       \
+    } while (0)
+
 /* Round each row of x to int16 with its own scale into xq/xscale; 0 when some row is not finite (the float path
  * then takes the call, so NaN and infinity propagate as in float32). */
 static int quantize_rows_i16(const float* x, int64_t rows, int64_t in, int16_t* xq, float* xscale) {
@@ -436,37 +454,13 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* w, con
             float sums[8];
 #if DK_HAVE_I16
             if (xq != NULL) {
-                const int16_t* xm = xq + m * in;
-                if (nr == 4) {
-                    if (nm == 2) i16_tile_4_2(xm, in, w + first * in, sums);
-                    else i16_tile_4_1(xm, in, w + first * in, sums);
-                } else {
-                    for (int64_t r = 0; r < nr; ++r) {
-                        float one[8];
-                        if (nm == 2) i16_tile_1_2(xm, in, w + (first + r) * in, one);
-                        else i16_tile_1_1(xm, in, w + (first + r) * in, one);
-                        sums[r * 2] = one[0];
-                        sums[r * 2 + 1] = one[1];
-                    }
-                }
+                DK_TILES(i16, xq + m * in);
                 for (int64_t k = 0; k < nm; ++k)
                     for (int64_t r = 0; r < nr; ++r) sums[r * 2 + k] *= xscale[m + k];
             } else
 #endif
             {
-                const float* xm = x + m * in;
-                if (nr == 4) {
-                    if (nm == 2) i8_tile_4_2(xm, in, w + first * in, sums);
-                    else i8_tile_4_1(xm, in, w + first * in, sums);
-                } else {
-                    for (int64_t r = 0; r < nr; ++r) {
-                        float one[8];
-                        if (nm == 2) i8_tile_1_2(xm, in, w + (first + r) * in, one);
-                        else i8_tile_1_1(xm, in, w + (first + r) * in, one);
-                        sums[r * 2] = one[0];
-                        sums[r * 2 + 1] = one[1];
-                    }
-                }
+                DK_TILES(i8, x + m * in);
             }
             for (int64_t r = 0; r < nr; ++r)
                 for (int64_t k = 0; k < nm; ++k) {
