@@ -32,6 +32,8 @@ class ComponentInfo:
         open_model: give a model its own paged KV cache and forward (`ProposerModel`, as many blocks as the
             engine's, run the way the engine runs its own model): how a proposer runs a draft model with public
             API only. None outside an engine (a recipe check).
+        target: the engine's own model, for a proposer that reuses its embedding and LM head (a trained draft head,
+            the `eagle` proposer); None outside an engine. Read it, never change it.
     """
 
     tokenizer: Any = None
@@ -41,6 +43,7 @@ class ComponentInfo:
     model_name: str = ""
     draft: LoadedModel | None = None
     open_model: Callable[[LoadedModel], ProposerModel] | None = None
+    target: LoadedModel | None = None
 
 
 class ComponentLookup(Protocol):

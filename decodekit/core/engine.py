@@ -72,7 +72,7 @@ class Engine:
         self.draft_config = draft_config(config, draft) if draft is not None else None
         self.components = Components(registry, ComponentInfo(
             loaded.tokenizer, self.vocab_size, self.eos_token_ids, loaded.device, loaded.name, draft,
-            open_model=self._open_model))
+            open_model=self._open_model, target=loaded))
         self.processing = Processing(self.eos_token_ids, loaded.device, loaded.tokenizer)
         self.forward = ForwardStage(self.runner, self.allocator, self.scheduler,
                                     lambda request, start, rows: record_prompt_logprobs(request, start, rows,

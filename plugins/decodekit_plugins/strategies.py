@@ -12,6 +12,7 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Sequence
 from decodekit.api.strategy import StepContext, Strategy
 from decodekit_plugins.beam_search import BeamSearchStrategy
+from decodekit_plugins.eagle import EagleProposer
 from decodekit_plugins.speculative import DraftModelProposer, NgramProposer, SpeculativeStrategy
 
 
@@ -61,3 +62,4 @@ def decodekit_register_proposers(register: Callable[..., None]) -> None:
     """Register the built-in speculative-decoding proposers."""
     register(NgramProposer.name, NgramProposer)
     register(DraftModelProposer.name, DraftModelProposer)
+    register(EagleProposer.name, EagleProposer)
