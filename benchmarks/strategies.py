@@ -4,7 +4,8 @@
   rewrite/repeat prompts, 128 tokens) and `chat` (free-form questions, 96 tokens), at batch 1 (one request at a time)
   and batch 8 (the prompts submitted together, cycled to 8). Configurations: n-gram (k 4, adaptive), an int8 copy of
   the target as draft (k 4), and n-gram on two-token matches chained to the int8 draft (k 4, drafting nothing while
-  4 or more sequences run: recipes/speculative.yaml's settings). Each row gives the
+  4 or more sequences run), the trained draft head shipped for the bundled model (`eagle`, k 4) and n-gram chained to
+  it (recipes/speculative.yaml's settings). Each row gives the
   median of per-repeat ratios to plain with their range, acceptance per proposer, and whether the output equalled
   plain's token for token.
 - `beam`: 16 summarization requests (prompts of about 40 to 220 tokens) with 4 beams, decodekit's in-engine beam
@@ -12,7 +13,8 @@
   same sequences (checked). decodekit prefills each prompt once and forks the beams (transformers prefills every
   beam's copy), and finished requests leave the batch.
 
-Usage: python benchmarks/strategies.py {spec,beam,all} [--repeats 3] [--threads 1]
+Usage: python benchmarks/strategies.py {spec,beam,all} [--repeats 3] [--threads 1] [--configs "trained head,ngram"]
+       [--batches 1,8]
 
 The prompts come from `decodekit.bench.workloads` (`COPY_PROMPTS`, `CHAT_QUESTIONS`, `summary_texts`), which
 `decodekit bench matrix` uses too.
@@ -43,8 +45,12 @@ NGRAM = {"proposer": "ngram", "num_speculative_tokens": 4, "adaptive": True}
 INT8_DRAFT = {"proposer": "draft", "num_speculative_tokens": 4}
 CHAINED = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "draft",
            "num_speculative_tokens": 4, "disable_by_batch_size": 4}
+TRAINED_HEAD = {"proposer": "eagle", "num_speculative_tokens": 4}
+CHAINED_HEAD = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "eagle",
+                "num_speculative_tokens": 4, "disable_by_batch_size": 4}
 SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM, "int8 draft": INT8_DRAFT,
-                                                  "ngram + int8 draft": CHAINED}
+                                                  "ngram + int8 draft": CHAINED, "trained head": TRAINED_HEAD,
+                                                  "ngram + trained head": CHAINED_HEAD}
 
 
 def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
@@ -157,14 +163,22 @@ def main() -> None:
     parser.add_argument("which", choices=["spec", "beam", "all"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--configs", default="", help="comma-separated speculative configurations to compare "
+                        f"with plain (default: all of {', '.join(c for c in SPEC_CONFIGS if c != 'plain')})")
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes for `spec`")
     args = parser.parse_args()
+    names = [c.strip() for c in args.configs.split(",") if c.strip()] or list(SPEC_CONFIGS)
+    unknown = [c for c in names if c not in SPEC_CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {unknown}; known: {list(SPEC_CONFIGS)}")
+    configs = {"plain": None, **{c: SPEC_CONFIGS[c] for c in names if c != "plain"}}
     if args.threads:
         torch.set_num_threads(args.threads)
     # the int8 self-draft serves the `draft` configurations; plain, n-gram and beam never open it
     llm = LLM("smollm2-135m-instruct", dtype="float32", draft="target", draft_quantization="int8")
     print(machine_line(environment(), "float32"), flush=True)
     if args.which in ("spec", "all"):
-        bench_spec(llm, args.repeats)
+        bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")))
     if args.which in ("beam", "all"):
         bench_beam(llm, args.repeats)
 

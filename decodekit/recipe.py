@@ -314,6 +314,14 @@ def check_models(recipe: Recipe, registry: Registry) -> dict[str, str]:
             found[key] = resolve_model(spec, registry.model_loaders).name
         except DecodeKitError as exc:
             raise RecipeError(f"{recipe.source}: {key}: {exc}") from None
+    if "draft.model" in specs:  # a draft must share the target's vocabulary; compared where configs tell it cheaply
+        from decodekit.models.loader import peek_vocab_size
+
+        target, draft = peek_vocab_size(specs["model"]), peek_vocab_size(specs["draft.model"])
+        if target is not None and draft is not None and target != draft:
+            raise RecipeError(f"{recipe.source}: draft.model: {specs['draft.model']!r} has a vocabulary of {draft} "
+                              f"ids and the target {specs['model']!r} {target}; speculative decoding needs a draft "
+                              "with the target's tokenizer")
     return found
 
 

@@ -110,11 +110,11 @@ def test_eagle_sampling_keeps_the_targets_distribution(tokenizer, tmp_path):
         pairs = torch.tensor([[*prompt, t] for t in range(64)])
         second = torch.softmax(model(pairs).logits[:, -1], dim=-1)
     marginal = (first[:, None] * second).sum(0)
-    draws = 3000
+    draws = 1500
     llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_seqs=256)
     params = [_eagle(2, head_path, max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(draws)]
     outs = llm.generate([prompt] * draws, params)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 100  # both branches of the rule ran
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 50  # both branches of the rule ran
     counts = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=64).double()
     expected = marginal.double() * draws
     big = expected >= 5  # the rest is merged into one category
@@ -151,7 +151,8 @@ def test_a_file_that_is_not_a_head_is_refused(tmp_path):
         load_head(path)
 
 
-def test_the_head_cache_step_equals_the_whole_sequence_forward_for_both_draft_steps():
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_head_cache_step_equals_the_whole_sequence_forward_for_both_draft_steps(fused):
     config = DraftHeadConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
                              rms_norm_eps=1e-5, rope_theta=1e4, vocab_size=100, draft_vocab_size=50)
     torch.manual_seed(0)
@@ -161,6 +162,8 @@ def test_the_head_cache_step_equals_the_whole_sequence_forward_for_both_draft_st
             parameter.normal_(0, 0.3)
         embeds, states = torch.randn(1, 12, 64), torch.randn(1, 12, 64)
         whole, kv = head(embeds, states)
+        if fused:
+            head.fuse()
         cache = HeadCache(config, torch.float32, torch.device("cpu"), capacity=2)  # grows on the way
         parts = [head.step(embeds[0, a:b], states[0, a:b], torch.arange(a, b), cache) for a, b in ((0, 5), (5, 6),
                                                                                                (6, 12))]

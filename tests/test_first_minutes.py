@@ -28,6 +28,7 @@ from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutp
 from decodekit.cli import app, render_summary
 from decodekit.models import BUNDLED_MODEL_NAME, resolve_model
 from decodekit.recipe_runner import summarize
+from tests.conftest import save_tiny_llama
 from tests.conftest import tiny_overrides as _tiny
 from tests.test_plugin_docs import Block, blocks
 
@@ -208,6 +209,16 @@ def test_recipe_check_names_the_draft_model_key_too():
     result = _check("draft.model=no-such-draft")
     assert result.exit_code == 2
     assert f"{QUICKSTART}: draft.model: no model loader accepts 'no-such-draft'" in " ".join(result.stderr.split())
+
+
+def test_recipe_check_refuses_a_draft_with_another_vocabulary_naming_the_draft_key(tiny_dir, tmp_path):
+    other = save_tiny_llama(tmp_path / "other", vocab_size=512)
+    result = _check(f"model={tiny_dir}", f"draft.model={other}")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    message = " ".join(result.stderr.split())
+    assert f"{QUICKSTART}: draft.model: {str(other)!r} has a vocabulary of 512 ids" in message
+    assert "needs a draft with the target's tokenizer" in message
+    assert _check(f"model={tiny_dir}", f"draft.model={tiny_dir}").exit_code == 0  # the same vocabulary passes
 
 
 def test_recipe_check_accepts_a_model_folder_the_bundled_model_and_a_gguf_file_that_exist(tiny_dir, tmp_path):

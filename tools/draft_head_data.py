@@ -12,7 +12,9 @@ Resumable: requests are run in rounds of `--round-size`, and each finished round
 already there. The request list is a pure function of `--seed` and `--num-requests`.
 
 Usage: python tools/draft_head_data.py --output data/draft_head/smollm2_selfdistill.npz [--num-requests 1200]
-       [--max-tokens 256] [--round-size 64] [--seed 0]
+       [--max-tokens 256] [--round-size 64] [--seed 0] [--prompt-set templated]
+The second file: --output data/draft_head/smollm2_selfdistill_open.npz --num-requests 1000 --seed 1
+       --prompt-set open
 """
 
 from __future__ import annotations
@@ -57,6 +59,43 @@ COPY_TASKS = ("Repeat this text exactly:", "Rewrite this text in your own words:
               "Translate this into simple English:", "Summarize this in one sentence:",
               "Add a comment explaining this:")
 
+# The `open` prompt set: everyday questions of many shapes, about topics and activities the templated set lacks.
+OPEN_QUESTIONS = (
+    "How does {topic} work?", "Why is {topic} important?", "What is the difference between {topic} and {other}?",
+    "Can you explain {topic} in simple terms?", "What would happen if there were no {topic}?",
+    "Describe {topic} to someone who has never seen it.", "What are the main parts of {topic}?",
+    "Tell me something most people do not know about {topic}.", "How has {topic} changed over the last century?",
+    "Write a short paragraph about {topic} for a school newsletter.", "What is the best way to learn about {topic}?",
+    "Write an email to a friend about {topic}.", "What are three questions a child might ask about {topic}?",
+    "Write a short speech about {topic}.", "Give an example of {topic} in everyday life.",
+    "Is {topic} good or bad for the environment? Explain.", "Write a recipe-style guide to understanding {topic}.",
+    "What jobs are related to {topic}?", "Explain {topic} using an analogy.", "Write a tweet about {topic}.",
+)
+OPEN_ACTIVITIES = (
+    "Give me some tips for {activity}.", "What should I know before {activity}?", "How do I get better at {activity}?",
+    "What are common mistakes when {activity}?", "Make a checklist for {activity}.",
+    "What equipment do I need for {activity}?", "How can I stay motivated while {activity}?",
+    "Write a beginner's guide to {activity}.", "How much time should I spend on {activity} each week?",
+    "What are the health benefits of {activity}?",
+)
+OPEN_TOPICS = (
+    "a microwave oven", "the water cycle", "a thermostat", "credit cards", "tides", "a compass", "thunderstorms",
+    "the postal service", "wind turbines", "the seasons", "an airplane wing", "batteries", "the human eye", "yeast",
+    "traffic lights", "a museum", "memory", "money", "a city park", "public transport", "the calendar", "soap",
+    "a camera", "weather forecasts", "the alphabet", "a kitchen knife", "elections", "insurance", "a rainforest",
+    "the moon landing", "nutrition labels", "a hospital", "time zones", "the stock exchange", "plastic", "ants",
+    "music theory", "a telescope", "fire", "maps", "email", "the brain", "coral reefs", "trains", "umbrellas",
+    "a vegetable garden", "a newspaper", "passwords", "bees and flowers", "the sun",
+)
+OPEN_ACTIVITY_NAMES = (
+    "running a marathon", "learning a new language", "cooking for a large family", "moving to a new city",
+    "starting a small business", "painting with watercolours", "writing a novel", "camping in the rain",
+    "saving money for a holiday", "training a puppy", "studying for an exam", "planting a tree",
+    "giving a presentation", "swimming in the sea", "buying a used car", "learning to juggle", "baking sourdough",
+    "photographing birds", "building a bookshelf", "teaching a child to ride a bike", "keeping a journal",
+    "travelling alone", "playing the drums", "cleaning a house quickly", "meditating",
+)
+
 
 @dataclass(frozen=True)
 class DataRequest:
@@ -85,6 +124,20 @@ def make_requests(count: int, seed: int, token_pool: list[int]) -> list[DataRequ
         else:
             ids = tuple(rng.choice(token_pool) for _ in range(rng.randint(8, 32)))
             requests.append(DataRequest(None, ids, greedy, seed * 1_000_003 + index))
+    return requests
+
+
+def make_open_requests(count: int, seed: int) -> list[DataRequest]:
+    """The `open` request list: everyday questions (two thirds about a topic, one third about an activity),
+    alternately greedy and sampled. A pure function of its arguments."""
+    rng = random.Random(seed)
+    requests = []
+    for index in range(count):
+        if rng.random() < 2 / 3:
+            message = rng.choice(OPEN_QUESTIONS).format(topic=rng.choice(OPEN_TOPICS), other=rng.choice(OPEN_TOPICS))
+        else:
+            message = rng.choice(OPEN_ACTIVITIES).format(activity=rng.choice(OPEN_ACTIVITY_NAMES))
+        requests.append(DataRequest(message, None, index % 2 == 0, seed * 1_000_003 + index))
     return requests
 
 
@@ -132,6 +185,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--round-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-set", choices=["templated", "open"], default="templated",
+                        help="templated: instruction x topic chat, copy tasks, raw continuations; open: everyday "
+                        "questions of many shapes")
     args = parser.parse_args()
 
     from decodekit import LLM, SamplingParams
@@ -139,7 +195,8 @@ def main() -> None:
 
     llm = LLM("smollm2-135m-instruct", dtype="float32", max_num_seqs=args.round_size)
     tokenizer = llm.tokenizer
-    requests = make_requests(args.num_requests, args.seed, safe_token_pool(tokenizer))
+    requests = (make_open_requests(args.num_requests, args.seed) if args.prompt_set == "open"
+                else make_requests(args.num_requests, args.seed, safe_token_pool(tokenizer)))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     found = _load(args.output)
     done = len(found["starts"]) if found else 0

@@ -1,4 +1,4 @@
-"""Train the bundled model's draft head (issue 20) from its own answers: `data/draft_head/smollm2_selfdistill.npz`.
+"""Train the bundled model's draft head (issue 20) from its own answers (`data/draft_head/smollm2_selfdistill*.npz`).
 
 Two phases, both resumable, their state in `--work-dir`:
 
@@ -10,14 +10,14 @@ Two phases, both resumable, their state in `--work-dir`:
    loss = SmoothL1(predicted, f_{i+1}) + cls_weight * cross-entropy(target's top-8 distribution at `i+1`, the
    head's distribution over the draft vocabulary). A second draft step is trained the way it runs (the head's own
    prediction as input, `DraftHead.forward_second`). The draft vocabulary is the `--draft-vocab` most frequent
-   ids of the training sequences. One sequence in 20 is held out: each epoch reports how often the head's top
-   token equals the target's there, for the first and the second draft step. A checkpoint after every epoch;
-   a rerun goes on from the last one.
+   ids of the training sequences. One sequence in 20 of each file is held out: each epoch reports, per file, how
+   often the head's top token equals the target's there, for the first and the second draft step. A checkpoint
+   after every epoch; a rerun goes on from the last one.
 
 Seeded: the same arguments give the same head on the same machine kind.
 
-Usage: python tools/train_draft_head.py [--data data/draft_head/smollm2_selfdistill.npz]
-       [--output data/draft_head/smollm2_head.safetensors] [--work-dir .cache/draft_head] [--epochs 6]
+Usage: python tools/train_draft_head.py [--data data/draft_head/smollm2_selfdistill.npz ...]
+       [--output decodekit/models/heads/smollm2-135m-instruct.safetensors] [--work-dir .cache/draft_head] [--epochs 6]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def hidden_states(model: torch.nn.Module, data: dict[str, np.ndarray], work: Pat
     """Phase 1: write `features.npy` (float16 `[tokens, hidden]`), `top_ids.npy` and `top_probs.npy` to `work`."""
     tokens, starts, lengths = data["tokens"], data["starts"], data["lengths"]
     hidden = model.config.hidden_size
+    work.mkdir(parents=True, exist_ok=True)
     progress_file = work / "features.progress"
     done = int(progress_file.read_text()) if progress_file.exists() else 0
     mode = "r+" if done else "w+"
@@ -76,6 +77,17 @@ def hidden_states(model: torch.nn.Module, data: dict[str, np.ndarray], work: Pat
                   flush=True)
 
 
+def join_data(parts: list[dict[str, np.ndarray]], works: list[Path]
+              ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The data files as one (sequences in file order, their `starts` shifted) and their phase-1 arrays, in memory."""
+    offsets = np.cumsum([0] + [len(part["tokens"]) for part in parts[:-1]])
+    data = {key: np.concatenate([part[key] for part in parts]) for key in parts[0] if key != "starts"}
+    data["starts"] = np.concatenate([part["starts"] + offset for part, offset in zip(parts, offsets)])
+    features = {name: np.concatenate([np.load(work / f"{name}.npy", mmap_mode="r") for work in works])
+                for name in ("features", "top_ids", "top_probs")}
+    return data, features
+
+
 def draft_vocabulary(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, train: np.ndarray,
                      vocab_size: int, size: int) -> np.ndarray:
     """The `size` ids most frequent in the training sequences (ties by id), most frequent first."""
@@ -88,13 +100,14 @@ def draft_vocabulary(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 class Batches:
     """Training examples of a set of sequences as padded tensors (position `i` pairs `f_i` with `t_{i+1}`)."""
 
-    def __init__(self, data: dict[str, np.ndarray], work: Path, vocab_index: torch.Tensor) -> None:
+    def __init__(self, data: dict[str, np.ndarray], features: dict[str, np.ndarray], vocab_index: torch.Tensor
+                 ) -> None:
         self.tokens = data["tokens"]
         self.starts = data["starts"]
         self.lengths = data["lengths"]
-        self.features = np.load(work / "features.npy", mmap_mode="r")
-        self.top_ids = np.load(work / "top_ids.npy", mmap_mode="r")
-        self.top_probs = np.load(work / "top_probs.npy", mmap_mode="r")
+        self.features = features["features"]
+        self.top_ids = features["top_ids"]
+        self.top_probs = features["top_probs"]
         self.vocab_index = vocab_index  # target id -> draft vocabulary index, -1 outside it
 
     def plan(self, seqs: np.ndarray, max_tokens: int, generator: np.random.Generator | None) -> list[np.ndarray]:
@@ -156,8 +169,9 @@ def step_losses(predicted: torch.Tensor, lm_rows: torch.Tensor, batch: dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path("data/draft_head/smollm2_selfdistill.npz"))
-    parser.add_argument("--output", type=Path, default=Path("data/draft_head/smollm2_head.safetensors"))
+    parser.add_argument("--data", type=Path, nargs="+", default=[Path("data/draft_head/smollm2_selfdistill.npz"),
+                                                                Path("data/draft_head/smollm2_selfdistill_open.npz")])
+    parser.add_argument("--output", type=Path, default=Path("decodekit/models/heads/smollm2-135m-instruct.safetensors"))
     parser.add_argument("--work-dir", type=Path, default=Path(".cache/draft_head"))
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--draft-vocab", type=int, default=8192)
@@ -176,14 +190,20 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    data = dict(np.load(args.data))
     model = load_model(args.model, dtype="float32", device="cpu").model
-    hidden_states(model, data, args.work_dir, args.features_batch)
+    parts = []
+    for path in args.data:  # phase 1 per data file, each in its own folder
+        part = dict(np.load(path))
+        hidden_states(model, part, args.work_dir / path.stem, args.features_batch)
+        parts.append(part)
     if args.stop_after_features:
         return
+    data, features = join_data(parts, [args.work_dir / path.stem for path in args.data])
 
     seqs = np.arange(len(data["starts"]))
     held_out, train = seqs[seqs % 20 == 0], seqs[seqs % 20 != 0]
+    file_of = np.concatenate([np.full(len(part["starts"]), n) for n, part in enumerate(parts)])
+    held_outs = {path.stem: held_out[file_of[held_out] == n] for n, path in enumerate(args.data)}
     vocab = draft_vocabulary(data["tokens"], data["starts"], data["lengths"], train, model.config.vocab_size,
                              args.draft_vocab)
     vocab_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
@@ -195,7 +215,7 @@ def main() -> None:
     config = DraftHeadConfig.for_target(model.config, args.draft_vocab, target=args.model)
     head = DraftHead(config)
     head.draft_vocab.copy_(torch.from_numpy(vocab))
-    source = Batches(data, args.work_dir, vocab_index)
+    source = Batches(data, features, vocab_index)
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = len(source.plan(train, args.batch_tokens, None))
     total_steps = steps_per_epoch * args.epochs
@@ -216,7 +236,7 @@ def main() -> None:
         first_epoch, history = state["epoch"], state["history"]
         print(f"resuming after epoch {first_epoch}", flush=True)
 
-    def evaluate() -> tuple[float, float]:
+    def evaluate(held_out: np.ndarray) -> tuple[float, float]:
         head.eval()
         agree, positions = [0, 0], 0
         with torch.no_grad():
@@ -257,9 +277,11 @@ def main() -> None:
                 mean = sums / (number + 1)
                 print(f"epoch {epoch + 1} batch {number + 1}/{len(plan)}: reg {mean[0]:.4f}/{mean[2]:.4f} "
                       f"cls {mean[1]:.3f}/{mean[3]:.3f}, {time.perf_counter() - start:.0f} s", flush=True)
-        first_agree, second_agree = evaluate()
-        history.append({"epoch": epoch + 1, "seconds": round(time.perf_counter() - start),
-                        "held_out_top1_first": round(first_agree, 4), "held_out_top1_second": round(second_agree, 4)})
+        record: dict[str, object] = {"epoch": epoch + 1, "seconds": round(time.perf_counter() - start)}
+        for name, seqs_of_file in held_outs.items():
+            first_agree, second_agree = evaluate(seqs_of_file)
+            record[f"{name}_top1"] = [round(first_agree, 4), round(second_agree, 4)]
+        history.append(record)
         print(json.dumps(history[-1]), flush=True)
         torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
                     "history": history}, checkpoint)

@@ -13,6 +13,7 @@ converted once to safetensors in the cache directory and loaded from there after
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -217,6 +218,40 @@ def _check_hub(spec: str) -> None:
     if not isinstance(cached, str):
         raise ModelLoadError(f"{spec!r} looks like a hub id but is not in the local Hugging Face cache ({HF_HUB_CACHE})"
                              f"; download it first (`hf download {spec}`), or give a local folder or .gguf file")
+
+
+def _config_vocab_size(config_file: Path) -> int | None:
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return size if isinstance(size, int) else None
+
+
+def peek_vocab_size(spec: str) -> int | None:
+    """The vocabulary size of the model `spec` names, read from its config.json without loading it (a folder, a
+    hub id in the local cache, a GGUF file or the bundled model once converted); None where that needs more than a
+    config file (a GGUF file not yet converted, a plugin's loader). `decodekit recipe check` compares the draft's."""
+    path = Path(spec).expanduser()
+    if spec.lower() == BUNDLED_MODEL_NAME or spec.lower().endswith(".gguf"):
+        try:
+            gguf = bundled_gguf_path() if spec.lower() == BUNDLED_MODEL_NAME else path.resolve()
+            folder = cache_dir() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
+        except (OSError, ModelLoadError):
+            return None
+        return _config_vocab_size(folder / "config.json")
+    if path.is_dir():
+        return _config_vocab_size(path / "config.json")
+    if _looks_like_hub_id(spec):
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(spec, "config.json")
+        except ValueError:
+            return None
+        return _config_vocab_size(Path(cached)) if isinstance(cached, str) else None
+    return None
 
 
 def builtin_model_loaders() -> list[ModelLoader]:

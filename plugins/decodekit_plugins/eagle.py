@@ -118,6 +118,7 @@ class EagleProposer(Proposer):
             raise ValueError("proposer 'eagle' runs inside an engine (it reuses the target's embedding and LM head)")
         model = info.target.model
         module, _ = load_head(path, torch.float32, info.device)
+        module.fuse()
         config = model.config
         hidden = getattr(config, "hidden_size", None)
         embedding = model.get_input_embeddings().weight
@@ -180,16 +181,21 @@ class EagleProposer(Proposer):
         vocab_size = self.info.vocab_size if self.info is not None else head.embedding.shape[0]
         draft: list[int] = []
         q_rows: list[torch.Tensor] = []
+        plain_greedy = seq.greedy and not seq.request.plan.stages  # no processor to apply: argmax is the token
         for j in range(k):
-            logits = torch.full((1, vocab_size), float("-inf"), device=device)
-            logits[0, head.vocab] = current @ head.lm_rows.T
-            logits = ctx.process_after(logits, [seq], [draft])
-            if not bool(torch.isfinite(logits).any()):
-                break  # the request's processors allow nothing in the draft vocabulary
-            token = int(select_tokens(logits, [seq.greedy], [seq.generator])[0])
+            scores = current @ head.lm_rows.T
+            if plain_greedy:
+                token = int(head.vocab[int(scores.argmax())])
+            else:
+                logits = torch.full((1, vocab_size), float("-inf"), device=device)
+                logits[0, head.vocab] = scores[0]
+                logits = ctx.process_after(logits, [seq], [draft])
+                if float(logits.max()) == float("-inf"):
+                    break  # the request's processors allow nothing in the draft vocabulary
+                token = int(select_tokens(logits, [seq.greedy], [seq.generator])[0])
+                if not seq.greedy:
+                    q_rows.append(torch.softmax(logits[0], dim=-1))
             draft.append(token)
-            if not seq.greedy:
-                q_rows.append(torch.softmax(logits[0], dim=-1))
             if j + 1 < k:
                 current = head.module.step(head.embedding[token][None], current,
                                            torch.tensor([last + j], device=device), cache)

@@ -12,7 +12,8 @@ Proposers:
   (n from `prompt_lookup_max` down to `prompt_lookup_min`), no model;
 - `draft`: a smaller causal LM with the target's tokenizer (the engine's `draft` model), or an int8 copy of the
   target (`draft: {model: target, quantization: int8}`), with its own paged KV cache; it sees the request's
-  processors too, so a draft equal to the target is accepted 100%.
+  processors too, so a draft equal to the target is accepted 100%;
+- `eagle` (`decodekit_plugins.eagle`): a trained draft head over the target's own last hidden states.
 
 A `fallback` proposer chains a second one per step: it drafts for the sequences the first leaves without a draft
 (`proposer: ngram` with `prompt_lookup_min: 2` where the context offers a real match, `fallback: draft` elsewhere).
