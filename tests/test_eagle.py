@@ -75,14 +75,14 @@ def test_the_first_draft_token_is_the_heads_prediction_from_transformers_hidden_
     prompt = random_prompts(1, 12, 13, seed=9)[0]
     proposer = llm.engine.components.get("proposers", "eagle")
     seen: list[tuple[list[int], list[int]]] = []
-    original = proposer._propose_one
+    original = proposer.propose
 
-    def record(ctx, seq, k, loaded):
-        draft, q = original(ctx, seq, k, loaded)
-        seen.append((list(seq.token_ids), draft))
-        return draft, q
+    def record(ctx, seqs, ks, options):
+        drafts, qs = original(ctx, seqs, ks, options)
+        seen.extend((list(seq.token_ids), draft) for seq, draft in zip(seqs, drafts))
+        return drafts, qs
 
-    proposer._propose_one = record
+    proposer.propose = record
     llm.generate([prompt], _eagle(2, head_file, max_tokens=6, temperature=0, ignore_eos=True))
     assert len(seen) >= 2
     embedding = llama.get_input_embeddings().weight
@@ -110,11 +110,11 @@ def test_eagle_sampling_keeps_the_targets_distribution(tokenizer, tmp_path):
         pairs = torch.tensor([[*prompt, t] for t in range(64)])
         second = torch.softmax(model(pairs).logits[:, -1], dim=-1)
     marginal = (first[:, None] * second).sum(0)
-    draws = 1500
+    draws = 3000
     llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_seqs=256)
     params = [_eagle(2, head_path, max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(draws)]
     outs = llm.generate([prompt] * draws, params)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 50  # both branches of the rule ran
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 100  # both branches of the rule ran
     counts = torch.bincount(torch.tensor([o.token_ids[1] for o in outs]), minlength=64).double()
     expected = marginal.double() * draws
     big = expected >= 5  # the rest is merged into one category

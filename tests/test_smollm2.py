@@ -172,3 +172,18 @@ def test_raw_and_prompt_logprobs_in_a_mixed_batch_equal_hf_generate_and_a_plain_
             top = expected[j].topk(5)
             assert set(top.indices.tolist()) <= set(entry)
     assert outs[1].outputs[0].logprobs is None
+
+
+def test_the_shipped_draft_head_gives_plain_greedy_output_alone_and_batched_on_the_bundled_model(smol):
+    prompts = [smol.apply_chat_template([{"role": "user", "content": f"Tell me about {topic}."}])
+               for topic in TOPICS[4:8]]
+    spec_params = SamplingParams(temperature=0, max_tokens=32, strategy={"speculative": {
+        "proposer": "eagle", "num_speculative_tokens": 3}})
+    plain = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=32), add_special_tokens=False)
+    batched = smol.generate(prompts, spec_params, add_special_tokens=False)
+    alone = smol.generate(prompts[:1], spec_params, add_special_tokens=False)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
+    assert alone[0].token_ids == plain[0].token_ids
+    drafted = sum(o.metrics.num_draft_tokens for o in batched)
+    # a trained head, not a random one: a random draft from 8,192 ids would almost never be accepted
+    assert sum(o.metrics.num_accepted_tokens for o in batched) > drafted // 8

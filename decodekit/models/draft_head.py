@@ -200,17 +200,31 @@ class DraftHead(nn.Module):
              cache: HeadCache) -> torch.Tensor:
         """Run `[L, h]` inputs at `positions` (consecutive, starting at `cache.length`) and append their keys and
         values to `cache`: the predicted states `[L, h]`."""
+        return self.step_many(embeds, states, [(cache, positions)])
+
+    def step_many(self, embeds: torch.Tensor, states: torch.Tensor,
+                  segments: list[tuple[HeadCache, torch.Tensor]]) -> torch.Tensor:
+        """`step` for several sequences at once: rows `[N, h]` are the sequences' new rows one after another,
+        `segments[i]` the `i`-th sequence's cache and positions (consecutive, from its `cache.length`). The products
+        run once over all rows; attention per sequence, over its own cache."""
+        positions = segments[0][1] if len(segments) == 1 else torch.cat([p for _, p in segments])
         cos, sin = self.rope(positions)
         x = self.mix(embeds, states)
         q, k, v = self._step_qkv(x, cos, sin)
-        keys, values = cache.append(k, v)
-        start = cache.length - q.shape[-2]
-        length = q.shape[-2]
-        total = keys.shape[-2]
-        mask = None
-        if length > 1:  # causal among the new rows; every cached row is visible
-            mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril(start)
-        attended = F.scaled_dot_product_attention(q, self._expand(keys), self._expand(values), attn_mask=mask)
+        parts = []
+        offset = 0
+        for cache, seg_positions in segments:
+            length = seg_positions.shape[0]
+            rows = slice(offset, offset + length)
+            keys, values = cache.append(k[:, rows], v[:, rows])
+            mask = None
+            if length > 1:  # causal among the new rows; every cached row is visible
+                start = cache.length - length
+                mask = torch.ones(length, keys.shape[-2], dtype=torch.bool, device=q.device).tril(start)
+            parts.append(F.scaled_dot_product_attention(q[:, rows], self._expand(keys), self._expand(values),
+                                                        attn_mask=mask))
+            offset += length
+        attended = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
         return self._step_finish(x, attended)
 
 

@@ -155,52 +155,82 @@ class EagleProposer(Proposer):
     @torch.inference_mode()
     def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
                 options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Draft `ks[i]` tokens for `seqs[i]`: catch up on the verified positions, then `ks[i]` head steps."""
-        drafts: list[list[int]] = []
-        qs: list[torch.Tensor | None] = []
-        for seq, k, option in zip(seqs, ks, options):
-            draft, q = self._propose_one(ctx, seq, k, self._head(option))
-            drafts.append(draft)
-            qs.append(q)
-        return drafts, qs
+        """Draft `ks[i]` tokens for `seqs[i]`: catch up on the verified positions, then `ks[i]` head steps, the
+        sequences of one head batched in every step."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+        groups: dict[int, tuple[_Head, list[int]]] = {}
+        for i, option in enumerate(options):
+            head = self._head(option)
+            groups.setdefault(id(head), (head, []))[1].append(i)
+        for head, members in groups.values():
+            self._propose_group(ctx, head, [(i, seqs[i], ks[i]) for i in members], drafts, q_rows)
+        return drafts, [torch.stack(q) if q else None for q in q_rows]
 
-    def _propose_one(self, ctx: StepContext, seq: Sequence, k: int, head: _Head
-                     ) -> tuple[list[int], torch.Tensor | None]:
-        state = self._seqs.get(seq.seq_id)
-        last = len(seq.token_ids) - 1  # the position of the newest token; states are known up to last - 1
-        if state is None or state.broken or k <= 0 or state.cache.length + state.num_pending != last:
-            return [], None
-        cache = state.cache
-        start = cache.length
+    def _propose_group(self, ctx: StepContext, head: _Head, members: list[tuple[int, Sequence, int]],
+                       drafts: list[list[int]], q_rows: list[list[torch.Tensor]]) -> None:
+        ready = []  # (index, seq, k, state, position of its newest token)
+        for i, seq, k in members:
+            state = self._seqs.get(seq.seq_id)
+            last = len(seq.token_ids) - 1  # states are known up to last - 1
+            if state is not None and not state.broken and k > 0 and state.cache.length + state.num_pending == last:
+                ready.append((i, seq, k, state, last))
+        if not ready:
+            return
         device = head.embedding.device
-        next_ids = torch.tensor(seq.token_ids[start + 1 : last + 1], dtype=torch.long, device=device)
-        states = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]
-        predicted = head.module.step(head.embedding[next_ids], states, torch.arange(start, last, device=device), cache)
-        state.pending, state.num_pending = [], 0
-        current = predicted[-1:]
+        # catch-up: every sequence's newly verified positions, (f_p, embedding of t_{p+1}), through the head at once
+        next_ids = torch.tensor([t for _, seq, _, state, last in ready
+                                 for t in seq.token_ids[state.cache.length + 1 : last + 1]], device=device)
+        states = torch.cat([row for *_, state, _ in ready for row in state.pending])
+        segments = [(state.cache, torch.arange(state.cache.length, last, device=device))
+                    for *_, state, last in ready]
+        ends = torch.tensor([last - state.cache.length for *_, state, last in ready], device=device).cumsum(0) - 1
+        current = head.module.step_many(head.embedding[next_ids], states, segments)[ends]
+        for *_, state, _ in ready:
+            state.pending, state.num_pending = [], 0
         vocab_size = self.info.vocab_size if self.info is not None else head.embedding.shape[0]
-        draft: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        plain_greedy = seq.greedy and not seq.request.plan.stages  # no processor to apply: argmax is the token
-        for j in range(k):
+        active = list(range(len(ready)))  # rows of `current`, in `ready` order
+        for j in range(max(k for _, _, k, _, _ in ready)):
+            rows = [ready[r] for r in active]
             scores = current @ head.lm_rows.T
-            if plain_greedy:
-                token = int(head.vocab[int(scores.argmax())])
-            else:
-                logits = torch.full((1, vocab_size), float("-inf"), device=device)
-                logits[0, head.vocab] = scores[0]
-                logits = ctx.process_after(logits, [seq], [draft])
-                if float(logits.max()) == float("-inf"):
-                    break  # the request's processors allow nothing in the draft vocabulary
-                token = int(select_tokens(logits, [seq.greedy], [seq.generator])[0])
-                if not seq.greedy:
-                    q_rows.append(torch.softmax(logits[0], dim=-1))
-            draft.append(token)
-            if j + 1 < k:
-                current = head.module.step(head.embedding[token][None], current,
-                                           torch.tensor([last + j], device=device), cache)
-        cache.truncate(last)  # the draft's entries are speculative: the verified states replace them
-        return draft, torch.stack(q_rows) if q_rows else None
+            tokens: list[int | None] = [None] * len(rows)
+            plain = [n for n, (_, seq, _, _, _) in enumerate(rows) if seq.greedy and not seq.request.plan.stages]
+            if plain:  # no processor to apply: the argmax over the draft vocabulary is the token
+                best = head.vocab[scores[plain].argmax(dim=-1)].tolist()
+                for n, token in zip(plain, best):
+                    tokens[n] = token
+            processed = [n for n in range(len(rows)) if tokens[n] is None]
+            if processed:
+                seqs = [rows[n][1] for n in processed]
+                logits = torch.full((len(processed), vocab_size), float("-inf"), device=device)
+                logits[:, head.vocab] = scores[processed]
+                logits = ctx.process_after(logits, seqs, [drafts[rows[n][0]] for n in processed])
+                allowed = logits.amax(dim=-1) > float("-inf")  # a row whose processors allow no draft-vocabulary id
+                picked = select_tokens(logits[allowed], [s.greedy for s, a in zip(seqs, allowed.tolist()) if a],
+                                       [s.generator for s, a in zip(seqs, allowed.tolist()) if a]).tolist()
+                probs = None if all(s.greedy for s in seqs) else torch.softmax(logits, dim=-1)
+                kept = iter(picked)
+                for m, n in enumerate(processed):
+                    if bool(allowed[m]):
+                        tokens[n] = int(next(kept))
+                        if probs is not None and not seqs[m].greedy:
+                            q_rows[rows[n][0]].append(probs[m])
+            going = []  # rows that draft another token
+            for n, token in enumerate(tokens):
+                if token is None:
+                    continue
+                index, _, k, _, _ = rows[n]
+                drafts[index].append(token)
+                if len(drafts[index]) < k:
+                    going.append(n)
+            if not going:
+                break
+            feed = torch.tensor([tokens[n] for n in going], device=device)
+            segments = [(rows[n][3].cache, torch.tensor([rows[n][4] + j], device=device)) for n in going]
+            current = head.module.step_many(head.embedding[feed], current[going], segments)
+            active = [active[n] for n in going]
+        for *_, state, last in ready:
+            state.cache.truncate(last)  # the draft's entries are speculative: the verified states replace them
 
     def release(self, seq: Sequence) -> None:
         """A sequence is finished: drop its cache."""
