@@ -45,9 +45,9 @@ NGRAM = {"proposer": "ngram", "num_speculative_tokens": 4, "adaptive": True}
 INT8_DRAFT = {"proposer": "draft", "num_speculative_tokens": 4}
 CHAINED = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "draft",
            "num_speculative_tokens": 4, "disable_by_batch_size": 4}
-TRAINED_HEAD = {"proposer": "eagle", "num_speculative_tokens": 4}
+TRAINED_HEAD = {"proposer": "eagle", "num_speculative_tokens": 2}
 CHAINED_HEAD = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "eagle",
-                "num_speculative_tokens": 4, "disable_by_batch_size": 4}
+                "num_speculative_tokens": 3, "disable_by_batch_size": 4}
 SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM, "int8 draft": INT8_DRAFT,
                                                   "ngram + int8 draft": CHAINED, "trained head": TRAINED_HEAD,
                                                   "ngram + trained head": CHAINED_HEAD}
