@@ -4,8 +4,8 @@
   rewrite/repeat prompts, 128 tokens) and `chat` (free-form questions, 96 tokens), at batch 1 (one request at a time)
   and batch 8 (the prompts submitted together, cycled to 8). Configurations: n-gram (k 4, adaptive), an int8 copy of
   the target as draft (k 4), and n-gram on two-token matches chained to the int8 draft (k 4, drafting nothing while
-  4 or more sequences run), the trained draft head shipped for the bundled model (`eagle`, k 4) and n-gram chained to
-  it (recipes/speculative.yaml's settings). Each row gives the
+  4 or more sequences run), the trained draft head shipped for the bundled model (`eagle`, k 2) and n-gram chained to
+  it (k 3, paused likewise); recipes/speculative.yaml uses n-gram chained to the int8 draft. Each row gives the
   median of per-repeat ratios to plain with their range, acceptance per proposer, and whether the output equalled
   plain's token for token.
 - `beam`: 16 summarization requests (prompts of about 40 to 220 tokens) with 4 beams, decodekit's in-engine beam
