@@ -131,18 +131,25 @@ def test_ngram_speculative_greedy_equals_plain_greedy_on_the_bundled_model(smol)
     assert sum(o.metrics.num_accepted_tokens for o in spec) > 10  # copying text is mostly drafted correctly
 
 
+def _speculation_is_lossless_batched_and_alone(llm: LLM, prompts: list[str], speculative: dict, max_tokens: int):
+    """Greedy speculative outputs of `prompts` batched, and of the first alone, equal plain greedy decoding's;
+    returns the plain and the batched speculative outputs."""
+    spec_params = SamplingParams(temperature=0, max_tokens=max_tokens, strategy={"speculative": speculative})
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), add_special_tokens=False)
+    batched = llm.generate(prompts, spec_params, add_special_tokens=False)
+    alone = llm.generate(prompts[:1], spec_params, add_special_tokens=False)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
+    assert alone[0].token_ids == plain[0].token_ids
+    return plain, batched
+
+
 def test_an_int8_self_draft_gives_plain_greedy_output_alone_and_batched_on_the_bundled_model(pristine):
     llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", draft="target", draft_quantization="int8",
               max_num_batched_tokens=256)
     prompts = [llm.apply_chat_template([{"role": "user", "content": f"Tell me about {topic}."}])
                for topic in TOPICS[:4]]
-    spec_params = SamplingParams(temperature=0, max_tokens=24, strategy={"speculative": {
-        "proposer": "draft", "num_speculative_tokens": 4}})
-    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), add_special_tokens=False)
-    batched = llm.generate(prompts, spec_params, add_special_tokens=False)
-    alone = llm.generate(prompts[:1], spec_params, add_special_tokens=False)
-    assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
-    assert alone[0].token_ids == plain[0].token_ids
+    plain, batched = _speculation_is_lossless_batched_and_alone(llm, prompts, {"proposer": "draft",
+                                                                            "num_speculative_tokens": 4}, 24)
     ids = llm.tokenizer(prompts[0], add_special_tokens=False).input_ids
     assert plain[0].token_ids == _hf_greedy(pristine, llm, ids, 24)  # the float target is untouched by its int8 copy
     drafted = sum(o.metrics.num_draft_tokens for o in batched)
@@ -177,13 +184,8 @@ def test_raw_and_prompt_logprobs_in_a_mixed_batch_equal_hf_generate_and_a_plain_
 def test_the_shipped_draft_head_gives_plain_greedy_output_alone_and_batched_on_the_bundled_model(smol):
     prompts = [smol.apply_chat_template([{"role": "user", "content": f"Tell me about {topic}."}])
                for topic in TOPICS[4:8]]
-    spec_params = SamplingParams(temperature=0, max_tokens=32, strategy={"speculative": {
-        "proposer": "eagle", "num_speculative_tokens": 3}})
-    plain = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=32), add_special_tokens=False)
-    batched = smol.generate(prompts, spec_params, add_special_tokens=False)
-    alone = smol.generate(prompts[:1], spec_params, add_special_tokens=False)
-    assert [o.token_ids for o in batched] == [o.token_ids for o in plain]
-    assert alone[0].token_ids == plain[0].token_ids
+    _, batched = _speculation_is_lossless_batched_and_alone(smol, prompts, {"proposer": "eagle",
+                                                                       "num_speculative_tokens": 3}, 32)
     drafted = sum(o.metrics.num_draft_tokens for o in batched)
     # a trained head, not a random one: a random draft from 8,192 ids would almost never be accepted
     assert sum(o.metrics.num_accepted_tokens for o in batched) > drafted // 8

@@ -123,7 +123,7 @@ class Batches:
         if current:
             batches.append(np.asarray(current))
         if generator is not None:
-            generator.shuffle(batches)  # type: ignore[arg-type]
+            generator.shuffle(batches)
         return batches
 
     def tensors(self, batch: np.ndarray) -> dict[str, torch.Tensor]:
