@@ -11,16 +11,19 @@ import torch
 
 
 def exponential_noise(rows: int, vocab: int, generators: list[torch.Generator | None],
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[rows, vocab]` draws of Exp(1), row `i` from `generators[i]` (None: torch's default generator).
+                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`[rows, vocab]` draws of Exp(1) on `device`, row `i` from `generators[i]` (None: torch's default generator
+    there). A seeded request's generator lives on the engine's device, so on a GPU the noise is drawn there (torch's
+    own kernel, one launch per row, no copy).
 
     For float32 the values and the generators' states afterwards are exactly those of `Tensor.exponential_` (which
     on CPU draws a float64 uniform u per element and returns `-log1p(-u)` rounded to float32, one scalar call per
     element); drawing the uniforms with `uniform_` and taking one vectorised `log1p` is about 2.3x faster here, and
     at 49k-token vocabularies this noise was most of a sampled row's cost.
     """
-    if dtype != torch.float32:  # other dtypes keep torch's own kernel (its rounding differs per dtype)
-        noise = torch.empty(rows, vocab, dtype=dtype)
+    if dtype != torch.float32 or torch.device(device).type != "cpu":
+        # other dtypes keep torch's own kernel (its rounding differs per dtype), as do GPUs
+        noise = torch.empty(rows, vocab, dtype=dtype, device=device)
         for i, generator in enumerate(generators):
             noise[i].exponential_(generator=generator)
         return noise
@@ -39,8 +42,9 @@ def select_tokens(
     sampled_rows = [i for i, g in enumerate(greedy) if not g]
     every_row = len(sampled_rows) == len(greedy)
     rows = logits if every_row else logits[sampled_rows]
-    noise = exponential_noise(rows.shape[0], rows.shape[1], [generators[i] for i in sampled_rows], rows.dtype)
-    sampled = (torch.softmax(rows, dim=-1) / noise.to(rows.device)).argmax(dim=-1)
+    noise = exponential_noise(rows.shape[0], rows.shape[1], [generators[i] for i in sampled_rows], rows.dtype,
+                              rows.device)
+    sampled = (torch.softmax(rows, dim=-1) / noise).argmax(dim=-1)
     if every_row:
         return sampled
     chosen = logits.argmax(dim=-1)

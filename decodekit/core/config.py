@@ -54,6 +54,11 @@ class EngineConfig(BaseModel):
         "+ attention of small steps (decode, speculation, beams) as native kernels compiled at first use with the "
         "system C compiler. Default: on when a compiler is found (else torch ops); true fails without one.")
 
+    cuda_graphs: bool | None = Field(
+        None, description="On CUDA, replay the fused decoder's decode and verification steps (every sequence "
+        "bringing the same 1-16 tokens) from CUDA graphs captured per batch-size bucket at first use. Default: on "
+        "where they can run (the fused decoder on CUDA, with Triton); true fails elsewhere.")
+
     quantization: Literal["int8"] | None = Field(
         None, description="Weights of the fused decoder's products: unset keeps the model's own; 'int8' multiplies "
         "int8 copies with one float32 scale per output row (the LM head too; float32 activations, like llama.cpp's "

@@ -11,7 +11,9 @@ import torch
 from decodekit.api.errors import ConfigError, UnsupportedModelError
 from decodekit.api.models import LoadedModel
 from decodekit.core.config import EngineConfig
+from decodekit.core.cuda_graphs import DecodeGraphs
 from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
+from decodekit.core.gpu_attention import kernel_available
 from decodekit.core.kv_cache import ATTENTION_NAME, BATCHED_MAX_QUERY, PagedKVCache, build_layout
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
 
@@ -166,8 +168,34 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
         raise ConfigError(f"quantization {quantization!r} multiplies on the native kernels, which cannot run here "
                           f"(they need float32 weights on a CPU, a C compiler, and native_kernels not false; this "
                           f"model is {loaded.dtype} on {loaded.device})")
+    geometry = model_geometry(loaded.model)
     return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights, native=native,
-                       quantization=quantization)
+                       quantization=quantization, cuda_graphs=wants_cuda_graphs(loaded, config.cuda_graphs, fused),
+                       max_num_seqs=config.max_num_seqs,
+                       max_model_len=min(config.max_model_len or geometry.max_model_len, geometry.max_model_len))
+
+
+def wants_cuda_graphs(loaded: LoadedModel, setting: bool | None, fused: bool) -> bool:
+    """Whether to replay the fused decoder's uniform steps from CUDA graphs (`decodekit.core.cuda_graphs`): by
+    default wherever they can run (the fused decoder on CUDA, with Triton for the attention kernel).
+
+    Raises:
+        ConfigError: `setting` is True but graphs cannot run here (the message says why).
+    """
+    if setting is False:
+        return False
+    reason = None
+    if loaded.device.type != "cuda":
+        reason = f"they need the model on a CUDA device, not {loaded.device}"
+    elif not fused:
+        reason = "they capture the fused decoder, which is off for this model"
+    elif not kernel_available(loaded.device):
+        reason = "the paged-attention kernel needs Triton, which is not installed"
+    if reason is not None and setting:
+        raise ConfigError(f"cuda_graphs: {reason}; set cuda_graphs to false or leave it unset")
+    if reason is not None and loaded.device.type == "cuda":
+        log.info("CUDA graphs off: %s", reason)
+    return reason is None
 
 
 @dataclass
@@ -192,13 +220,20 @@ class ModelRunner:
 
     def __init__(self, model: Any, kv_cache: PagedKVCache, fused: bool = False,
                  prepack_weights: bool | None = None, native: NativeKernels | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, cuda_graphs: bool = False, max_num_seqs: int = 128,
+                 max_model_len: int = 2048) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.pool.device
         self._config = model.config
         prepack = quantization is None and wants_prepacking(model, prepack_weights)
         self.fused = FusedDecoder(model, prepack, native, quantization) if fused else None
+        # the GPU path: short queries attended in place by the token-table kernel, uniform steps from CUDA graphs
+        self.by_token = kernel_available(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            assert self.fused is not None, "CUDA graphs capture the fused decoder"
+            self.graphs = DecodeGraphs(self.fused, kv_cache, max_num_seqs, max_model_len)
 
     def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run one packed forward pass and return float32 logits for the requested positions, in item order."""
@@ -210,23 +245,22 @@ class ModelRunner:
         """`forward`, and the last hidden states (the final norm's output, the LM head's input) of the positions
         the items ask for (`num_hidden`), in item order; None when none asks."""
         self.kv_cache.copy_blocks(block_copies)
-        layout, positions = build_layout(
-            [len(it.token_ids) for it in items], [it.context_len for it in items],
-            [it.block_table for it in items], self.kv_cache.block_size, self.device,
-        )
         flat: list[int] = []
         logit_index: list[int] = []
+        hidden_rows: list[int] = []
         for it in items:
             flat.extend(it.token_ids)
             logit_index.extend(range(len(flat) - it.num_logits, len(flat)))
-        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)[None]
+            hidden_rows.extend(range(len(flat) - it.num_hidden, len(flat)))
+        if self.graphs is not None and self.graphs.accepts(items):
+            return self.graphs.run(items, logit_index, hidden_rows)
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
-        hidden_rows: list[int] = []
-        end = 0
-        for it in items:
-            end += len(it.token_ids)
-            hidden_rows.extend(range(end - it.num_hidden, end))
         hidden_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device) if hidden_rows else None
+        layout, positions = build_layout(
+            [len(it.token_ids) for it in items], [it.context_len for it in items],
+            [it.block_table for it in items], self.kv_cache.block_size, self.device, by_token=self.by_token,
+        )
+        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)[None]
         self.kv_cache.layout = layout
         if self.fused is not None:
             plan = None

@@ -1,0 +1,182 @@
+"""CUDA graphs of the fused decoder's decode and verify steps: one launch per step instead of hundreds.
+
+On a GPU a small model's step is bound by Python and kernel launches, not by reading weights: SmolLM2-135M takes
+~0.2 ms to read its weights on an H100 but ~30 launches per layer. `DecodeGraphs` captures the whole fused forward
+once per (batch bucket, query length) and replays it.
+
+- The inputs live in static buffers: token ids, positions, KV slots, and each token's row and key limit in a
+  static block table (`TokenTable`). Each step copies its values in (two host-to-device copies) and replays. The
+  attention kernel reads block tables and key limits from memory, so one graph serves any contexts.
+- Batches are padded up to a bucket (1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to `max_num_seqs`). Padding rows write
+  their keys and values to the pool's scratch slot (`PagedKVCache.scratch_slot`) and attend to nothing.
+- A step qualifies when every sequence brings 1 to `MAX_GRAPH_QUERY` new tokens: plain decode (1), beams,
+  speculative verification (k + 1, each sequence padded to the step's longest). Steps with a prefill chunk longer
+  than that run eagerly. Graphs are captured lazily, the first time a (bucket, query length) is seen, all into one
+  memory pool.
+- Logits and last hidden states come out for every row; `run` picks the rows asked for by index, which also
+  copies them out of the graph's buffers before the next replay overwrites them.
+
+With `capture=False` the same static-buffer forward runs eagerly. That is how the padding and the token-table
+logic are tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from decodekit.core.gpu_attention import TokenTable
+from decodekit.core.kv_cache import AttentionLayout, PagedKVCache
+
+if TYPE_CHECKING:
+    from decodekit.core.fused_decoder import FusedDecoder
+    from decodekit.core.runner import ForwardItem
+
+log = logging.getLogger("decodekit.cuda_graphs")
+
+# Steps whose sequences each bring at most this many tokens can be replayed: decode, and verification of up to 15
+# draft tokens. (The n-gram proposer's adaptive k tops out at 10.)
+MAX_GRAPH_QUERY = 16
+
+# Rows of the static metadata buffer: token ids, positions, KV slots, token rows, key limits.
+_IDS, _POSITIONS, _SLOTS, _ROWS, _LIMITS = range(5)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes that get a graph: the powers of two and the points halfway between them in ratio (1, 2, 3, 4, 6,
+    8, 12, 16, 24, ...), up to and including `max_batch`. A step pads up to the next one, so at most a third of a
+    replayed step's rows are padding."""
+    buckets = {max_batch}
+    power = 1
+    while power < max_batch:
+        buckets.update({power, min(power + power // 2, max_batch)})
+        power *= 2
+    return tuple(sorted(b for b in buckets if b >= 1))
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph, or None when not capturing
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class DecodeGraphs:
+    """The fused decoder's uniform steps, replayed from CUDA graphs (or run eagerly from static buffers).
+
+    Args:
+        fused: the fused decoder to run.
+        cache: its paged KV cache.
+        max_batch: the most sequences in one step (the engine's `max_num_seqs`).
+        max_model_len: the longest context, which sizes the static block table.
+        capture: capture CUDA graphs (needs CUDA); False runs the same static-buffer forward eagerly.
+    """
+
+    def __init__(self, fused: FusedDecoder, cache: PagedKVCache, max_batch: int, max_model_len: int,
+                 capture: bool = True) -> None:
+        device = cache.pool.device
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, not {device}")
+        self.fused = fused
+        self.cache = cache
+        self.capture = capture
+        self.buckets = batch_buckets(max_batch)
+        max_tokens = self.buckets[-1] * MAX_GRAPH_QUERY
+        self.width = -(-(max_model_len + MAX_GRAPH_QUERY) // cache.block_size)
+        self.meta = torch.zeros(5, max_tokens, dtype=torch.long, device=device)
+        self.tables = torch.zeros(self.buckets[-1], self.width, dtype=torch.long, device=device)
+        self.every_row = torch.arange(max_tokens, device=device)
+        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def num_captured(self) -> int:
+        """How many (batch bucket, query length) graphs exist so far."""
+        return len(self._graphs)
+
+    def accepts(self, items: list[ForwardItem]) -> bool:
+        """Whether this step can replay a graph: every sequence brings 1..`MAX_GRAPH_QUERY` tokens, the batch fits
+        the largest bucket and every context the static block table."""
+        if not items or len(items) > self.buckets[-1]:
+            return False
+        limit = self.width * self.cache.block_size - MAX_GRAPH_QUERY
+        return all(1 <= len(it.token_ids) <= MAX_GRAPH_QUERY and it.context_len <= limit for it in items)
+
+    def run(self, items: list[ForwardItem], logit_index: list[int], hidden_index: list[int]
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one accepted step. Returns float32 logits at `logit_index` and hidden states (the final norm's
+        output) at `hidden_index` (None when empty), both indices into the step's packed tokens, like the eager
+        forward's. The rows are copies, so the next replay does not change them."""
+        batch, q = len(items), max(len(it.token_ids) for it in items)
+        bucket = next(b for b in self.buckets if b >= batch)
+        padded = bucket * q
+        block_size, scratch = self.cache.block_size, self.cache.scratch_slot
+        # every sequence gets q rows (its tokens, then padding), and the batch `bucket` sequences
+        host = [[0] * padded, [0] * padded, [scratch] * padded, [0] * padded, [0] * padded]
+        row_of_token: list[int] = []
+        for i, it in enumerate(items):
+            first = i * q
+            table = it.block_table
+            for j, token in enumerate(it.token_ids):
+                position = it.context_len + j
+                row = first + j
+                host[_IDS][row] = token
+                host[_POSITIONS][row] = position
+                host[_SLOTS][row] = table[position // block_size] * block_size + position % block_size
+                host[_ROWS][row] = i
+                host[_LIMITS][row] = position + 1
+                row_of_token.append(row)
+        width = max(-(-(it.context_len + len(it.token_ids)) // block_size) for it in items)
+        tables = torch.tensor([(it.block_table + [0] * width)[:width] for it in items], dtype=torch.long)
+        self.meta[:, :padded].copy_(torch.tensor(host, dtype=torch.long))
+        self.tables[:batch, :width].copy_(tables)
+        captured = self._graphs.get((bucket, q))
+        if captured is None:
+            captured = self._graphs[(bucket, q)] = self._capture(padded)
+        if captured.graph is None:  # not capturing: the static-buffer forward, eagerly
+            logits, hidden = self._forward(padded)
+        else:
+            captured.graph.replay()
+            logits, hidden = captured.logits, captured.hidden
+        device = self.meta.device
+        keep = torch.tensor([row_of_token[t] for t in logit_index], dtype=torch.long, device=device)
+        # index_select copies the rows out of the graph's buffers before the next replay reuses them
+        chosen = logits.index_select(0, keep).float()
+        if not hidden_index:
+            return chosen, None
+        rows = torch.tensor([row_of_token[t] for t in hidden_index], dtype=torch.long, device=device)
+        return chosen, hidden.index_select(0, rows)
+
+    def _forward(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused forward over the first `tokens` static rows (what a graph captures)."""
+        meta = self.meta[:, :tokens]
+        every = self.every_row[:tokens]
+        self.cache.layout = AttentionLayout(meta[_SLOTS], (), (), token_table=TokenTable(
+            meta[_ROWS], meta[_LIMITS], self.tables))
+        try:
+            logits = self.fused(meta[_IDS], meta[_POSITIONS], self.cache, every, None, every)
+            hidden = self.fused.last_hidden
+            assert hidden is not None
+            return logits, hidden
+        finally:
+            self.cache.layout = None
+            self.fused.last_hidden = None
+
+    def _capture(self, tokens: int) -> _Captured:
+        """Capture the forward of `tokens` rows (the static buffers already hold a real step's values: warm-up and
+        capture write its keys and values, which the replay then writes again, identically)."""
+        if not self.capture:
+            return _Captured(None, torch.empty(0), torch.empty(0))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces, Triton compilation, the allocator
+            self._forward(tokens)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, hidden = self._forward(tokens)
+        log.debug("captured a CUDA graph of %d rows (%d graphs)", tokens, len(self._graphs) + 1)
+        return _Captured(graph, logits, hidden)
