@@ -85,14 +85,16 @@ def main() -> None:
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     sites = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs})
 
-    if args.profile and graphs is not None:
+    if args.profile and graphs is not None and (1, 1) in graphs._graphs:
         from torch.profiler import ProfilerActivity, profile
 
-        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        context = int(graphs.meta[4, 0])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
-                graphs._forward(1)
+                graphs._graphs[(1, 1)].graph.replay()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+        print(f"20 replays of the batch-1 graph at context {context}:")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=70))
 
     bandwidth = copy_bandwidth()
     bound = weight_bytes / bandwidth

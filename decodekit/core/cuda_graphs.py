@@ -89,6 +89,14 @@ class DecodeGraphs:
         self.meta = torch.zeros(5, max_tokens, dtype=torch.long, device=device)
         self.tables = torch.zeros(self.buckets[-1], self.width, dtype=torch.long, device=device)
         self.every_row = torch.arange(max_tokens, device=device)
+        self._picks = torch.zeros(2, max_tokens, dtype=torch.long, device=device)  # logit and hidden rows
+        # Host staging in pinned memory, so each step's uploads are asynchronous copies rather than host syncs;
+        # `_uploaded` marks when the last step's copies are done, before the staging is written again.
+        pinned = capture
+        self._host_meta = torch.zeros(5, max_tokens, dtype=torch.long, pin_memory=pinned)
+        self._host_tables = torch.zeros(self.buckets[-1], self.width, dtype=torch.long, pin_memory=pinned)
+        self._host_picks = torch.zeros(2, max_tokens, dtype=torch.long, pin_memory=pinned)
+        self._uploaded = torch.cuda.Event() if capture else None
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -130,9 +138,17 @@ class DecodeGraphs:
                 host[_LIMITS][row] = position + 1
                 row_of_token.append(row)
         width = max(-(-(it.context_len + len(it.token_ids)) // block_size) for it in items)
-        tables = torch.tensor([(it.block_table + [0] * width)[:width] for it in items], dtype=torch.long)
-        self.meta[:, :padded].copy_(torch.tensor(host, dtype=torch.long))
-        self.tables[:batch, :width].copy_(tables)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last step's uploads have left the staging buffers
+        self._host_meta[:, :padded].copy_(torch.tensor(host, dtype=torch.long))
+        self._host_tables[:batch, :width].copy_(torch.tensor(
+            [(it.block_table + [0] * width)[:width] for it in items], dtype=torch.long))
+        self.meta[:, :padded].copy_(self._host_meta[:, :padded], non_blocking=True)
+        self.tables[:batch, :width].copy_(self._host_tables[:batch, :width], non_blocking=True)
+        keep = self._pick(0, [row_of_token[t] for t in logit_index])
+        rows = self._pick(1, [row_of_token[t] for t in hidden_index]) if hidden_index else None
+        if self._uploaded is not None:
+            self._uploaded.record()
         captured = self._graphs.get((bucket, q))
         if captured is None:
             captured = self._graphs[(bucket, q)] = self._capture(padded)
@@ -141,14 +157,22 @@ class DecodeGraphs:
         else:
             captured.graph.replay()
             logits, hidden = captured.logits, captured.hidden
-        device = self.meta.device
-        keep = torch.tensor([row_of_token[t] for t in logit_index], dtype=torch.long, device=device)
-        # index_select copies the rows out of the graph's buffers before the next replay reuses them
-        chosen = logits.index_select(0, keep).float()
-        if not hidden_index:
-            return chosen, None
-        rows = torch.tensor([row_of_token[t] for t in hidden_index], dtype=torch.long, device=device)
-        return chosen, hidden.index_select(0, rows)
+        # copies, not views: the next replay overwrites the graph's buffers
+        chosen = logits[keep].to(torch.float32, copy=True)
+        return chosen, None if rows is None else hidden[rows].clone()
+
+    def _pick(self, which: int, rows: list[int]) -> slice | torch.Tensor:
+        """Rows of the graph's outputs as an index: a slice when they are consecutive (a plain decode step), else
+        uploaded from pinned staging (asynchronously)."""
+        n = len(rows)
+        if n == 0:
+            return slice(0, 0)
+        if rows == list(range(rows[0], rows[0] + n)):
+            return slice(rows[0], rows[0] + n)
+        self._host_picks[which, :n].copy_(torch.tensor(rows, dtype=torch.long))
+        index = self._picks[which, :n]
+        index.copy_(self._host_picks[which, :n], non_blocking=True)
+        return index
 
     def _forward(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused forward over the first `tokens` static rows (what a graph captures)."""

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodekit.core import gpu_ops
+from decodekit.core.gpu_attention import attend_tokens, kernel_available
 from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels
 
@@ -228,6 +230,9 @@ class FusedDecoder:
                              "on its native kernels (float32 on a CPU with a C compiler)")
         self.native = native
         self.quantization = quantization
+        head_dim = model.model.layers[0].self_attn.head_dim
+        # the GPU path: steps attended by token table run their small ops as Triton kernels (`gpu_ops`)
+        self.gpu_ops = kernel_available(weight.device) and head_dim & (head_dim - 1) == 0
         base = model.model
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
@@ -326,6 +331,16 @@ class FusedDecoder:
                                                    self.final_eps)
             hidden = native.rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
             return self.lm_head(hidden)
+        layout = cache.layout
+        if self.gpu_ops and layout is not None and layout.token_table is not None and not layout.chunks:
+            cos2d, sin2d = cos[:, 0], sin[:, 0]
+            delta: torch.Tensor | None = None  # each layer's last product, added to `hidden` by the next norm
+            for index, layer in enumerate(self.layers):
+                hidden, delta = self._gpu_layer(index, layer, hidden, delta, cos2d, sin2d, cache, tokens)
+            normed = gpu_ops.rms_norm(hidden, self.final_norm, self.final_eps, residual=delta)
+            if hidden_index is not None:
+                self.last_hidden = normed.index_select(0, hidden_index)
+            return self.lm_head(normed.index_select(0, logit_index))
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, cache, tokens)
         if hidden_index is not None:
@@ -355,6 +370,25 @@ class FusedDecoder:
         gate_up = layer.gate_up(native.rms_norm(hidden, layer.post_norm, layer.post_eps))
         gated = _silu_gate(gate_up, layer.intermediate) if tokens > NATIVE_GATING_MAX_ROWS else native.silu_mul(gate_up)
         return layer.down(gated, residual=hidden)
+
+    @staticmethod
+    def _gpu_layer(index: int, layer: _FusedLayer, hidden: torch.Tensor, delta: torch.Tensor | None,
+                   cos: torch.Tensor, signed_sin: torch.Tensor, cache: PagedKVCache, tokens: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_layer` on the GPU path (a step attended by token table, no long chunk): RMSNorm (with the residual add
+        of the product before it), RoPE + KV write and SiLU-gating as one Triton kernel each, attention by the
+        paged kernel; `cos`/`signed_sin` are `[T, D]`. Returns `hidden` and the MLP's output, which the next norm
+        adds to it."""
+        layout = cache.layout
+        assert layout is not None and layout.token_table is not None
+        keys, values = cache.key_slots[index], cache.value_slots[index]
+        qkv = layer.qkv(gpu_ops.rms_norm(hidden, layer.input_norm, layer.input_eps, residual=delta))
+        query = gpu_ops.rope_write(qkv, cos, signed_sin, layer.q_heads, layer.kv_heads, keys, values,
+                                   layout.slot_mapping)
+        attended = torch.empty_like(query)
+        attend_tokens(layout.token_table, query, keys, values, cache.block_size, layer.scaling, attended)
+        normed = gpu_ops.rms_norm(hidden, layer.post_norm, layer.post_eps, residual=layer.o(attended.view(tokens, -1)))
+        return hidden, layer.down(gpu_ops.silu_mul(layer.gate_up(normed), layer.intermediate))
 
     @staticmethod
     def _layer(index: int, layer: _FusedLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
