@@ -96,6 +96,39 @@ def test_the_first_draft_token_is_the_heads_prediction_from_transformers_hidden_
         assert draft[0] == want
 
 
+def test_a_prompt_from_the_prefix_cache_keeps_eagle_lossless_and_drafting_from_its_first_computed_position(
+        llama, tokenizer, head_file):
+    """The second request with the same prompt takes its leading blocks from the prefix cache; the head then starts
+    at the first computed position, and its first draft is what the head predicts from transformers' states of the
+    positions from there on (RoPE is relative: the head runs from there as from position 0)."""
+    head, _ = load_head(head_file)
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompt = random_prompts(1, 22, 23, seed=11)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    proposer = llm.engine.components.get("proposers", "eagle")
+    seen: list[tuple[list[int], list[int]]] = []
+    original = proposer.propose
+
+    def record(ctx, seqs, ks, options):
+        drafts, qs = original(ctx, seqs, ks, options)
+        seen.extend((list(seq.token_ids), draft) for seq, draft in zip(seqs, drafts))
+        return drafts, qs
+
+    proposer.propose = record
+    out = llm.generate([prompt], _eagle(2, head_file, max_tokens=12, temperature=0, ignore_eos=True))[0]
+    cached = out.metrics.num_cached_prompt_tokens
+    assert out.token_ids == plain.token_ids and out.error is None
+    assert 0 < cached < len(prompt) and out.metrics.num_draft_tokens > 0
+    embedding = llama.get_input_embeddings().weight
+    lm_rows = llama.get_output_embeddings().weight[head.draft_vocab]
+    tokens, draft = seen[0]
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        states = llama.model(input_ids=ids).last_hidden_state
+        predicted, _ = head(embedding[ids[:, cached + 1:]], states[:, cached:-1])
+        assert draft[0] == int(head.draft_vocab[(predicted[0, -1] @ lm_rows.T).argmax()])
+
+
 def test_eagle_sampling_keeps_the_targets_distribution(tokenizer, tmp_path):
     """Chi-square: the second generated token (drafted by the head, accepted or resampled by the lossless rule) is
     distributed as the target's marginal over the first, computed exactly with transformers."""

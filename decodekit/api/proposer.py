@@ -76,7 +76,12 @@ class Proposer:
     hidden_states: ClassVar[bool] = False
     """The proposer reads the target's last hidden states (the final norm's output, the LM head's input) of the
     positions it verified, through `observe` (EAGLE-style draft heads); requests that use it then compute their
-    prompts in full (cached positions have no hidden states)."""
+    prompts in full (cached positions have no hidden states), unless `partial_hidden_states` says otherwise."""
+
+    partial_hidden_states: ClassVar[bool] = False
+    """With `hidden_states`: the proposer can start from the first position the target computed, so its requests
+    may take their prompts from the prefix cache (the first `observe` then starts at the first uncached position,
+    not at 0)."""
 
     needs_draft: ClassVar[bool] = False
     """The proposer runs the engine's draft model (`LLM(draft=...)`, recipe `draft:`): `decodekit recipe check`

@@ -147,7 +147,8 @@ class Strategy:
             applied to log-softmax scores) or "raw" (the model's logits; call `ctx.process` yourself).
         hidden_states: the strategy reads last hidden states (`ctx.hidden_states(seq)`, contrastive search); its
             requests' prompts are then computed in full, never served from the prefix cache. A strategy that needs
-            them for some requests only overrides `reads_hidden_states` instead.
+            them for some requests only overrides `reads_hidden_states` instead, and one that can start from the
+            first computed position overrides `needs_every_hidden_state`.
         finalizes: the strategy chooses its request's outputs after the engine's stopping (`finalize`: best-of-n
             ranking); its requests stream no deltas, only the final output.
     """
@@ -177,6 +178,13 @@ class Strategy:
         """Whether requests with these options read last hidden states (default: the class's `hidden_states`).
         The speculative strategy says yes when its proposer reads them (`Proposer.hidden_states`)."""
         return self.hidden_states
+
+    def needs_every_hidden_state(self, options: BaseModel | None) -> bool:
+        """Whether requests with these options need the hidden state of every position, the prompt's first one
+        included, so that their prompts must be computed in full rather than served from the prefix cache
+        (default: whenever they read hidden states). The speculative strategy says no when its proposers can
+        start mid-prompt (`Proposer.partial_hidden_states`)."""
+        return self.reads_hidden_states(options)
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         """How many sequences a request will run at once (for admission limits)."""

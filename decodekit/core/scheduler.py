@@ -60,10 +60,20 @@ def needs_prompt_logits(request: Request) -> bool:
     return wanted and (request.prompt_logprobs is None or len(request.prompt_logprobs) < len(request.prompt_token_ids))
 
 
+def needs_every_hidden_state(request: Request) -> bool:
+    """Whether the request's strategy needs the hidden state of every position
+    (`Strategy.needs_every_hidden_state`): then its prompt is computed in full, never served from the prefix
+    cache (cached positions have no hidden states)."""
+    plan = request.plan
+    if plan is None or not wants_hidden_states(request):
+        return False
+    needs = getattr(plan.strategy, "needs_every_hidden_state", None)
+    return bool(needs(plan.strategy_options)) if callable(needs) else True
+
+
 def wants_hidden_states(request: Request) -> bool:
     """Whether the request's strategy reads hidden states (`Strategy.reads_hidden_states`, by default its
-    `hidden_states`): then every position must be computed, none served from the prefix cache (cached positions have
-    no hidden states)."""
+    `hidden_states`): then the forward keeps the last hidden state of every position it computes."""
     plan = request.plan
     if plan is None:
         return False
@@ -291,7 +301,7 @@ class Scheduler:
             if num_seqs + width > self.max_num_seqs:
                 break
             # One sequence may reuse cached prefix blocks; several are checked conservatively (no reuse counted).
-            reuse = not needs_prompt_logits(request) and not wants_hidden_states(request)
+            reuse = not needs_prompt_logits(request) and not needs_every_hidden_state(request)
             fits = (self.allocator.can_allocate(seqs[0].token_ids, reuse_prefix=reuse) if len(seqs) == 1
                     else needed <= self.allocator.num_free_blocks)
             if not fits:

@@ -67,9 +67,18 @@ class _SeqState:
     """What the proposer keeps per sequence: the head's cache and the true states not yet run through it."""
 
     cache: HeadCache
-    pending: list[torch.Tensor] = field(default_factory=list)  # states of positions cache.length, ...
+    pending: list[torch.Tensor] = field(default_factory=list)  # states of positions offset + cache.length, ...
     num_pending: int = 0
     broken: bool = False  # a gap in the observed states: draft nothing for this sequence
+    # The sequence position of the head cache's first entry: the first position the target computed, past a prompt
+    # prefix served from the prefix cache (RoPE sees only relative positions, so the head runs from there as if
+    # from 0, without the context before it).
+    offset: int = 0
+
+    @property
+    def next_position(self) -> int:
+        """The first position whose true state the head still needs."""
+        return self.offset + self.cache.length + self.num_pending
 
 
 class EagleProposer(Proposer):
@@ -78,6 +87,7 @@ class EagleProposer(Proposer):
     name = "eagle"
     Params = EagleParams
     hidden_states = True
+    partial_hidden_states = True  # a prompt from the prefix cache: the head starts at its first computed position
 
     def __init__(self) -> None:
         self.info: ComponentInfo | None = None
@@ -142,8 +152,8 @@ class EagleProposer(Proposer):
             if head is None:
                 return
             state = self._seqs[seq.seq_id] = _SeqState(HeadCache(head.module.config, torch.float32,
-                                                                 head.embedding.device))
-        expected = state.cache.length + state.num_pending  # the first position whose state the head still needs
+                                                                 head.embedding.device), offset=states.start)
+        expected = state.next_position
         if states.candidates or states.start > expected:
             state.broken = True  # a gap (or candidates, not positions): this sequence gets no more drafts
             return
@@ -173,18 +183,21 @@ class EagleProposer(Proposer):
         for i, seq, k in members:
             state = self._seqs.get(seq.seq_id)
             last = len(seq.token_ids) - 1  # states are known up to last - 1
-            if state is not None and not state.broken and k > 0 and state.cache.length + state.num_pending == last:
+            if state is not None and not state.broken and k > 0 and state.next_position == last:
                 ready.append((i, seq, k, state, last))
         if not ready:
             return
         device = head.embedding.device
         # catch-up: every sequence's newly verified positions, (f_p, embedding of t_{p+1}), through the head at once
+        # (head positions count from the state's offset)
         next_ids = torch.tensor([t for _, seq, _, state, last in ready
-                                 for t in seq.token_ids[state.cache.length + 1 : last + 1]], device=device)
+                                 for t in seq.token_ids[state.offset + state.cache.length + 1 : last + 1]],
+                                device=device)
         states = torch.cat([row for *_, state, _ in ready for row in state.pending])
-        segments = [(state.cache, torch.arange(state.cache.length, last, device=device))
+        segments = [(state.cache, torch.arange(state.cache.length, last - state.offset, device=device))
                     for *_, state, last in ready]
-        ends = torch.tensor([last - state.cache.length for *_, state, last in ready], device=device).cumsum(0) - 1
+        ends = torch.tensor([last - state.offset - state.cache.length for *_, state, last in ready],
+                            device=device).cumsum(0) - 1
         current = head.module.step_many(head.embedding[next_ids], states, segments)[ends]
         for *_, state, _ in ready:
             state.pending, state.num_pending = [], 0
@@ -226,11 +239,12 @@ class EagleProposer(Proposer):
             if not going:
                 break
             feed = torch.tensor([tokens[n] for n in going], device=device)
-            segments = [(rows[n][3].cache, torch.tensor([rows[n][4] + j], device=device)) for n in going]
+            segments = [(rows[n][3].cache, torch.tensor([rows[n][4] - rows[n][3].offset + j], device=device))
+                        for n in going]
             current = head.module.step_many(head.embedding[feed], current[going], segments)
             active = [active[n] for n in going]
         for *_, state, last in ready:
-            state.cache.truncate(last)  # the draft's entries are speculative: the verified states replace them
+            state.cache.truncate(last - state.offset)  # the draft's entries are speculative: verified ones replace them
 
     def release(self, seq: Sequence) -> None:
         """A sequence is finished: drop its cache."""

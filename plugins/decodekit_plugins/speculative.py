@@ -244,6 +244,14 @@ class SpeculativeStrategy(Strategy):
         names = [options.proposer] + ([options.fallback] if options.fallback else [])
         return any(getattr(self.proposers.get(name), "hidden_states", False) for name in names)
 
+    def needs_every_hidden_state(self, options: BaseModel | None) -> bool:
+        """When a proposer that reads hidden states cannot start mid-prompt (`Proposer.partial_hidden_states`)."""
+        assert isinstance(options, SpeculativeParams)
+        names = [options.proposer] + ([options.fallback] if options.fallback else [])
+        proposers = [self.proposers.get(name) for name in names]
+        return any(getattr(p, "hidden_states", False) and not getattr(p, "partial_hidden_states", False)
+                   for p in proposers)
+
     def _proposer(self, name: str) -> Proposer:
         assert self.components is not None, "the registry binds the strategy when it builds it"
         proposer: Proposer = self.components.get("proposers", name, f"strategy.{self.name}.proposer")
