@@ -34,6 +34,21 @@ def _random_head(model, path: Path, draft_vocab: int = 200, seed: int = 0) -> Dr
     return head
 
 
+def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """Make the engine's eagle proposer record (the sequence's tokens, its draft) of every proposal."""
+    proposer = llm.engine.components.get("proposers", "eagle")
+    seen: list[tuple[list[int], list[int]]] = []
+    original = proposer.propose
+
+    def record(ctx, seqs, ks, options):
+        drafts, qs = original(ctx, seqs, ks, options)
+        seen.extend((list(seq.token_ids), draft) for seq, draft in zip(seqs, drafts))
+        return drafts, qs
+
+    proposer.propose = record
+    return seen
+
+
 @pytest.fixture(scope="module")
 def head_file(llama, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("head") / "tiny.safetensors"
@@ -73,16 +88,7 @@ def test_the_first_draft_token_is_the_heads_prediction_from_transformers_hidden_
     head, _ = load_head(head_file)
     llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
     prompt = random_prompts(1, 12, 13, seed=9)[0]
-    proposer = llm.engine.components.get("proposers", "eagle")
-    seen: list[tuple[list[int], list[int]]] = []
-    original = proposer.propose
-
-    def record(ctx, seqs, ks, options):
-        drafts, qs = original(ctx, seqs, ks, options)
-        seen.extend((list(seq.token_ids), draft) for seq, draft in zip(seqs, drafts))
-        return drafts, qs
-
-    proposer.propose = record
+    seen = _record_drafts(llm)
     llm.generate([prompt], _eagle(2, head_file, max_tokens=6, temperature=0, ignore_eos=True))
     assert len(seen) >= 2
     embedding = llama.get_input_embeddings().weight
@@ -105,16 +111,7 @@ def test_a_prompt_from_the_prefix_cache_keeps_eagle_lossless_and_drafting_from_i
     llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
     prompt = random_prompts(1, 22, 23, seed=11)[0]
     plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    proposer = llm.engine.components.get("proposers", "eagle")
-    seen: list[tuple[list[int], list[int]]] = []
-    original = proposer.propose
-
-    def record(ctx, seqs, ks, options):
-        drafts, qs = original(ctx, seqs, ks, options)
-        seen.extend((list(seq.token_ids), draft) for seq, draft in zip(seqs, drafts))
-        return drafts, qs
-
-    proposer.propose = record
+    seen = _record_drafts(llm)
     out = llm.generate([prompt], _eagle(2, head_file, max_tokens=12, temperature=0, ignore_eos=True))[0]
     cached = out.metrics.num_cached_prompt_tokens
     assert out.token_ids == plain.token_ids and out.error is None
