@@ -107,6 +107,24 @@ def test_steps_with_long_chunks_or_too_many_sequences_run_eagerly(tokenizer):
     assert not graphs.accepts([ForwardItem([5], graphs.width * llm.engine.kv_cache.block_size, [0], 1)])
 
 
+def test_a_failed_capture_turns_the_graphs_off_and_the_step_runs_eagerly(tokenizer, caplog):
+    plain = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB")
+    graphed = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB")
+    graphs = _with_static_buffers(graphed)
+
+    def fail(tokens):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs._capture = fail
+    prompts = random_prompts(3, 3, 20, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = graphed.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert all(o.error is None for o in outs)
+    assert graphs.disabled is not None and "not permitted" in graphs.disabled and graphs.num_captured == 0
+    assert "CUDA graphs off" in caplog.text
+
+
 def test_cuda_graphs_on_a_cpu_model_are_refused_naming_the_option(tokenizer):
     with pytest.raises(ConfigError, match=r"cuda_graphs: .*CUDA device"):
         LLM(tiny_model("llama"), tokenizer, fused_decoder=True, cuda_graphs=True)

@@ -57,6 +57,10 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(b for b in buckets if b >= 1))
 
 
+class GraphCaptureFailed(RuntimeError):
+    """A graph could not be captured; `DecodeGraphs` is then disabled and the step runs eagerly."""
+
+
 @dataclass
 class _Captured:
     graph: Any  # torch.cuda.CUDAGraph, or None when not capturing
@@ -99,6 +103,7 @@ class DecodeGraphs:
         self._uploaded = torch.cuda.Event() if capture else None
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.disabled: str | None = None  # why graphs are off for good (a capture failed), else None
 
     @property
     def num_captured(self) -> int:
@@ -108,7 +113,7 @@ class DecodeGraphs:
     def accepts(self, items: list[ForwardItem]) -> bool:
         """Whether this step can replay a graph: every sequence brings 1..`MAX_GRAPH_QUERY` tokens, the batch fits
         the largest bucket and every context the static block table."""
-        if not items or len(items) > self.buckets[-1]:
+        if self.disabled is not None or not items or len(items) > self.buckets[-1]:
             return False
         limit = self.width * self.cache.block_size - MAX_GRAPH_QUERY
         return all(1 <= len(it.token_ids) <= MAX_GRAPH_QUERY and it.context_len <= limit for it in items)
@@ -151,7 +156,13 @@ class DecodeGraphs:
             self._uploaded.record()
         captured = self._graphs.get((bucket, q))
         if captured is None:
-            captured = self._graphs[(bucket, q)] = self._capture(padded)
+            try:
+                captured = self._graphs[(bucket, q)] = self._capture(padded)
+            except Exception as exc:
+                # a model the capture cannot take must not fail every decode step: run eagerly from now on
+                self.disabled = f"capturing {padded} rows failed: {exc!r}"
+                log.warning("CUDA graphs off for this engine (%s); steps run eagerly", self.disabled)
+                raise GraphCaptureFailed(self.disabled) from exc
         if captured.graph is None:  # not capturing: the static-buffer forward, eagerly
             logits, hidden = self._forward(padded)
         else:

@@ -11,7 +11,7 @@ import torch
 from decodekit.api.errors import ConfigError, UnsupportedModelError
 from decodekit.api.models import LoadedModel
 from decodekit.core.config import EngineConfig
-from decodekit.core.cuda_graphs import DecodeGraphs
+from decodekit.core.cuda_graphs import DecodeGraphs, GraphCaptureFailed
 from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
 from decodekit.core.gpu_attention import kernel_available
 from decodekit.core.kv_cache import ATTENTION_NAME, BATCHED_MAX_QUERY, PagedKVCache, build_layout
@@ -253,7 +253,10 @@ class ModelRunner:
             logit_index.extend(range(len(flat) - it.num_logits, len(flat)))
             hidden_rows.extend(range(len(flat) - it.num_hidden, len(flat)))
         if self.graphs is not None and self.graphs.accepts(items):
-            return self.graphs.run(items, logit_index, hidden_rows)
+            try:
+                return self.graphs.run(items, logit_index, hidden_rows)
+            except GraphCaptureFailed:
+                pass  # logged; the graphs are now off and this step runs eagerly below
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         hidden_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device) if hidden_rows else None
         layout, positions = build_layout(
