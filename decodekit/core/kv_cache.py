@@ -194,10 +194,10 @@ class PagedKVCache(Cache):
         self.pool = torch.zeros(num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype,
                                 device=device)
         self.scratch_slot = num_blocks * block_size
-        # The same memory seen slot by slot, for writes: [layers, 2, num_blocks * block_size, kv_heads, head_dim].
+        # The same memory seen slot by slot, for writes: [layers, 2, (num_blocks + 1) * block_size, kv_heads, dim].
         self.slots = self.pool.view(num_layers, 2, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         # Per layer, made once: slot views for writes `[slots, KVH, D]` and block-row views for gathers
-        # `[num_blocks, block_size * KVH * D]` (gathering whole rows is byte-identical to gathering blocks of the
+        # `[num_blocks + 1, block_size * KVH * D]` (gathering whole rows is byte-identical to gathering blocks of the
         # 4-D pool and measured 1.1-4.8x faster); a decode step would otherwise spend ~10 view calls per layer.
         self.key_slots = [self.slots[i, 0] for i in range(num_layers)]
         self.value_slots = [self.slots[i, 1] for i in range(num_layers)]

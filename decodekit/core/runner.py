@@ -143,8 +143,10 @@ def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
         log.warning("the draft model %s runs the transformers forward (a model object passed in is not re-laid in "
                     "place unless asked); draft_fused_decoder=True runs it through the fused decoder, about twice "
                     "as fast", draft.name)
+    # an unfused draft runs eagerly even where the target's `cuda_graphs: true` (graphs capture the fused decoder)
     return config.model_copy(update={"fused_decoder": fused, "native_kernels": config.native_kernels if fused
-                                     else False, "quantization": config.draft_quantization})
+                                     else False, "quantization": config.draft_quantization,
+                                     "cuda_graphs": config.cuda_graphs if fused else None})
 
 
 def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConfig) -> ModelRunner:
