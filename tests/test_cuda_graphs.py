@@ -95,6 +95,31 @@ def test_static_buffer_steps_serve_seeded_sampling_like_the_eager_path(tokenizer
         [o.token_ids for o in plain.generate(prompts, params)]
 
 
+def test_hidden_states_from_static_buffer_steps_drive_eagle_like_the_eager_path(tokenizer, tmp_path):
+    # the padded rows of a step map back to the packed tokens for hidden states too (`_pick`): the eagle proposer
+    # drafts the same tokens from them, and the output stays plain greedy's
+    from tests.test_eagle import _eagle, _random_head
+
+    head = tmp_path / "head.safetensors"
+    _random_head(tiny_model("llama"), head)
+    prompts = random_prompts(3, 5, 30, seed=8)
+    params = _eagle(3, head, max_tokens=16, temperature=0, ignore_eos=True)
+    runs = []
+    for static in (False, True):
+        llm = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
+        graphs = _with_static_buffers(llm) if static else None
+        outs = llm.generate(prompts, params)
+        assert all(o.error is None for o in outs)
+        runs.append([(o.token_ids, o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in outs])
+        if graphs is not None:
+            assert graphs.num_captured > 0
+    plain = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB").generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert runs[1] == runs[0]
+    assert [tokens for tokens, _, _ in runs[1]] == [o.token_ids for o in plain]
+    assert sum(drafted for _, drafted, _ in runs[1]) > 0
+
+
 def test_steps_with_long_chunks_or_too_many_sequences_run_eagerly(tokenizer):
     llm = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB")
     graphs = _with_static_buffers(llm, max_batch=2)
