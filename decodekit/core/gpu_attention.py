@@ -118,8 +118,8 @@ def attend_tokens(table: TokenTable, query: torch.Tensor, key_slots: torch.Tenso
         query, key_slots, value_slots, out, table.token_rows, table.key_limits, table.block_tables,
         table.block_tables.stride(0), scale, query.stride(0), query.stride(1), key_slots.stride(0),
         key_slots.stride(1), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(2, _next_power_of_2(group)), HEAD_DIM=dim,
-        HEAD_PAD=max(16, _next_power_of_2(dim)), BLOCK_N=_BLOCK_N,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(2, next_power_of_2(group)), HEAD_DIM=dim,
+        HEAD_PAD=max(16, next_power_of_2(dim)), BLOCK_N=_BLOCK_N,
     )
 
 
@@ -147,7 +147,8 @@ def attend_tokens_reference(table: TokenTable, query: torch.Tensor, key_slots: t
     return torch.where((limits > 0)[:, None, None], attended[:, :, 0], 0.0).to(query.dtype)
 
 
-def _next_power_of_2(value: int) -> int:
+def next_power_of_2(value: int) -> int:
+    """The smallest power of two >= `value` (Triton's block shapes must be powers of two)."""
     return 1 << max(0, value - 1).bit_length()
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from decodekit.core.gpu_attention import next_power_of_2 as _next_power_of_2
+
 
 @functools.cache
 def _kernels() -> Any:
@@ -109,15 +111,6 @@ def _kernels() -> Any:
     return rms_norm_kernel, rope_write_kernel, silu_mul_kernel
 
 
-def available() -> bool:
-    """Whether the kernels can be compiled (Triton is installed)."""
-    return _kernels() is not None
-
-
-def _pow2(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
-
-
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
              ) -> torch.Tensor:
     """LlamaRMSNorm of `[T, hidden]` rows, one launch. With `residual`, first `hidden += residual` in place (the
@@ -126,7 +119,7 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     n = hidden.shape[-1]
     delta = hidden if residual is None else residual
     _kernels()[0][(hidden.shape[0],)](hidden, delta, weight, out, hidden.stride(0), delta.stride(0), out.stride(0),
-                                      n, eps, BLOCK=_pow2(n), ROUND=hidden.dtype != torch.float32,
+                                      n, eps, BLOCK=_next_power_of_2(n), ROUND=hidden.dtype != torch.float32,
                                       ADD=residual is not None)
     return out
 

@@ -240,17 +240,18 @@ class SpeculativeStrategy(Strategy):
 
     def reads_hidden_states(self, options: BaseModel | None) -> bool:
         """When the proposer (or the fallback) reads the target's hidden states (`Proposer.hidden_states`)."""
-        assert isinstance(options, SpeculativeParams)
-        names = [options.proposer] + ([options.fallback] if options.fallback else [])
-        return any(getattr(self.proposers.get(name), "hidden_states", False) for name in names)
+        return any(getattr(p, "hidden_states", False) for p in self._used_proposers(options))
 
     def needs_every_hidden_state(self, options: BaseModel | None) -> bool:
         """When a proposer that reads hidden states cannot start mid-prompt (`Proposer.partial_hidden_states`)."""
+        return any(getattr(p, "hidden_states", False) and not getattr(p, "partial_hidden_states", False)
+                   for p in self._used_proposers(options))
+
+    def _used_proposers(self, options: BaseModel | None) -> list[Proposer | None]:
+        """The proposer and fallback that requests with these options use (None where not built yet)."""
         assert isinstance(options, SpeculativeParams)
         names = [options.proposer] + ([options.fallback] if options.fallback else [])
-        proposers = [self.proposers.get(name) for name in names]
-        return any(getattr(p, "hidden_states", False) and not getattr(p, "partial_hidden_states", False)
-                   for p in proposers)
+        return [self.proposers.get(name) for name in names]
 
     def _proposer(self, name: str) -> Proposer:
         assert self.components is not None, "the registry binds the strategy when it builds it"
