@@ -60,8 +60,8 @@ class DraftConfig(_Section):
     model: str = Field(description="Draft model: bundled name, local folder, .gguf file or hub id; `target` for a "
                        "quantized copy of the target model itself (with `quantization`).")
     dtype: Dtype = Field("auto", description="The draft's dtype.")
-    quantization: Literal["int8"] | None = Field(
-        None, description="Run the draft on int8 copies of its weights (see the engine's `quantization`); "
+    quantization: Literal["int8", "bf16"] | None = Field(
+        None, description="Run the draft on int8 or bf16 copies of its weights (see the engine's `quantization`); "
         "required with `model: target`.")
 
     @model_validator(mode="after")

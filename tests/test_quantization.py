@@ -97,12 +97,13 @@ def test_an_int8_target_generates_what_transformers_generates_on_the_dequantized
 
 
 @needs_kernels
-def test_int8_copies_leave_the_models_own_weights_and_forward_untouched(tokenizer):
+@pytest.mark.parametrize("quantization", ["int8", "bf16"])
+def test_quantized_copies_leave_the_models_own_weights_and_forward_untouched(quantization, tokenizer):
     model = tiny_model("llama")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     prompt = random_prompts(1, 5, 6, seed=2)[0]
     want = hf_greedy(model, prompt, 8)
-    LLM(model, tokenizer, quantization="int8", kv_cache_memory="16MiB")
+    LLM(model, tokenizer, quantization=quantization, kv_cache_memory="16MiB")
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert hf_greedy(model, prompt, 8) == want
 
@@ -187,7 +188,7 @@ def test_asking_for_int8_where_it_cannot_run_is_refused_with_the_option_named(to
         LLM(gpt2, tokenizer, quantization="int8", kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match=r"draft_quantization: GPT2LMHeadModel is not one of"):
         LLM(gpt2, tokenizer, draft="target", draft_quantization="int8", fused_decoder=False, kv_cache_memory="16MiB")
-    with pytest.raises(ConfigError, match=r"(?s)quantization.*Input should be 'int8'"):
+    with pytest.raises(ConfigError, match=r"(?s)quantization.*Input should be 'int8' or 'bf16'"):
         LLM(tiny_model("llama"), tokenizer, quantization="int4", kv_cache_memory="16MiB")
 
 
@@ -197,5 +198,5 @@ def test_a_recipe_drafting_with_the_target_must_say_how_to_quantize_it():
         recipe_from_data({**base, "draft": {"model": "target"}})
     recipe = recipe_from_data({**base, "draft": {"model": "target", "quantization": "int8"}})
     assert recipe.draft is not None and recipe.draft.quantization == "int8"
-    with pytest.raises(RecipeError, match=r"draft\.quantization: Input should be 'int8'"):
+    with pytest.raises(RecipeError, match=r"draft\.quantization: Input should be 'int8' or 'bf16'"):
         recipe_from_data({**base, "draft": {"model": "target", "quantization": "int4"}})

@@ -15,7 +15,10 @@ Qwen2 and their fine-tunes, SmolLM2 among them) this module runs the same math w
 - optionally (`quantization="int8"`), every product (the LM head too) runs on int8 copies of the weights with one
   float32 scale per output row, through the native `dk_linear_i8` kernel: ~3x faster per token at batch 1, no
   longer exact. The model's own weights are then left as they are, so an int8 copy of the target can serve as its
-  speculative draft (`draft: {model: target, quantization: int8}`) beside the float forward of the same module.
+  speculative draft (`draft: {model: target, quantization: int8}`) beside the float forward of the same module;
+- optionally (`quantization="bf16"`), every product runs on bfloat16 copies of the weights packed in panels,
+  multiplied in float32 by `dk_linear_bf16` (llama.cpp's bf16 weights on a CPU): half the bytes per step, exact for
+  weights that bf16 represents, ~0.4% relative rounding for others.
 
 The re-layout replaces the modules' parameters by views into the fused buffers, so the transformers module keeps
 working (plain `generate` on it gives the same tokens) and no weight is stored twice (the prepacked copy aside).
@@ -26,6 +29,7 @@ sizes, and the engine's exactness tests against `generate` run on both forwards.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +40,7 @@ from torch import nn
 from decodekit.core import gpu_ops
 from decodekit.core.gpu_attention import attend_tokens, kernel_available
 from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
-from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels
+from decodekit.core.native_kernels import BF16_PANEL, DecodeAttentionPlan, NativeKernels, pack_bf16_panels
 
 # Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
 FUSABLE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -92,14 +96,29 @@ def prepacking_available(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
+def _dequantized_mm(x: torch.Tensor, residual: torch.Tensor | None, out_dim: int,
+                    blocks: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """`x @ W^T (+ residual)` for a compressed weight given as `(first output row, float W^T block [in, rows])`
+    blocks: products of many rows (prefill chunks) are bound by arithmetic, where BLAS on float32 beats the native
+    kernels, so they run on weights dequantized a block of output rows at a time (a few MB, never the whole
+    matrix)."""
+    out = x.new_empty(x.shape[0], out_dim) if residual is None else residual.clone()
+    for start, block in blocks:
+        end = start + block.shape[1]
+        if residual is None:
+            torch.mm(x, block, out=out[:, start:end])
+        else:
+            out[:, start:end].addmm_(x, block)
+    return out
+
+
 class _Int8Matrix:
     """One weight as int8 with a float32 scale per output row (weight-only quantization).
 
     Symmetric and round-to-nearest: a row's largest |w| maps to 127, so each weight is off by at most half a step
     (a relative error of ~0.4% of the row's largest weight). Up to `INT8_NATIVE_MAX_ROWS` rows run the native
     kernel, which streams the int8 bytes and rounds the activations to int16 per row (an error of at most
-    sqrt(in) / 65534 of a row's rms: see `dk_linear_i8`); more rows (prefill chunks) are bound by arithmetic, not
-    by reading weights, so they take float32 BLAS on weights dequantized a block of output rows at a time.
+    sqrt(in) / 65534 of a row's rms: see `dk_linear_i8`); more rows take `_dequantized_mm`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
@@ -114,14 +133,36 @@ class _Int8Matrix:
         """`x @ W^T (+ bias) (+ residual)` with `W = weight * scale`."""
         if x.shape[0] <= INT8_NATIVE_MAX_ROWS:
             return self.native.linear_i8(x, self.weight, self.scale, self.bias, residual)
-        out = x.new_empty(x.shape[0], self.weight.shape[0]) if residual is None else residual.clone()
-        for start in range(0, self.weight.shape[0], _DEQUANTIZE_BLOCK):
-            end = start + _DEQUANTIZE_BLOCK
-            block = self.weight[start:end].to(x.dtype) * self.scale[start:end, None]
-            if residual is None:
-                torch.mm(x, block.t(), out=out[:, start:end])
-            else:
-                out[:, start:end].addmm_(x, block.t())
+        blocks = ((start, (self.weight[start:start + _DEQUANTIZE_BLOCK].to(x.dtype)
+                           * self.scale[start:start + _DEQUANTIZE_BLOCK, None]).t())
+                  for start in range(0, self.weight.shape[0], _DEQUANTIZE_BLOCK))
+        out = _dequantized_mm(x, residual, self.weight.shape[0], blocks)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class _Bf16Matrix:
+    """One weight as bfloat16, packed in panels of 16 output rows (`pack_bf16_panels`), multiplied in float32.
+
+    Round-to-nearest-even to bf16 (8 significant bits: a relative error of at most 2^-9 per weight, none for
+    weights bf16 represents). Up to `BF16_NATIVE_MAX_ROWS` rows run `dk_linear_bf16`, which reads the panels front
+    to back; more rows take `_dequantized_mm`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
+        self.out_dim, self.in_dim = weight.shape
+        self.panels = pack_bf16_panels(weight)
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.native = native
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W^T (+ bias) (+ residual)` with `W` the bf16-rounded weight."""
+        if x.shape[0] <= BF16_NATIVE_MAX_ROWS:
+            return self.native.linear_bf16(x, self.panels, self.out_dim, self.bias, residual)
+        step = _DEQUANTIZE_BLOCK // BF16_PANEL
+        blocks = ((first * BF16_PANEL, self.panels[first:first + step].to(x.dtype).permute(1, 0, 2)
+                   .reshape(self.in_dim, -1)[:, :self.out_dim - first * BF16_PANEL])
+                  for first in range(0, self.panels.shape[0], step))
+        out = _dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -130,10 +171,16 @@ class _Int8Matrix:
 # ~70 ms per step more than float32's ~2.6-2.9 ms per row, so they cross near 140 rows; with the limit at 32, a
 # 33-row step cost 1.7x a 32-row one.
 INT8_NATIVE_MAX_ROWS = 128
+# The same for bf16: per product (SmolLM2's shapes, 2 threads) the kernel costs 0.85-0.9x float32's prepacked
+# oneDNN at 64-128 rows, where it is bound by arithmetic (AVX2 has no bf16 multiply), and 2-2.6x less at 1-8 rows;
+# BLAS on dequantized blocks is slower than both up to 128 rows.
+BF16_NATIVE_MAX_ROWS = 128
 # Output rows dequantized at once on the BLAS path: a few MB of float32, not a vocabulary-sized matrix.
 _DEQUANTIZE_BLOCK = 2048
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "bf16")
+_QUANTIZED: dict[str, type[_Int8Matrix] | type[_Bf16Matrix]] = {"int8": _Int8Matrix, "bf16": _Bf16Matrix}
+_AnyMatrix = _Matrix | _Int8Matrix | _Bf16Matrix
 
 
 @dataclass
@@ -142,15 +189,15 @@ class _FusedLayer:
 
     input_norm: torch.Tensor
     input_eps: float
-    qkv: _Matrix | _Int8Matrix
+    qkv: _AnyMatrix
     q_heads: int
     kv_heads: int
-    o: _Matrix | _Int8Matrix
+    o: _AnyMatrix
     post_norm: torch.Tensor
     post_eps: float
-    gate_up: _Matrix | _Int8Matrix
+    gate_up: _AnyMatrix
     intermediate: int
-    down: _Matrix | _Int8Matrix
+    down: _AnyMatrix
     scaling: float
 
 
@@ -209,12 +256,13 @@ def _fuse_columns(modules: list[nn.Linear]) -> torch.Tensor:
 class FusedDecoder:
     """Runs a Llama-family `*ForCausalLM` over the paged KV cache with fused, re-laid weights.
 
-    Building it re-lays the model's linear weights in place (values unchanged), or with `quantization="int8"`
-    makes int8 copies of them and leaves the model as it is. Call it with the packed tokens of one engine step (the
-    cache's layout must be set) to get logits for `logit_index`.
+    Building it re-lays the model's linear weights in place (values unchanged), or with a `quantization` ("int8",
+    "bf16") makes compressed copies of them and leaves the model as it is. Call it with the packed tokens of one
+    engine step (the cache's layout must be set) to get logits for `logit_index`.
 
     Raises:
-        ValueError: the model is not fusable (see `fused_decoder_refusal`), or int8 is asked without native kernels.
+        ValueError: the model is not fusable (see `fused_decoder_refusal`), or a quantization is asked without native
+            kernels.
     """
 
     def __init__(self, model: Any, prepack: bool = False, native: NativeKernels | None = None,
@@ -242,9 +290,10 @@ class FusedDecoder:
         self.prepacked = prepack and quantization is None
         if quantization is not None:
             assert native is not None
+            matrix = _QUANTIZED[quantization]
             with torch.no_grad():
-                self.layers = [self._quantize(layer, native) for layer in base.layers]
-                self.lm_head: _Matrix | _Int8Matrix = _Int8Matrix(model.lm_head.weight, None, native)
+                self.layers = [self._quantize(layer, matrix, native) for layer in base.layers]
+                self.lm_head: _AnyMatrix = matrix(model.lm_head.weight, None, native)
             return
         with torch.no_grad():
             self.layers = [self._fuse(layer, prepack) for layer in base.layers]
@@ -258,8 +307,9 @@ class FusedDecoder:
             self.lm_head = _Matrix(relaid.t(), None, prepack)
 
     @staticmethod
-    def _quantize(layer: Any, native: NativeKernels) -> _FusedLayer:
-        """The layer's products as int8 copies (q/k/v and gate/up fused by rows); the module is not touched."""
+    def _quantize(layer: Any, matrix: type[_Int8Matrix] | type[_Bf16Matrix], native: NativeKernels) -> _FusedLayer:
+        """The layer's products as compressed copies (`matrix`: q/k/v and gate/up fused by rows); the module is not
+        touched."""
         attn, mlp = layer.self_attn, layer.mlp
         head_dim = int(attn.head_dim)
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
@@ -268,14 +318,13 @@ class FusedDecoder:
         qkv_bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         return _FusedLayer(
             input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
-            qkv=_Int8Matrix(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv_bias,
-                            native),
+            qkv=matrix(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv_bias, native),
             q_heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=attn.k_proj.weight.shape[0] // head_dim,
-            o=_Int8Matrix(attn.o_proj.weight, None, native),
+            o=matrix(attn.o_proj.weight, None, native),
             post_norm=layer.post_attention_layernorm.weight,
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-            gate_up=_Int8Matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, native),
-            intermediate=mlp.gate_proj.weight.shape[0], down=_Int8Matrix(mlp.down_proj.weight, None, native),
+            gate_up=matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, native),
+            intermediate=mlp.gate_proj.weight.shape[0], down=matrix(mlp.down_proj.weight, None, native),
             scaling=float(attn.scaling),
         )
 

@@ -58,7 +58,8 @@ log = logging.getLogger("decodekit.runner")
 
 # The entry points `NativeKernels` binds; all are looked up when a library is loaded, so one lacking any is refused
 # there (a reason for the torch fallback) rather than failing later.
-SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_linear_i8")
+SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_linear_i8",
+           "dk_linear_bf16")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -200,6 +201,9 @@ class NativeKernels:
         self._linear_i8 = lib.dk_linear_i8
         self._linear_i8.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p, _i]
         self._linear_i8.restype = None
+        self._linear_bf16 = lib.dk_linear_bf16
+        self._linear_bf16.argtypes = [_p, _i, _i, _p, _p, _p, _p, _i]
+        self._linear_bf16.restype = None
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -234,6 +238,24 @@ class NativeKernels:
                         out.data_ptr(), out_dim)
         return out
 
+    def linear_bf16(self, x: torch.Tensor, panels: torch.Tensor, out_dim: int, bias: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W.T (+ bias) (+ residual)` for float32 rows `x` `[rows, in]` and a bfloat16 weight `W` `[out_dim, in]`
+        packed by `pack_bf16_panels`, in float32 arithmetic; returns float32 `[rows, out_dim]` (see
+        `dk_linear_bf16`)."""
+        x = x.contiguous()
+        rows, width = x.shape
+        if panels.shape != (-(-out_dim // BF16_PANEL), width, BF16_PANEL) or panels.dtype != torch.bfloat16 \
+                or not panels.is_contiguous():
+            raise ValueError(f"the panels {panels.dtype} {tuple(panels.shape)} do not pack a [{out_dim}, {width}] "
+                             "weight (see pack_bf16_panels)")
+        out = x.new_empty(rows, out_dim)
+        if residual is not None:
+            residual = residual.contiguous()
+        self._linear_bf16(x.data_ptr(), rows, width, panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                          None if residual is None else residual.data_ptr(), out.data_ptr(), out_dim)
+        return out
+
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,
                           value_slots: torch.Tensor, plan: DecodeAttentionPlan, scaling: float) -> torch.Tensor:
         """RoPE on `qkv`'s query and key heads (in place), KV write to the pool, attention; returns `[T, H * D]`.
@@ -255,6 +277,21 @@ class NativeKernels:
         if status != 0:
             raise MemoryError("native attention could not allocate its scratch memory")
         return out
+
+
+# Output rows per panel of a packed bf16 weight (`PANEL` in kernels.c).
+BF16_PANEL = 16
+
+
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A weight `[out, in]` as the bfloat16 panels `dk_linear_bf16` reads: `[ceil(out / 16), in, 16]` contiguous,
+    panel p holding output rows 16p..16p+15 input by input (zero rows past `out`). Rounds to bf16 if needed."""
+    out_dim, width = weight.shape
+    padded = -(-out_dim // BF16_PANEL) * BF16_PANEL
+    rows = weight.detach().to(torch.bfloat16)
+    if padded != out_dim:
+        rows = torch.cat([rows, rows.new_zeros(padded - out_dim, width)])
+    return rows.view(padded // BF16_PANEL, BF16_PANEL, width).transpose(1, 2).contiguous()
 
 
 class DecodeAttentionPlan:

@@ -29,6 +29,14 @@ static inline v8f load8(const float* p) { v8f v; memcpy(&v, p, sizeof v); return
 static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
 static inline v8f splat8(float x) { v8f v = {x, x, x, x, x, x, x, x}; return v; }
 
+/* bfloat16 is the top half of a float32: widening it is a shift, exact. */
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* exp of 8 floats at once (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), within 2 ulp of
  * expf; inputs below -87.3 give 0. Attention's softmax calls it once per (head, key): libm's scalar expf there
  * cost as much as the dot products. */
@@ -391,6 +399,7 @@ DK_I8_TILE(4, 1)
 DK_I8_TILE(1, 2)
 DK_I8_TILE(1, 1)
 
+
 /* sums for the nr (<= 4) weight rows from `first` and the nm (<= 2) activation rows at xm, by the tiles of one
  * path (`i16` or `i8`): one 4-row tile, or single rows at the end of the output. */
 #define DK_TILES(path, xm)                                                                                      \
@@ -408,6 +417,21 @@ DK_I8_TILE(1, 1)
             }                                                                                                   \
         }                                                                                                       \
     } while (0)
+
+/* A tile's epilogue: out[m + k, first + r] = sums[r * 2 + k] (* scale) (+ bias) (+ residual) for its nr weight rows
+ * and nm activation rows. */
+static inline void store_sums(const float* sums, int64_t nr, int64_t nm, int64_t first, int64_t m, int64_t out_dim,
+                              const float* scale, const float* bias, const float* residual, float* out) {
+    for (int64_t r = 0; r < nr; ++r)
+        for (int64_t k = 0; k < nm; ++k) {
+            int64_t o = first + r, at = (m + k) * out_dim + o;
+            float v = sums[r * 2 + k];
+            if (scale) v *= scale[o];
+            if (bias) v += bias[o];
+            if (residual) v += residual[at];
+            out[at] = v;
+        }
+}
 
 /* Round each row of x to int16 with its own scale into xq/xscale; 0 when some row is not finite (the float path
  * then takes the call, so NaN and infinity propagate as in float32). */
@@ -462,16 +486,132 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* w, con
             {
                 DK_TILES(i8, x + m * in);
             }
-            for (int64_t r = 0; r < nr; ++r)
-                for (int64_t k = 0; k < nm; ++k) {
-                    int64_t o = first + r, at = (m + k) * out_dim + o;
-                    float v = sums[r * 2 + k] * scale[o];
-                    if (bias) v += bias[o];
-                    if (residual) v += residual[at];
-                    out[at] = v;
-                }
+            store_sums(sums, nr, nm, first, m, out_dim, scale, bias, residual, out);
         }
     }
     free(xq);
     free(xscale);
+}
+
+/* ---- bfloat16 weights -----------------------------------------------------------------------------------------
+ * out[m, o] = dot(x[m], w[o]) (+ bias[o]) (+ residual[m, o]) for float32 rows x [rows, in] and bfloat16 weights:
+ * bf16 storage, float32 arithmetic (llama.cpp's bf16 model files on a CPU). Widening a bf16 weight to float32 is
+ * exact (a shift), so each product is the float32 product of the bf16-rounded weights, summed in float32: closer
+ * to float32 than torch's bf16 path, which also rounds every activation to bf16. Decode reads every weight once per
+ * step, and bf16 halves those bytes.
+ *
+ * The weights are packed in panels of 16 output rows, [ceil(out / 16), in, 16] (`pack_bf16_panels` in
+ * fused_decoder.py, zero rows past `out`): a panel is one contiguous run of memory read front to back, 16 outputs
+ * per input. Measured on SmolLM2's shapes (2-core AVX2 EPYC, 1 thread, cold weights): row-major [out, in] dot
+ * products read 8 GB/s, the four interleaved 1 KB row streams defeating the prefetcher; panels read 19.5 GB/s.
+ * A 256-bit load holds 16 weights, two per 32-bit lane: masking the low half gives the odd outputs as floats and
+ * shifting left by 16 the even ones, two cheap ops and no shuffle; each input x[m, i] is broadcast once.
+ * Tiles are P panels x M rows with 2 * P * M accumulators (at most 8 of the 16 registers). Panels are split over
+ * torch's OpenMP threads; each output is computed as on one thread, so results do not depend on the thread count. */
+#define PANEL 16
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define DK_PANEL_TILE(P, M)                                                                                     \
+    static void panel_tile_##P##_##M(const float* x, int64_t in, const uint16_t* w, float* sums) {             \
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000u);                                               \
+        __m256 acc[P][2][M];                                                                                    \
+        for (int q = 0; q < P; ++q)                                                                             \
+            for (int m = 0; m < M; ++m) acc[q][0][m] = acc[q][1][m] = _mm256_setzero_ps();                      \
+        for (int64_t i = 0; i < in; ++i) {                                                                      \
+            __m256 xb[M];                                                                                       \
+            for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * in + i);                            \
+            for (int q = 0; q < P; ++q) {                                                                       \
+                __m256i pair = _mm256_loadu_si256((const __m256i*)(w + (q * in + i) * PANEL));                  \
+                __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));                                 \
+                __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pair, high));                                 \
+                for (int m = 0; m < M; ++m) {                                                                   \
+                    acc[q][0][m] = _mm256_fmadd_ps(even, xb[m], acc[q][0][m]);                                  \
+                    acc[q][1][m] = _mm256_fmadd_ps(odd, xb[m], acc[q][1][m]);                                   \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int q = 0; q < P; ++q)                                                                             \
+            for (int m = 0; m < M; ++m) {                                                                       \
+                float even[8], odd[8];                                                                          \
+                _mm256_storeu_ps(even, acc[q][0][m]);                                                           \
+                _mm256_storeu_ps(odd, acc[q][1][m]);                                                            \
+                for (int k = 0; k < 8; ++k) {                                                                   \
+                    sums[(m * P + q) * PANEL + 2 * k] = even[k];                                                \
+                    sums[(m * P + q) * PANEL + 2 * k + 1] = odd[k];                                             \
+                }                                                                                               \
+            }                                                                                                   \
+    }
+#else
+/* Without AVX2 and FMA: the same sums, serial. */
+#define DK_PANEL_TILE(P, M)                                                                                     \
+    static void panel_tile_##P##_##M(const float* x, int64_t in, const uint16_t* w, float* sums) {             \
+        for (int q = 0; q < P; ++q)                                                                             \
+            for (int m = 0; m < M; ++m)                                                                         \
+                for (int k = 0; k < PANEL; ++k) {                                                               \
+                    float t = 0;                                                                                \
+                    for (int64_t i = 0; i < in; ++i) t += x[m * in + i] * bf16_to_float(w[(q * in + i) * PANEL + k]); \
+                    sums[(m * P + q) * PANEL + k] = t;                                                          \
+                }                                                                                               \
+    }
+#endif
+DK_PANEL_TILE(4, 1)
+DK_PANEL_TILE(2, 2)
+DK_PANEL_TILE(1, 1)
+DK_PANEL_TILE(1, 2)
+DK_PANEL_TILE(1, 3)
+DK_PANEL_TILE(1, 4)
+
+/* Activation rows per tile at most: one panel's 8 accumulators and 4 broadcast inputs (6 rows measured 25% slower
+ * from 16 rows up: registers spill). */
+#define PANEL_ROWS 4
+
+/* The outputs of panels [p, p + np) for rows [m, m + nm), nm <= PANEL_ROWS: the widest tile for the rows at hand (4 panels
+ * for one row, 2 for two), single panels past it. */
+static void panel_block(const float* x, int64_t in, const uint16_t* w, int64_t p, int64_t np, int64_t m, int64_t nm,
+                        const float* bias, const float* residual, float* out, int64_t out_dim) {
+    float sums[PANEL_ROWS * 4 * PANEL];  /* [nm][np][PANEL] */
+    const float* xm = x + m * in;
+    const uint16_t* wp = w + p * in * PANEL;
+    if (nm == 1 && np == 4) panel_tile_4_1(xm, in, wp, sums);
+    else if (nm == 2 && np == 2) panel_tile_2_2(xm, in, wp, sums);
+    else {
+        for (int64_t q = 0; q < np; ++q) {
+            float one[PANEL_ROWS * PANEL];
+            const uint16_t* wq = wp + q * in * PANEL;
+            switch (nm) {
+                case 1: panel_tile_1_1(xm, in, wq, one); break;
+                case 2: panel_tile_1_2(xm, in, wq, one); break;
+                case 3: panel_tile_1_3(xm, in, wq, one); break;
+                default: panel_tile_1_4(xm, in, wq, one); break;
+            }
+            for (int64_t k = 0; k < nm; ++k) memcpy(sums + (k * np + q) * PANEL, one + k * PANEL, PANEL * sizeof(float));
+        }
+    }
+    for (int64_t k = 0; k < nm; ++k)
+        for (int64_t j = 0; j < np * PANEL; ++j) {
+            int64_t o = p * PANEL + j;
+            if (o >= out_dim) break;
+            int64_t at = (m + k) * out_dim + o;
+            float v = sums[k * np * PANEL + j];
+            if (bias) v += bias[o];
+            if (residual) v += residual[at];
+            out[at] = v;
+        }
+}
+
+void dk_linear_bf16(const float* x, int64_t rows, int64_t in, const uint16_t* panels, const float* bias,
+                    const float* residual, float* out, int64_t out_dim) {
+    int64_t num_panels = (out_dim + PANEL - 1) / PANEL;
+    int64_t width = rows == 1 ? 4 : rows == 2 ? 2 : 1;  /* panels per work item */
+    int64_t items = (num_panels + width - 1) / width;
+#ifdef _OPENMP
+    int64_t work = out_dim * in * (rows < 8 ? rows : 8);  /* a product this small is not worth the fork and join */
+#pragma omp parallel for schedule(static) if (work >= 65536)
+#endif
+    for (int64_t item = 0; item < items; ++item) {
+        int64_t p = item * width, np = num_panels - p < width ? num_panels - p : width;
+        for (int64_t m = 0; m < rows; m += PANEL_ROWS)
+            panel_block(x, in, panels, p, np, m, rows - m < PANEL_ROWS ? rows - m : PANEL_ROWS, bias, residual, out,
+                        out_dim);
+    }
 }

@@ -1,0 +1,144 @@
+"""bf16 weights in the fused decoder (`quantization="bf16"`): the product is the float32 product of the bf16-rounded
+weight, a bf16 target is transformers on the bf16-rounded float32 model token for token, a bf16 copy of the target
+drafts losslessly, and asking for it where it cannot run is refused with the option named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodekit import LLM, SamplingParams
+from decodekit.core.fused_decoder import BF16_NATIVE_MAX_ROWS, _Bf16Matrix
+from decodekit.core.native_kernels import BF16_PANEL, load_kernels, pack_bf16_panels
+from decodekit.errors import ConfigError
+from decodekit.models.tiny import tiny_model
+from tests.conftest import hf_greedy, random_prompts
+
+kernels = load_kernels()
+needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
+
+
+def _rounded(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to(torch.bfloat16).to(torch.float32)
+
+
+def test_panels_hold_each_output_rows_bf16_weights_input_by_input_with_zero_rows_past_the_end():
+    weight = torch.randn(37, 11)
+    panels = pack_bf16_panels(weight)
+    assert panels.shape == (3, 11, BF16_PANEL) and panels.dtype == torch.bfloat16 and panels.is_contiguous()
+    for row in (0, 15, 16, 36):
+        assert torch.equal(panels[row // BF16_PANEL, :, row % BF16_PANEL], weight[row].to(torch.bfloat16))
+    assert not panels[2, :, 5:].any()  # rows 37..47 do not exist
+
+
+@needs_kernels
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 2 * BF16_NATIVE_MAX_ROWS + 3), width=st.integers(1, 70), out=st.integers(1, 70),
+       bias=st.booleans(), residual=st.booleans(), seed=st.integers(0, 2**16))
+def test_bf16_product_is_the_float32_product_of_the_bf16_rounded_weight(rows, width, out, bias, residual, seed):
+    """Native rows (up to BF16_NATIVE_MAX_ROWS: tiles of 4 panels x 1 row, 2 x 2, 1 x 1-4) and the blockwise BLAS
+    path beyond; output counts that are not a multiple of 16 end in a padded panel. Widening bf16 is exact, so the
+    only error is float32 summation order."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, width, generator=g)
+    matrix = _Bf16Matrix(weight, torch.randn(out, generator=g) if bias else None, kernels)
+    x = torch.randn(rows, width, generator=g)
+    res = torch.randn(rows, out, generator=g) if residual else None
+    want = x.double() @ _rounded(weight).double().t()
+    if bias:
+        want += matrix.bias.double()
+    if residual:
+        want += res.double()
+    scale = x.abs().double() @ _rounded(weight).abs().double().t() + 1.0
+    error = (matrix(x, res).double() - want).abs()
+    assert torch.all(error <= 2 * (width + 2) * 2**-24 * scale), float((error / scale).max())
+
+
+@needs_kernels
+def test_bf16_product_propagates_nan_and_infinity_like_float32():
+    weight = torch.randn(20, 40)
+    matrix = _Bf16Matrix(weight, None, kernels)
+    x = torch.randn(3, 40)
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    out = matrix(x)
+    assert torch.isnan(out[1]).all() and not torch.isfinite(out[2]).all()
+    torch.testing.assert_close(out[0], x[0] @ _rounded(weight).t(), rtol=1e-5, atol=1e-5)
+
+
+def _round_model_in_place(model) -> None:
+    """Every linear weight (LM head included) rounded to bf16: the float32 model a bf16 engine is meant to equal."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(_rounded(module.weight))
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 6])
+def test_a_bf16_target_generates_what_transformers_generates_on_the_bf16_rounded_model(arch, batch, tokenizer):
+    model = tiny_model(arch)
+    reference = copy.deepcopy(model)
+    _round_model_in_place(reference)
+    llm = LLM(model, tokenizer, quantization="bf16", kv_cache_memory="16MiB", block_size=4)
+    assert llm.engine.model.forward_name == "fused (bf16 weights)"
+    prompts = random_prompts(batch, 3, 40, seed=11 + batch)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 16) for p in prompts]
+
+
+@needs_kernels
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_bf16_self_draft_gives_the_float_targets_greedy_output(batch, tokenizer):
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer, draft="target", draft_quantization="bf16", kv_cache_memory="16MiB", block_size=4)
+    prompts = random_prompts(batch, 3, 30, seed=batch)
+    spec_params = SamplingParams(strategy={"speculative": {"proposer": "draft", "num_speculative_tokens": 3}},
+                                 max_tokens=20, temperature=0, ignore_eos=True)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    spec = llm.generate(prompts, spec_params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    drafted = sum(o.metrics.num_draft_tokens for o in spec)
+    assert drafted > 0 and sum(o.metrics.num_accepted_tokens for o in spec) > drafted * 3 // 4
+    assert llm.engine.components.get("proposers", "draft").model.forward_name == "fused (bf16 weights)"
+
+
+@needs_kernels
+def test_asking_for_bf16_weights_where_they_cannot_run_is_refused_with_the_option_named(tokenizer):
+    with pytest.raises(ConfigError, match=r"quantization 'bf16' runs in the fused decoder"):
+        LLM(tiny_model("llama"), tokenizer, quantization="bf16", fused_decoder=False, kv_cache_memory="16MiB")
+    with pytest.raises(ConfigError, match=r"quantization 'bf16' multiplies on the native kernels"):
+        LLM(tiny_model("llama"), tokenizer, quantization="bf16", native_kernels=False, kv_cache_memory="16MiB")
+
+
+@needs_kernels
+def test_the_portable_build_without_avx2_gives_the_same_bf16_and_int8_products(tmp_path):
+    """CPUs without AVX2 and FMA (or other architectures) compile the scalar tiles: built here with AVX2 and FMA
+    switched off, they must give the vectorized build's products up to float32 summation order."""
+    import platform
+    import subprocess
+
+    from decodekit.core.native_kernels import SOURCE, NativeKernels, find_compiler
+
+    compiler = find_compiler()
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a C compiler on x86-64")
+    library = tmp_path / "portable.so"
+    subprocess.run([compiler, "-O2", "-mno-avx2", "-mno-fma", "-fPIC", "-shared", "-std=c11", "-Wno-unknown-pragmas",
+                    "-o", str(library), str(SOURCE), "-lm"], check=True, capture_output=True)
+    portable = NativeKernels(library)
+    g = torch.Generator().manual_seed(5)
+    weight, x, bias = torch.randn(45, 70, generator=g), torch.randn(7, 70, generator=g), torch.randn(45, generator=g)
+    for rows in (1, 2, 3, 7):
+        panels = pack_bf16_panels(weight)
+        torch.testing.assert_close(portable.linear_bf16(x[:rows], panels, 45, bias),
+                                   kernels.linear_bf16(x[:rows], panels, 45, bias), rtol=1e-5, atol=1e-5)
+    int8 = torch.randint(-127, 128, (45, 70), generator=g, dtype=torch.int8)
+    scale = torch.rand(45, generator=g)
+    torch.testing.assert_close(portable.linear_i8(x, int8, scale), x @ (int8.float() * scale[:, None]).t(),
+                               rtol=1e-4, atol=1e-4)
