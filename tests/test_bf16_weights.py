@@ -93,6 +93,25 @@ def test_a_bf16_target_generates_what_transformers_generates_on_the_bf16_rounded
 
 
 @needs_kernels
+@pytest.mark.parametrize("batch", [1, 5])
+def test_a_bfloat16_model_on_a_cpu_runs_as_bf16_weights_in_float32_and_matches_transformers_float32(batch,
+                                                                                                   tokenizer):
+    """`dtype="bfloat16"` on a CPU: the weights stay bf16, activations and KV cache are float32, so the tokens are
+    transformers' float32 greedy tokens on the same (bf16-valued) weights; torch's bf16 path is one option away."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    reference = copy.deepcopy(model).to(torch.float32)  # widening is exact: the same weights
+    llm = LLM(model, tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", block_size=4)
+    assert llm.engine.model.forward_name == "fused (bf16 weights)"
+    assert llm.engine.config.quantization == "bf16" and llm.engine.kv_cache.pool.dtype == torch.float32
+    prompts = random_prompts(batch, 3, 40, seed=7 + batch)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 16) for p in prompts]
+    torch_path = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", native_kernels=False,
+                     kv_cache_memory="16MiB")
+    assert torch_path.engine.config.quantization is None and torch_path.engine.kv_cache.pool.dtype == torch.bfloat16
+
+
+@needs_kernels
 @pytest.mark.parametrize("batch", [1, 8])
 def test_a_bf16_self_draft_gives_the_float_targets_greedy_output(batch, tokenizer):
     model = tiny_model("llama")

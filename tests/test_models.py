@@ -56,12 +56,12 @@ def test_gpt2_style_absolute_positions_are_exact_too(tokenizer):
         assert out.token_ids == hf_greedy(model, prompt, 16)
 
 
-def test_bf16_engine_runs_and_the_kv_pool_uses_the_model_dtype(llama, tokenizer):
+def test_a_bf16_engine_on_torchs_path_keeps_its_kv_pool_in_the_model_dtype(llama, tokenizer):
     import copy
 
     model = copy.deepcopy(llama)
-    llm = LLM(model, tokenizer, dtype="bfloat16", device="cpu")
-    assert llm.engine.kv_cache.pool.dtype is torch.bfloat16
+    llm = LLM(model, tokenizer, dtype="bfloat16", device="cpu", native_kernels=False)
+    assert llm.engine.kv_cache.pool.dtype is torch.bfloat16 and llm.engine.model.forward_name == "transformers"
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
 

@@ -300,7 +300,8 @@ def test_a_cache_folder_others_own_or_can_write_is_refused_and_nothing_in_it_is_
 def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, tokenizer, tmp_path, monkeypatch,
                                                                          fresh_load):
     partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
-    missing = "lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_linear_i8"
+    missing = ("lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_linear_i8, "
+               "dk_linear_bf16")
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)
@@ -356,9 +357,10 @@ def test_native_kernels_without_the_fused_decoder_are_refused_with_a_reason(llam
         LLM(llama, tokenizer, device="cpu", native_kernels=True)  # a passed model object is not fused by default
 
 
-def test_native_kernels_refuse_bfloat16_with_a_reason(llama, tokenizer):
-    with pytest.raises(ConfigError, match=r"native_kernels: they run float32 on a CPU, not torch\.bfloat16"):
-        LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="bfloat16", fused_decoder=True,
+def test_native_kernels_refuse_float16_with_a_reason(llama, tokenizer):
+    """(A bfloat16 model runs them, as bf16 weights: tests/test_bf16_weights.py.)"""
+    with pytest.raises(ConfigError, match=r"native_kernels: they run float32 on a CPU, not torch\.float16"):
+        LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="float16", fused_decoder=True,
             native_kernels=True)
-    llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="bfloat16", fused_decoder=True)
+    llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="float16", fused_decoder=True)
     assert llm.engine.runner.fused.native is None

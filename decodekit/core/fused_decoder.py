@@ -271,8 +271,10 @@ class FusedDecoder:
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
         weight = model.lm_head.weight
-        if native is not None and (weight.dtype != torch.float32 or weight.device.type != "cpu"):
-            raise ValueError(f"native kernels need float32 weights on the CPU, not {weight.dtype} on {weight.device}")
+        if native is not None and ((weight.dtype != torch.float32 and quantization is None)
+                                   or weight.device.type != "cpu"):
+            raise ValueError(f"native kernels need float32 weights on the CPU (any float weights with a quantization), "
+                             f"not {weight.dtype} on {weight.device}")
         if quantization is not None and (quantization not in QUANTIZATIONS or native is None):
             raise ValueError(f"quantization {quantization!r}: the fused decoder has {list(QUANTIZATIONS)}, which run "
                              "on its native kernels (float32 on a CPU with a C compiler)")
@@ -284,7 +286,10 @@ class FusedDecoder:
         base = model.model
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
-        self.final_norm = base.norm.weight
+        # quantized copies are multiplied in float32 whatever the model's dtype (a bf16 model on a CPU: see
+        # `runner.bf16_weights_on_cpu`), so the embeddings and norms they meet are float32 too
+        self.dtype = torch.float32 if quantization is not None else weight.dtype
+        self.final_norm = base.norm.weight.to(self.dtype)
         self.final_eps = float(base.norm.variance_epsilon)
         self.last_hidden: torch.Tensor | None = None  # the last call's hidden states at `hidden_index`
         self.prepacked = prepack and quantization is None
@@ -317,11 +322,12 @@ class FusedDecoder:
             raise ValueError("the fused decoder needs all or none of q/k/v to have a bias")
         qkv_bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         return _FusedLayer(
-            input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
+            input_norm=layer.input_layernorm.weight.float(),
+            input_eps=float(layer.input_layernorm.variance_epsilon),
             qkv=matrix(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv_bias, native),
             q_heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=attn.k_proj.weight.shape[0] // head_dim,
             o=matrix(attn.o_proj.weight, None, native),
-            post_norm=layer.post_attention_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight.float(),
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             gate_up=matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=matrix(mlp.down_proj.weight, None, native),
@@ -364,7 +370,7 @@ class FusedDecoder:
         With a `plan` (and native kernels) the step's small ops run natively; the runner makes one for every step
         whose short-query sequences bring at most `runner.NATIVE_MAX_TOKENS` tokens (long chunks in it get SDPA).
         """
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden = self.embed_tokens(input_ids).to(self.dtype)  # [T, hidden]
         cos, sin = self.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim], broadcast over heads
         half = sin.shape[-1] // 2
