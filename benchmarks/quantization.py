@@ -1,15 +1,18 @@
-"""int8 weights against float32 on the bundled model, side by side in one process: speed and quality.
+"""Compressed weights (int8, bf16) against float32 on the bundled model, side by side in one process: speed and
+quality.
 
-- speed: decode tokens/s of `quantization: int8` and float32 at batch 1 (the chat questions one at a time) and
-  batch 32 (32 requests submitted together), interleaved repeats, medians and the median of per-repeat ratios;
-- greedy agreement: the chat questions answered greedily by both (96 tokens), then the float32 answers fed back to
-  the int8 model as prompts (`prompt_logprobs=0`): the share of answer positions where int8's most likely token
+- speed: decode tokens/s of each `quantization` (`--weights`, default int8 and bf16) and float32 at batch 1 (the
+  chat questions one at a time) and batch 32 (32 requests submitted together), interleaved repeats, medians and
+  the median of per-repeat ratios;
+- greedy agreement: the chat questions answered greedily by each (96 tokens), then the float32 answers fed back to
+  the compressed model as prompts (`prompt_logprobs=0`): the share of answer positions where its most likely token
   is float32's (teacher-forced top-1 agreement, which does not compound after a first difference), the share of
-  answers identical token for token, and the mean length of the common prefix;
+  answers identical token for token, and the mean length of the common prefix; for scale, the same teacher-forced
+  agreement of transformers' own bfloat16 forward (every activation rounded to bf16) with float32;
 - perplexity on held-out text: the Python language reference's prose that ships with CPython (`pydoc_data`), a
   text nobody tuned against, scored with `prompt_logprobs=0` in windows of `--window` tokens.
 
-Usage: python benchmarks/quantization.py [--repeats 3] [--threads 0] [--window 512]
+Usage: python benchmarks/quantization.py [--repeats 3] [--threads 0] [--window 512] [--weights int8 bf16]
 """
 
 from __future__ import annotations
@@ -97,32 +100,56 @@ def agreement(reference: LLM, other: LLM, prompts: list[str], max_tokens: int = 
             "prefix": statistics.mean(prefixes), "length": statistics.mean(len(o.token_ids) for o in ref)}
 
 
+def hf_bf16_top1(reference: LLM, prompts: list[str], max_tokens: int = 96) -> float:
+    """Teacher-forced top-1 agreement of transformers' bfloat16 forward of the bundled model with `reference`'s
+    greedy answers: how far torch's own bf16 arithmetic moves the argmax."""
+    model = reference.engine.loaded.model
+    bf16 = type(model)(model.config).to(torch.bfloat16).eval()
+    bf16.load_state_dict({name: value.to(torch.bfloat16) for name, value in model.state_dict().items()})
+    tok = reference.tokenizer
+    outs = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), add_special_tokens=False)
+    top1 = positions = 0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs):
+            prompt_ids = tok(prompt, add_special_tokens=False).input_ids
+            logits = bf16(torch.tensor([prompt_ids + out.token_ids])).logits[0, len(prompt_ids) - 1:-1]
+            top1 += int((logits.argmax(-1) == torch.tensor(out.token_ids)).sum())
+            positions += len(out.token_ids)
+    return top1 / positions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--window", type=int, default=512, help="perplexity window in tokens")
+    parser.add_argument("--weights", nargs="+", choices=["int8", "bf16"], default=["int8", "bf16"])
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llms = {"float32": LLM("smollm2-135m-instruct", dtype="float32"),
-            "int8": LLM("smollm2-135m-instruct", dtype="float32", quantization="int8")}
+    llms = {"float32": LLM("smollm2-135m-instruct", dtype="float32")}
+    for weights in args.weights:
+        llms[weights] = LLM("smollm2-135m-instruct", dtype="float32", quantization=weights)
     print(machine_line(environment(), "float32"), flush=True)
     prompts = [llms["float32"].apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
     for batch in (1, 32):
         rates = decode_rates(llms, prompts, batch, args.repeats)
-        ratios = [q / f for q, f in zip(rates["int8"], rates["float32"])]
-        print(f"batch {batch:2}: float32 {statistics.median(rates['float32']):6.1f} tok/s, int8 "
-              f"{statistics.median(rates['int8']):6.1f} tok/s, ratio {statistics.median(ratios):.2f}x "
-              f"({min(ratios):.2f}-{max(ratios):.2f}, {args.repeats} repeats)", flush=True)
-    stats = agreement(llms["float32"], llms["int8"], prompts)
-    print(f"greedy agreement over {len(prompts)} chat answers ({stats['length']:.0f} tokens on average): top-1 "
-          f"{stats['top1']:.1%} of positions (teacher-forced), identical answers {stats['identical']:.0%}, common "
-          f"prefix {stats['prefix']:.1f} tokens", flush=True)
+        for weights in args.weights:
+            ratios = [q / f for q, f in zip(rates[weights], rates["float32"])]
+            print(f"batch {batch:2}: float32 {statistics.median(rates['float32']):6.1f} tok/s, {weights} "
+                  f"{statistics.median(rates[weights]):6.1f} tok/s, ratio {statistics.median(ratios):.2f}x "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}, {args.repeats} repeats)", flush=True)
+    for weights in args.weights:
+        stats = agreement(llms["float32"], llms[weights], prompts)
+        print(f"{weights} greedy agreement over {len(prompts)} chat answers ({stats['length']:.0f} tokens on "
+              f"average): top-1 {stats['top1']:.1%} of positions (teacher-forced), identical answers "
+              f"{stats['identical']:.0%}, common prefix {stats['prefix']:.1f} tokens", flush=True)
+    print(f"for scale, transformers' bfloat16 forward: top-1 {hf_bf16_top1(llms['float32'], prompts):.1%} of the "
+          "same positions (teacher-forced)", flush=True)
     ids = llms["float32"].tokenizer(held_out_text(), add_special_tokens=False).input_ids
     ppl: dict[str, Any] = {name: perplexity(llm, ids, args.window) for name, llm in llms.items()}
     print(f"perplexity on {len(ids)} held-out tokens (windows of {args.window}): float32 {ppl['float32']:.3f}, "
-          f"int8 {ppl['int8']:.3f} ({ppl['int8'] / ppl['float32'] - 1:+.2%})", flush=True)
+          + ", ".join(f"{w} {ppl[w]:.3f} ({ppl[w] / ppl['float32'] - 1:+.2%})" for w in args.weights), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ a shuffled order, `--repeats` times each, the median kept; a "cliff" is a row co
 larger one (small verification steps and 2-sequence batches hit those). Prints one line per row count and the
 cliffs, or writes JSON with `--json`.
 
-Usage: python benchmarks/step_cost.py [--max-rows 64] [--context 64] [--repeats 7] [--quantization int8]
+Usage: python benchmarks/step_cost.py [--max-rows 64] [--context 64] [--repeats 7] [--quantization int8|bf16]
        [--threads 0] [--json FILE]
 """
 
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=64)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quantization", choices=["int8"], default=None)
+    parser.add_argument("--quantization", choices=["int8", "bf16"], default=None)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", default=None, help="write the costs here")
     args = parser.parse_args()
