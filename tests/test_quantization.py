@@ -200,3 +200,14 @@ def test_a_recipe_drafting_with_the_target_must_say_how_to_quantize_it():
     assert recipe.draft is not None and recipe.draft.quantization == "int8"
     with pytest.raises(RecipeError, match=r"draft\.quantization: Input should be 'int8' or 'bf16'"):
         recipe_from_data({**base, "draft": {"model": "target", "quantization": "int4"}})
+
+
+def test_int8_panels_unpack_to_the_weight_they_packed():
+    from decodekit.core.native_kernels import pack_int8_panels, unpack_int8_panels
+
+    for out, width in ((16, 2), (37, 11), (5, 70)):
+        weight = torch.randint(-127, 128, (out, width), dtype=torch.int8)
+        panels = pack_int8_panels(weight)
+        assert panels.shape == (-(-out // 16), -(-width // 2), 16, 2)
+        assert torch.equal(unpack_int8_panels(panels, out, width), weight)
+        assert int(panels.abs().sum()) == int(weight.abs().sum())  # the padding is zeros

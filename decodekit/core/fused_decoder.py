@@ -40,7 +40,14 @@ from torch import nn
 from decodekit.core import gpu_ops
 from decodekit.core.gpu_attention import attend_tokens, kernel_available
 from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
-from decodekit.core.native_kernels import BF16_PANEL, DecodeAttentionPlan, NativeKernels, pack_bf16_panels
+from decodekit.core.native_kernels import (
+    PANEL,
+    DecodeAttentionPlan,
+    NativeKernels,
+    pack_bf16_panels,
+    pack_int8_panels,
+    unpack_int8_panels,
+)
 
 # Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
 FUSABLE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -113,7 +120,8 @@ def _dequantized_mm(x: torch.Tensor, residual: torch.Tensor | None, out_dim: int
 
 
 class _Int8Matrix:
-    """One weight as int8 with a float32 scale per output row (weight-only quantization).
+    """One weight as int8 with a float32 scale per output row (weight-only quantization), packed in panels of 16
+    output rows (`pack_int8_panels`).
 
     Symmetric and round-to-nearest: a row's largest |w| maps to 127, so each weight is off by at most half a step
     (a relative error of ~0.4% of the row's largest weight). Up to `INT8_NATIVE_MAX_ROWS` rows run the native
@@ -123,20 +131,28 @@ class _Int8Matrix:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
         rows = weight.detach().to(torch.float32)
+        self.out_dim, self.in_dim = rows.shape
         scale = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        self.weight = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.panels = pack_int8_panels(torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8))
         self.scale = scale.contiguous()
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.native = native
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 weight `[out, in]` (unpacked: a copy)."""
+        return unpack_int8_panels(self.panels, self.out_dim, self.in_dim)
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T (+ bias) (+ residual)` with `W = weight * scale`."""
         if x.shape[0] <= INT8_NATIVE_MAX_ROWS:
-            return self.native.linear_i8(x, self.weight, self.scale, self.bias, residual)
-        blocks = ((start, (self.weight[start:start + _DEQUANTIZE_BLOCK].to(x.dtype)
-                           * self.scale[start:start + _DEQUANTIZE_BLOCK, None]).t())
-                  for start in range(0, self.weight.shape[0], _DEQUANTIZE_BLOCK))
-        out = _dequantized_mm(x, residual, self.weight.shape[0], blocks)
+            return self.native.linear_i8(x, self.panels, self.scale, self.bias, residual)
+        step = _DEQUANTIZE_BLOCK // PANEL
+        blocks = ((first * PANEL, (unpack_int8_panels(self.panels[first:first + step], self.out_dim - first * PANEL,
+                                                      self.in_dim).to(x.dtype)
+                                   * self.scale[first * PANEL:(first + step) * PANEL, None]).t())
+                  for first in range(0, self.panels.shape[0], step))
+        out = _dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -158,9 +174,9 @@ class _Bf16Matrix:
         """`x @ W^T (+ bias) (+ residual)` with `W` the bf16-rounded weight."""
         if x.shape[0] <= BF16_NATIVE_MAX_ROWS:
             return self.native.linear_bf16(x, self.panels, self.out_dim, self.bias, residual)
-        step = _DEQUANTIZE_BLOCK // BF16_PANEL
-        blocks = ((first * BF16_PANEL, self.panels[first:first + step].to(x.dtype).permute(1, 0, 2)
-                   .reshape(self.in_dim, -1)[:, :self.out_dim - first * BF16_PANEL])
+        step = _DEQUANTIZE_BLOCK // PANEL
+        blocks = ((first * PANEL, self.panels[first:first + step].to(x.dtype).permute(1, 0, 2)
+                   .reshape(self.in_dim, -1)[:, :self.out_dim - first * PANEL])
                   for first in range(0, self.panels.shape[0], step))
         out = _dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)

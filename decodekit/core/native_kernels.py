@@ -221,19 +221,22 @@ class NativeKernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
-    def linear_i8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+    def linear_i8(self, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ (weight * scale[:, None]).T (+ bias) (+ residual)` for float32 rows `x` `[rows, in]`, int8 `weight`
-        `[out, in]` (contiguous) and float32 `scale` `[out]`; returns `[rows, out]` (see `dk_linear_i8`)."""
+        """`x @ (W * scale[:, None]).T (+ bias) (+ residual)` for float32 rows `x` `[rows, in]`, an int8 weight `W`
+        `[out, in]` packed by `pack_int8_panels` and float32 `scale` `[out]`; returns `[rows, out]` (see
+        `dk_linear_i8`)."""
         x = x.contiguous()
         rows, width = x.shape
-        out_dim = weight.shape[0]
-        if weight.shape[1] != width:
-            raise ValueError(f"x has {width} columns, the int8 weight {weight.shape[1]}")
+        out_dim = scale.shape[0]
+        if panels.shape != (-(-out_dim // PANEL), -(-width // 2), PANEL, 2) or panels.dtype != torch.int8 \
+                or not panels.is_contiguous():
+            raise ValueError(f"the panels {panels.dtype} {tuple(panels.shape)} do not pack a [{out_dim}, {width}] "
+                             "int8 weight (see pack_int8_panels)")
         out = x.new_empty(rows, out_dim)
         if residual is not None:
             residual = residual.contiguous()
-        self._linear_i8(x.data_ptr(), rows, width, weight.data_ptr(), scale.data_ptr(),
+        self._linear_i8(x.data_ptr(), rows, width, panels.data_ptr(), scale.data_ptr(),
                         None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
                         out.data_ptr(), out_dim)
         return out
@@ -245,7 +248,7 @@ class NativeKernels:
         `dk_linear_bf16`)."""
         x = x.contiguous()
         rows, width = x.shape
-        if panels.shape != (-(-out_dim // BF16_PANEL), width, BF16_PANEL) or panels.dtype != torch.bfloat16 \
+        if panels.shape != (-(-out_dim // PANEL), width, PANEL) or panels.dtype != torch.bfloat16 \
                 or not panels.is_contiguous():
             raise ValueError(f"the panels {panels.dtype} {tuple(panels.shape)} do not pack a [{out_dim}, {width}] "
                              "weight (see pack_bf16_panels)")
@@ -279,19 +282,36 @@ class NativeKernels:
         return out
 
 
-# Output rows per panel of a packed bf16 weight (`PANEL` in kernels.c).
-BF16_PANEL = 16
+# Output rows per panel of a packed weight (`PANEL` in kernels.c).
+PANEL = 16
+
+
+def _padded_rows(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[out, in]` with zero rows appended up to a multiple of `PANEL`."""
+    out_dim, width = weight.shape
+    extra = -out_dim % PANEL
+    return torch.cat([weight, weight.new_zeros(extra, width)]) if extra else weight
 
 
 def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     """A weight `[out, in]` as the bfloat16 panels `dk_linear_bf16` reads: `[ceil(out / 16), in, 16]` contiguous,
     panel p holding output rows 16p..16p+15 input by input (zero rows past `out`). Rounds to bf16 if needed."""
-    out_dim, width = weight.shape
-    padded = -(-out_dim // BF16_PANEL) * BF16_PANEL
-    rows = weight.detach().to(torch.bfloat16)
-    if padded != out_dim:
-        rows = torch.cat([rows, rows.new_zeros(padded - out_dim, width)])
-    return rows.view(padded // BF16_PANEL, BF16_PANEL, width).transpose(1, 2).contiguous()
+    rows = _padded_rows(weight.detach().to(torch.bfloat16))
+    return rows.view(-1, PANEL, rows.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_int8_panels(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 weight `[out, in]` as the panels `dk_linear_i8` reads: `[ceil(out / 16), ceil(in / 2), 16, 2]`
+    contiguous, panel p holding output rows 16p..16p+15 by pairs of inputs (zeros past `out` and an odd `in`)."""
+    rows = _padded_rows(weight.detach())
+    if rows.shape[1] % 2:
+        rows = torch.cat([rows, rows.new_zeros(rows.shape[0], 1)], dim=1)
+    return rows.view(-1, PANEL, rows.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_int8_panels(panels: torch.Tensor, out_dim: int, width: int) -> torch.Tensor:
+    """The int8 weight `[out_dim, width]` that `pack_int8_panels` packed (a copy)."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1] * 2)[:out_dim, :width].contiguous()
 
 
 class DecodeAttentionPlan:
