@@ -42,9 +42,9 @@ def _timed(fn: Any) -> tuple[float, Any]:
 
 # The speculative configurations compared, each against plain decoding on the same prompts in the same run.
 NGRAM = {"proposer": "ngram", "num_speculative_tokens": 4, "adaptive": True}
-INT8_DRAFT = {"proposer": "draft", "num_speculative_tokens": 4}
+INT8_DRAFT = {"proposer": "draft", "num_speculative_tokens": 6}
 CHAINED = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "draft",
-           "num_speculative_tokens": 4, "disable_by_batch_size": 4}
+           "num_speculative_tokens": 6, "disable_by_batch_size": 4}
 TRAINED_HEAD = {"proposer": "eagle", "num_speculative_tokens": 2}
 CHAINED_HEAD = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "eagle",
                 "num_speculative_tokens": 3, "disable_by_batch_size": 4}
@@ -166,16 +166,20 @@ def main() -> None:
     parser.add_argument("--configs", default="", help="comma-separated speculative configurations to compare "
                         f"with plain (default: all of {', '.join(c for c in SPEC_CONFIGS if c != 'plain')})")
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes for `spec`")
+    parser.add_argument("--draft-quantization", choices=["int8", "bf16"], default="int8",
+                        help="the self-draft's weights (the `draft` configurations are named after it)")
     args = parser.parse_args()
-    names = [c.strip() for c in args.configs.split(",") if c.strip()] or list(SPEC_CONFIGS)
-    unknown = [c for c in names if c not in SPEC_CONFIGS]
+    quantization = args.draft_quantization
+    known = {name.replace("int8", quantization): strategy for name, strategy in SPEC_CONFIGS.items()}
+    names = [c.strip() for c in args.configs.split(",") if c.strip()] or list(known)
+    unknown = [c for c in names if c not in known]
     if unknown:
-        parser.error(f"unknown configuration(s) {unknown}; known: {list(SPEC_CONFIGS)}")
-    configs = {"plain": None, **{c: SPEC_CONFIGS[c] for c in names if c != "plain"}}
+        parser.error(f"unknown configuration(s) {unknown}; known: {list(known)}")
+    configs = {"plain": None, **{c: known[c] for c in names if c != "plain"}}
     if args.threads:
         torch.set_num_threads(args.threads)
-    # the int8 self-draft serves the `draft` configurations; plain, n-gram and beam never open it
-    llm = LLM("smollm2-135m-instruct", dtype="float32", draft="target", draft_quantization="int8")
+    # the quantized self-draft serves the `draft` configurations; plain, n-gram and beam never open it
+    llm = LLM("smollm2-135m-instruct", dtype="float32", draft="target", draft_quantization=quantization)
     print(machine_line(environment(), "float32"), flush=True)
     if args.which in ("spec", "all"):
         bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")))

@@ -1,5 +1,5 @@
-"""Native CPU kernels for the fused decoder's small float32 ops (and its int8-weight product), compiled at first use
-and loaded with ctypes.
+"""Native CPU kernels for the fused decoder's small float32 ops and its int8- and bf16-weight products, compiled at
+first use and loaded with ctypes.
 
 `load_kernels()` returns the loaded `NativeKernels`, or the reason they cannot run (no C compiler, a failed build,
 or `DECODEKIT_NATIVE_KERNELS=0`); callers then keep their torch ops. The shared library is cached under
@@ -12,10 +12,12 @@ Anything else is rebuilt over; a folder that cannot be made private is not used 
 
 The kernels (see `native/kernels.c`) do RMSNorm, SiLU-gating, and RoPE + KV write + attention for the sequences
 of a step that score a few tokens each (long prefill chunks are rotated and stored, and attended by the caller),
-and the products of int8 weights (`quantization: int8`).
-They take raw pointers: every tensor passed must be float32 (int64 for the index arrays), contiguous, and on the
-CPU. The wrappers below make inputs contiguous and check the attention's shapes; dtype and device are checked
-once, when the fused decoder is built with them (`FusedDecoder`, `runner.wants_native_kernels`).
+and the products of int8 and bf16 weights (`quantization: int8 | bf16`), packed in panels of 16 output rows
+(`pack_int8_panels`, `pack_bf16_panels`).
+They take raw pointers: every tensor passed must be float32 (int64 for the index arrays, int8 or bf16 for packed
+weights), contiguous, and on the CPU. The wrappers below make inputs contiguous and check the attention's and the
+panels' shapes; dtype and device are checked once, when the fused decoder is built with them (`FusedDecoder`,
+`runner.wants_native_kernels`).
 """
 
 from __future__ import annotations

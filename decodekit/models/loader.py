@@ -51,15 +51,16 @@ def _cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-CPU_AUTO_REASON = ("decodekit's CPU fast paths (prepacked products, native kernels) are float32; bfloat16 measured "
-                   "0.90x its throughput even on an AVX512-BF16 CPU (issue 21): pass dtype='bfloat16' to choose it")
-"""Why `auto` is float32 on every CPU, until a bf16 path measures faster there."""
+CPU_AUTO_REASON = ("float32 gives transformers' float32 tokens exactly; dtype='bfloat16' runs bf16 weights in "
+                   "float32 arithmetic on the native kernels, faster (2.4x at batch 1, 1.35x on the mixed workload on "
+                   "a 2-core AVX2 CPU) and close (99% greedy top-1 agreement): pass it to choose speed")
+"""Why `auto` is float32 on every CPU: exactness is the default, and the faster bf16 weights are one option away
+(`runner.bf16_weights_on_cpu`; figures in docs/benchmarks.md, "bf16 weights on a CPU")."""
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """What `auto` picks: on CUDA, bfloat16 (float16 where bf16 is not supported); on a CPU, float32 whatever its
-    flags, because decodekit's CPU kernels are float32 and its bf16 path is slower (`CPU_AUTO_REASON`); a user who
-    wants bf16 there asks for it."""
+    flags, the exact choice (`CPU_AUTO_REASON`); a user who wants the faster bf16 weights there asks for them."""
     import torch
 
     if device.type == "cuda":
