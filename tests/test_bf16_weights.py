@@ -182,3 +182,16 @@ def test_bfloat16_on_a_cpu_is_closer_to_float32_than_transformers_own_bf16_forwa
     ours_error = float((ours - float32).abs().max())
     bf16_error = float((bf16 - float32).abs().max())
     assert ours_error < 1e-4 and ours_error < bf16_error, (ours_error, bf16_error)
+
+
+@needs_kernels
+def test_a_bfloat16_draft_runs_as_bf16_weights_unless_the_engine_turns_the_fused_decoder_off(tokenizer):
+    target = tiny_model("llama").to(torch.bfloat16)
+    draft = tiny_model("llama", seed=1).to(torch.bfloat16)
+    llm = LLM(copy.deepcopy(target), tokenizer, draft=copy.deepcopy(draft), dtype="bfloat16", device="cpu",
+              kv_cache_memory="16MiB")
+    assert llm.engine.draft_config is not None and llm.engine.draft_config.quantization == "bf16"
+    plain = LLM(copy.deepcopy(target), tokenizer, draft=copy.deepcopy(draft), dtype="bfloat16", device="cpu",
+                kv_cache_memory="16MiB", fused_decoder=False)
+    assert plain.engine.config.quantization is None
+    assert plain.engine.draft_config is not None and plain.engine.draft_config.quantization is None

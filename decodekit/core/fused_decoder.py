@@ -18,7 +18,7 @@ Qwen2 and their fine-tunes, SmolLM2 among them) this module runs the same math w
   speculative draft (`draft: {model: target, quantization: int8}`) beside the float forward of the same module;
 - optionally (`quantization="bf16"`), every product runs on bfloat16 copies of the weights packed in panels,
   multiplied in float32 by `dk_linear_bf16` (llama.cpp's bf16 weights on a CPU): half the bytes per step, exact for
-  weights that bf16 represents, ~0.4% relative rounding for others.
+  weights that bf16 represents, at most 2^-9 (0.2%) relative rounding for others.
 
 The re-layout replaces the modules' parameters by views into the fused buffers, so the transformers module keeps
 working (plain `generate` on it gives the same tokens) and no weight is stored twice (the prepacked copy aside).
@@ -187,9 +187,9 @@ class _Bf16Matrix:
 # ~70 ms per step more than float32's ~2.6-2.9 ms per row, so they cross near 140 rows; with the limit at 32, a
 # 33-row step cost 1.7x a 32-row one.
 INT8_NATIVE_MAX_ROWS = 128
-# The same for bf16: per product (SmolLM2's shapes, 2 threads) the kernel costs 0.85-0.9x float32's prepacked
-# oneDNN at 64-128 rows, where it is bound by arithmetic (AVX2 has no bf16 multiply), and 2-2.6x less at 1-8 rows;
-# BLAS on dequantized blocks is slower than both up to 128 rows.
+# The same for bf16: per product (SmolLM2's shapes, 2 threads) the kernel takes 1.06-1.2x the time of float32's
+# prepacked oneDNN at 64-128 rows, where it is bound by arithmetic (AVX2 has no bf16 multiply), and 2-3.5x less at
+# 1-8 rows; BLAS on dequantized blocks (29 ms against float32's 15 at 32 rows) is slower than both up to 128 rows.
 BF16_NATIVE_MAX_ROWS = 128
 # Output rows dequantized at once on the BLAS path: a few MB of float32, not a vocabulary-sized matrix.
 _DEQUANTIZE_BLOCK = 2048

@@ -124,9 +124,12 @@ def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "q
     """`config` with `key` (`quantization` or `draft_quantization`) set to "bf16" where `loaded` is a bfloat16
     model on a CPU that the fused decoder and its native kernels can run, and nothing else was asked: its weights
     are then multiplied in float32 by the native bf16 product (llama.cpp's bf16 on a CPU), with float32 activations
-    and KV cache. torch's own bf16 CPU path rounds every activation to bf16 and measured 0.68x float32's speed
-    here; this one is ~2x float32 at batch 1. `native_kernels: false` (or `fused_decoder: false`) keeps torch's."""
-    fused = config.draft_fused_decoder if key == "draft_quantization" else config.fused_decoder
+    and KV cache. torch's own bf16 CPU path rounds every activation to bf16 and measured 0.1x float32's speed at
+    batch 1 on a 2-core AVX2 CPU (0.68x on an AVX512-BF16 one, issue 21); this one 2.5x. `native_kernels: false`
+    (or `fused_decoder: false`, for the draft `draft_fused_decoder: false`) keeps torch's."""
+    fused = config.fused_decoder
+    if key == "draft_quantization" and config.draft_fused_decoder is not None:
+        fused = config.draft_fused_decoder  # else the draft follows the target's choice (`draft_config`)
     if (loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16 or getattr(config, key) is not None
             or fused is False or config.native_kernels is False or fused_decoder_refusal(loaded.model) is not None
             or isinstance(load_kernels(), str)):
