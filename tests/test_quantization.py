@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_decoder import INT8_NATIVE_MAX_ROWS, _Int8Matrix
+from decodekit.core.fused_decoder import INT8_NATIVE_MAX_ROWS, _Bf16Matrix, _Int8Matrix
 from decodekit.core.native_kernels import load_kernels
 from decodekit.errors import ConfigError, RecipeError
 from decodekit.models.tiny import tiny_model
@@ -54,14 +54,18 @@ def test_int8_product_is_the_float_product_of_the_dequantized_weight(rows, width
 
 
 @needs_kernels
-def test_int8_product_propagates_nan_and_infinity_like_float32():
-    matrix = _Int8Matrix(torch.randn(8, 40), None, kernels)
+@pytest.mark.parametrize("matrix_type", [_Int8Matrix, _Bf16Matrix])
+def test_quantized_products_propagate_nan_and_infinity_like_float32(matrix_type):
+    """20 outputs: a full panel and a padded one; the int8 call with a non-finite row takes the float path."""
+    weight = torch.randn(20, 40)
+    matrix = matrix_type(weight, None, kernels)
     x = torch.randn(3, 40)
     x[1, 5] = float("nan")
     x[2, 7] = float("inf")
     out = matrix(x)
     assert torch.isnan(out[1]).all() and not torch.isfinite(out[2]).all()
-    torch.testing.assert_close(out[0], x[0] @ _dequantized(matrix).t(), rtol=1e-5, atol=1e-5)
+    used = _dequantized(matrix) if matrix_type is _Int8Matrix else weight.to(torch.bfloat16).float()
+    torch.testing.assert_close(out[0], x[0] @ used.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_weights_are_within_half_a_step_of_the_float_weights():

@@ -223,22 +223,30 @@ class NativeKernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
+    @staticmethod
+    def _product_operands(x: torch.Tensor, panels: torch.Tensor, packed_shape: tuple[int, ...], dtype: torch.dtype,
+                          out_dim: int, residual: torch.Tensor | None, packer: str
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`x` and `residual` made contiguous and the output `[rows, out_dim]` allocated, once `panels` is checked to
+        be the contiguous `packed_shape` of `dtype` that `packer` makes for a `[out_dim, in]` weight.
+
+        Raises:
+            ValueError: the panels do not pack such a weight (the kernel would read out of bounds).
+        """
+        if panels.shape != packed_shape or panels.dtype != dtype or not panels.is_contiguous():
+            raise ValueError(f"the panels {panels.dtype} {tuple(panels.shape)} do not pack a [{out_dim}, "
+                             f"{x.shape[1]}] weight (see {packer})")
+        return x.contiguous(), x.new_empty(x.shape[0], out_dim), None if residual is None else residual.contiguous()
+
     def linear_i8(self, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ (W * scale[:, None]).T (+ bias) (+ residual)` for float32 rows `x` `[rows, in]`, an int8 weight `W`
         `[out, in]` packed by `pack_int8_panels` and float32 `scale` `[out]`; returns `[rows, out]` (see
         `dk_linear_i8`)."""
-        x = x.contiguous()
-        rows, width = x.shape
         out_dim = scale.shape[0]
-        if panels.shape != (-(-out_dim // PANEL), -(-width // 2), PANEL, 2) or panels.dtype != torch.int8 \
-                or not panels.is_contiguous():
-            raise ValueError(f"the panels {panels.dtype} {tuple(panels.shape)} do not pack a [{out_dim}, {width}] "
-                             "int8 weight (see pack_int8_panels)")
-        out = x.new_empty(rows, out_dim)
-        if residual is not None:
-            residual = residual.contiguous()
-        self._linear_i8(x.data_ptr(), rows, width, panels.data_ptr(), scale.data_ptr(),
+        x, out, residual = self._product_operands(x, panels, (-(-out_dim // PANEL), -(-x.shape[1] // 2), PANEL, 2),
+                                                  torch.int8, out_dim, residual, "pack_int8_panels")
+        self._linear_i8(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), scale.data_ptr(),
                         None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
                         out.data_ptr(), out_dim)
         return out
@@ -248,17 +256,11 @@ class NativeKernels:
         """`x @ W.T (+ bias) (+ residual)` for float32 rows `x` `[rows, in]` and a bfloat16 weight `W` `[out_dim, in]`
         packed by `pack_bf16_panels`, in float32 arithmetic; returns float32 `[rows, out_dim]` (see
         `dk_linear_bf16`)."""
-        x = x.contiguous()
-        rows, width = x.shape
-        if panels.shape != (-(-out_dim // PANEL), width, PANEL) or panels.dtype != torch.bfloat16 \
-                or not panels.is_contiguous():
-            raise ValueError(f"the panels {panels.dtype} {tuple(panels.shape)} do not pack a [{out_dim}, {width}] "
-                             "weight (see pack_bf16_panels)")
-        out = x.new_empty(rows, out_dim)
-        if residual is not None:
-            residual = residual.contiguous()
-        self._linear_bf16(x.data_ptr(), rows, width, panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                          None if residual is None else residual.data_ptr(), out.data_ptr(), out_dim)
+        x, out, residual = self._product_operands(x, panels, (-(-out_dim // PANEL), x.shape[1], PANEL),
+                                                  torch.bfloat16, out_dim, residual, "pack_bf16_panels")
+        self._linear_bf16(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(),
+                          None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+                          out.data_ptr(), out_dim)
         return out
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,
