@@ -27,19 +27,23 @@ from decodekit.bench.machine import environment, machine_line
 from decodekit.core.paged_model import PagedModel
 
 
-def step_costs(model: PagedModel, max_rows: int, context: int, repeats: int, seed: int = 0) -> dict[int, float]:
-    """Median seconds of a `rows`-row decode step for every rows in 1..max_rows (sequences keyed 0..max_rows-1,
-    each holding `context` tokens; each timed step is rolled back, so every step sees the same context)."""
+def step_costs(model: PagedModel, max_rows: int, context: int, repeats: int, seed: int = 0,
+               row_counts: list[int] | None = None) -> dict[int, float]:
+    """Median seconds of a `rows`-row decode step for every rows in 1..max_rows, or in `row_counts` (sequences keyed
+    0..max_rows-1, each holding `context` tokens; each timed step is rolled back, so every step sees the same
+    context)."""
     rng = random.Random(seed)
+    counts = row_counts or list(range(1, max_rows + 1))
+    max_rows = max(counts)
     for key in range(max_rows):
         tokens = [rng.randrange(1000, 20000) for _ in range(context)]
         if not model.reserve(key, context + 1):
             raise RuntimeError("the KV pool is too small for the sequences asked for")
         model.forward([(key, tokens)])
-    order = [rows for rows in range(1, max_rows + 1) for _ in range(repeats)]
+    order = [rows for rows in counts for _ in range(repeats)]
     rng.shuffle(order)
-    times: dict[int, list[float]] = {rows: [] for rows in range(1, max_rows + 1)}
-    warm_up = [rows for rows in (1, 8, 32) if rows <= max_rows]  # timed, then dropped: the medians take the last
+    times: dict[int, list[float]] = {rows: [] for rows in counts}
+    warm_up = [rows for rows in (1, 8, 32) if rows in times]  # timed, then dropped: the medians take the last
     for rows in [*warm_up, *order]:
         batch = [(key, [rng.randrange(1000, 20000)]) for key in range(rows)]
         start = time.perf_counter()

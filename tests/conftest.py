@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from decodekit.plugins import get_plugin_manager
@@ -70,6 +71,24 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers `generate` greedy continuation of one prompt (stops at EOS like decodekit)."""
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0)
+    ids = out[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+class Bf16RoundingCache(DynamicCache):
+    """transformers' dynamic cache, storing (and returning) every key and value rounded to bfloat16 and widened
+    back: what decodekit's bf16 KV pool holds under float32 activations (`kv_cache_dtype`)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rounded = [s.to(torch.bfloat16).to(s.dtype) for s in (key_states, value_states)]
+        return super().update(*rounded, layer_idx, *args, **kwargs)
+
+
+def hf_greedy_bf16_cache(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """`hf_greedy` with a `Bf16RoundingCache`."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                         past_key_values=Bf16RoundingCache())
     ids = out[0, len(prompt):].tolist()
     eos = model.generation_config.eos_token_id
     return ids[: ids.index(eos) + 1] if eos in ids else ids

@@ -16,7 +16,7 @@ from decodekit.core.fused_decoder import BF16_NATIVE_MAX_ROWS, _Bf16Matrix
 from decodekit.core.native_kernels import PANEL, load_kernels, pack_bf16_panels, pack_int8_panels
 from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
 
 kernels = load_kernels()
 needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
@@ -53,7 +53,12 @@ def test_bf16_product_is_the_float32_product_of_the_bf16_rounded_weight(rows, wi
         want += matrix.bias.double()
     if residual:
         want += res.double()
+    # the magnitudes summed, which bound each rounding: the products, and the bias and residual added to them
     scale = x.abs().double() @ _rounded(weight).abs().double().t() + 1.0
+    if bias:
+        scale += matrix.bias.abs().double()
+    if residual:
+        scale += res.abs().double()
     error = (matrix(x, res).double() - want).abs()
     assert torch.all(error <= 2 * (width + 2) * 2**-24 * scale), float((error / scale).max())
 
@@ -84,16 +89,19 @@ def test_a_bf16_target_generates_what_transformers_generates_on_the_bf16_rounded
 @pytest.mark.parametrize("batch", [1, 5])
 def test_a_bfloat16_model_on_a_cpu_runs_as_bf16_weights_in_float32_and_matches_transformers_float32(batch,
                                                                                                    tokenizer):
-    """`dtype="bfloat16"` on a CPU: the weights stay bf16, activations and KV cache are float32, so the tokens are
-    transformers' float32 greedy tokens on the same (bf16-valued) weights; torch's bf16 path is one option away."""
+    """`dtype="bfloat16"` on a CPU: the weights and the KV cache stay bf16, the activations are float32, so the
+    tokens are transformers' float32 greedy tokens on the same (bf16-valued) weights with a cache that rounds to
+    bf16; with `kv_cache_dtype="float32"`, its plain float32 tokens. torch's bf16 path is one option away."""
     model = tiny_model("llama").to(torch.bfloat16)
     reference = copy.deepcopy(model).to(torch.float32)  # widening is exact: the same weights
-    llm = LLM(model, tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", block_size=4)
-    assert llm.engine.model.forward_name == "fused (bf16 weights)"
-    assert llm.engine.config.quantization == "bf16" and llm.engine.kv_cache.pool.dtype == torch.float32
     prompts = random_prompts(batch, 3, 40, seed=7 + batch)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
-    assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 16) for p in prompts]
+    for kv, want in (("auto", hf_greedy_bf16_cache), ("float32", hf_greedy)):
+        llm = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
+                  block_size=4, kv_cache_dtype=kv)
+        assert llm.engine.model.forward_name == "fused (bf16 weights)" and llm.engine.config.quantization == "bf16"
+        assert llm.engine.kv_cache.pool.dtype == (torch.bfloat16 if kv == "auto" else torch.float32)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+        assert [o.token_ids for o in outs] == [want(reference, p, 16) for p in prompts], kv
     torch_path = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", native_kernels=False,
                      kv_cache_memory="16MiB")
     assert torch_path.engine.config.quantization is None and torch_path.engine.kv_cache.pool.dtype == torch.bfloat16
@@ -155,21 +163,27 @@ def test_the_portable_build_without_avx2_gives_the_same_bf16_and_int8_products(t
 @needs_kernels
 def test_bfloat16_on_a_cpu_is_closer_to_float32_than_transformers_own_bf16_forward(tokenizer):
     """The stated tolerance against transformers' bf16: on the same bf16 weights, decodekit's prompt log-probabilities
-    are within float32 rounding (1e-4) of transformers' float32 forward, and closer to it than transformers' bf16
-    forward (which rounds every activation to bf16) is."""
+    are closer to transformers' float32 forward than transformers' bf16 forward (which rounds every activation to
+    bf16) is, and within float32 rounding (1e-4) of it with a float32 KV cache."""
     model = tiny_model("llama").to(torch.bfloat16)
     prompt = random_prompts(1, 40, 41, seed=4)[0]
-    llm = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB")
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    ours = torch.tensor([row[token].logprob for token, row in zip(prompt[1:], (out.prompt_logprobs or [])[1:])])
+    logprobs = {}
+    for kv in ("auto", "float32"):
+        llm = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
+                  kv_cache_dtype=kv)
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        rows = (out.prompt_logprobs or [])[1:]
+        logprobs[kv] = torch.tensor([row[token].logprob for token, row in zip(prompt[1:], rows)])
     with torch.no_grad():
         ids = torch.tensor([prompt])
         targets = torch.tensor(prompt[1:])[:, None]
         float32 = torch.log_softmax(model.float()(ids).logits[0, :-1].float(), -1).gather(1, targets)[:, 0]
         bf16 = torch.log_softmax(model.to(torch.bfloat16)(ids).logits[0, :-1].float(), -1).gather(1, targets)[:, 0]
-    ours_error = float((ours - float32).abs().max())
+    bf16_cache_error, float32_cache_error = (float((logprobs[kv] - float32).abs().max())
+                                             for kv in ("auto", "float32"))
     bf16_error = float((bf16 - float32).abs().max())
-    assert ours_error < 1e-4 and ours_error < bf16_error, (ours_error, bf16_error)
+    assert float32_cache_error < 1e-4, float32_cache_error
+    assert bf16_cache_error < bf16_error / 2, (bf16_cache_error, bf16_error)
 
 
 @needs_kernels

@@ -103,10 +103,13 @@ def _reference_attention(queries, keys, values, scale):
 @given(block_size=st.sampled_from([1, 4, 16]), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
        dim=st.sampled_from([8, 64, 72, 128]), query_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4),
        contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), max_query=st.sampled_from([2, 16]),
-       seed=st.integers(0, 2**16))
+       kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
 def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native, block_size, kv_heads, group, dim,
-                                                                          query_lens, contexts, max_query, seed):
+                                                                          query_lens, contexts, max_query, kv_dtype,
+                                                                          seed):
     # Sequences with more than `max_query` new tokens stand for prefill chunks: rotated and stored, not attended.
+    # A bfloat16 pool (`kv_cache_dtype`) must hold exactly torch's rounding of the keys and values, and attention
+    # must be the float32 attention over those stored values.
     heads = kv_heads * group
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -118,7 +121,7 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
         tables.append(block_ids[start:start + n])
         start += n
     num_slots = (sum(need) + 8) * block_size
-    key_pool, value_pool = (torch.randn(num_slots, kv_heads, dim, generator=g) for _ in range(2))
+    key_pool, value_pool = (torch.randn(num_slots, kv_heads, dim, generator=g).to(kv_dtype) for _ in range(2))
     slots = [t[p // block_size] * block_size + p % block_size
              for t, c, q in zip(tables, contexts, query_lens) for p in range(c, c + q)]
     tokens = len(slots)
@@ -129,7 +132,7 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
     qk, value = qkv.view(tokens, -1, dim).split([heads + kv_heads, kv_heads], dim=1)
     query, key = _rotate(qk, cos[:, None], sin[:, None]).split([heads, kv_heads], dim=1)
     want_keys, want_values = key_pool.clone(), value_pool.clone()
-    want_keys[slots], want_values[slots] = key, value
+    want_keys[slots], want_values[slots] = key.to(kv_dtype), value.to(kv_dtype)
 
     plan = DecodeAttentionPlan(torch.tensor(slots), query_lens, contexts, tables, block_size, max_query=max_query)
     assert plan.has_chunks == any(q > max_query for q in query_lens)
@@ -150,16 +153,39 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
         for j in range(q_len):
             seen = order[: ctx + j + 1]  # causal: its own context plus this step's earlier tokens
             for h in range(heads):
-                want = _reference_attention(query[token, h][None], want_keys[seen, h // group],
-                                            want_values[seen, h // group], 0.3)[0]
+                want = _reference_attention(query[token, h][None], want_keys[seen, h // group].float(),
+                                            want_values[seen, h // group].float(), 0.3)[0]
                 torch.testing.assert_close(out[token, h], want, rtol=1e-5, atol=1e-5)
             token += 1
 
 
+def test_a_bf16_pool_stores_ties_infinities_and_nans_as_torch_rounds_them(native):
+    """Values are written unrotated, so their bits can be chosen: ties to even (up and down), the largest floats
+    (rounding to infinity or not), infinities, NaNs and subnormals, next to random floats: every bit as torch's
+    rounding, except a NaN's payload."""
+    dim, kv_heads, heads = 16, 1, 1
+    bits = [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F807FFF, 0x7F7FFFFF, 0x7F7F7FFF, 0xFF7FFFFF, 0x7F800000,
+            0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x00000001, 0x80008000, 0x00018000, 0x00000000]
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    values = torch.stack([special, torch.randn(dim) * 1e3])
+    qkv = torch.zeros(2, (heads + 2 * kv_heads) * dim)
+    qkv[:, (heads + kv_heads) * dim:] = values
+    pools = [torch.zeros(8, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2)]
+    plan = DecodeAttentionPlan(torch.tensor([3, 6]), [1, 1], [0, 0], [[0, 1], [1, 2]], 4, max_query=0)
+    plan.set_rope(torch.ones(2, dim), torch.zeros(2, dim))
+    native.rope_cache_attend(qkv, heads, kv_heads, *pools, plan, 1.0)
+    stored, want = pools[1][[3, 6], 0], values.to(torch.bfloat16)
+    nan = want.isnan()
+    assert int(nan.sum()) == 3 and torch.equal(stored.isnan(), nan)  # NaN stays NaN (torch's payload bits vary by path)
+    assert torch.equal(stored[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 @settings(max_examples=15, deadline=None)
 @given(contexts=st.lists(st.integers(0, 300), min_size=1, max_size=9), query_len=st.sampled_from([1, 2, 4]),
-       threads=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
-def test_attention_split_over_threads_is_bit_identical_to_one_thread(native, contexts, query_len, threads, seed):
+       threads=st.sampled_from([2, 3]), kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_attention_split_over_threads_is_bit_identical_to_one_thread(native, contexts, query_len, threads, kv_dtype,
+                                                                     seed):
     """Whatever the split of (token, kv head) items over threads, every output bit is what one thread computes."""
     block_size, kv_heads, group, dim = 16, 3, 3, 64
     heads = kv_heads * group
@@ -171,7 +197,7 @@ def test_attention_split_over_threads_is_bit_identical_to_one_thread(native, con
         next_block += need
     slots = [t[p // block_size] * block_size + p % block_size for t, c in zip(tables, contexts)
              for p in range(c, c + query_len)]
-    pools = [torch.randn(next_block * block_size, kv_heads, dim, generator=g) for _ in range(2)]
+    pools = [torch.randn(next_block * block_size, kv_heads, dim, generator=g).to(kv_dtype) for _ in range(2)]
     qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * dim, generator=g)
     cos, sin = torch.randn(len(slots), dim, generator=g), torch.randn(len(slots), dim, generator=g)
 

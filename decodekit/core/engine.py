@@ -25,7 +25,7 @@ from decodekit.core.paged_model import PagedModel, kv_pool_blocks
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
 from decodekit.core.requests import RequestLifecycle
-from decodekit.core.runner import bf16_weights_on_cpu, compute_dtype, draft_config, model_geometry
+from decodekit.core.runner import bf16_weights_on_cpu, draft_config, kv_cache_dtype, model_geometry
 from decodekit.core.scheduler import Scheduler
 from decodekit.core.stages import Failure
 from decodekit.core.stages.emit import OutputEmitter
@@ -61,7 +61,7 @@ class Engine:
         self.hooks = LifecycleHooks(plugin_manager, self)
         geometry = model_geometry(loaded.model)
         self.max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
-        self.model = PagedModel(loaded, config, kv_pool_blocks(geometry, compute_dtype(loaded, config), config))
+        self.model = PagedModel(loaded, config, kv_pool_blocks(geometry, kv_cache_dtype(loaded, config), config))
         self.allocator, self.kv_cache, self.runner = self.model.allocator, self.model.kv_cache, self.model.runner
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy)

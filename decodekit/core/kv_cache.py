@@ -177,7 +177,9 @@ class PagedKVCache(Cache):
 
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: pool geometry.
-        dtype, device: where the pool lives.
+        dtype, device: where the pool lives. The pool's dtype may be narrower than the model's activations
+            (`kv_cache_dtype: bfloat16` under a float32 model): keys and values are then rounded to it as they are
+            written and widened back as they are read, so attention's arithmetic stays in the activations' dtype.
 
     The pool holds one block more than `num_blocks`, never handed out: `scratch_slot` is its first slot, where the
     padding rows of captured CUDA graphs write their keys and values.
@@ -221,8 +223,8 @@ class PagedKVCache(Cache):
         """Store `[T, kv_heads, head_dim]` keys and values of this step's packed tokens at their slots."""
         assert self.layout is not None, "PagedKVCache.write called outside an engine forward"
         slots = self.layout.slot_mapping
-        self.key_slots[layer_idx].index_copy_(0, slots, keys)
-        self.value_slots[layer_idx].index_copy_(0, slots, values)
+        self.key_slots[layer_idx].index_copy_(0, slots, keys.to(self.pool.dtype))
+        self.value_slots[layer_idx].index_copy_(0, slots, values.to(self.pool.dtype))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write block copies (src, dst) for every layer."""
@@ -314,12 +316,15 @@ def attend_chunks(layout: AttentionLayout, query: torch.Tensor, key: torch.Tenso
         qs = query[start:end].transpose(0, 1).unsqueeze(0)
         if blocks is None:  # the whole context is this chunk: no gather, plain causal attention
             ks, vs = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
+            # the values the pool holds, so a prompt attends the same keys whether its prefill is one chunk or many
+            ks, vs = _as_stored(ks, k_rows.dtype), _as_stored(vs, v_rows.dtype)
             os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             n_q = end - start
             n_k = ctx_start + n_q
             ks = k_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].transpose(0, 1).unsqueeze(0)
             vs = v_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].transpose(0, 1).unsqueeze(0)
+            ks, vs = ks.to(query.dtype), vs.to(query.dtype)
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(diagonal=ctx_start)
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[start:end] = os_[0].transpose(0, 1)
@@ -336,10 +341,15 @@ def _attend_group(group: BatchedGroup, queries: torch.Tensor, k_rows: torch.Tens
         kb, vb = k_rows[first:first + count], v_rows[first:first + count]
     else:
         kb, vb = k_rows.index_select(0, group.blocks), v_rows.index_select(0, group.blocks)
-    kb = kb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2)  # [B, KVH, L, D]
-    vb = vb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2)
+    kb = kb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2).to(queries.dtype)  # [B, KVH, L, D]
+    vb = vb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2).to(queries.dtype)
     ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scaling, enable_gqa=True)
     return ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
+
+
+def _as_stored(states: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """`states` rounded to the pool's dtype and back (itself where the pool holds its dtype)."""
+    return states if states.dtype == pool_dtype else states.to(pool_dtype).to(states.dtype)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -55,6 +55,8 @@ SERIAL_FLAGS = ["-Wno-unknown-pragmas"]
 # are a visible share. On SmolLM2, 2 cores, splitting measured no slower from 300 keys up (batch 1 to 8, within the
 # noise) and 1.5-2x faster attention at batch 16, context 250 (docs/benchmarks.md, "Serving").
 PARALLEL_MIN_KEYS = 512
+# The KV pool elements the native attention reads and writes (`kv_cache_dtype`).
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 log = logging.getLogger("decodekit.runner")
 
@@ -198,7 +200,7 @@ class NativeKernels:
         self._silu_mul.argtypes = [_p, _p, _i, _i]
         self._silu_mul.restype = None
         self._attend = lib.dk_rope_cache_attend
-        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _p]
+        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _i, _p]
         self._attend.restype = ctypes.c_int
         self._linear_i8 = lib.dk_linear_i8
         self._linear_i8.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p, _i]
@@ -268,7 +270,9 @@ class NativeKernels:
         """RoPE on `qkv`'s query and key heads (in place), KV write to the pool, attention; returns `[T, H * D]`.
 
         `qkv` is `[T, (heads + 2 * kv_heads) * D]` float32, contiguous; `key_slots`/`value_slots` are one layer's
-        `[slots, kv_heads, D]` pool views; `plan` (with `set_rope` called) says where each query's keys are. The
+        `[slots, kv_heads, D]` pool views, float32 or bfloat16 (keys and values are then stored rounded to nearest
+        even, as `.to(torch.bfloat16)` does, and widened as they are read: the arithmetic stays float32); `plan`
+        (with `set_rope` called) says where each query's keys are. The
         rows of tokens the plan leaves out (key length 0) are not written: the caller attends them. From
         `PARALLEL_MIN_KEYS` keys read, the attention is split over torch's threads (when built with OpenMP); every
         (token, kv head) item is computed as on one thread, so the result does not depend on the split.
@@ -276,11 +280,14 @@ class NativeKernels:
         dim = key_slots.shape[-1]
         if qkv.shape != (plan.tokens, (heads + 2 * kv_heads) * dim) or not qkv.is_contiguous():
             raise ValueError(f"qkv {tuple(qkv.shape)} does not match the plan's {plan.tokens} tokens")
+        if key_slots.dtype not in KV_DTYPES or value_slots.dtype != key_slots.dtype:
+            raise ValueError(f"the native attention reads float32 or bfloat16 pools, not {key_slots.dtype} / "
+                             f"{value_slots.dtype}")
         out = qkv.new_empty(plan.tokens, heads * dim)
         cos, sin, slots, tables, table_start, key_len = plan.pointers
         status = self._attend(qkv.data_ptr(), plan.tokens, heads, kv_heads, dim, cos, sin, key_slots.data_ptr(),
                               value_slots.data_ptr(), slots, tables, table_start, key_len, plan.block_size, scaling,
-                              PARALLEL_MIN_KEYS, out.data_ptr())
+                              PARALLEL_MIN_KEYS, int(key_slots.dtype == torch.bfloat16), out.data_ptr())
         if status != 0:
             raise MemoryError("native attention could not allocate its scratch memory")
         return out

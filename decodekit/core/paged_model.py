@@ -17,7 +17,7 @@ from decodekit.api.models import LoadedModel
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.config import EngineConfig
 from decodekit.core.kv_cache import PagedKVCache
-from decodekit.core.runner import ForwardItem, ModelGeometry, build_runner, compute_dtype, model_geometry
+from decodekit.core.runner import ForwardItem, ModelGeometry, build_runner, kv_cache_dtype, model_geometry
 
 
 def kv_pool_blocks(geometry: ModelGeometry, dtype: torch.dtype, config: EngineConfig) -> int:
@@ -48,7 +48,7 @@ class PagedModel:
         geometry = model_geometry(loaded.model)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.kv_cache = PagedKVCache(geometry.num_layers, num_blocks, config.block_size, geometry.num_kv_heads,
-                                     geometry.head_dim, compute_dtype(loaded, config), loaded.device)
+                                     geometry.head_dim, kv_cache_dtype(loaded, config), loaded.device)
         self.runner = build_runner(loaded, self.kv_cache, config)
         self._cached: dict[int, int] = {}  # a proposer's sequences: tokens whose keys/values are stored
         self._tokens: dict[int, list[int]] = {}  # ... and those tokens, for the prefix cache's block hashes

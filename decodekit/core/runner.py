@@ -124,9 +124,9 @@ def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "q
     """`config` with `key` (`quantization` or `draft_quantization`) set to "bf16" where `loaded` is a bfloat16
     model on a CPU that the fused decoder and its native kernels can run, and nothing else was asked: its weights
     are then multiplied in float32 by the native bf16 product (llama.cpp's bf16 on a CPU), with float32 activations
-    and KV cache. torch's own bf16 CPU path rounds every activation to bf16 and measured 0.1x float32's speed at
-    batch 1 on a 2-core AVX2 CPU (0.68x on an AVX512-BF16 one, issue 21); this one 2.5x. `native_kernels: false`
-    (or `fused_decoder: false`, for the draft `draft_fused_decoder: false`) keeps torch's."""
+    (and a bf16 KV cache: `kv_cache_dtype`). torch's own bf16 CPU path rounds every activation to bf16 and measured
+    0.1x float32's speed at batch 1 on a 2-core AVX2 CPU (0.68x on an AVX512-BF16 one, issue 21); this one 2.5x.
+    `native_kernels: false` (or `fused_decoder: false`, for the draft `draft_fused_decoder: false`) keeps torch's."""
     fused = config.fused_decoder
     if key == "draft_quantization" and config.draft_fused_decoder is not None:
         fused = config.draft_fused_decoder  # else the draft follows the target's choice (`draft_config`)
@@ -134,15 +134,38 @@ def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "q
             or fused is False or config.native_kernels is False or fused_decoder_refusal(loaded.model) is not None
             or isinstance(load_kernels(), str)):
         return config
-    log.info("%s: bfloat16 on a CPU runs as bf16 weights multiplied in float32 (%s bf16); float32 activations and "
-             "KV cache", loaded.name, key)
+    log.info("%s: bfloat16 on a CPU runs as bf16 weights multiplied in float32 (%s bf16); float32 activations",
+             loaded.name, key)
     return config.model_copy(update={key: "bf16"})
 
 
 def compute_dtype(loaded: LoadedModel, config: EngineConfig) -> torch.dtype:
-    """The dtype of the activations and the KV cache: the model's, except for quantized weights on a CPU, which are
-    multiplied in float32."""
+    """The dtype of the activations (and of the KV cache unless `kv_cache_dtype` says otherwise): the model's, except
+    for quantized weights on a CPU, which are multiplied in float32."""
     return torch.float32 if config.quantization is not None else loaded.dtype
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_dtype(loaded: LoadedModel, config: EngineConfig) -> torch.dtype:
+    """The KV pool's element dtype: `config.kv_cache_dtype`, where "auto" is the model's dtype (vLLM's rule) where
+    the pool can hold it under the activations (float32 or bfloat16), else the activations' (`compute_dtype`). So
+    a bfloat16 model on a CPU, whose bf16 weights are multiplied in float32, keeps a bf16 cache (half the bytes per
+    token, attended in float32), and a float32 model with int8 weights a float32 one.
+
+    Raises:
+        ConfigError: a dtype other than the activations' is asked off the CPU (the GPU kernels write and read the
+            pool in the model's dtype).
+    """
+    compute = compute_dtype(loaded, config)
+    if config.kv_cache_dtype == "auto":
+        return loaded.dtype if loaded.dtype in KV_CACHE_DTYPES.values() else compute
+    dtype = KV_CACHE_DTYPES[config.kv_cache_dtype]
+    if dtype != compute and loaded.device.type != "cpu":
+        raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype}: on {loaded.device.type} the KV cache holds the "
+                          f"activations' dtype ({str(compute).removeprefix('torch.')}); leave it auto there")
+    return dtype
 
 
 def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:

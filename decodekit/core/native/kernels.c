@@ -63,40 +63,72 @@ static inline v8f exp8(v8f x) {
     return (v8f)((v8i)(y * scale) & ~under);
 }
 
-/* Dot product of two float vectors: four independent 8-lane accumulators (one chain would wait on the adder's
- * latency), then a fixed pairwise reduction. */
-static float dot(const float* a, const float* b, int64_t n) {
+/* ---- the KV pool's element: float32, or bfloat16 (`kv_cache_dtype`) ------------------------------------------
+ * Attention reads every cached key and value once per query, so a bf16 pool halves those bytes and doubles the
+ * tokens a memory budget holds. The arithmetic stays float32: a bf16 element is widened (exact, a shift) as it is
+ * loaded. The functions below take the pool as `const void*` and a flag that is a constant where they are inlined
+ * (dk_rope_cache_attend's two calls of attend_items), so each is compiled twice, once per element, with no branch
+ * per load. */
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+#define KV_INLINE static inline __attribute__((always_inline))
+
+KV_INLINE v8f load8_kv(const void* base, int64_t i, int bf16) {
+    if (!bf16) return load8((const float*)base + i);
+    v8h h;
+    memcpy(&h, (const uint16_t*)base + i, sizeof h);
+    return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+
+KV_INLINE float load_kv(const void* base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t*)base)[i]) : ((const float*)base)[i];
+}
+
+/* float32 to bfloat16, rounding to nearest even as torch's `.to(torch.bfloat16)` does (NaN to a quiet NaN), so the
+ * native KV write stores the same bits as the torch path's. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Dot product of a float vector with a pool row: four independent 8-lane accumulators (one chain would wait on the
+ * adder's latency), then a fixed pairwise reduction. */
+KV_INLINE float dot_kv(const float* a, const void* b, int64_t n, int bf16) {
     v8f acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0};
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        acc0 += load8(a + i) * load8(b + i);
-        acc1 += load8(a + i + 8) * load8(b + i + 8);
-        acc2 += load8(a + i + 16) * load8(b + i + 16);
-        acc3 += load8(a + i + 24) * load8(b + i + 24);
+        acc0 += load8(a + i) * load8_kv(b, i, bf16);
+        acc1 += load8(a + i + 8) * load8_kv(b, i + 8, bf16);
+        acc2 += load8(a + i + 16) * load8_kv(b, i + 16, bf16);
+        acc3 += load8(a + i + 24) * load8_kv(b, i + 24, bf16);
     }
-    for (; i + 8 <= n; i += 8) acc0 += load8(a + i) * load8(b + i);
+    for (; i + 8 <= n; i += 8) acc0 += load8(a + i) * load8_kv(b, i, bf16);
     v8f acc = (acc0 + acc1) + (acc2 + acc3);
     float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; ++i) s += a[i] * b[i];
+    for (; i < n; ++i) s += a[i] * load_kv(b, i, bf16);
     return s;
 }
 
-/* o[0:dim] = sum_j p[j] * (base + rows[j])[0:dim]: the probability-weighted sum of n value rows. Each 64-float
+/* o[0:dim] = sum_j p[j] * pool[base + rows[j]][0:dim]: the probability-weighted sum of n value rows. Each 64-float
  * slice of the output is kept in eight registers across all rows, instead of being stored and reloaded per row. */
-static void weighted_rows(float* o, const float* p, const float* base, const int64_t* rows, int64_t n, int64_t dim) {
+KV_INLINE void weighted_rows_kv(float* o, const float* p, const void* pool, int64_t base, const int64_t* rows,
+                                int64_t n, int64_t dim, int bf16) {
     int64_t d0 = 0;
     for (; d0 + 64 <= dim; d0 += 64) {
         v8f acc[8] = {{0}};
         for (int64_t j = 0; j < n; ++j) {
-            const float* v = base + rows[j] + d0;
+            int64_t v = base + rows[j] + d0;
             v8f pj = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
-            for (int k = 0; k < 8; ++k) acc[k] += pj * load8(v + 8 * k);
+            for (int k = 0; k < 8; ++k) acc[k] += pj * load8_kv(pool, v + 8 * k, bf16);
         }
         for (int k = 0; k < 8; ++k) store8(o + d0 + 8 * k, acc[k]);
     }
     for (; d0 < dim; ++d0) {
         float acc = 0;
-        for (int64_t j = 0; j < n; ++j) acc += p[j] * base[rows[j] + d0];
+        for (int64_t j = 0; j < n; ++j) acc += p[j] * load_kv(pool, base + rows[j] + d0, bf16);
         o[d0] = acc;
     }
 }
@@ -144,20 +176,31 @@ static void rotate(float* x, const float* cos, const float* signed_sin, int64_t 
     }
 }
 
+/* `n` floats stored at element `at` of a pool of float32 or (rounded) bfloat16 elements. */
+static void store_kv(void* pool, int64_t at, const float* src, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy((float*)pool + at, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t* dst = (uint16_t*)pool + at;
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
 /* One decoder layer's RoPE and KV write for the tokens of a step (the first half of attention):
  *   1. RoPE on every query and key head of `qkv` ([T, (H + 2*KVH) * D], rotated in place), all T tokens;
- *   2. every token's key and value written to its pool slot (`kpool`/`vpool` are the layer's [slots, KVH, D]).
+ *   2. every token's key and value written to its pool slot (`kpool`/`vpool` are the layer's [slots, KVH, D] of
+ *      float32, or of bfloat16 with `kv_bf16`).
  * Returns 0, or -1 if scratch memory could not be allocated. */
-int dk_rope_store(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, const float* cos,
-                  const float* signed_sin, float* kpool, float* vpool, const int64_t* slots) {
+static int rope_store(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim, const float* cos,
+                      const float* signed_sin, void* kpool, void* vpool, const int64_t* slots, int kv_bf16) {
     int64_t width = (heads + 2 * kv_heads) * dim;
     float* tmp = malloc((size_t)dim * sizeof(float));
     if (tmp == NULL) return -1;
     for (int64_t t = 0; t < tokens; ++t) {
         float* row = qkv + t * width;
         for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(row + h * dim, cos + t * dim, signed_sin + t * dim, dim, tmp);
-        memcpy(kpool + slots[t] * kv_heads * dim, row + heads * dim, (size_t)(kv_heads * dim) * sizeof(float));
-        memcpy(vpool + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim, (size_t)(kv_heads * dim) * sizeof(float));
+        store_kv(kpool, slots[t] * kv_heads * dim, row + heads * dim, kv_heads * dim, kv_bf16);
+        store_kv(vpool, slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim, kv_heads * dim, kv_bf16);
     }
     free(tmp);
     return 0;
@@ -169,10 +212,10 @@ int dk_rope_store(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, i
  * prefill chunks, which the caller attends with a blocked SDPA) are left untouched in `out`. Items are independent
  * (each writes its own slice of `out`; the keys were all written before), so disjoint ranges may run on several
  * threads at once with results identical to one pass. Returns 0, or -1 if scratch memory could not be allocated. */
-static int attend_items(const float* qkv, int64_t item_begin, int64_t item_end, int64_t heads, int64_t kv_heads,
-                        int64_t dim, const float* kpool, const float* vpool, const int64_t* tables,
-                        const int64_t* table_start, const int64_t* key_len, int64_t block_size, float scale,
-                        float* out) {
+KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_end, int64_t heads, int64_t kv_heads,
+                          int64_t dim, const void* kpool, const void* vpool, const int64_t* tables,
+                          const int64_t* table_start, const int64_t* key_len, int64_t block_size, float scale,
+                          float* out, int kv_bf16) {
     if (item_begin >= item_end) return 0;
     int64_t width = (heads + 2 * kv_heads) * dim;
     int64_t group = heads / kv_heads;
@@ -191,7 +234,7 @@ static int attend_items(const float* qkv, int64_t item_begin, int64_t item_end, 
         int64_t n = key_len[t];
         if (n == 0) continue;
         if (rows_of != t) {
-            /* the pool offset (in floats, kv head 0) of each key, walked block by block: no division per key */
+            /* the pool offset (in elements, kv head 0) of each key, walked block by block: no division per key */
             const int64_t* table = tables + table_start[t];
             for (int64_t j = 0, b = 0; j < n; ++b)
                 for (int64_t i = 0; i < block_size && j < n; ++i, ++j) rows[j] = (table[b] * block_size + i) * kv_heads * dim;
@@ -200,8 +243,11 @@ static int attend_items(const float* qkv, int64_t item_begin, int64_t item_end, 
         const float* qg = qkv + t * width + g * group * dim;
         /* scores[h][j] = scale * q_h . k_j for the `group` query heads sharing kv head g */
         for (int64_t j = 0; j < n; ++j) {
-            const float* k = kpool + rows[j] + g * dim;
-            for (int64_t h = 0; h < group; ++h) scores[h * n + j] = dot(qg + h * dim, k, dim) * scale;
+            int64_t k = rows[j] + g * dim;
+            for (int64_t h = 0; h < group; ++h) {
+                const void* key = kv_bf16 ? (const void*)((const uint16_t*)kpool + k) : (const void*)((const float*)kpool + k);
+                scores[h * n + j] = dot_kv(qg + h * dim, key, dim, kv_bf16) * scale;
+            }
         }
         for (int64_t h = 0; h < group; ++h) {
             float* sc = scores + h * n;
@@ -218,7 +264,7 @@ static int attend_items(const float* qkv, int64_t item_begin, int64_t item_end, 
             for (; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
             float inv = 1.0f / sum;
             for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
-            weighted_rows(out + (t * heads + g * group + h) * dim, sc, vpool + g * dim, rows, n, dim);
+            weighted_rows_kv(out + (t * heads + g * group + h) * dim, sc, vpool, g * dim, rows, n, dim, kv_bf16);
         }
     }
     free(scores);
@@ -250,17 +296,19 @@ int dk_parallel(void) {
 }
 
 /* One decoder layer's attention for the tokens of a step that belong to sequences scoring a few new tokens
- * (decode, speculative verification, beams): RoPE and KV write for all T tokens (dk_rope_store), then attention
+ * (decode, speculative verification, beams): RoPE and KV write for all T tokens (rope_store), then attention
  * (attend_items) for all of them: every write happens before any read, so queries of one sequence see each
- * other's keys (causality comes from key_len). With OpenMP and at least `parallel_min_keys` keys to read, the
- * attention is cut into one range of about equal work per thread. Returns 0, or -1 if scratch memory could not be
- * allocated. */
+ * other's keys (causality comes from key_len). The pools hold float32, or bfloat16 where `kv_bf16` is non-zero
+ * (written rounded to nearest even, read widened: float32 arithmetic either way). With OpenMP and at least
+ * `parallel_min_keys` keys to read, the attention is cut into one range of about equal work per thread. Returns 0,
+ * or -1 if scratch memory could not be allocated. */
 int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
-                         const float* cos, const float* signed_sin, float* kpool, float* vpool,
+                         const float* cos, const float* signed_sin, void* kpool, void* vpool,
                          const int64_t* slots, const int64_t* tables, const int64_t* table_start,
                          const int64_t* key_len, int64_t block_size, float scale, int64_t parallel_min_keys,
-                         float* out) {
-    if (dk_rope_store(qkv, tokens, heads, kv_heads, dim, cos, signed_sin, kpool, vpool, slots) != 0) return -1;
+                         int64_t kv_bf16, float* out) {
+    if (rope_store(qkv, tokens, heads, kv_heads, dim, cos, signed_sin, kpool, vpool, slots, kv_bf16 != 0) != 0)
+        return -1;
     int64_t total = 0;
     for (int64_t t = 0; t < tokens; ++t) total += key_len[t] * kv_heads;
     int failed = 0;
@@ -274,8 +322,13 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
 #endif
         int64_t begin = range_start(key_len, tokens, kv_heads, total, part, parts);
         int64_t end = range_start(key_len, tokens, kv_heads, total, part + 1, parts);
-        failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
-                              block_size, scale, out) != 0;
+        /* two inlined copies of attend_items, one per pool element (its flag a constant in each) */
+        if (kv_bf16)
+            failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
+                                  block_size, scale, out, 1) != 0;
+        else
+            failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
+                                  block_size, scale, out, 0) != 0;
     }
     return failed ? -1 : 0;
 }
