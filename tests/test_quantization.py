@@ -112,6 +112,39 @@ def test_quantized_copies_leave_the_models_own_weights_and_forward_untouched(qua
     assert hf_greedy(model, prompt, 8) == want
 
 
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["int8", "bf16"])
+def test_a_model_decodekit_loads_frees_its_layer_weights_once_quantized_and_generates_the_same(quantization,
+                                                                                               tokenizer, tiny_dir):
+    """Loaded from a folder, the model is the engine's own: its layer weights are swapped for meta tensors (the
+    quantized copies serve them), the embeddings stay, and the tokens are those of an engine quantizing a model
+    object (whose weights it leaves alone). A self-draft reads the target's weights, so they stay there."""
+    owned = LLM(str(tiny_dir), quantization=quantization, kv_cache_memory="16MiB", block_size=4, dtype="float32")
+    layer = owned.engine.loaded.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.device.type == "meta" and layer.mlp.down_proj.weight.device.type == "meta"
+    assert owned.engine.loaded.model.model.embed_tokens.weight.device.type == "cpu"
+    given_model = LLM(type(owned.engine.loaded.model).from_pretrained(tiny_dir), tokenizer,
+                      quantization=quantization, kv_cache_memory="16MiB", block_size=4)
+    assert given_model.engine.loaded.model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
+    prompts = random_prompts(4, 3, 30, seed=6)
+    params = SamplingParams(max_tokens=10, temperature=0)
+    assert ([o.token_ids for o in owned.generate(prompts, params)]
+            == [o.token_ids for o in given_model.generate(prompts, params)])
+    self_draft = LLM(str(tiny_dir), draft="target", draft_quantization=quantization, kv_cache_memory="16MiB",
+                     dtype="float32")
+    self_draft.generate(prompts[:1], _spec(3, max_tokens=4, temperature=0))
+    assert self_draft.engine.loaded.model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
+    # a draft loaded apart from the target is freed when its quantized copy is built (at its first use)
+    drafted = LLM(str(tiny_dir), draft=str(tiny_dir), draft_quantization=quantization, kv_cache_memory="16MiB",
+                  dtype="float32")
+    outs = drafted.generate(prompts, _spec(3, max_tokens=10, temperature=0))
+    float_target = [o.token_ids for o in self_draft.generate(prompts, params)]  # plain decoding, no draft
+    assert [o.token_ids for o in outs] == float_target
+    assert drafted.engine.draft is not None
+    assert drafted.engine.draft.model.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
+    assert drafted.engine.loaded.model.model.layers[0].self_attn.q_proj.weight.device.type == "cpu"
+
+
 def _spec(k: int, **sampling) -> SamplingParams:
     return SamplingParams(strategy={"speculative": {"proposer": "draft", "num_speculative_tokens": k}}, **sampling)
 

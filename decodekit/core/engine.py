@@ -61,7 +61,9 @@ class Engine:
         self.hooks = LifecycleHooks(plugin_manager, self)
         geometry = model_geometry(loaded.model)
         self.max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
-        self.model = PagedModel(loaded, config, kv_pool_blocks(geometry, kv_cache_dtype(loaded, config), config))
+        # a self-draft (the same module) still reads the module's weights when it is built
+        self.model = PagedModel(loaded, config, kv_pool_blocks(geometry, kv_cache_dtype(loaded, config), config),
+                                release_sources=draft is None or draft.model is not loaded.model)
         self.allocator, self.kv_cache, self.runner = self.model.allocator, self.model.kv_cache, self.model.runner
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy)
@@ -97,7 +99,8 @@ class Engine:
         # A proposer's own model: a KV pool with as many blocks as the engine's, under the engine's options (the
         # draft's own fused-decoder choice for the draft).
         config = self.draft_config if loaded is self.draft and self.draft_config is not None else self.config
-        return PagedModel(loaded, config, self.allocator.num_blocks)
+        return PagedModel(loaded, config, self.allocator.num_blocks,
+                          release_sources=loaded.model is not self.loaded.model)
 
     def _on_final(self, request: Request, output: RequestOutput) -> None:
         self.hooks.request_finished(request, output)

@@ -8,6 +8,7 @@ drives its own model by sequence (`decodekit.api.proposer.ProposerModel`: `reser
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -16,8 +17,11 @@ from decodekit.api.errors import ConfigError
 from decodekit.api.models import LoadedModel
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.config import EngineConfig
+from decodekit.core.fused_decoder import release_layer_weights
 from decodekit.core.kv_cache import PagedKVCache
 from decodekit.core.runner import ForwardItem, ModelGeometry, build_runner, kv_cache_dtype, model_geometry
+
+log = logging.getLogger("decodekit.engine")
 
 
 def kv_pool_blocks(geometry: ModelGeometry, dtype: torch.dtype, config: EngineConfig) -> int:
@@ -42,14 +46,23 @@ class PagedModel:
         loaded: the model.
         config: the engine's options (block size, fused decoder, prepacking, native kernels).
         num_blocks: KV blocks in the pool.
+        release_sources: free the module's layer weights once quantized copies serve them
+            (`fused_decoder.release_layer_weights`), where decodekit loaded the model itself; False where another
+            part still reads them (a self-draft of the same module).
     """
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int,
+                 release_sources: bool = False) -> None:
         geometry = model_geometry(loaded.model)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.kv_cache = PagedKVCache(geometry.num_layers, num_blocks, config.block_size, geometry.num_kv_heads,
                                      geometry.head_dim, kv_cache_dtype(loaded, config), loaded.device)
         self.runner = build_runner(loaded, self.kv_cache, config)
+        fused = self.runner.fused
+        if release_sources and loaded.owned and fused is not None and fused.quantization is not None:
+            freed = release_layer_weights(loaded.model)
+            log.info("%s: the module's layer weights (%.0f MiB) freed; the fused decoder's %s copies serve them",
+                     loaded.name, freed / 2**20, fused.quantization)
         self._cached: dict[int, int] = {}  # a proposer's sequences: tokens whose keys/values are stored
         self._tokens: dict[int, list[int]] = {}  # ... and those tokens, for the prefix cache's block hashes
 
