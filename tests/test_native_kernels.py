@@ -159,6 +159,48 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
             token += 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(width=st.integers(1, 80), out=st.integers(1, 2200), row_major=st.booleans(), bias=st.booleans(),
+       residual=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_the_single_row_product_is_float32_accurate_in_both_layouts_and_the_same_on_any_thread_count(
+        native, width, out, row_major, bias, residual, threads, seed):
+    """`dk_gemv` on the fused decoder's layouts (column-major `[in, out]`, or the transpose of a row-major weight):
+    widths and output counts off the 8-wide vectors, past the 1024-column block; every output summed in the same
+    order whichever thread owns it."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, width, generator=g)
+    weight_t = weight.t() if row_major else weight.t().contiguous()
+    x = torch.randn(1, width, generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    res = torch.randn(1, out, generator=g) if residual else None
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = native.gemv(x, weight_t, b, res)
+        torch.set_num_threads(1)
+        alone = native.gemv(x, weight_t, b, res)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(got, alone)
+    want = x.double() @ weight.double().t()
+    scale = x.abs().double() @ weight.abs().double().t() + 1.0
+    if bias:
+        want += b.double()
+        scale += b.abs().double()
+    if residual:
+        want += res.double()
+        scale += res.abs().double()
+    assert torch.all((got.double() - want).abs() <= 2 * (width + 2) * 2**-24 * scale)
+
+
+def test_the_single_row_product_refuses_a_weight_in_neither_layout(native):
+    weight = torch.randn(8, 6)[:, ::2]  # strided both ways
+    with pytest.raises(ValueError, match="contiguous weight or its transpose"):
+        native.gemv(torch.randn(1, 8), weight)
+    with pytest.raises(ValueError, match="one row of 8 floats"):
+        native.gemv(torch.randn(2, 8), torch.randn(8, 5))
+
+
 def test_a_bf16_pool_stores_ties_infinities_and_nans_as_torch_rounds_them(native):
     """Values are written unrotated, so their bits can be chosen: ties to even (up and down), the largest floats
     (rounding to infinity or not), infinities, NaNs and subnormals, next to random floats: every bit as torch's
@@ -327,7 +369,7 @@ def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, t
                                                                          fresh_load):
     partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
     missing = ("lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_linear_i8, "
-               "dk_linear_bf16")
+               "dk_linear_bf16, dk_gemv")
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)

@@ -61,16 +61,21 @@ class _Matrix:
     `col` is the `[in, out]` operand used for single-row products (batch-1 decode) and long prefill chunks: a
     column-major buffer, or for `down_proj` a transposed view of the row-major weight. `packed`, when present, is
     a oneDNN-blocked copy of the same weight for 2-128 rows (batched decode, speculative verification, beams,
-    short chunks), where this CPU's BLAS is slow.
+    short chunks), where this CPU's BLAS is slow. With `native` kernels a single row runs `dk_gemv` on `col`, which
+    splits the outputs over the threads where torch's product streams the weights on one.
     """
 
-    def __init__(self, col: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+    def __init__(self, col: torch.Tensor, bias: torch.Tensor | None, pack: bool,
+                 native: NativeKernels | None = None) -> None:
         self.col = col
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(col.t(), _PACK_ROWS_HINT) if pack else None
+        self.native = native
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
+        if self.native is not None and x.shape[0] == 1:
+            return self.native.gemv(x, self.col, self.bias, residual)
         if self.packed is not None and 1 < x.shape[0] <= _PACKED_MAX_ROWS:
             if residual is None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -358,7 +363,7 @@ class FusedDecoder:
                 self.lm_head: _AnyMatrix = matrix(model.lm_head.weight, None, native)
             return
         with torch.no_grad():
-            self.layers = [self._fuse(layer, prepack) for layer in base.layers]
+            self.layers = [self._fuse(layer, prepack, native) for layer in base.layers]
             head = model.lm_head
             # A tied head shares the embedding's Parameter: re-laying it makes embedding lookups strided reads
             # (~2 ms per 256 prompt tokens here) but saves a second vocabulary-sized matrix.
@@ -366,7 +371,7 @@ class FusedDecoder:
             if head.weight is self.embed_tokens.weight:
                 self.embed_tokens.weight = relaid
             head.weight = relaid
-            self.lm_head = _Matrix(relaid.t(), None, prepack)
+            self.lm_head = _Matrix(relaid.t(), None, prepack, native)
 
     @staticmethod
     def _quantize(layer: Any, matrix: type[_Int8Matrix] | type[_Bf16Matrix], native: NativeKernels) -> _FusedLayer:
@@ -392,7 +397,7 @@ class FusedDecoder:
         )
 
     @staticmethod
-    def _fuse(layer: Any, prepack: bool) -> _FusedLayer:
+    def _fuse(layer: Any, prepack: bool, native: NativeKernels | None) -> _FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         head_dim = int(attn.head_dim)
         q_heads, kv_heads = attn.q_proj.weight.shape[0] // head_dim, attn.k_proj.weight.shape[0] // head_dim
@@ -407,12 +412,12 @@ class FusedDecoder:
         down_t = mlp.down_proj.weight.detach().t()
         return _FusedLayer(
             input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
-            qkv=_Matrix(_fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), qkv_bias, prepack),
-            q_heads=q_heads, kv_heads=kv_heads, o=_Matrix(o_t, None, prepack),
+            qkv=_Matrix(_fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), qkv_bias, prepack, native),
+            q_heads=q_heads, kv_heads=kv_heads, o=_Matrix(o_t, None, prepack, native),
             post_norm=layer.post_attention_layernorm.weight,
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
-            gate_up=_Matrix(_fuse_columns([mlp.gate_proj, mlp.up_proj]), None, prepack),
-            intermediate=mlp.gate_proj.weight.shape[0], down=_Matrix(down_t, None, prepack),
+            gate_up=_Matrix(_fuse_columns([mlp.gate_proj, mlp.up_proj]), None, prepack, native),
+            intermediate=mlp.gate_proj.weight.shape[0], down=_Matrix(down_t, None, prepack, native),
             scaling=float(attn.scaling),
         )
 

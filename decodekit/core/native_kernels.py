@@ -63,7 +63,7 @@ log = logging.getLogger("decodekit.runner")
 # The entry points `NativeKernels` binds; all are looked up when a library is loaded, so one lacking any is refused
 # there (a reason for the torch fallback) rather than failing later.
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_linear_i8",
-           "dk_linear_bf16")
+           "dk_linear_bf16", "dk_gemv")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -208,6 +208,9 @@ class NativeKernels:
         self._linear_bf16 = lib.dk_linear_bf16
         self._linear_bf16.argtypes = [_p, _i, _i, _p, _p, _p, _p, _i]
         self._linear_bf16.restype = None
+        self._gemv = lib.dk_gemv
+        self._gemv.argtypes = [_p, _p, _i, _i, _i, _p, _p, _p]
+        self._gemv.restype = None
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -263,6 +266,28 @@ class NativeKernels:
         self._linear_bf16(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(),
                           None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
                           out.data_ptr(), out_dim)
+        return out
+
+    def gemv(self, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ weight_t (+ residual) (+ bias)` for one float32 row `x` `[1, in]` and a float32 `weight_t` `[in, out]`
+        that is contiguous (column-major weight) or the transpose of a contiguous `[out, in]` (row-major weight), on
+        torch's threads; returns `[1, out]` (see `dk_gemv`).
+
+        Raises:
+            ValueError: `x` is not one row of `in` floats, or `weight_t` is neither layout.
+        """
+        width, out_dim = weight_t.shape
+        row_major = not weight_t.is_contiguous()
+        if x.shape != (1, width) or (row_major and not weight_t.t().is_contiguous()):
+            raise ValueError(f"gemv takes one row of {width} floats and a contiguous weight or its transpose, not "
+                             f"{tuple(x.shape)} and strides {weight_t.stride()}")
+        x = x.contiguous()
+        out = x.new_empty(1, out_dim)
+        residual = None if residual is None else residual.contiguous()
+        self._gemv(x.data_ptr(), weight_t.data_ptr(), width, out_dim, int(row_major),
+                   None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
+                   out.data_ptr())
         return out
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,
