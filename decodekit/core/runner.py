@@ -125,8 +125,9 @@ def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "q
     model on a CPU that the fused decoder and its native kernels can run, and nothing else was asked: its weights
     are then multiplied in float32 by the native bf16 product (llama.cpp's bf16 on a CPU), with float32 activations
     (and a bf16 KV cache: `kv_cache_dtype`). torch's own bf16 CPU path rounds every activation to bf16 and measured
-    0.1x float32's speed at batch 1 on a 2-core AVX2 CPU (0.68x on an AVX512-BF16 one, issue 21); this one 2.5x.
-    `native_kernels: false` (or `fused_decoder: false`, for the draft `draft_fused_decoder: false`) keeps torch's."""
+    0.1x float32's speed at batch 1 on a 2-core AVX2 CPU (0.68x on an AVX512-BF16 one, issue 21); this one 1.9x
+    (2 threads). `native_kernels: false` (or `fused_decoder: false`, for the draft `draft_fused_decoder: false`)
+    keeps torch's."""
     fused = config.fused_decoder
     if key == "draft_quantization" and config.draft_fused_decoder is not None:
         fused = config.draft_fused_decoder  # else the draft follows the target's choice (`draft_config`)

@@ -52,8 +52,8 @@ def _cpu_supports_bf16() -> bool:
 
 
 CPU_AUTO_REASON = ("float32 gives transformers' float32 tokens exactly; dtype='bfloat16' runs bf16 weights in "
-                   "float32 arithmetic on the native kernels, faster (2.4x at batch 1, 1.35x on the mixed workload on "
-                   "a 2-core AVX2 CPU) and close (99% greedy top-1 agreement): pass it to choose speed")
+                   "float32 arithmetic on the native kernels, faster (1.9x at batch 1, 1.2-1.35x on the mixed workload "
+                   "on a 2-core AVX2 CPU) and close (99% greedy top-1 agreement): pass it to choose speed")
 """Why `auto` is float32 on every CPU: exactness is the default, and the faster bf16 weights are one option away
 (`runner.bf16_weights_on_cpu`; figures in docs/benchmarks.md, "bf16 weights on a CPU")."""
 
