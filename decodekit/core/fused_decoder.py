@@ -70,7 +70,8 @@ class _Matrix:
         self.col = col
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(col.t(), _PACK_ROWS_HINT) if pack else None
-        self.native = native
+        # `dk_gemv` reads either layout from memory as it lies; a weight strided both ways keeps torch's product
+        self.native = native if col.is_contiguous() or col.t().is_contiguous() else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
