@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.core.fused_decoder import BF16_NATIVE_MAX_ROWS, _Bf16Matrix
-from decodekit.core.native_kernels import PANEL, load_kernels, pack_bf16_panels, pack_int8_panels
+from decodekit.core.native_kernels import PANEL, DecodeAttentionPlan, load_kernels, pack_bf16_panels, pack_int8_panels
 from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
@@ -132,9 +132,10 @@ def test_asking_for_bf16_weights_where_they_cannot_run_is_refused_with_the_optio
 
 
 @needs_kernels
-def test_the_portable_build_without_avx2_gives_the_same_bf16_and_int8_products(tmp_path):
-    """CPUs without AVX2 and FMA (or other architectures) compile the scalar tiles: built here with AVX2 and FMA
-    switched off, they must give the vectorized build's products up to float32 summation order."""
+def test_the_portable_build_without_avx2_gives_the_same_products_and_bf16_cache_attention(tmp_path):
+    """CPUs without AVX2 and FMA (or other architectures) compile the scalar tiles and generic vectors: built here
+    with AVX2 and FMA switched off, they must give the vectorized build's bf16, int8 and single-row float32 products
+    up to float32 summation order, and its attention over a bf16 KV pool."""
     import platform
     import subprocess
 
@@ -158,6 +159,22 @@ def test_the_portable_build_without_avx2_gives_the_same_bf16_and_int8_products(t
     for rows in (1, 2, 7):
         torch.testing.assert_close(portable.linear_i8(x[:rows], pack_int8_panels(int8), scale),
                                    x[:rows] @ (int8.float() * scale[:, None]).t(), rtol=1e-4, atol=1e-4)
+    for weight_t in (weight.t().contiguous(), weight.t()):  # column-major, and the transpose of row-major
+        torch.testing.assert_close(portable.gemv(x[:1], weight_t, bias), x[:1] @ weight.t() + bias,
+                                   rtol=1e-5, atol=1e-5)
+    # one sequence of 2 new tokens after 9 cached ones, 2 kv heads of 2 query heads, blocks of 4, a bf16 pool
+    heads, kv_heads, dim = 4, 2, 16
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * dim, generator=g)
+    cos, sin = torch.randn(2, dim, generator=g), torch.randn(2, dim, generator=g)
+    pool = torch.randn(2, 16, kv_heads, dim, generator=g).to(torch.bfloat16)
+    results = []
+    for library in (portable, kernels):
+        plan = DecodeAttentionPlan(torch.tensor([9, 10]), [2], [9], [[0, 1, 2]], 4)
+        plan.set_rope(cos, sin)
+        keys, values = pool.clone()
+        results.append((library.rope_cache_attend(qkv.clone(), heads, kv_heads, keys, values, plan, 0.25), keys))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(results[0][1], results[1][1])  # the same rounded keys stored
 
 
 @needs_kernels
