@@ -85,8 +85,9 @@ KV_INLINE float load_kv(const void* base, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t*)base)[i]) : ((const float*)base)[i];
 }
 
-/* float32 to bfloat16, rounding to nearest even as torch's `.to(torch.bfloat16)` does (NaN to a quiet NaN), so the
- * native KV write stores the same bits as the torch path's. */
+/* float32 to bfloat16, rounding to nearest even as torch's `.to(torch.bfloat16)` does, so the native KV write
+ * stores the same bits as the torch path's; a NaN stays a NaN (0x7FC0, c10's scalar rule; torch's vectorized
+ * conversion gives other payload bits). */
 static inline uint16_t float_to_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
