@@ -21,11 +21,15 @@ import torch
 
 from decodekit import LLM
 from decodekit.bench.machine import environment, machine_line
+from decodekit.core.kv_cache import PagedKVCache
+from decodekit.core.runner import model_geometry
+from decodekit.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_cost import step_costs
 
 KV_DTYPES = ("float32", "bfloat16")
+MODEL = "smollm2-135m-instruct"
 
 
 def main() -> None:
@@ -39,9 +43,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    # room for every sequence in float32: SmolLM2-135M caches 30 layers x (key, value) x 3 kv heads x 64 floats
-    memory = max(args.rows) * (max(args.contexts) + 2) * 30 * 2 * 3 * 64 * 4 + (64 << 20)
-    engines = {dtype: LLM("smollm2-135m-instruct", dtype="float32", quantization=args.quantization,
+    # room for every sequence in float32, from the model's geometry
+    geometry = model_geometry(load_model(MODEL, dtype="float32").model)
+    per_token = PagedKVCache.bytes_per_token(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                                             torch.float32)
+    memory = max(args.rows) * (max(args.contexts) + 2) * per_token + (64 << 20)
+    engines = {dtype: LLM(MODEL, dtype="float32", quantization=args.quantization,
                           kv_cache_dtype=dtype, kv_cache_memory=memory).engine for dtype in KV_DTYPES}
     print(machine_line(environment(), "float32"), f"| {engines['float32'].model.forward_name} forward", flush=True)
     times: dict[tuple[str, int, int], list[float]] = {}
