@@ -160,28 +160,31 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
 
 
 @settings(max_examples=60, deadline=None)
-@given(width=st.integers(1, 80), out=st.integers(1, 2200), row_major=st.booleans(), bias=st.booleans(),
-       residual=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
-def test_the_single_row_product_is_float32_accurate_in_both_layouts_and_the_same_on_any_thread_count(
-        native, width, out, row_major, bias, residual, threads, seed):
-    """`dk_gemv` on the fused decoder's layouts (column-major `[in, out]`, or the transpose of a row-major weight):
-    widths and output counts off the 8-wide vectors, past the 1024-column block; every output summed in the same
-    order whichever thread owns it."""
+@given(width=st.integers(1, 80), out=st.integers(1, 2200), rows=st.integers(1, native_kernels.GEMV_MAX_ROWS),
+       row_major=st.booleans(), bias=st.booleans(), residual=st.booleans(), threads=st.sampled_from([1, 2, 3]),
+       seed=st.integers(0, 2**16))
+def test_the_few_row_product_is_float32_accurate_and_the_same_on_any_thread_count_and_batch(
+        native, width, out, rows, row_major, bias, residual, threads, seed):
+    """`dk_gemv` on the fused decoder's layouts (column-major `[in, out]` for 1-8 rows, or the transpose of a
+    row-major weight for one): widths and output counts off the 8-wide vectors, past the column blocks; every output
+    summed in the same order whichever thread owns it and whichever rows it is multiplied with."""
+    rows = 1 if row_major else rows
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out, width, generator=g)
     weight_t = weight.t() if row_major else weight.t().contiguous()
-    x = torch.randn(1, width, generator=g)
+    x = torch.randn(rows, width, generator=g)
     b = torch.randn(out, generator=g) if bias else None
-    res = torch.randn(1, out, generator=g) if residual else None
+    res = torch.randn(rows, out, generator=g) if residual else None
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         got = native.gemv(x, weight_t, b, res)
         torch.set_num_threads(1)
-        alone = native.gemv(x, weight_t, b, res)
+        alone = torch.cat([native.gemv(x[m:m + 1], weight_t, b, None if res is None else res[m:m + 1])
+                           for m in range(rows)])
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(got, alone)
+    assert torch.equal(got, alone), "each row as computed alone, on one thread"
     want = x.double() @ weight.double().t()
     scale = x.abs().double() @ weight.abs().double().t() + 1.0
     if bias:
@@ -193,12 +196,13 @@ def test_the_single_row_product_is_float32_accurate_in_both_layouts_and_the_same
     assert torch.all((got.double() - want).abs() <= 2 * (width + 2) * 2**-24 * scale)
 
 
-def test_the_single_row_product_refuses_a_weight_in_neither_layout(native):
-    weight = torch.randn(8, 6)[:, ::2]  # strided both ways
+def test_the_few_row_product_refuses_what_its_layouts_do_not_take(native):
     with pytest.raises(ValueError, match="contiguous weight or its transpose"):
-        native.gemv(torch.randn(1, 8), weight)
-    with pytest.raises(ValueError, match="one row of 8 floats"):
-        native.gemv(torch.randn(2, 8), torch.randn(8, 5))
+        native.gemv(torch.randn(1, 8), torch.randn(8, 6)[:, ::2])  # strided both ways
+    with pytest.raises(ValueError, match="1-8 rows of 8 floats"):
+        native.gemv(torch.randn(9, 8), torch.randn(8, 5))
+    with pytest.raises(ValueError, match="1-8 rows of 8 floats"):
+        native.gemv(torch.randn(2, 8), torch.randn(5, 8).t())  # several rows take the column-major layout only
 
 
 def test_a_bf16_pool_stores_ties_infinities_and_nans_as_torch_rounds_them(native):

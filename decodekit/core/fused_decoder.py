@@ -43,6 +43,7 @@ from decodekit.core import gpu_ops
 from decodekit.core.gpu_attention import attend_tokens, kernel_available
 from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
 from decodekit.core.native_kernels import (
+    GEMV_MAX_ROWS,
     PANEL,
     DecodeAttentionPlan,
     NativeKernels,
@@ -61,8 +62,9 @@ class _Matrix:
     `col` is the `[in, out]` operand used for single-row products (batch-1 decode) and long prefill chunks: a
     column-major buffer, or for `down_proj` a transposed view of the row-major weight. `packed`, when present, is
     a oneDNN-blocked copy of the same weight for 2-128 rows (batched decode, speculative verification, beams,
-    short chunks), where this CPU's BLAS is slow. With `native` kernels a single row runs `dk_gemv` on `col`, which
-    splits the outputs over the threads where torch's product streams the weights on one.
+    short chunks), where this CPU's BLAS is slow. With `native` kernels a single row, and up to `GEMV_MAX_ROWS` rows
+    of a column-major weight, run `dk_gemv` on `col`: it splits the outputs over the threads (torch's single-row
+    product streams the weights on one) and reads faster than oneDNN's copy for a few rows.
     """
 
     def __init__(self, col: torch.Tensor, bias: torch.Tensor | None, pack: bool,
@@ -70,12 +72,14 @@ class _Matrix:
         self.col = col
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(col.t(), _PACK_ROWS_HINT) if pack else None
-        # `dk_gemv` reads either layout from memory as it lies; a weight strided both ways keeps torch's product
-        self.native = native if col.is_contiguous() or col.t().is_contiguous() else None
+        # `dk_gemv` reads either layout from memory as it lies (several rows only column-major); a weight strided
+        # both ways keeps torch's product
+        self.col_major = col.is_contiguous()
+        self.native = native if self.col_major or col.t().is_contiguous() else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
-        if self.native is not None and x.shape[0] == 1:
+        if self.native is not None and (x.shape[0] == 1 or (self.col_major and x.shape[0] <= GEMV_MAX_ROWS)):
             return self.native.gemv(x, self.col, self.bias, residual)
         if self.packed is not None and 1 < x.shape[0] <= _PACKED_MAX_ROWS:
             if residual is None:

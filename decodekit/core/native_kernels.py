@@ -55,6 +55,8 @@ SERIAL_FLAGS = ["-Wno-unknown-pragmas"]
 # are a visible share. On SmolLM2, 2 cores, splitting measured no slower from 300 keys up (batch 1 to 8, within the
 # noise) and 1.5-2x faster attention at batch 16, context 250 (docs/benchmarks.md, "Serving").
 PARALLEL_MIN_KEYS = 512
+# Rows `dk_gemv` multiplies with a column-major weight (GEMV_MAX_ROWS in kernels.c).
+GEMV_MAX_ROWS = 8
 # The KV pool elements the native attention reads and writes (`kv_cache_dtype`).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -209,8 +211,8 @@ class NativeKernels:
         self._linear_bf16.argtypes = [_p, _i, _i, _p, _p, _p, _p, _i]
         self._linear_bf16.restype = None
         self._gemv = lib.dk_gemv
-        self._gemv.argtypes = [_p, _p, _i, _i, _i, _p, _p, _p]
-        self._gemv.restype = None
+        self._gemv.argtypes = [_p, _i, _p, _i, _i, _i, _p, _p, _p]
+        self._gemv.restype = ctypes.c_int
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -270,24 +272,29 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ weight_t (+ residual) (+ bias)` for one float32 row `x` `[1, in]` and a float32 `weight_t` `[in, out]`
-        that is contiguous (column-major weight) or the transpose of a contiguous `[out, in]` (row-major weight), on
-        torch's threads; returns `[1, out]` (see `dk_gemv`).
+        """`x @ weight_t (+ residual) (+ bias)` for float32 rows `x` `[rows, in]` and a float32 `weight_t` `[in, out]`
+        that is contiguous (column-major weight: 1 to `GEMV_MAX_ROWS` rows) or the transpose of a contiguous
+        `[out, in]` (row-major weight: one row), on torch's threads; returns `[rows, out]` (see `dk_gemv`). A row's
+        result does not depend on the other rows multiplied with it.
 
         Raises:
-            ValueError: `x` is not one row of `in` floats, or `weight_t` is neither layout.
+            ValueError: `x` does not fit `weight_t`, `weight_t` is in neither layout, or there are more rows than its
+                layout takes.
         """
         width, out_dim = weight_t.shape
         row_major = not weight_t.is_contiguous()
-        if x.shape != (1, width) or (row_major and not weight_t.t().is_contiguous()):
-            raise ValueError(f"gemv takes one row of {width} floats and a contiguous weight or its transpose, not "
-                             f"{tuple(x.shape)} and strides {weight_t.stride()}")
+        rows = x.shape[0]
+        if (x.dim() != 2 or x.shape[1] != width or (row_major and not weight_t.t().is_contiguous())
+                or not 1 <= rows <= (1 if row_major else GEMV_MAX_ROWS)):
+            raise ValueError(f"gemv takes 1-{GEMV_MAX_ROWS} rows of {width} floats and a contiguous weight or its "
+                             f"transpose (one row), not {tuple(x.shape)} and strides {weight_t.stride()}")
         x = x.contiguous()
-        out = x.new_empty(1, out_dim)
+        out = x.new_empty(rows, out_dim)
         residual = None if residual is None else residual.contiguous()
-        self._gemv(x.data_ptr(), weight_t.data_ptr(), width, out_dim, int(row_major),
-                   None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(),
-                   out.data_ptr())
+        status = self._gemv(x.data_ptr(), rows, weight_t.data_ptr(), width, out_dim, int(row_major),
+                            None if bias is None else bias.data_ptr(),
+                            None if residual is None else residual.data_ptr(), out.data_ptr())
+        assert status == 0, "dk_gemv refused rows the wrapper checked"
         return out
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,

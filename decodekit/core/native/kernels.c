@@ -630,47 +630,58 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
     free(xscale);
 }
 
-/* ---- float32 single-row products ------------------------------------------------------------------------------
- * y = x @ W^T (+ residual) (+ bias) for one float32 row x [in] (batch-1 decode), W in the fused decoder's own
- * layout: column-major ([in, out] contiguous: q/k/v, o, gate/up, the LM head) or row-major ([out, in]: down_proj).
- * torch's single-row product streams the weights on one core (SmolLM2 at 98% of one thread's bandwidth, and a
- * second thread added nothing); here the outputs are split over torch's OpenMP threads. Measured on SmolLM2's
- * products (2-core AVX2 EPYC, cold weights, one decode step's 30 layers and LM head): 21.1 ms against torch's
- * 31.7 on two threads, 30.4 against 33.0 on one.
- *   - column-major: a thread owns a range of output columns, walked in blocks of GEMV_BLOCK whose sums stay in L1
- *     while 8 input rows at a time stream past (8 short runs of one block each, then the next 8 rows);
+/* ---- float32 products of a few rows ----------------------------------------------------------------------------
+ * y = x @ W^T (+ residual) (+ bias) for float32 rows x [rows, in] (batch-1 decode, small batches, speculative
+ * verification), W in the fused decoder's own layout: column-major ([in, out] contiguous: q/k/v, o, gate/up, the LM
+ * head; 1 to GEMV_MAX_ROWS rows) or row-major ([out, in]: down_proj; one row). torch's single-row product streams the
+ * weights on one core (SmolLM2 at 98% of one thread's bandwidth, and a second thread added nothing), and oneDNN's
+ * blocked copy reads them at ~2/3 of the bandwidth for 2-8 rows; here the outputs are split over torch's OpenMP
+ * threads. Measured on SmolLM2's products (2-core AVX2 EPYC, cold weights, one decode step's 30 layers and LM head,
+ * ms): 1 row 21.1 against torch's 31.7 (30.4 against 33.0 on one thread); 2 rows 24.2-25.2 against oneDNN's 31.9,
+ * 4 rows 29.7 against 38.0, 5 rows 31.3 against 38.1, 8 rows 38.7-39.6 against 42.7.
+ *   - column-major: a thread owns a range of output columns, walked in blocks whose sums for every row stay in L1
+ *     (at most 16 KB: 1024 columns for up to 4 rows, 512 for 5-8) while 8 input rows at a time stream past;
  *   - row-major: a thread owns a range of outputs, 4 dot products at a time (4 row streams).
- * Each output is summed in the same order whichever thread computes it: results do not depend on the thread
- * count. */
-#define GEMV_BLOCK 1024
+ * Each output is summed in the same order whichever thread computes it and however many rows are multiplied
+ * together: results depend neither on the thread count nor on the batch. */
+#define GEMV_MAX_ROWS 8
+#define GEMV_ACC_FLOATS 4096
 #define GEMV_ROWS 8
 #define GEMV_DOTS 4
 
-static void gemv_columns(const float* x, const float* w, int64_t in, int64_t out, int64_t o0, int64_t o1, float* y) {
-    float acc[GEMV_BLOCK];
-    for (int64_t b0 = o0; b0 < o1; b0 += GEMV_BLOCK) {
-        int64_t b1 = b0 + GEMV_BLOCK < o1 ? b0 + GEMV_BLOCK : o1;
-        int64_t vec_end = b0 + (b1 - b0) / 8 * 8;
-        memset(acc, 0, (size_t)(b1 - b0) * sizeof(float));
+static void gemv_columns(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t o0,
+                         int64_t o1, float* y) {
+    float acc[GEMV_ACC_FLOATS];
+    int64_t block = rows <= 4 ? 1024 : 512;
+    for (int64_t b0 = o0; b0 < o1; b0 += block) {
+        int64_t b1 = b0 + block < o1 ? b0 + block : o1, nb = b1 - b0;
+        int64_t vec_end = b0 + nb / 8 * 8;
+        memset(acc, 0, (size_t)(rows * block) * sizeof(float));
         int64_t i = 0;
         for (; i + GEMV_ROWS <= in; i += GEMV_ROWS) {
-            v8f xs[GEMV_ROWS];
-            for (int r = 0; r < GEMV_ROWS; ++r) xs[r] = splat8(x[i + r]);
-            const float* rows = w + i * out;
+            const float* wr = w + i * out;
             for (int64_t o = b0; o < vec_end; o += 8) {
-                v8f a = load8(acc + (o - b0));
-                for (int r = 0; r < GEMV_ROWS; ++r) a += xs[r] * load8(rows + r * out + o);
-                store8(acc + (o - b0), a);
+                v8f ws[GEMV_ROWS];
+                for (int r = 0; r < GEMV_ROWS; ++r) ws[r] = load8(wr + r * out + o);
+                for (int64_t m = 0; m < rows; ++m) {
+                    float* am = acc + m * block + (o - b0);
+                    const float* xm = x + m * in + i;
+                    v8f a = load8(am);
+                    for (int r = 0; r < GEMV_ROWS; ++r) a += splat8(xm[r]) * ws[r];
+                    store8(am, a);
+                }
             }
-            for (int64_t o = vec_end; o < b1; ++o) {
-                float a = acc[o - b0];
-                for (int r = 0; r < GEMV_ROWS; ++r) a += x[i + r] * rows[r * out + o];
-                acc[o - b0] = a;
-            }
+            for (int64_t o = vec_end; o < b1; ++o)
+                for (int64_t m = 0; m < rows; ++m) {
+                    float a = acc[m * block + (o - b0)];
+                    for (int r = 0; r < GEMV_ROWS; ++r) a += x[m * in + i + r] * wr[r * out + o];
+                    acc[m * block + (o - b0)] = a;
+                }
         }
         for (; i < in; ++i)
-            for (int64_t o = b0; o < b1; ++o) acc[o - b0] += x[i] * w[i * out + o];
-        memcpy(y + b0, acc, (size_t)(b1 - b0) * sizeof(float));
+            for (int64_t m = 0; m < rows; ++m)
+                for (int64_t o = b0; o < b1; ++o) acc[m * block + (o - b0)] += x[m * in + i] * w[i * out + o];
+        for (int64_t m = 0; m < rows; ++m) memcpy(y + m * out + b0, acc + m * block, (size_t)nb * sizeof(float));
     }
 }
 
@@ -693,8 +704,10 @@ static void gemv_rows(const float* x, const float* w, int64_t in, int64_t o0, in
     }
 }
 
-void dk_gemv(const float* x, const float* w, int64_t in, int64_t out, int64_t row_major, const float* bias,
-             const float* residual, float* y) {
+/* Returns 0, or -1 (nothing computed) for more rows than the layout takes. */
+int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t row_major,
+            const float* bias, const float* residual, float* y) {
+    if (rows < 1 || rows > (row_major ? 1 : GEMV_MAX_ROWS)) return -1;
 #ifdef _OPENMP
 #pragma omp parallel
     {
@@ -709,13 +722,15 @@ void dk_gemv(const float* x, const float* w, int64_t in, int64_t out, int64_t ro
         o1 = o1 < out ? o1 : out;
         if (o0 < o1) {
             if (row_major) gemv_rows(x, w, in, o0, o1, y);
-            else gemv_columns(x, w, in, out, o0, o1, y);
-            for (int64_t o = o0; o < o1; ++o) {
-                float v = y[o];
-                if (residual != NULL) v = residual[o] + v;
-                if (bias != NULL) v = v + bias[o];
-                y[o] = v;
-            }
+            else gemv_columns(x, rows, w, in, out, o0, o1, y);
+            for (int64_t m = 0; m < rows; ++m)
+                for (int64_t o = o0; o < o1; ++o) {
+                    float v = y[m * out + o];
+                    if (residual != NULL) v = residual[m * out + o] + v;
+                    if (bias != NULL) v = v + bias[o];
+                    y[m * out + o] = v;
+                }
         }
     }
+    return 0;
 }
