@@ -41,7 +41,7 @@ from torch import nn
 
 from decodekit.core import gpu_ops
 from decodekit.core.gpu_attention import attend_tokens, kernel_available
-from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
+from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention, sliding_window
 from decodekit.core.native_kernels import (
     GEMV_MAX_ROWS,
     PANEL,
@@ -229,12 +229,19 @@ class _FusedLayer:
     scaling: float
 
 
-def fused_decoder_refusal(model: Any) -> str | None:
-    """Why `model` cannot use the fused decoder, or None when it can."""
+def fused_decoder_refusal(model: Any, max_model_len: int | None = None) -> str | None:
+    """Why `model` cannot use the fused decoder for contexts up to `max_model_len` tokens (default: the model's
+    own limit), or None when it can."""
     arch = type(model).__name__
     if arch not in FUSABLE_ARCHITECTURES:
         return f"{arch} is not one of {sorted(FUSABLE_ARCHITECTURES)}"
     config = model.config
+    window = sliding_window(config)
+    context = max_model_len or getattr(config, "max_position_embeddings", None)
+    if window is not None and (context is None or window < context):
+        # the fused decoder's attention (native or torch) reads whole contexts; a window that never bites is fine
+        return (f"its {window}-token sliding window is shorter than the {context}-token context (the fused "
+                f"decoder attends whole contexts; a max_model_len of at most {window} keeps it)")
     if getattr(config, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
     base = getattr(model, "model", None)
@@ -333,8 +340,8 @@ class FusedDecoder:
     """
 
     def __init__(self, model: Any, prepack: bool = False, native: NativeKernels | None = None,
-                 quantization: str | None = None) -> None:
-        reason = fused_decoder_refusal(model)
+                 quantization: str | None = None, max_model_len: int | None = None) -> None:
+        reason = fused_decoder_refusal(model, max_model_len)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
         weight = model.lm_head.weight

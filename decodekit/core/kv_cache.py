@@ -5,7 +5,10 @@ Two public seams of transformers are used, nothing private:
   writes the new keys/values into the block pool at this step's slots (`index_copy_`, no allocation).
 - `paged_attention_forward` is registered with `AttentionInterface` as "decodekit_paged"; it attends each
   query to its own sequence's keys gathered from the pool. Because the name has no mask function registered,
-  transformers skips building a mask and the layout below carries the sequence boundaries instead.
+  transformers skips building a mask and the layout below carries the sequence boundaries instead. The per-layer
+  options transformers passes to attention functions are honoured: `sliding_window` (Mistral, Qwen2, Phi-3, the
+  local layers of Gemma 2/3) masks keys more than `window - 1` positions back, and `softcap` (Gemma 2) caps the
+  scores as transformers' eager attention does.
 
 The pool is allocated once: `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`. Reads gather whole blocks
 (`index_select` over the block dimension: one contiguous copy per block, measured about 10x faster here than
@@ -14,7 +17,7 @@ indexing slot by slot with a 2-D index).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
@@ -27,9 +30,29 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from decodekit.core.gpu_attention import TokenTable, attend_tokens
 
 ATTENTION_NAME = "decodekit_paged"
+# transformers' `config.layer_types` values the paged attention serves
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Sequences scoring at most this many new tokens are attended together in one padded SDPA call; longer prefill
 # chunks get one call each (the padding would cost more than the Python loop).
 BATCHED_MAX_QUERY = 16
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of a model's sliding-window layers (a query sees itself and the `window - 1` keys before it), or
+    None where every layer attends the whole context. Read from a transformers config the way its models do."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    if layer_types is None and getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def needs_capped_attention(config: Any) -> bool:
+    """Whether some layer of the model attends through a sliding window or soft-caps its scores, which only the
+    mask-carrying attention here serves (not the GPU token-table kernel)."""
+    return sliding_window(config) is not None or bool(getattr(config, "attn_logit_softcapping", None))
 
 
 @dataclass(frozen=True)
@@ -46,6 +69,10 @@ class BatchedGroup:
     # (one sequence decoding alone usually owns consecutive blocks).
     block_span: tuple[int, int] | None = None
     key_len: int | None = None  # keys to attend when the group is one single-query sequence (then no mask)
+    # keys each padded query sees (its position + 1), row-major `[B, Qmax]`: sliding-window masks are built from
+    # them, once per window size and step (`window_masks`)
+    limits: tuple[int, ...] = ()
+    window_masks: dict[int, tuple[int, torch.Tensor | None]] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -155,10 +182,11 @@ def _batched_group(members: list[int], query_lens: list[int], context_lens: list
     blocks = [b for i in members for b in (block_tables[i] + [0] * n_blocks)[:n_blocks]]
     mask = None
     key_len = None
+    limits = [c + j + 1 for c, row in zip(b_ctx, clamped) for j in row]  # keys each query sees
     if len(members) == 1 and q_max == 1:
         key_len = totals[0]  # one decoding sequence: cut the keys to its length instead of masking the tail
     elif q_max > 1 or any(t != n_blocks * block_size for t in totals):
-        limit = torch.tensor([[c + j + 1 for j in row] for c, row in zip(b_ctx, clamped)])  # keys each query sees
+        limit = torch.tensor(limits).view(len(members), q_max)
         mask = (torch.arange(n_blocks * block_size)[None, None, :] < limit[:, :, None]).unsqueeze(1).to(device)
     return BatchedGroup(
         query_index=torch.tensor(query_index, dtype=torch.long, device=device),
@@ -169,6 +197,7 @@ def _batched_group(members: list[int], query_lens: list[int], context_lens: list
         mask=mask,
         batch=len(members),
         q_max=q_max,
+        limits=tuple(limits),
     )
 
 
@@ -260,7 +289,8 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention of packed queries `[1, heads, T, head_dim]` over each sequence's keys in the paged pool.
 
-    Returns `[1, T, heads, head_dim]` as transformers' attention functions do.
+    Honours the layer's `sliding_window` and `softcap` keywords. Returns `[1, T, heads, head_dim]` as
+    transformers' attention functions do.
     """
     cache: PagedKVCache | None = kwargs.get("paged_kv_cache")
     if cache is None or cache.layout is None:
@@ -269,17 +299,21 @@ def paged_attention_forward(
                                       **kwargs)
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     out = paged_attention(cache, layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                          value[0].transpose(0, 1), scaling)
+                          value[0].transpose(0, 1), scaling, window=kwargs.get("sliding_window"),
+                          softcap=kwargs.get("softcap"))
     return out.unsqueeze(0), None
 
 
 def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+                    value: torch.Tensor, scaling: float | None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attend packed queries `[T, heads, head_dim]` to their sequences' keys in the pool (after `write`).
 
     `key`/`value` (`[T, kv_heads, head_dim]`) are this step's own keys, read directly when a prefill chunk is a
-    sequence's whole context. Returns `[T, heads, head_dim]`. Shared by the transformers attention function
-    above and the fused decoder (`decodekit/core/fused_decoder.py`).
+    sequence's whole context. With a `window`, a query at position p sees keys p - window + 1 .. p (transformers'
+    `sliding_window`); with a `softcap`, scores are capped to `softcap * tanh(score / softcap)`. Returns
+    `[T, heads, head_dim]`. Shared by the transformers attention function above and the fused decoder
+    (`decodekit/core/fused_decoder.py`).
     """
     layout = cache.layout
     assert layout is not None, "paged_attention called outside an engine forward"
@@ -287,51 +321,64 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
     tokens, heads, dim = query.shape
     kv_heads = key.shape[1]
     if layout.token_table is not None:
+        # the token-table kernel attends whole contexts without capping (`ModelRunner` builds no token table for
+        # models whose layers ask for either)
+        assert window is None and softcap is None, "the token-table kernel has no sliding window or softcap"
         out = query.new_empty(tokens, heads, dim)
         attend_tokens(layout.token_table, query, cache.key_slots[layer_idx], cache.value_slots[layer_idx],
                       cache.block_size, scaling, out)
         attend_chunks(layout, query, key, value, k_rows, v_rows, scaling, out)
         return out
     if layout.in_order:  # one group, every token in packed order: no gather, no scatter
-        return _attend_group(layout.groups[0], query, k_rows, v_rows, kv_heads, scaling)
+        return _attend_group(layout.groups[0], query, k_rows, v_rows, kv_heads, scaling, window, softcap)
     out = query.new_empty(tokens, heads, dim)
     for group in layout.groups:
-        ob = _attend_group(group, query.index_select(0, group.query_index), k_rows, v_rows, kv_heads, scaling)
+        ob = _attend_group(group, query.index_select(0, group.query_index), k_rows, v_rows, kv_heads, scaling,
+                           window, softcap)
         if group.query_valid is None:
             out.index_copy_(0, group.query_index, ob)
         else:
             out.index_copy_(0, group.query_index[group.query_valid], ob[group.query_valid])
-    attend_chunks(layout, query, key, value, k_rows, v_rows, scaling, out)
+    attend_chunks(layout, query, key, value, k_rows, v_rows, scaling, out, window, softcap)
     return out
 
 
 def attend_chunks(layout: AttentionLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  k_rows: torch.Tensor, v_rows: torch.Tensor, scaling: float | None, out: torch.Tensor) -> None:
+                  k_rows: torch.Tensor, v_rows: torch.Tensor, scaling: float | None, out: torch.Tensor,
+                  window: int | None = None, softcap: float | None = None) -> None:
     """Attend the layout's long prefill chunks (one SDPA each), writing their rows of `out` `[T, heads, D]`.
 
-    `query`/`key`/`value` are this step's `[T, heads | kv_heads, D]`; `k_rows`/`v_rows` one layer's block rows.
+    `query`/`key`/`value` are this step's `[T, heads | kv_heads, D]`; `k_rows`/`v_rows` one layer's block rows;
+    `window` and `softcap` as in `paged_attention`.
     """
     kv_heads, dim = key.shape[1], key.shape[2]
     for start, end, ctx_start, blocks in layout.chunks:
         qs = query[start:end].transpose(0, 1).unsqueeze(0)
-        if blocks is None:  # the whole context is this chunk: no gather, plain causal attention
+        n_q = end - start
+        n_k = ctx_start + n_q
+        if blocks is None:  # the whole context is this chunk: no gather
             ks, vs = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
             # the values the pool holds, so a prompt attends the same keys whether its prefill is one chunk or many
             ks, vs = _as_stored(ks, k_rows.dtype), _as_stored(vs, v_rows.dtype)
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            n_q = end - start
-            n_k = ctx_start + n_q
             ks = k_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].transpose(0, 1).unsqueeze(0)
             vs = v_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].transpose(0, 1).unsqueeze(0)
             ks, vs = ks.to(query.dtype), vs.to(query.dtype)
+        windowed = window is not None and window < n_k
+        if blocks is None and not windowed and softcap is None:
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
             mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(diagonal=ctx_start)
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=True)
+            if windowed:
+                assert window is not None
+                mask = mask.triu(diagonal=ctx_start - window + 1)  # key k >= position - window + 1
+            os_ = _attention(qs, ks, vs, mask, scaling, softcap)
         out[start:end] = os_[0].transpose(0, 1)
 
 
 def _attend_group(group: BatchedGroup, queries: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-                  kv_heads: int, scaling: float | None) -> torch.Tensor:
+                  kv_heads: int, scaling: float | None, window: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """One padded SDPA call for a group: `queries` `[B * Qmax, heads, D]` in the group's order, same shape out."""
     batch, q_max = group.batch, group.q_max
     _, heads, dim = queries.shape
@@ -343,8 +390,51 @@ def _attend_group(group: BatchedGroup, queries: torch.Tensor, k_rows: torch.Tens
         kb, vb = k_rows.index_select(0, group.blocks), v_rows.index_select(0, group.blocks)
     kb = kb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2).to(queries.dtype)  # [B, KVH, L, D]
     vb = vb.view(batch, -1, kv_heads, dim)[:, : group.key_len].transpose(1, 2).to(queries.dtype)
-    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scaling, enable_gqa=True)
+    mask = group.mask
+    if window is not None and window < max(group.limits):
+        skip, mask = _window_mask(group, window, kb.shape[2], queries.device)
+        kb, vb = kb[:, :, skip:], vb[:, :, skip:]
+    ob = _attention(qb, kb, vb, mask, scaling, softcap)
     return ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
+
+
+def _window_mask(group: BatchedGroup, window: int, num_keys: int, device: torch.device
+                 ) -> tuple[int, torch.Tensor | None]:
+    """The group's keys cut to `window` (made once per step and window size, shared by the layers using it):
+    how many leading keys no query of the group sees (skipped, not read), and the mask over the rest
+    (`[B, 1, Qmax, keys]`, True = attend; None when a single query sees exactly the rest)."""
+    cached = group.window_masks.get(window)
+    if cached is not None:
+        return cached
+    firsts = [max(0, limit - window) for limit in group.limits]  # the first key each query sees
+    skip = min(firsts)
+    result: tuple[int, torch.Tensor | None]
+    if len(group.limits) == 1 and group.key_len is not None:
+        result = (skip, None)  # one decoding sequence: the keys it sees are exactly [skip, key_len)
+    else:
+        keys = torch.arange(skip, num_keys)[None, :]
+        first = torch.tensor(firsts)[:, None]
+        limit = torch.tensor(group.limits)[:, None]
+        mask = ((keys >= first) & (keys < limit)).view(group.batch, 1, group.q_max, num_keys - skip)
+        result = (skip, mask.to(device))
+    group.window_masks[window] = result
+    return result
+
+
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+               scaling: float | None, softcap: float | None) -> torch.Tensor:
+    """SDPA over `[B, heads, Q, D]` queries and `[B, kv_heads, L, D]` keys with a boolean `mask` (True = attend);
+    with a `softcap`, which SDPA lacks, transformers' eager attention op for op (so capped models stay exact)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    repeat = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value)
 
 
 def _as_stored(states: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,14 @@ from decodekit.core.config import EngineConfig
 from decodekit.core.cuda_graphs import DecodeGraphs, GraphCaptureFailed
 from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
 from decodekit.core.gpu_attention import kernel_available
-from decodekit.core.kv_cache import ATTENTION_NAME, BATCHED_MAX_QUERY, PagedKVCache, build_layout
+from decodekit.core.kv_cache import (
+    ATTENTION_NAME,
+    BATCHED_MAX_QUERY,
+    SUPPORTED_LAYER_TYPES,
+    PagedKVCache,
+    build_layout,
+    needs_capped_attention,
+)
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
 
 log = logging.getLogger("decodekit.runner")
@@ -32,34 +39,33 @@ class ModelGeometry:
 
 
 def model_geometry(model: Any) -> ModelGeometry:
-    """Read layer count, KV heads, head size and context length from a HF config (refusing what we can't page)."""
+    """Read layer count, KV heads, head size and context length from a HF config (refusing what we can't page).
+
+    Sliding-window layers and attention-logit soft-capping are served by the paged attention itself (transformers
+    passes `sliding_window` and `softcap` to the attention function per layer), so they keep the whole context."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     arch = type(model).__name__
-    for attr in ("attn_logit_softcapping", "layer_types"):
-        value = getattr(config, attr, None)
-        if attr == "layer_types" and value is not None and all(t == "full_attention" for t in value):
-            continue
-        if value:
-            raise UnsupportedModelError(f"{arch}: `{attr}` is not supported by decodekit's paged attention yet")
+    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise UnsupportedModelError(f"{arch}: layer types {unsupported} are not supported by decodekit's paged "
+                                    f"attention yet (it serves {list(SUPPORTED_LAYER_TYPES)})")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     max_len = getattr(config, "max_position_embeddings", None) or 2048
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window and window < max_len:
-        log.warning("%s uses a %d-token sliding window; contexts are capped at it for exactness", arch, window)
-        max_len = window
     return ModelGeometry(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
                          head_dim, max_len, config.vocab_size)
 
 
-def wants_fused_decoder(model: Any, setting: bool | None, owned: bool, key: str = "fused_decoder") -> bool:
-    """Whether to run `model` through `FusedDecoder`: `setting` True/False forces it, None means "when decodekit
-    loaded the model itself and its architecture allows" (the fused decoder re-lays weights in place).
+def wants_fused_decoder(model: Any, setting: bool | None, owned: bool, key: str = "fused_decoder",
+                        max_model_len: int | None = None) -> bool:
+    """Whether to run `model` through `FusedDecoder` for contexts up to `max_model_len`: `setting` True/False
+    forces it, None means "when decodekit loaded the model itself and its architecture allows" (the fused decoder
+    re-lays weights in place).
 
     Raises:
         ConfigError: `setting` is True but the model cannot be fused (the message names `key` and says why).
     """
-    reason = fused_decoder_refusal(model)
+    reason = fused_decoder_refusal(model, max_model_len)
     if setting and reason is not None:
         raise ConfigError(f"{key}: {reason}; set {key} to false or leave it unset")
     if setting is None and reason is not None:
@@ -132,7 +138,8 @@ def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "q
     if key == "draft_quantization" and config.draft_fused_decoder is not None:
         fused = config.draft_fused_decoder  # else the draft follows the target's choice (`draft_config`)
     if (loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16 or getattr(config, key) is not None
-            or fused is False or config.native_kernels is False or fused_decoder_refusal(loaded.model) is not None
+            or fused is False or config.native_kernels is False
+            or fused_decoder_refusal(loaded.model, config.max_model_len) is not None
             or isinstance(load_kernels(), str)):
         return config
     log.info("%s: bfloat16 on a CPU runs as bf16 weights multiplied in float32 (%s bf16); float32 activations",
@@ -181,7 +188,7 @@ def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
     """
     config = bf16_weights_on_cpu(draft, config, key="draft_quantization")
     setting = config.draft_fused_decoder
-    fusable = fused_decoder_refusal(draft.model) is None
+    fusable = fused_decoder_refusal(draft.model, config.max_model_len) is None
     if config.draft_quantization is not None:  # quantized copies leave the module as it is, owned or not
         if setting is False:
             raise ConfigError("draft_quantization runs in the fused decoder; leave draft_fused_decoder unset or true")
@@ -189,7 +196,7 @@ def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
     if setting is None and config.fused_decoder is not None and (fusable or not config.fused_decoder):
         setting = config.fused_decoder  # the target's explicit choice, where the draft can follow it
     key = "draft_quantization" if config.draft_quantization is not None else "draft_fused_decoder"
-    fused = wants_fused_decoder(draft.model, setting, draft.owned, key=key)
+    fused = wants_fused_decoder(draft.model, setting, draft.owned, key=key, max_model_len=config.max_model_len)
     if not fused and config.draft_fused_decoder is None and setting is None and fusable:
         log.warning("the draft model %s runs the transformers forward (a model object passed in is not re-laid in "
                     "place unless asked); draft_fused_decoder=True runs it through the fused decoder, about twice "
@@ -210,9 +217,11 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
     quantization = config.quantization
     if quantization is not None and config.fused_decoder is False:
         raise ConfigError(f"quantization {quantization!r} runs in the fused decoder; leave fused_decoder unset")
+    geometry = model_geometry(loaded.model)
+    max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
     # int8 copies leave the module's own weights alone, so a model object passed in can be quantized too
     fused = wants_fused_decoder(loaded.model, True if quantization else config.fused_decoder, loaded.owned,
-                                key="quantization" if quantization else "fused_decoder")
+                                key="quantization" if quantization else "fused_decoder", max_model_len=max_model_len)
     if config.native_kernels and not fused:
         raise ConfigError("native_kernels: the native kernels run inside the fused decoder, which is off for this "
                           "model; set fused_decoder to true as well, or leave native_kernels unset")
@@ -221,11 +230,9 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
         raise ConfigError(f"quantization {quantization!r} multiplies on the native kernels, which cannot run here "
                           f"(they need a CPU, a C compiler, and native_kernels not false; this model is on "
                           f"{loaded.device})")
-    geometry = model_geometry(loaded.model)
     return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights, native=native,
                        quantization=quantization, cuda_graphs=wants_cuda_graphs(loaded, config.cuda_graphs, fused),
-                       max_num_seqs=config.max_num_seqs,
-                       max_model_len=min(config.max_model_len or geometry.max_model_len, geometry.max_model_len))
+                       max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
 
 
 def wants_cuda_graphs(loaded: LoadedModel, setting: bool | None, fused: bool) -> bool:
@@ -280,9 +287,10 @@ class ModelRunner:
         self.device = kv_cache.pool.device
         self._config = model.config
         prepack = quantization is None and wants_prepacking(model, prepack_weights)
-        self.fused = FusedDecoder(model, prepack, native, quantization) if fused else None
+        self.fused = FusedDecoder(model, prepack, native, quantization, max_model_len) if fused else None
         # the GPU path: short queries attended in place by the token-table kernel, uniform steps from CUDA graphs
-        self.by_token = kernel_available(self.device)
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.by_token = kernel_available(self.device) and not needs_capped_attention(text_config)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             assert self.fused is not None, "CUDA graphs capture the fused decoder"
@@ -353,15 +361,19 @@ class ModelRunner:
 
     def _forward_base(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                       hidden_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The transformers forward split at the LM head, for steps where a strategy reads hidden states: the base
-        model's last hidden state (after its final norm), then the output embeddings on the kept rows, which is
-        what the causal-LM head computes for the models decodekit pages."""
+        """The transformers forward for steps where a strategy reads hidden states: the whole causal-LM forward
+        (so whatever its head does after the LM head, e.g. Gemma 2's logit soft-cap or Granite's scaling, still
+        applies), with the base model's last hidden state (after its final norm, the LM head's input) taken as it
+        passes."""
         base = self.model.base_model
-        head = self.model.get_output_embeddings()
-        if base is self.model or head is None:
+        if base is self.model or self.model.get_output_embeddings() is None:
             raise ValueError(f"{type(self.model).__name__} has no separate base model and LM head, so its hidden "
                              "states cannot be read")
-        out = base(input_ids=input_ids, position_ids=positions[None], past_key_values=self.kv_cache, use_cache=True,
-                   paged_kv_cache=self.kv_cache)
-        hidden = out.last_hidden_state[0]
-        return head(hidden.index_select(0, keep)).float(), hidden.index_select(0, hidden_index)
+        captured: list[torch.Tensor] = []
+        hook = base.register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions[None], past_key_values=self.kv_cache,
+                             use_cache=True, logits_to_keep=keep, paged_kv_cache=self.kv_cache)
+        finally:
+            hook.remove()
+        return out.logits[0].float(), captured[-1][0].index_select(0, hidden_index)

@@ -1,0 +1,151 @@
+"""Models whose layers attend through a sliding window (Mistral, Qwen2, Phi-3, Gemma 2/3's local layers) or soft-cap
+their attention scores (Gemma 2) are served from the paged cache over their whole context, token for token what
+transformers generates, under chunked prefill, continuous batching, speculative verification and the prefix cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from decodekit import LLM, SamplingParams
+from decodekit.core.kv_cache import needs_capped_attention, sliding_window
+from decodekit.core.runner import ForwardItem, model_geometry
+from decodekit.errors import ConfigError, UnsupportedModelError
+from decodekit.models.tiny import tiny_model
+from tests.conftest import hf_greedy, random_prompts
+
+BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            tie_word_embeddings=False)
+# Windows shorter than the prompts (and across the 4-token blocks used below); a window on some layers only.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral, window 6": ("mistral", dict(sliding_window=6)),
+    "qwen2, window 11 on its second layer": ("qwen2", dict(use_sliding_window=True, sliding_window=11,
+                                                           max_window_layers=1)),
+    "phi3, window 9": ("phi3", dict(sliding_window=9)),
+    "gemma2, window 7 and soft-capped scores and logits": (
+        "gemma2", dict(head_dim=16, sliding_window=7, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                       final_logit_softcapping=3.0)),
+    "gemma3, window 5 on its first layer": ("gemma3_text", dict(head_dim=16, sliding_window=5,
+                                                                query_pre_attn_scalar=16)),
+}
+
+
+def variant_model(name: str) -> Any:
+    """A 2-layer random model of the variant, its LM head widened so greedy ties are rare (as `tiny_model`) and its
+    queries scaled so attention scores reach the soft-cap (random init leaves them near 0, attention near uniform)."""
+    kind, options = VARIANTS[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **BASE, **options), dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            query = attn.q_proj if hasattr(attn, "q_proj") else attn.qkv_proj  # Phi-3 fuses q, k and v
+            query.weight.mul_(30.0)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_windowed_and_soft_capped_models_generate_what_transformers_generates(name, tokenizer):
+    """Batch 6, prompts of 3-50 tokens prefilled in chunks of a 24-token budget beside decoding sequences."""
+    model = variant_model(name)
+    assert needs_capped_attention(model.config)
+    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24)
+    assert llm.engine.max_model_len == 512  # the whole context, not the window
+    prompts = random_prompts(6, 3, 50, seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 20) for p in prompts]
+
+
+def test_the_window_and_the_cap_change_the_tokens_so_the_tests_above_can_fail(tokenizer):
+    """Without its window, and Gemma 2 without its score cap, transformers generates other tokens on these prompts:
+    what the tests above compare is not vacuous."""
+    prompts = random_prompts(6, 3, 50, seed=7)
+    windowed = variant_model("mistral, window 6")
+    unwindowed = copy.deepcopy(windowed)
+    unwindowed.config.sliding_window = None
+    assert [hf_greedy(windowed, p, 20) for p in prompts] != [hf_greedy(unwindowed, p, 20) for p in prompts]
+    capped = variant_model("gemma2, window 7 and soft-capped scores and logits")
+    uncapped = copy.deepcopy(capped)
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert [hf_greedy(capped, p, 20) for p in prompts] != [hf_greedy(uncapped, p, 20) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["mistral, window 6", "gemma2, window 7 and soft-capped scores and logits"])
+def test_speculative_verification_over_a_window_is_lossless(name, tokenizer):
+    """n-gram verification steps score several queries per sequence, each with its own window."""
+    model = variant_model(name)
+    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = [p * 3 for p in random_prompts(4, 4, 9, seed=3)]  # repeats give the n-gram proposer hits
+    plain = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    spec = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, strategy={
+        "speculative": {"proposer": "ngram", "num_speculative_tokens": 4}}))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in plain] == [hf_greedy(model, p, 24) for p in prompts]
+
+
+def test_a_prefix_cached_prompt_attends_the_same_window(tokenizer):
+    """The second request starts from the first one's stored blocks and still attends only its window."""
+    model = variant_model("mistral, window 6")
+    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    shared = random_prompts(1, 30, 31, seed=11)[0]
+    prompts = [[*shared, 5, 6, 7], [*shared, 8, 9]]
+    first = llm.generate(prompts[0], SamplingParams(max_tokens=12, temperature=0))
+    second = llm.generate(prompts[1], SamplingParams(max_tokens=12, temperature=0))
+    assert second[0].metrics.num_cached_prompt_tokens >= 28
+    assert [first[0].token_ids, second[0].token_ids] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_hidden_states_steps_keep_the_models_own_logit_soft_cap(tokenizer):
+    """A step that also returns hidden states (for a strategy reading them) runs the whole causal-LM forward, so
+    Gemma 2's final logit soft-cap still applies; the hidden state is the LM head's input."""
+    model = variant_model("gemma2, window 7 and soft-capped scores and logits")
+    llm = LLM(model, tokenizer, kv_cache_memory="4MiB", block_size=4)
+    prompt = random_prompts(1, 20, 21, seed=1)[0]
+    engine = llm.engine
+    engine.allocator.allocate(0, [])
+    engine.allocator.ensure_slots(0, 0, len(prompt))
+    item = ForwardItem(prompt, 0, engine.allocator.block_table(0), 1, 1)
+    logits, hidden = engine.runner.forward_with_hidden([item], [])
+    engine.allocator.free(0)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt]), output_hidden_states=True)
+    assert float(logits.abs().max()) <= 3.0  # capped at final_logit_softcapping
+    torch.testing.assert_close(logits[0], reference.logits[0, -1], rtol=1e-5, atol=1e-5)
+    assert hidden is not None
+    torch.testing.assert_close(hidden[0], reference.hidden_states[-1][0, -1], rtol=1e-5, atol=1e-5)  # after the norm
+
+
+def test_the_fused_decoder_is_kept_where_the_window_never_bites_and_refused_where_it_does(tokenizer):
+    """Its attention reads whole contexts: a max_model_len within the window keeps it (and its tokens); asking for
+    it over a longer context names the window and the way out."""
+    model = variant_model("mistral, window 6")
+    with pytest.raises(ConfigError, match=r"6-token sliding window .* max_model_len of at most 6"):
+        LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", fused_decoder=True)
+    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", fused_decoder=True, max_model_len=6)
+    assert llm.engine.model.forward_name.startswith("fused")
+    prompt = [5, 9, 13]
+    assert llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0].token_ids == \
+        hf_greedy(model, prompt, 3)
+
+
+def test_a_window_is_read_from_the_config_as_transformers_models_read_it():
+    assert sliding_window(tiny_model("mistral").config) is None
+    assert sliding_window(variant_model("mistral, window 6").config) == 6
+    qwen = AutoConfig.for_model("qwen2", **BASE, use_sliding_window=False, sliding_window=11)
+    assert sliding_window(qwen) is None and not needs_capped_attention(qwen)
+    assert sliding_window(variant_model("qwen2, window 11 on its second layer").config) == 11
+
+
+def test_layer_types_the_paged_attention_cannot_serve_are_refused_by_name():
+    model = tiny_model("llama")
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match=r"\['chunked_attention'\].*full_attention.*sliding_attention"):
+        model_geometry(model)
