@@ -141,6 +141,9 @@ def test_a_window_is_read_from_the_config_as_transformers_models_read_it():
     assert sliding_window(variant_model("mistral, window 6").config) == 6
     qwen = AutoConfig.for_model("qwen2", **BASE, use_sliding_window=False, sliding_window=11)
     assert sliding_window(qwen) is None and not needs_capped_attention(qwen)
+    mistral = variant_model("mistral, window 6").config
+    assert needs_capped_attention(mistral) and needs_capped_attention(mistral, 7)
+    assert not needs_capped_attention(mistral, 6)  # no context is longer than the window
     assert sliding_window(variant_model("qwen2, window 11 on its second layer").config) == 11
 
 

@@ -49,10 +49,13 @@ def sliding_window(config: Any) -> int | None:
     return int(window)
 
 
-def needs_capped_attention(config: Any) -> bool:
-    """Whether some layer of the model attends through a sliding window or soft-caps its scores, which only the
-    mask-carrying attention here serves (not the GPU token-table kernel)."""
-    return sliding_window(config) is not None or bool(getattr(config, "attn_logit_softcapping", None))
+def needs_capped_attention(config: Any, max_model_len: int | None = None) -> bool:
+    """Whether some layer of the model soft-caps its scores, or attends through a sliding window shorter than
+    `max_model_len` (default: any window), which only the mask-carrying attention here serves (not the GPU
+    token-table kernel)."""
+    window = sliding_window(config)
+    bites = window is not None and (max_model_len is None or window < max_model_len)
+    return bites or bool(getattr(config, "attn_logit_softcapping", None))
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,7 @@ class ModelRunner:
         self.fused = FusedDecoder(model, prepack, native, quantization, max_model_len) if fused else None
         # the GPU path: short queries attended in place by the token-table kernel, uniform steps from CUDA graphs
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.by_token = kernel_available(self.device) and not needs_capped_attention(text_config)
+        self.by_token = kernel_available(self.device) and not needs_capped_attention(text_config, max_model_len)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             assert self.fused is not None, "CUDA graphs capture the fused decoder"
