@@ -7,7 +7,7 @@ import dataclasses
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import pluggy
@@ -21,7 +21,9 @@ from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
 
-Prompt = str | list[int]
+Prompt = str | list[int] | Mapping[str, Any]
+"""Text, token ids, or vLLM's prompt dicts: `{"prompt": text}` (`TextPrompt`), `{"prompt_token_ids": ids}`
+(`TokensPrompt`)."""
 Message = dict[str, str]
 
 
@@ -69,7 +71,7 @@ def build_engine(model: Any = BUNDLED_MODEL_NAME, tokenizer: Any = None, *, dtyp
 
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):

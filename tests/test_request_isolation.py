@@ -52,6 +52,9 @@ def test_a_faulty_stopping_criterion_fails_its_request_alone(llama, tokenizer, p
     ([5, True, 7], "the prompt's token ids must be integers, got True (bool)"),
     (None, "the prompt must be a string or a list of token ids, got NoneType"),
     ([[5, 6], [7, 8]], "the prompt's token ids must be integers, got [5, 6] (list)"),
+    ({"prompt": "hi", "multi_modal_data": {}}, "a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (vLLM's "
+     "TextPrompt and TokensPrompt) and nothing else; got keys ['multi_modal_data', 'prompt']"),
+    ({"prompt_token_ids": [5.0]}, "the prompt's token ids must be integers, got 5.0 (float)"),
 ])
 def test_a_malformed_prompt_in_a_batch_fails_alone_with_its_reason(llama, tokenizer, prompt, message):
     llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
@@ -61,6 +64,21 @@ def test_a_malformed_prompt_in_a_batch_fails_alone_with_its_reason(llama, tokeni
     assert outs[1].finish_reason == "error" and outs[1].error == message
     assert [len(o.token_ids) for o in (outs[0], outs[2])] == [4, 4]
     assert len(llm.generate(good, params)) == 2
+    assert_idle(llm)
+
+
+def test_vllm_prompt_dicts_generate_what_their_text_and_ids_generate(llama, tokenizer):
+    """`{"prompt": text}` and `{"prompt_token_ids": ids}` (vLLM's TextPrompt / TokensPrompt), alone or in a list,
+    mixed with plain prompts; where a dict has both, its ids are the prompt, as in vLLM."""
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ids = random_prompts(1, 6, 7, seed=4)[0]
+    plain = [o.token_ids for o in llm.generate(["Hello world", ids], params)]
+    dicts = llm.generate([{"prompt": "Hello world"}, {"prompt_token_ids": ids},
+                          {"prompt": "ignored", "prompt_token_ids": ids}], params)
+    assert [o.token_ids for o in dicts] == [plain[0], plain[1], plain[1]]
+    assert dicts[0].prompt == "Hello world"
+    assert llm.generate({"prompt_token_ids": ids}, params)[0].token_ids == plain[1]
     assert_idle(llm)
 
 

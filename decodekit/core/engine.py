@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import pluggy
@@ -106,9 +107,10 @@ class Engine:
         self.hooks.request_finished(request, output)
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True) -> Request:
-        """Queue a prompt (text or token ids). A bad request is finished with an error at the next step.
+        """Queue a prompt (text, token ids, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}`). A bad
+        request is finished with an error at the next step.
 
         Text is tokenized with the tokenizer's special tokens (e.g. BOS) unless `add_special_tokens` is False,
         as for a prompt already rendered by a chat template.

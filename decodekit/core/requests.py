@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,6 +30,19 @@ from decodekit.core.stages.stop import StopStage
 from decodekit.core.trace import record_end
 
 log = logging.getLogger("decodekit.engine")
+
+
+
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+"""The keys of a prompt given as a dict (vLLM's `TextPrompt` / `TokensPrompt`)."""
+
+
+def prompt_of(prompt: Any) -> Any:
+    """A prompt given as vLLM's `{"prompt": text}` or `{"prompt_token_ids": ids}` unwrapped to its text or ids (the
+    ids where both are given, as vLLM does); anything else as it is (a dict with other keys is refused later)."""
+    if isinstance(prompt, Mapping) and prompt and set(prompt) <= PROMPT_KEYS:
+        return prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+    return prompt
 
 
 class RequestLifecycle:
@@ -58,8 +72,8 @@ class RequestLifecycle:
         self.requests: dict[str, Request] = {}
         self._counter = 0
 
-    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str | None, priority: int,
-            add_special_tokens: bool) -> Request:
+    def add(self, prompt: str | list[int] | Mapping[str, Any], params: SamplingParams, request_id: str | None,
+            priority: int, add_special_tokens: bool) -> Request:
         """Make, validate and plan a request and queue it; a bad one is failed at once (its final output is
         queued), the caller's other requests unaffected."""
         if request_id is None:
@@ -67,6 +81,7 @@ class RequestLifecycle:
         self._counter += 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        prompt = prompt_of(prompt)
         ids, error = self._token_ids(prompt, add_special_tokens)
         params, params_error = _validated(params)
         error = error or params_error
@@ -104,6 +119,9 @@ class RequestLifecycle:
         would otherwise be truncated, or break prefix hashing inside the scheduler)."""
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), None
+        if isinstance(prompt, Mapping):
+            return [], (f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt and "
+                        f"TokensPrompt) and nothing else; got keys {sorted(map(str, prompt))}")
         if not isinstance(prompt, (list, tuple)):
             return [], f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}"
         try:
