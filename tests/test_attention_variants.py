@@ -63,6 +63,16 @@ def test_windowed_and_soft_capped_models_generate_what_transformers_generates(na
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 20) for p in prompts]
 
 
+@pytest.mark.parametrize("name", ["mistral, window 6", "gemma3, window 5 on its first layer"])
+def test_long_prompts_prefilled_in_many_chunks_skip_the_keys_behind_the_window_and_stay_exact(name, tokenizer):
+    """Prompts of 60-130 tokens in 32-token chunks: later chunks gather only the blocks their window reaches."""
+    model = variant_model(name)
+    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=32)
+    prompts = random_prompts(3, 60, 130, seed=9)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]
+
+
 def test_the_window_and_the_cap_change_the_tokens_so_the_tests_above_can_fail(tokenizer):
     """Without its window, and Gemma 2 without its score cap, transformers generates other tokens on these prompts:
     what the tests above compare is not vacuous."""

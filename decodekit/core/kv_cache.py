@@ -363,18 +363,25 @@ def attend_chunks(layout: AttentionLayout, query: torch.Tensor, key: torch.Tenso
             ks, vs = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
             # the values the pool holds, so a prompt attends the same keys whether its prefill is one chunk or many
             ks, vs = _as_stored(ks, k_rows.dtype), _as_stored(vs, v_rows.dtype)
-        else:
-            ks = k_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].transpose(0, 1).unsqueeze(0)
-            vs = v_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k].transpose(0, 1).unsqueeze(0)
-            ks, vs = ks.to(query.dtype), vs.to(query.dtype)
         windowed = window is not None and window < n_k
+        skip = 0  # leading keys no query of the chunk sees (whole blocks of them are not read)
+        if blocks is not None:
+            if windowed:
+                assert window is not None
+                block_size = k_rows.shape[1] // (kv_heads * dim)
+                skipped_blocks = max(0, ctx_start - window + 1) // block_size
+                blocks, skip = blocks[skipped_blocks:], skipped_blocks * block_size
+            ks = k_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k - skip].transpose(0, 1).unsqueeze(0)
+            vs = v_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k - skip].transpose(0, 1).unsqueeze(0)
+            ks, vs = ks.to(query.dtype), vs.to(query.dtype)
         if blocks is None and not windowed and softcap is None:
             os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril(diagonal=ctx_start)
+            # query i is at position ctx_start + i; key column c holds position skip + c
+            mask = torch.ones(n_q, n_k - skip, dtype=torch.bool, device=query.device).tril(diagonal=ctx_start - skip)
             if windowed:
                 assert window is not None
-                mask = mask.triu(diagonal=ctx_start - window + 1)  # key k >= position - window + 1
+                mask = mask.triu(diagonal=ctx_start - skip - window + 1)  # key >= position - window + 1
             os_ = _attention(qs, ks, vs, mask, scaling, softcap)
         out[start:end] = os_[0].transpose(0, 1)
 
