@@ -120,3 +120,18 @@ def test_prepacking_is_refused_where_onednn_cannot_serve_it(llama, tokenizer):
     assert llm.engine.runner.fused.prepacked is False  # bf16 products stay on BLAS
     assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
                .token_ids) == 4
+
+
+@pytest.mark.parametrize("quantization", [None, "bf16", "int8"])
+def test_steps_of_mid_prompt_chunks_alone_ask_no_logits_and_run_on_the_native_kernels(quantization, tokenizer):
+    """A 100-token prompt alone under a 32-token budget: its first steps score nothing (zero rows reach the LM
+    head), which the single-row kernels must pass over, not fail the request."""
+    model = tiny_model("llama")
+    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=32,
+              fused_decoder=True, quantization=quantization)
+    assert llm.engine.runner.fused is not None and llm.engine.runner.fused.native is not None
+    prompt = random_prompts(1, 100, 101, seed=4)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=1))[0]
+    assert out.error is None and len(out.token_ids) == 8
+    if quantization is None:
+        assert out.token_ids == hf_greedy(model, prompt, 8)

@@ -79,7 +79,7 @@ class _Matrix:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
-        if self.native is not None and (x.shape[0] == 1 or (self.col_major and x.shape[0] <= GEMV_MAX_ROWS)):
+        if self.native is not None and (x.shape[0] == 1 or (self.col_major and 0 < x.shape[0] <= GEMV_MAX_ROWS)):
             return self.native.gemv(x, self.col, self.bias, residual)
         if self.packed is not None and 1 < x.shape[0] <= _PACKED_MAX_ROWS:
             if residual is None:
