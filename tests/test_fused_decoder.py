@@ -25,7 +25,7 @@ def _gpt2():
                                       eos_token_id=2, bos_token_id=1)).eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_relayout_keeps_every_weight_value_and_stores_none_twice(arch):
     pristine = tiny_model(arch, tie_word_embeddings=True)
     model = copy.deepcopy(pristine)
@@ -64,9 +64,10 @@ def test_models_that_cannot_be_fused_say_why_and_still_run_unfused(tokenizer):
     assert llm.engine.runner.fused is None
     assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
                .token_ids) == 3
-    qwen3_like = tiny_model("llama")
-    qwen3_like.model.layers[0].self_attn.q_norm = torch.nn.Identity()
-    assert fused_decoder_refusal(qwen3_like) == "decoder layers differ from the Llama block"
+    odd_norms = tiny_model("llama")
+    odd_norms.model.layers[0].self_attn.q_norm = torch.nn.Identity()
+    assert fused_decoder_refusal(odd_norms) == ("decoder layers differ from the Llama block (query/key norms other "
+                                                "than Qwen3's RMSNorms)")
 
 
 def test_model_objects_passed_in_keep_their_weights_unless_asked(llama, tokenizer):
@@ -135,3 +136,23 @@ def test_steps_of_mid_prompt_chunks_alone_ask_no_logits_and_run_on_the_native_ke
     assert out.error is None and len(out.token_ids) == 8
     if quantization is None:
         assert out.token_ids == hf_greedy(model, prompt, 8)
+
+
+@pytest.mark.parametrize("options", [{}, {"native_kernels": False}, {"quantization": "bf16"}],
+                         ids=["native kernels", "torch ops", "bf16 weights"])
+def test_qwen3_runs_fused_with_its_query_and_key_norms_and_equals_transformers(options, tokenizer):
+    """Qwen3 is the Llama block plus an RMSNorm over each query and key head before RoPE; the fused decoder applies
+    them on every path. Batch 6 with chunked prefill beside decoding sequences."""
+    model = tiny_model("qwen3")
+    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=32,
+              fused_decoder=True, **options)
+    fused = llm.engine.runner.fused
+    assert fused is not None and all(layer.q_norm is not None for layer in fused.layers)
+    if options.get("quantization"):  # bf16 weights: the reference is the same model with bf16-rounded weights
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(module.weight.bfloat16().float())
+    prompts = random_prompts(6, 3, 60, seed=5)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 16) for p in prompts]

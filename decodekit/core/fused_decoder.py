@@ -3,7 +3,8 @@
 At batch 1, transformers' modules spent ~25 ms of a ~75 ms SmolLM2 step here outside the matrix products, and
 this CPU's BLAS reads weights stored `[out, in]` at ~11 GB/s for one row but `[in, out]` at ~18.6 GB/s. For
 architectures whose layers are exactly "RMSNorm, attention with RoPE, RMSNorm, SiLU-gated MLP" (Llama, Mistral,
-Qwen2 and their fine-tunes, SmolLM2 among them) this module runs the same math with fewer, larger operations:
+Qwen2 and their fine-tunes, SmolLM2 among them; Qwen3, whose queries and keys also pass a per-head RMSNorm before
+RoPE) this module runs the same math with fewer, larger operations:
 
 - q/k/v and gate/up are fused into one product each; the residual add rides on the output product;
 - weights are re-laid once in column-major order (`[in, out]` contiguous, seen by the model as the same
@@ -53,7 +54,7 @@ from decodekit.core.native_kernels import (
 )
 
 # Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
-FUSABLE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+FUSABLE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
 
 class _Matrix:
@@ -227,6 +228,10 @@ class _FusedLayer:
     intermediate: int
     down: _AnyMatrix
     scaling: float
+    # Qwen3's per-head RMSNorms of queries and keys before RoPE (`[head_dim]` weights), None for the Llama block
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 0.0
 
 
 def fused_decoder_refusal(model: Any, max_model_len: int | None = None) -> str | None:
@@ -249,8 +254,11 @@ def fused_decoder_refusal(model: Any, max_model_len: int | None = None) -> str |
         return "no `model.layers` / `model.rotary_emb`"
     for layer in base.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None or any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+        if attn is None or mlp is None:
             return "decoder layers differ from the Llama block"
+        qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        if any(n is not None for n in qk_norms) and not all(_is_rms_norm(n) for n in qk_norms):
+            return "decoder layers differ from the Llama block (query/key norms other than Qwen3's RMSNorms)"
         found = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         found += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         parts = [p for p in found if type(p) is nn.Linear]
@@ -262,6 +270,34 @@ def fused_decoder_refusal(model: Any, max_model_len: int | None = None) -> str |
             if not hasattr(norm, "variance_epsilon") or getattr(norm, "bias", None) is not None:
                 return "a norm is not RMSNorm"
     return None
+
+
+def _is_rms_norm(module: Any) -> bool:
+    """An RMSNorm as transformers' Llama-family models define it: a weight, an epsilon, no bias."""
+    return (module is not None and hasattr(module, "variance_epsilon") and hasattr(module, "weight")
+            and getattr(module, "bias", None) is None)
+
+
+def _qk_norms(attn: Any, as_float: bool) -> dict[str, Any]:
+    """The `_FusedLayer` fields of a layer's query/key norms (Qwen3), empty where it has none."""
+    if getattr(attn, "q_norm", None) is None:
+        return {}
+    q_norm, k_norm = attn.q_norm.weight.detach(), attn.k_norm.weight.detach()
+    if as_float:
+        q_norm, k_norm = q_norm.float(), k_norm.float()
+    return {"q_norm": q_norm, "k_norm": k_norm, "qk_eps": float(attn.q_norm.variance_epsilon)}
+
+
+def _norm_queries_and_keys(layer: _FusedLayer, qkv: torch.Tensor, tokens: int) -> None:
+    """Qwen3's query and key RMSNorms, in place on the fused q/k/v product (before RoPE), where the layer has them.
+
+    Each is transformers' RMSNorm over one head (`_rms_norm`, bit-identical in float32)."""
+    if layer.q_norm is None or layer.k_norm is None:
+        return
+    heads = qkv.view(tokens, layer.q_heads + 2 * layer.kv_heads, -1)
+    query, key = heads[:, : layer.q_heads], heads[:, layer.q_heads: layer.q_heads + layer.kv_heads]
+    query.copy_(_rms_norm(query, layer.q_norm, layer.qk_eps))
+    key.copy_(_rms_norm(key, layer.k_norm, layer.qk_eps))
 
 
 def _column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -405,7 +441,7 @@ class FusedDecoder:
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             gate_up=matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=matrix(mlp.down_proj.weight, None, native),
-            scaling=float(attn.scaling),
+            scaling=float(attn.scaling), **_qk_norms(attn, as_float=True),
         )
 
     @staticmethod
@@ -430,7 +466,7 @@ class FusedDecoder:
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             gate_up=_Matrix(_fuse_columns([mlp.gate_proj, mlp.up_proj]), None, prepack, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=_Matrix(down_t, None, prepack, native),
-            scaling=float(attn.scaling),
+            scaling=float(attn.scaling), **_qk_norms(attn, as_float=False),
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
@@ -487,6 +523,7 @@ class FusedDecoder:
         """
         tokens = hidden.shape[0]
         qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps))
+        _norm_queries_and_keys(layer, qkv, tokens)
         attended = native.rope_cache_attend(qkv, layer.q_heads, layer.kv_heads, cache.key_slots[index],
                                             cache.value_slots[index], plan, layer.scaling)
         if plan.has_chunks:
@@ -512,6 +549,7 @@ class FusedDecoder:
         assert layout is not None and layout.token_table is not None
         keys, values = cache.key_slots[index], cache.value_slots[index]
         qkv = layer.qkv(gpu_ops.rms_norm(hidden, layer.input_norm, layer.input_eps, residual=delta))
+        _norm_queries_and_keys(layer, qkv, tokens)
         query = gpu_ops.rope_write(qkv, cos, signed_sin, layer.q_heads, layer.kv_heads, keys, values,
                                    layout.slot_mapping)
         attended = torch.empty_like(query)
@@ -523,6 +561,7 @@ class FusedDecoder:
     def _layer(index: int, layer: _FusedLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache: PagedKVCache, tokens: int) -> torch.Tensor:
         qkv = layer.qkv(_rms_norm(hidden, layer.input_norm, layer.input_eps))
+        _norm_queries_and_keys(layer, qkv, tokens)
         head_dim = cos.shape[-1]
         # RoPE on queries and keys together (the first q + kv heads of the fused product): one set of
         # elementwise ops for all their heads.

@@ -28,10 +28,10 @@ def tiny_tokenizer(vocab_size: int = 384) -> Any:
 
 
 def tiny_model(arch: str = "llama", vocab_size: int = 384, seed: int = 0, **overrides: Any) -> Any:
-    """A 2-layer random causal LM ("llama", "qwen2" or "mistral" style) with grouped-query attention."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    """A 2-layer random causal LM ("llama", "qwen2", "qwen3" or "mistral" style) with grouped-query attention."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
     if arch not in configs:
         raise ValueError(f"arch must be one of {sorted(configs)}, got {arch!r}")
     kwargs: dict[str, Any] = dict(
@@ -41,6 +41,8 @@ def tiny_model(arch: str = "llama", vocab_size: int = 384, seed: int = 0, **over
     )
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch == "qwen3":
+        kwargs["head_dim"] = 16  # Qwen3 sets its head size apart from hidden_size / heads (default 128)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(configs[arch](**kwargs), dtype=torch.float32)
