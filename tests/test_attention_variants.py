@@ -101,6 +101,19 @@ def test_speculative_verification_over_a_window_is_lossless(name, tokenizer):
     assert [o.token_ids for o in plain] == [hf_greedy(model, p, 24) for p in prompts]
 
 
+@pytest.mark.parametrize("name", ["mistral, window 6", "gemma2, window 7 and soft-capped scores and logits"])
+def test_beam_search_over_a_window_equals_transformers_beams(name, tokenizer):
+    """Beams fork the window's blocks copy-on-write; each beam attends its own window."""
+    model = variant_model(name)
+    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24)
+    prompts = random_prompts(3, 10, 40, seed=2)
+    beams = SamplingParams(max_tokens=8, temperature=0, strategy={"beam_search": {"num_beams": 3}})
+    outs = llm.generate(prompts, beams)
+    reference = [model.generate(torch.tensor([p]), max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0,
+                                eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
 def test_a_prefix_cached_prompt_attends_the_same_window(tokenizer):
     """The second request starts from the first one's stored blocks and still attends only its window."""
     model = variant_model("mistral, window 6")
