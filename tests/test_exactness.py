@@ -8,10 +8,14 @@ the model, since it re-lays weights in place); the reference is always `generate
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
+from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, random_prompts
 
 
@@ -75,3 +79,34 @@ def test_greedy_matches_hf_generate_with_shared_prefixes_from_the_prefix_cache(l
 def test_greedy_single_request_matches_hf_for_any_block_size(llama, tokenizer, block_size, fused):
     llm = _llm(llama, tokenizer, fused, block_size=block_size)
     _check_exact(llm, llama, random_prompts(2, 10, 30, seed=5), max_tokens=20)
+
+
+@functools.cache
+def _reference(arch: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    return hf_greedy(_tiny(arch), list(prompt), max_tokens)
+
+
+@functools.cache
+def _tiny(arch: str):
+    return tiny_model(arch)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arch=st.sampled_from(["llama", "qwen3"]), forward=st.sampled_from(["transformers", "native", "torch-ops"]),
+       block_size=st.sampled_from([1, 3, 4, 16]), budget=st.sampled_from([16, 33, 2048]),
+       max_num_seqs=st.integers(1, 8), kv_memory=st.sampled_from(["1MiB", "16MiB"]),
+       lengths=st.lists(st.integers(1, 120), min_size=1, max_size=6), max_tokens=st.integers(1, 12),
+       speculate=st.integers(0, 4), seed=st.integers(0, 999))
+def test_greedy_equals_transformers_under_any_engine_configuration(arch, forward, block_size, budget, max_num_seqs,
+                                                                    kv_memory, lengths, max_tokens, speculate,
+                                                                    seed, tokenizer):
+    """Block size, step budget (prompts prefilled in chunks, steps of mid-prompt chunks alone), sequence limit,
+    a pool small enough to preempt, n-gram speculation or none, on each forward: the tokens stay transformers'."""
+    prompts = [random_prompts(1, n, n + 1, seed=seed + i)[0] for i, n in enumerate(lengths)]
+    llm = _llm(_tiny(arch), tokenizer, forward, block_size=block_size, max_num_batched_tokens=budget,
+               max_num_seqs=max_num_seqs, kv_cache_memory=kv_memory)
+    strategy = {"speculative": {"proposer": "ngram", "num_speculative_tokens": speculate}} if speculate else None
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, strategy=strategy))
+    for prompt, out in zip(prompts, outs):
+        assert out.error is None
+        assert out.token_ids == _reference(arch, tuple(prompt), max_tokens), f"prompt of {len(prompt)} tokens differs"
