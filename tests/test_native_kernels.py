@@ -424,9 +424,15 @@ def test_a_plan_refuses_a_block_table_too_short_for_its_tokens():
         DecodeAttentionPlan(torch.tensor([8]), [1], [8], [[0, 1]], block_size=4)
 
 
-def test_native_kernels_without_the_fused_decoder_are_refused_with_a_reason(llama, tokenizer):
-    with pytest.raises(ConfigError, match="native_kernels: the native kernels run inside the fused decoder"):
-        LLM(llama, tokenizer, device="cpu", native_kernels=True)  # a passed model object is not fused by default
+def test_native_kernels_without_the_fused_decoder_run_the_models_own_re_laid_linears(llama, tokenizer):
+    """A model object passed in is not fused by default; `native_kernels: true` then re-lays its linear layers
+    (tests/test_relaid_linears.py) rather than refusing."""
+    model = copy.deepcopy(llama)
+    llm = LLM(model, tokenizer, device="cpu", native_kernels=True, kv_cache_memory="4MiB")
+    assert llm.engine.runner.fused is None and "linear layers re-laid" in llm.engine.model.forward_name
+    prompt = [5, 9, 13, 21]
+    assert llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].token_ids == \
+        hf_greedy(llama, prompt, 6)
 
 
 def test_native_kernels_refuse_float16_with_a_reason(llama, tokenizer):

@@ -75,6 +75,16 @@ class System:
         """Release what the system holds."""
 
 
+def _linears_relayable(model: Any) -> bool:
+    """Whether decodekit would re-lay this (unfused) model's linear layers had it loaded the model itself: float32
+    on a CPU where the native kernels build."""
+    from decodekit.core.native_kernels import load_kernels
+
+    head = model.get_output_embeddings()
+    return (head is not None and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
+            and not isinstance(load_kernels(), str))
+
+
 class DecodekitSystem(System):
     """decodekit's `LLM`, built once on the shared model object (or on its own copy for the fused decoder).
 
@@ -98,6 +108,11 @@ class DecodekitSystem(System):
             model = copy.deepcopy(model)
             engine_options = {**engine_options, "fused_decoder": True}
             notes.append("fused decoder on its own copy of the weights (the process holds the model twice)")
+        elif engine_options.get("native_kernels") is None and _linears_relayable(model):
+            # likewise for another architecture's linear layers, which decodekit re-lays in place when it owns them
+            model = copy.deepcopy(model)
+            engine_options = {**engine_options, "native_kernels": True}
+            notes.append("linear layers re-laid on its own copy of the weights (the process holds the model twice)")
         self.llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, **engine_options)
         fused = self.llm.engine.runner.fused
         if fused is not None:

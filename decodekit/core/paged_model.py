@@ -68,11 +68,12 @@ class PagedModel:
 
     @property
     def forward_name(self) -> str:
-        """How the model runs, for logs: "transformers", "fused", "fused (prepacked weights)" or "fused (int8
-        weights)"."""
+        """How the model runs, for logs: "transformers" (with how many linear layers were re-laid, if any), "fused",
+        "fused (prepacked weights)" or "fused (int8 weights)"."""
         fused = self.runner.fused
         if fused is None:
-            return "transformers"
+            relaid = getattr(self.runner.model, "decodekit_relaid_linears", 0)
+            return f"transformers ({relaid} linear layers re-laid)" if relaid else "transformers"
         if fused.quantization is not None:
             return f"fused ({fused.quantization} weights)"
         return "fused (prepacked weights)" if fused.prepacked else "fused"

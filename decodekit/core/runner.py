@@ -23,6 +23,7 @@ from decodekit.core.kv_cache import (
     needs_capped_attention,
 )
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
+from decodekit.core.relaid_linears import relay_linears
 
 log = logging.getLogger("decodekit.runner")
 
@@ -84,9 +85,9 @@ PREPACK_DEFAULT_LIMIT = 2 << 30
 
 
 def wants_prepacking(model: Any, setting: bool | None) -> bool:
-    """Whether the fused decoder keeps oneDNN-blocked weight copies: only where they work (CPU, float32), and by
-    default only when the copy is at most `PREPACK_DEFAULT_LIMIT` bytes."""
-    weight = model.lm_head.weight
+    """Whether the fused decoder (or the re-laid linears of another model) keeps oneDNN-blocked weight copies: only
+    where they work (CPU, float32), and by default only when the copy is at most `PREPACK_DEFAULT_LIMIT` bytes."""
+    weight = model.get_output_embeddings().weight
     if setting is False:
         return False
     if not prepacking_available(weight.dtype, weight.device):
@@ -222,17 +223,49 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
     # int8 copies leave the module's own weights alone, so a model object passed in can be quantized too
     fused = wants_fused_decoder(loaded.model, True if quantization else config.fused_decoder, loaded.owned,
                                 key="quantization" if quantization else "fused_decoder", max_model_len=max_model_len)
-    if config.native_kernels and not fused:
-        raise ConfigError("native_kernels: the native kernels run inside the fused decoder, which is off for this "
-                          "model; set fused_decoder to true as well, or leave native_kernels unset")
     native = wants_native_kernels(loaded.model, config.native_kernels, quantization is not None) if fused else None
     if quantization is not None and native is None:
         raise ConfigError(f"quantization {quantization!r} multiplies on the native kernels, which cannot run here "
                           f"(they need a CPU, a C compiler, and native_kernels not false; this model is on "
                           f"{loaded.device})")
+    if not fused:
+        relay_unfused_linears(loaded, config)
     return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights, native=native,
                        quantization=quantization, cuda_graphs=wants_cuda_graphs(loaded, config.cuda_graphs, fused),
                        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+
+
+def relay_unfused_linears(loaded: LoadedModel, config: EngineConfig) -> int:
+    """For a model that runs its own transformers forward: re-lay its linear layers and multiply them the fused
+    decoder's way (`relaid_linears`), on a CPU in float32. By default only where decodekit loaded the model itself
+    (its weights change layout in place); `native_kernels: true` asks for it on a model object passed in too, and
+    `false` keeps torch's products. Returns how many layers were re-laid.
+
+    Raises:
+        ConfigError: `native_kernels` is true but this cannot run here (the message says why).
+    """
+    setting = config.native_kernels
+    model = loaded.model
+    if setting is False or (setting is None and not loaded.owned):
+        return 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kernels = load_kernels()
+    reason = None
+    if loaded.device.type != "cpu" or head is None or head.weight.dtype != torch.float32:
+        dtype = None if head is None else head.weight.dtype
+        reason = f"they run float32 on a CPU, not {dtype} on {loaded.device}"
+    elif isinstance(kernels, str):
+        reason = kernels
+    if reason is not None:
+        if setting:
+            raise ConfigError(f"native_kernels: {reason}; set native_kernels to false or leave it unset")
+        return 0
+    assert not isinstance(kernels, str)
+    count = relay_linears(model, wants_prepacking(model, config.prepack_weights), kernels)
+    model.decodekit_relaid_linears = count
+    log.info("%s runs its own forward; %d linear layers re-laid for the native single-row products", loaded.name,
+             count)
+    return count
 
 
 def wants_cuda_graphs(loaded: LoadedModel, setting: bool | None, fused: bool) -> bool:
