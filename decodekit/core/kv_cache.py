@@ -324,9 +324,9 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
     tokens, heads, dim = query.shape
     kv_heads = key.shape[1]
     if layout.token_table is not None:
-        # the token-table kernel attends whole contexts without capping (`ModelRunner` builds no token table for
-        # models whose layers ask for either)
-        assert window is None and softcap is None, "the token-table kernel has no sliding window or softcap"
+        # the token-table kernel attends whole contexts without capping: `ModelRunner` builds no token table for a
+        # model with a soft-cap, or with a window shorter than its context (so a window seen here never bites)
+        assert softcap is None, "the token-table kernel has no softcap"
         out = query.new_empty(tokens, heads, dim)
         attend_tokens(layout.token_table, query, cache.key_slots[layer_idx], cache.value_slots[layer_idx],
                       cache.block_size, scaling, out)
