@@ -97,3 +97,21 @@ def test_native_kernels_false_keeps_torchs_products_and_true_refuses_what_cannot
                native_kernels=False).engine.model.forward_name == "transformers"
     with pytest.raises(ConfigError, match=r"native_kernels: they run float32 on a CPU, not torch\.float16"):
         LLM(_model("opt").half(), tokenizer, kv_cache_memory="4MiB", native_kernels=True)
+
+
+def test_a_draft_model_decodekit_loads_gets_re_laid_linears_and_speculation_stays_lossless(tmp_path):
+    folders = {}
+    for arch in ARCHS:
+        folders[arch] = tmp_path / arch
+        _model(arch).save_pretrained(folders[arch])
+        tiny_tokenizer().save_pretrained(folders[arch])
+    llm = LLM(str(folders["gemma3_text"]), draft=str(folders["opt"]), dtype="float32", kv_cache_memory="16MiB",
+              block_size=4)
+    prompts = random_prompts(3, 5, 30, seed=6)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, strategy={
+        "speculative": {"proposer": "draft", "num_speculative_tokens": 3}}))
+    draft = llm.engine.components.get("proposers", "draft").model  # built at first use
+    assert "linear layers re-laid" in draft.forward_name
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    reference = _model("gemma3_text")
+    assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 12) for p in prompts]

@@ -202,9 +202,12 @@ def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
         log.warning("the draft model %s runs the transformers forward (a model object passed in is not re-laid in "
                     "place unless asked); draft_fused_decoder=True runs it through the fused decoder, about twice "
                     "as fast", draft.name)
-    # an unfused draft runs eagerly even where the target's `cuda_graphs: true` (graphs capture the fused decoder)
-    return config.model_copy(update={"fused_decoder": fused, "native_kernels": config.native_kernels if fused
-                                     else False, "quantization": config.draft_quantization,
+    # an unfused draft runs eagerly even where the target's `cuda_graphs: true` (graphs capture the fused decoder),
+    # and gets re-laid linears only where decodekit loaded it (the target's `native_kernels: true` is not consent to
+    # re-lay a draft object passed in)
+    native = config.native_kernels if fused else (False if config.native_kernels is False else None)
+    return config.model_copy(update={"fused_decoder": fused, "native_kernels": native,
+                                     "quantization": config.draft_quantization,
                                      "cuda_graphs": config.cuda_graphs if fused else None})
 
 
