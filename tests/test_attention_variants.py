@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from decodekit import LLM, SamplingParams
 from decodekit.core.kv_cache import needs_capped_attention, sliding_window
 from decodekit.core.runner import ForwardItem, model_geometry
-from decodekit.errors import ConfigError, UnsupportedModelError
+from decodekit.errors import UnsupportedModelError
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, random_prompts
 
@@ -146,17 +146,24 @@ def test_hidden_states_steps_keep_the_models_own_logit_soft_cap(tokenizer):
     torch.testing.assert_close(hidden[0], reference.hidden_states[-1][0, -1], rtol=1e-5, atol=1e-5)  # after the norm
 
 
-def test_the_fused_decoder_is_kept_where_the_window_never_bites_and_refused_where_it_does(tokenizer):
-    """Its attention reads whole contexts: a max_model_len within the window keeps it (and its tokens); asking for
-    it over a longer context names the window and the way out."""
-    model = variant_model("mistral, window 6")
-    with pytest.raises(ConfigError, match=r"6-token sliding window .* max_model_len of at most 6"):
-        LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", fused_decoder=True)
-    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", fused_decoder=True, max_model_len=6)
-    assert llm.engine.model.forward_name.startswith("fused")
-    prompt = [5, 9, 13]
-    assert llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0].token_ids == \
-        hf_greedy(model, prompt, 3)
+@pytest.mark.parametrize("native", [True, False], ids=["native kernels", "torch ops"])
+@pytest.mark.parametrize("name", ["mistral, window 6", "qwen2, window 11 on its second layer"])
+def test_the_fused_decoder_attends_each_layers_window(name, native, tokenizer):
+    """Mistral (every layer windowed) and Qwen2 (one layer of two) through the fused decoder, on the native
+    attention and on torch ops: batch 6 with chunked prefill, then n-gram verification steps."""
+    model = variant_model(name)
+    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24,
+              fused_decoder=True, native_kernels=native)
+    fused = llm.engine.runner.fused
+    assert fused is not None and (fused.native is not None) == native
+    assert any(layer.window for layer in fused.layers)
+    prompts = random_prompts(6, 3, 50, seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 20) for p in prompts]
+    copies = [p * 3 for p in random_prompts(3, 4, 9, seed=3)]
+    spec = llm.generate(copies, SamplingParams(max_tokens=16, temperature=0, strategy={
+        "speculative": {"proposer": "ngram", "num_speculative_tokens": 4}}))
+    assert [o.token_ids for o in spec] == [hf_greedy(model, p, 16) for p in copies]
 
 
 def test_a_window_is_read_from_the_config_as_transformers_models_read_it():

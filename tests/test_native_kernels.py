@@ -103,13 +103,14 @@ def _reference_attention(queries, keys, values, scale):
 @given(block_size=st.sampled_from([1, 4, 16]), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
        dim=st.sampled_from([8, 64, 72, 128]), query_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4),
        contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), max_query=st.sampled_from([2, 16]),
-       kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+       kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=st.sampled_from([None, 1, 3, 17]),
+       seed=st.integers(0, 2**16))
 def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native, block_size, kv_heads, group, dim,
                                                                           query_lens, contexts, max_query, kv_dtype,
-                                                                          seed):
+                                                                          window, seed):
     # Sequences with more than `max_query` new tokens stand for prefill chunks: rotated and stored, not attended.
     # A bfloat16 pool (`kv_cache_dtype`) must hold exactly torch's rounding of the keys and values, and attention
-    # must be the float32 attention over those stored values.
+    # must be the float32 attention over those stored values; with a sliding `window`, over the last `window` keys.
     heads = kv_heads * group
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -138,7 +139,7 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
     assert plan.has_chunks == any(q > max_query for q in query_lens)
     plan.set_rope(cos, sin)
     rotated = qkv.clone()
-    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3)
+    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3, window)
 
     assert torch.equal(key_pool, want_keys), "rotated keys must land bit-exactly at their slots"
     assert torch.equal(value_pool, want_values)
@@ -152,6 +153,7 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
             continue
         for j in range(q_len):
             seen = order[: ctx + j + 1]  # causal: its own context plus this step's earlier tokens
+            seen = seen[-window:] if window else seen
             for h in range(heads):
                 want = _reference_attention(query[token, h][None], want_keys[seen, h // group].float(),
                                             want_values[seen, h // group].float(), 0.3)[0]

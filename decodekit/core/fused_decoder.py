@@ -232,21 +232,15 @@ class _FusedLayer:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     qk_eps: float = 0.0
+    window: int | None = None  # the layer's sliding window (Mistral, Qwen2's windowed layers), None: whole context
 
 
-def fused_decoder_refusal(model: Any, max_model_len: int | None = None) -> str | None:
-    """Why `model` cannot use the fused decoder for contexts up to `max_model_len` tokens (default: the model's
-    own limit), or None when it can."""
+def fused_decoder_refusal(model: Any) -> str | None:
+    """Why `model` cannot use the fused decoder, or None when it can."""
     arch = type(model).__name__
     if arch not in FUSABLE_ARCHITECTURES:
         return f"{arch} is not one of {sorted(FUSABLE_ARCHITECTURES)}"
     config = model.config
-    window = sliding_window(config)
-    context = max_model_len or getattr(config, "max_position_embeddings", None)
-    if window is not None and (context is None or window < context):
-        # the fused decoder's attention (native or torch) reads whole contexts; a window that never bites is fine
-        return (f"its {window}-token sliding window is shorter than the {context}-token context (the fused "
-                f"decoder attends whole contexts; a max_model_len of at most {window} keeps it)")
     if getattr(config, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
     base = getattr(model, "model", None)
@@ -286,6 +280,14 @@ def _qk_norms(attn: Any, as_float: bool) -> dict[str, Any]:
     if as_float:
         q_norm, k_norm = q_norm.float(), k_norm.float()
     return {"q_norm": q_norm, "k_norm": k_norm, "qk_eps": float(attn.q_norm.variance_epsilon)}
+
+
+def _layer_window(attn: Any, config: Any) -> int | None:
+    """The sliding window one attention layer passes to its attention function: its own `sliding_window`
+    attribute where the model sets one per layer (Qwen2, Gemma), else the config's (Mistral passes it everywhere)."""
+    if hasattr(attn, "sliding_window"):
+        return int(attn.sliding_window) if attn.sliding_window else None
+    return sliding_window(config)
 
 
 def _norm_queries_and_keys(layer: _FusedLayer, qkv: torch.Tensor, tokens: int) -> None:
@@ -376,8 +378,8 @@ class FusedDecoder:
     """
 
     def __init__(self, model: Any, prepack: bool = False, native: NativeKernels | None = None,
-                 quantization: str | None = None, max_model_len: int | None = None) -> None:
-        reason = fused_decoder_refusal(model, max_model_len)
+                 quantization: str | None = None) -> None:
+        reason = fused_decoder_refusal(model)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
         weight = model.lm_head.weight
@@ -441,7 +443,7 @@ class FusedDecoder:
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             gate_up=matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=matrix(mlp.down_proj.weight, None, native),
-            scaling=float(attn.scaling), **_qk_norms(attn, as_float=True),
+            scaling=float(attn.scaling), **_qk_norms(attn, as_float=True), window=_layer_window(attn, attn.config),
         )
 
     @staticmethod
@@ -466,7 +468,7 @@ class FusedDecoder:
             post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             gate_up=_Matrix(_fuse_columns([mlp.gate_proj, mlp.up_proj]), None, prepack, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=_Matrix(down_t, None, prepack, native),
-            scaling=float(attn.scaling), **_qk_norms(attn, as_float=False),
+            scaling=float(attn.scaling), **_qk_norms(attn, as_float=False), window=_layer_window(attn, attn.config),
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
@@ -525,13 +527,13 @@ class FusedDecoder:
         qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps))
         _norm_queries_and_keys(layer, qkv, tokens)
         attended = native.rope_cache_attend(qkv, layer.q_heads, layer.kv_heads, cache.key_slots[index],
-                                            cache.value_slots[index], plan, layer.scaling)
+                                            cache.value_slots[index], plan, layer.scaling, layer.window)
         if plan.has_chunks:
             assert cache.layout is not None
             heads = qkv.view(tokens, -1, cache.key_slots[index].shape[-1])
             query, key, value = heads.split([layer.q_heads, layer.kv_heads, layer.kv_heads], dim=1)
             attend_chunks(cache.layout, query, key, value, cache.key_rows[index], cache.value_rows[index],
-                          layer.scaling, attended.view(tokens, layer.q_heads, -1))
+                          layer.scaling, attended.view(tokens, layer.q_heads, -1), layer.window)
         hidden = layer.o(attended, residual=hidden)
         gate_up = layer.gate_up(native.rms_norm(hidden, layer.post_norm, layer.post_eps))
         gated = _silu_gate(gate_up, layer.intermediate) if tokens > NATIVE_GATING_MAX_ROWS else native.silu_mul(gate_up)
@@ -568,7 +570,7 @@ class FusedDecoder:
         qk, value = qkv.view(tokens, -1, head_dim).split([layer.q_heads + layer.kv_heads, layer.kv_heads], dim=1)
         query, key = _rotate(qk, cos, sin).split([layer.q_heads, layer.kv_heads], dim=1)
         cache.write(index, key, value)
-        attended = paged_attention(cache, index, query, key, value, layer.scaling)
+        attended = paged_attention(cache, index, query, key, value, layer.scaling, layer.window)
         hidden = layer.o(attended.reshape(tokens, -1), residual=hidden)
         gate_up = layer.gate_up(_rms_norm(hidden, layer.post_norm, layer.post_eps))
         return layer.down(_silu_gate(gate_up, layer.intermediate), residual=hidden)

@@ -39,12 +39,17 @@ class ModelGeometry:
     vocab_size: int
 
 
+def _text_config(model: Any) -> Any:
+    """The config of the language model (the text part of a multimodal config)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def model_geometry(model: Any) -> ModelGeometry:
     """Read layer count, KV heads, head size and context length from a HF config (refusing what we can't page).
 
     Sliding-window layers and attention-logit soft-capping are served by the paged attention itself (transformers
     passes `sliding_window` and `softcap` to the attention function per layer), so they keep the whole context."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     arch = type(model).__name__
     unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
     if unsupported:
@@ -57,16 +62,14 @@ def model_geometry(model: Any) -> ModelGeometry:
                          head_dim, max_len, config.vocab_size)
 
 
-def wants_fused_decoder(model: Any, setting: bool | None, owned: bool, key: str = "fused_decoder",
-                        max_model_len: int | None = None) -> bool:
-    """Whether to run `model` through `FusedDecoder` for contexts up to `max_model_len`: `setting` True/False
-    forces it, None means "when decodekit loaded the model itself and its architecture allows" (the fused decoder
-    re-lays weights in place).
+def wants_fused_decoder(model: Any, setting: bool | None, owned: bool, key: str = "fused_decoder") -> bool:
+    """Whether to run `model` through `FusedDecoder`: `setting` True/False forces it, None means "when decodekit
+    loaded the model itself and its architecture allows" (the fused decoder re-lays weights in place).
 
     Raises:
         ConfigError: `setting` is True but the model cannot be fused (the message names `key` and says why).
     """
-    reason = fused_decoder_refusal(model, max_model_len)
+    reason = fused_decoder_refusal(model)
     if setting and reason is not None:
         raise ConfigError(f"{key}: {reason}; set {key} to false or leave it unset")
     if setting is None and reason is not None:
@@ -139,8 +142,7 @@ def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "q
     if key == "draft_quantization" and config.draft_fused_decoder is not None:
         fused = config.draft_fused_decoder  # else the draft follows the target's choice (`draft_config`)
     if (loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16 or getattr(config, key) is not None
-            or fused is False or config.native_kernels is False
-            or fused_decoder_refusal(loaded.model, config.max_model_len) is not None
+            or fused is False or config.native_kernels is False or fused_decoder_refusal(loaded.model) is not None
             or isinstance(load_kernels(), str)):
         return config
     log.info("%s: bfloat16 on a CPU runs as bf16 weights multiplied in float32 (%s bf16); float32 activations",
@@ -189,7 +191,7 @@ def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
     """
     config = bf16_weights_on_cpu(draft, config, key="draft_quantization")
     setting = config.draft_fused_decoder
-    fusable = fused_decoder_refusal(draft.model, config.max_model_len) is None
+    fusable = fused_decoder_refusal(draft.model) is None
     if config.draft_quantization is not None:  # quantized copies leave the module as it is, owned or not
         if setting is False:
             raise ConfigError("draft_quantization runs in the fused decoder; leave draft_fused_decoder unset or true")
@@ -197,7 +199,7 @@ def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
     if setting is None and config.fused_decoder is not None and (fusable or not config.fused_decoder):
         setting = config.fused_decoder  # the target's explicit choice, where the draft can follow it
     key = "draft_quantization" if config.draft_quantization is not None else "draft_fused_decoder"
-    fused = wants_fused_decoder(draft.model, setting, draft.owned, key=key, max_model_len=config.max_model_len)
+    fused = wants_fused_decoder(draft.model, setting, draft.owned, key=key)
     if not fused and config.draft_fused_decoder is None and setting is None and fusable:
         log.warning("the draft model %s runs the transformers forward (a model object passed in is not re-laid in "
                     "place unless asked); draft_fused_decoder=True runs it through the fused decoder, about twice "
@@ -225,7 +227,7 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
     max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
     # int8 copies leave the module's own weights alone, so a model object passed in can be quantized too
     fused = wants_fused_decoder(loaded.model, True if quantization else config.fused_decoder, loaded.owned,
-                                key="quantization" if quantization else "fused_decoder", max_model_len=max_model_len)
+                                key="quantization" if quantization else "fused_decoder")
     native = wants_native_kernels(loaded.model, config.native_kernels, quantization is not None) if fused else None
     if quantization is not None and native is None:
         raise ConfigError(f"quantization {quantization!r} multiplies on the native kernels, which cannot run here "
@@ -233,9 +235,10 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
                           f"{loaded.device})")
     if not fused:
         relay_unfused_linears(loaded, config)
+    graphs = wants_cuda_graphs(loaded, config.cuda_graphs, fused, max_model_len)
     return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights, native=native,
-                       quantization=quantization, cuda_graphs=wants_cuda_graphs(loaded, config.cuda_graphs, fused),
-                       max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+                       quantization=quantization, cuda_graphs=graphs, max_num_seqs=config.max_num_seqs,
+                       max_model_len=max_model_len)
 
 
 def relay_unfused_linears(loaded: LoadedModel, config: EngineConfig) -> int:
@@ -271,7 +274,8 @@ def relay_unfused_linears(loaded: LoadedModel, config: EngineConfig) -> int:
     return count
 
 
-def wants_cuda_graphs(loaded: LoadedModel, setting: bool | None, fused: bool) -> bool:
+def wants_cuda_graphs(loaded: LoadedModel, setting: bool | None, fused: bool, max_model_len: int | None = None
+                      ) -> bool:
     """Whether to replay the fused decoder's uniform steps from CUDA graphs (`decodekit.core.cuda_graphs`): by
     default wherever they can run (the fused decoder on CUDA, with Triton for the attention kernel).
 
@@ -287,6 +291,8 @@ def wants_cuda_graphs(loaded: LoadedModel, setting: bool | None, fused: bool) ->
         reason = "they capture the fused decoder, which is off for this model"
     elif not kernel_available(loaded.device):
         reason = "the paged-attention kernel needs Triton, which is not installed"
+    elif needs_capped_attention(_text_config(loaded.model), max_model_len):
+        reason = "their paged-attention kernel reads whole contexts, and this model's sliding window is shorter"
     if reason is not None and setting:
         raise ConfigError(f"cuda_graphs: {reason}; set cuda_graphs to false or leave it unset")
     if reason is not None and loaded.device.type == "cuda":
@@ -323,10 +329,9 @@ class ModelRunner:
         self.device = kv_cache.pool.device
         self._config = model.config
         prepack = quantization is None and wants_prepacking(model, prepack_weights)
-        self.fused = FusedDecoder(model, prepack, native, quantization, max_model_len) if fused else None
+        self.fused = FusedDecoder(model, prepack, native, quantization) if fused else None
         # the GPU path: short queries attended in place by the token-table kernel, uniform steps from CUDA graphs
-        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.by_token = kernel_available(self.device) and not needs_capped_attention(text_config, max_model_len)
+        self.by_token = kernel_available(self.device) and not needs_capped_attention(_text_config(model), max_model_len)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             assert self.fused is not None, "CUDA graphs capture the fused decoder"

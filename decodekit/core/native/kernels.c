@@ -208,15 +208,16 @@ static int rope_store(float* qkv, int64_t tokens, int64_t heads, int64_t kv_head
 }
 
 /* Attention for the work items [item_begin, item_end), item = t * KVH + g being query token t's `group` query
- * heads that share kv head g. Each query t with key_len[t] > 0 attends the first key_len[t] keys of its sequence,
- * whose blocks are tables[table_start[t] ...]; the result goes to out [T, H, D]. Tokens with key_len 0 (long
+ * heads that share kv head g. Each query t with key_len[t] > 0 attends the first key_len[t] keys of its sequence
+ * (with a `window` > 0, only the last `window` of them: transformers' sliding window), whose blocks are
+ * tables[table_start[t] ...]; the result goes to out [T, H, D]. Tokens with key_len 0 (long
  * prefill chunks, which the caller attends with a blocked SDPA) are left untouched in `out`. Items are independent
  * (each writes its own slice of `out`; the keys were all written before), so disjoint ranges may run on several
  * threads at once with results identical to one pass. Returns 0, or -1 if scratch memory could not be allocated. */
 KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_end, int64_t heads, int64_t kv_heads,
                           int64_t dim, const void* kpool, const void* vpool, const int64_t* tables,
                           const int64_t* table_start, const int64_t* key_len, int64_t block_size, float scale,
-                          float* out, int kv_bf16) {
+                          int64_t window, float* out, int kv_bf16) {
     if (item_begin >= item_end) return 0;
     int64_t width = (heads + 2 * kv_heads) * dim;
     int64_t group = heads / kv_heads;
@@ -242,9 +243,15 @@ KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_en
             rows_of = t;
         }
         const float* qg = qkv + t * width + g * group * dim;
+        /* the keys this query sees: all n, or the last `window` of them */
+        const int64_t* seen = rows;
+        if (window > 0 && n > window) {
+            seen = rows + (n - window);
+            n = window;
+        }
         /* scores[h][j] = scale * q_h . k_j for the `group` query heads sharing kv head g */
         for (int64_t j = 0; j < n; ++j) {
-            int64_t k = rows[j] + g * dim;
+            int64_t k = seen[j] + g * dim;
             for (int64_t h = 0; h < group; ++h) {
                 const void* key = kv_bf16 ? (const void*)((const uint16_t*)kpool + k) : (const void*)((const float*)kpool + k);
                 scores[h * n + j] = dot_kv(qg + h * dim, key, dim, kv_bf16) * scale;
@@ -265,7 +272,7 @@ KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_en
             for (; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
             float inv = 1.0f / sum;
             for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
-            weighted_rows_kv(out + (t * heads + g * group + h) * dim, sc, vpool, g * dim, rows, n, dim, kv_bf16);
+            weighted_rows_kv(out + (t * heads + g * group + h) * dim, sc, vpool, g * dim, seen, n, dim, kv_bf16);
         }
     }
     free(scores);
@@ -299,7 +306,8 @@ int dk_parallel(void) {
 /* One decoder layer's attention for the tokens of a step that belong to sequences scoring a few new tokens
  * (decode, speculative verification, beams): RoPE and KV write for all T tokens (rope_store), then attention
  * (attend_items) for all of them: every write happens before any read, so queries of one sequence see each
- * other's keys (causality comes from key_len). The pools hold float32, or bfloat16 where `kv_bf16` is non-zero
+ * other's keys (causality comes from key_len; a `window` > 0 keeps each query's last `window` keys). The pools
+ * hold float32, or bfloat16 where `kv_bf16` is non-zero
  * (written rounded to nearest even, read widened: float32 arithmetic either way). With OpenMP and at least
  * `parallel_min_keys` keys to read, the attention is cut into one range of about equal work per thread. Returns 0,
  * or -1 if scratch memory could not be allocated. */
@@ -307,7 +315,7 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
                          const float* cos, const float* signed_sin, void* kpool, void* vpool,
                          const int64_t* slots, const int64_t* tables, const int64_t* table_start,
                          const int64_t* key_len, int64_t block_size, float scale, int64_t parallel_min_keys,
-                         int64_t kv_bf16, float* out) {
+                         int64_t window, int64_t kv_bf16, float* out) {
     if (rope_store(qkv, tokens, heads, kv_heads, dim, cos, signed_sin, kpool, vpool, slots, kv_bf16 != 0) != 0)
         return -1;
     int64_t total = 0;
@@ -326,10 +334,10 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
         /* two inlined copies of attend_items, one per pool element (its flag a constant in each) */
         if (kv_bf16)
             failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
-                                  block_size, scale, out, 1) != 0;
+                                  block_size, scale, window, out, 1) != 0;
         else
             failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
-                                  block_size, scale, out, 0) != 0;
+                                  block_size, scale, window, out, 0) != 0;
     }
     return failed ? -1 : 0;
 }
