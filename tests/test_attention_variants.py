@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.kv_cache import needs_capped_attention, sliding_window
+from decodekit.core.kv_cache import has_attention_sinks, needs_capped_attention, sliding_window
 from decodekit.core.runner import ForwardItem, model_geometry
 from decodekit.errors import UnsupportedModelError
 from decodekit.models.tiny import tiny_model
@@ -33,6 +33,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                        final_logit_softcapping=3.0)),
     "gemma3, window 5 on its first layer": ("gemma3_text", dict(head_dim=16, sliding_window=5,
                                                                 query_pre_attn_scalar=16)),
+    "gpt-oss, attention sinks and window 8 on its first layer": (
+        "gpt_oss", dict(head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 
@@ -48,6 +51,8 @@ def variant_model(name: str) -> Any:
             attn = layer.self_attn
             query = attn.q_proj if hasattr(attn, "q_proj") else attn.qkv_proj  # Phi-3 fuses q, k and v
             query.weight.mul_(30.0)
+            if hasattr(attn, "sinks"):  # gpt-oss initializes its sink logits to 0; spread them so they matter
+                attn.sinks.normal_(0.0, 2.0)
     return model.eval()
 
 
@@ -55,7 +60,7 @@ def variant_model(name: str) -> Any:
 def test_windowed_and_soft_capped_models_generate_what_transformers_generates(name, tokenizer):
     """Batch 6, prompts of 3-50 tokens prefilled in chunks of a 24-token budget beside decoding sequences."""
     model = variant_model(name)
-    assert needs_capped_attention(model.config)
+    assert needs_capped_attention(model.config) or has_attention_sinks(model)
     llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24)
     assert llm.engine.max_model_len == 512  # the whole context, not the window
     prompts = random_prompts(6, 3, 50, seed=7)
@@ -73,9 +78,9 @@ def test_long_prompts_prefilled_in_many_chunks_skip_the_keys_behind_the_window_a
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]
 
 
-def test_the_window_and_the_cap_change_the_tokens_so_the_tests_above_can_fail(tokenizer):
-    """Without its window, and Gemma 2 without its score cap, transformers generates other tokens on these prompts:
-    what the tests above compare is not vacuous."""
+def test_the_window_the_cap_and_the_sinks_change_the_tokens_so_the_tests_above_can_fail(tokenizer):
+    """Without its window, Gemma 2 without its score cap, and gpt-oss with zero sink logits, transformers generates
+    other tokens on these prompts: what the tests above compare is not vacuous."""
     prompts = random_prompts(6, 3, 50, seed=7)
     windowed = variant_model("mistral, window 6")
     unwindowed = copy.deepcopy(windowed)
@@ -86,6 +91,12 @@ def test_the_window_and_the_cap_change_the_tokens_so_the_tests_above_can_fail(to
     for layer in uncapped.model.layers:
         layer.self_attn.attn_logit_softcapping = None
     assert [hf_greedy(capped, p, 20) for p in prompts] != [hf_greedy(uncapped, p, 20) for p in prompts]
+    sunk = variant_model("gpt-oss, attention sinks and window 8 on its first layer")
+    unsunk = copy.deepcopy(sunk)
+    with torch.no_grad():
+        for layer in unsunk.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # a sink that takes no share of the softmax
+    assert [hf_greedy(sunk, p, 20) for p in prompts] != [hf_greedy(unsunk, p, 20) for p in prompts]
 
 
 @pytest.mark.parametrize("name", ["mistral, window 6", "gemma2, window 7 and soft-capped scores and logits"])

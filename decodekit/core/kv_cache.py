@@ -7,8 +7,9 @@ Two public seams of transformers are used, nothing private:
   query to its own sequence's keys gathered from the pool. Because the name has no mask function registered,
   transformers skips building a mask and the layout below carries the sequence boundaries instead. The per-layer
   options transformers passes to attention functions are honoured: `sliding_window` (Mistral, Qwen2, Phi-3, the
-  local layers of Gemma 2/3) masks keys more than `window - 1` positions back, and `softcap` (Gemma 2) caps the
-  scores as transformers' eager attention does.
+  local layers of Gemma 2/3) masks keys more than `window - 1` positions back, `softcap` (Gemma 2) caps the
+  scores, and `s_aux` (gpt-oss's attention sinks) adds one learned logit per head to each softmax, all as
+  transformers' eager attention computes them.
 
 The pool is allocated once: `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`. Reads gather whole blocks
 (`index_select` over the block dimension: one contiguous copy per block, measured about 10x faster here than
@@ -47,6 +48,11 @@ def sliding_window(config: Any) -> int | None:
     if layer_types is None and getattr(config, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+def has_attention_sinks(model: Any) -> bool:
+    """Whether the model's attention layers carry learned sink logits (gpt-oss's `sinks`, passed as `s_aux`)."""
+    return any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules())
 
 
 def needs_capped_attention(config: Any, max_model_len: int | None = None) -> bool:
@@ -303,18 +309,19 @@ def paged_attention_forward(
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     out = paged_attention(cache, layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
                           value[0].transpose(0, 1), scaling, window=kwargs.get("sliding_window"),
-                          softcap=kwargs.get("softcap"))
+                          softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     return out.unsqueeze(0), None
 
 
 def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, scaling: float | None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attend packed queries `[T, heads, head_dim]` to their sequences' keys in the pool (after `write`).
 
     `key`/`value` (`[T, kv_heads, head_dim]`) are this step's own keys, read directly when a prefill chunk is a
     sequence's whole context. With a `window`, a query at position p sees keys p - window + 1 .. p (transformers'
-    `sliding_window`); with a `softcap`, scores are capped to `softcap * tanh(score / softcap)`. Returns
+    `sliding_window`); with a `softcap`, scores are capped to `softcap * tanh(score / softcap)`; with `sinks`
+    (`[heads]`), each head's softmax has one more logit, whose weight is dropped (gpt-oss). Returns
     `[T, heads, head_dim]`. Shared by the transformers attention function above and the fused decoder
     (`decodekit/core/fused_decoder.py`).
     """
@@ -326,33 +333,34 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
     if layout.token_table is not None:
         # the token-table kernel attends whole contexts without capping: `ModelRunner` builds no token table for a
         # model with a soft-cap, or with a window shorter than its context (so a window seen here never bites)
-        assert softcap is None, "the token-table kernel has no softcap"
+        assert softcap is None and sinks is None, "the token-table kernel has no softcap or sinks"
         out = query.new_empty(tokens, heads, dim)
         attend_tokens(layout.token_table, query, cache.key_slots[layer_idx], cache.value_slots[layer_idx],
                       cache.block_size, scaling, out)
         attend_chunks(layout, query, key, value, k_rows, v_rows, scaling, out)
         return out
     if layout.in_order:  # one group, every token in packed order: no gather, no scatter
-        return _attend_group(layout.groups[0], query, k_rows, v_rows, kv_heads, scaling, window, softcap)
+        return _attend_group(layout.groups[0], query, k_rows, v_rows, kv_heads, scaling, window, softcap, sinks)
     out = query.new_empty(tokens, heads, dim)
     for group in layout.groups:
         ob = _attend_group(group, query.index_select(0, group.query_index), k_rows, v_rows, kv_heads, scaling,
-                           window, softcap)
+                           window, softcap, sinks)
         if group.query_valid is None:
             out.index_copy_(0, group.query_index, ob)
         else:
             out.index_copy_(0, group.query_index[group.query_valid], ob[group.query_valid])
-    attend_chunks(layout, query, key, value, k_rows, v_rows, scaling, out, window, softcap)
+    attend_chunks(layout, query, key, value, k_rows, v_rows, scaling, out, window, softcap, sinks)
     return out
 
 
 def attend_chunks(layout: AttentionLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   k_rows: torch.Tensor, v_rows: torch.Tensor, scaling: float | None, out: torch.Tensor,
-                  window: int | None = None, softcap: float | None = None) -> None:
+                  window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> None:
     """Attend the layout's long prefill chunks (one SDPA each), writing their rows of `out` `[T, heads, D]`.
 
     `query`/`key`/`value` are this step's `[T, heads | kv_heads, D]`; `k_rows`/`v_rows` one layer's block rows;
-    `window` and `softcap` as in `paged_attention`.
+    `window`, `softcap` and `sinks` as in `paged_attention`.
     """
     kv_heads, dim = key.shape[1], key.shape[2]
     for start, end, ctx_start, blocks in layout.chunks:
@@ -374,7 +382,7 @@ def attend_chunks(layout: AttentionLayout, query: torch.Tensor, key: torch.Tenso
             ks = k_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k - skip].transpose(0, 1).unsqueeze(0)
             vs = v_rows.index_select(0, blocks).view(-1, kv_heads, dim)[:n_k - skip].transpose(0, 1).unsqueeze(0)
             ks, vs = ks.to(query.dtype), vs.to(query.dtype)
-        if blocks is None and not windowed and softcap is None:
+        if blocks is None and not windowed and softcap is None and sinks is None:
             os_ = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             # query i is at position ctx_start + i; key column c holds position skip + c
@@ -382,13 +390,13 @@ def attend_chunks(layout: AttentionLayout, query: torch.Tensor, key: torch.Tenso
             if windowed:
                 assert window is not None
                 mask = mask.triu(diagonal=ctx_start - skip - window + 1)  # key >= position - window + 1
-            os_ = _attention(qs, ks, vs, mask, scaling, softcap)
+            os_ = _attention(qs, ks, vs, mask, scaling, softcap, sinks)
         out[start:end] = os_[0].transpose(0, 1)
 
 
 def _attend_group(group: BatchedGroup, queries: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
                   kv_heads: int, scaling: float | None, window: int | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One padded SDPA call for a group: `queries` `[B * Qmax, heads, D]` in the group's order, same shape out."""
     batch, q_max = group.batch, group.q_max
     _, heads, dim = queries.shape
@@ -404,7 +412,7 @@ def _attend_group(group: BatchedGroup, queries: torch.Tensor, k_rows: torch.Tens
     if window is not None and window < max(group.limits):
         skip, mask = _window_mask(group, window, kb.shape[2], queries.device)
         kb, vb = kb[:, :, skip:], vb[:, :, skip:]
-    ob = _attention(qb, kb, vb, mask, scaling, softcap)
+    ob = _attention(qb, kb, vb, mask, scaling, softcap, sinks)
     return ob.transpose(1, 2).reshape(batch * q_max, heads, dim)
 
 
@@ -432,18 +440,26 @@ def _window_mask(group: BatchedGroup, window: int, num_keys: int, device: torch.
 
 
 def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-               scaling: float | None, softcap: float | None) -> torch.Tensor:
+               scaling: float | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over `[B, heads, Q, D]` queries and `[B, kv_heads, L, D]` keys with a boolean `mask` (True = attend);
-    with a `softcap`, which SDPA lacks, transformers' eager attention op for op (so capped models stay exact)."""
-    if softcap is None:
+    with a `softcap` or `sinks`, which SDPA lacks, transformers' eager attention op for op (so those models stay
+    exact)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     repeat = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:  # gpt-oss: one more logit per head, its share of the softmax dropped
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], -1).to(scores.dtype)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
     return torch.matmul(weights, value)
 
 

@@ -20,6 +20,7 @@ from decodekit.core.kv_cache import (
     SUPPORTED_LAYER_TYPES,
     PagedKVCache,
     build_layout,
+    has_attention_sinks,
     needs_capped_attention,
 )
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
@@ -331,7 +332,8 @@ class ModelRunner:
         prepack = quantization is None and wants_prepacking(model, prepack_weights)
         self.fused = FusedDecoder(model, prepack, native, quantization) if fused else None
         # the GPU path: short queries attended in place by the token-table kernel, uniform steps from CUDA graphs
-        self.by_token = kernel_available(self.device) and not needs_capped_attention(_text_config(model), max_model_len)
+        capped = needs_capped_attention(_text_config(model), max_model_len) or has_attention_sinks(model)
+        self.by_token = kernel_available(self.device) and not capped
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             assert self.fused is not None, "CUDA graphs capture the fused decoder"
