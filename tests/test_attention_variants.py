@@ -61,21 +61,22 @@ def test_windowed_and_soft_capped_models_generate_what_transformers_generates(na
     """Batch 6, prompts of 3-50 tokens prefilled in chunks of a 24-token budget beside decoding sequences."""
     model = variant_model(name)
     assert needs_capped_attention(model.config) or has_attention_sinks(model)
-    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24)
+    llm = _assert_greedy_matches(model, tokenizer, random_prompts(6, 3, 50, seed=7), 20, budget=24)
     assert llm.engine.max_model_len == 512  # the whole context, not the window
-    prompts = random_prompts(6, 3, 50, seed=7)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
-    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 20) for p in prompts]
+
+
+def _assert_greedy_matches(model, tokenizer, prompts: list[list[int]], max_tokens: int, budget: int) -> LLM:
+    """Greedy decoding of `prompts` under a `budget`-token step budget equals transformers'; returns the engine."""
+    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=budget)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, max_tokens) for p in prompts]
+    return llm
 
 
 @pytest.mark.parametrize("name", ["mistral, window 6", "gemma3, window 5 on its first layer"])
 def test_long_prompts_prefilled_in_many_chunks_skip_the_keys_behind_the_window_and_stay_exact(name, tokenizer):
     """Prompts of 60-130 tokens in 32-token chunks: later chunks gather only the blocks their window reaches."""
-    model = variant_model(name)
-    llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=32)
-    prompts = random_prompts(3, 60, 130, seed=9)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
-    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]
+    _assert_greedy_matches(variant_model(name), tokenizer, random_prompts(3, 60, 130, seed=9), 10, budget=32)
 
 
 def test_the_window_the_cap_and_the_sinks_change_the_tokens_so_the_tests_above_can_fail(tokenizer):

@@ -382,13 +382,22 @@ class ModelRunner:
             finally:
                 self.kv_cache.layout = None
                 self.fused.last_hidden = None
+        # A step where a strategy reads hidden states still runs the whole causal-LM forward (so whatever the model
+        # does after its LM head, e.g. Gemma 2's logit soft-cap or Granite's scaling, applies) and takes the base
+        # model's last hidden state (after its final norm: the LM head's input) as it passes.
+        captured: list[torch.Tensor] = []
+        hook = None
         # Switch attention only for this call, so the same model object stays usable by plain transformers
         # (`generate` with padding masks) between engine steps.
         previous = self._config._attn_implementation
         self._config._attn_implementation = ATTENTION_NAME
         try:
             if hidden_index is not None:
-                return self._forward_base(input_ids, positions, keep, hidden_index)
+                base = self.model.base_model
+                if base is self.model or self.model.get_output_embeddings() is None:
+                    raise ValueError(f"{type(self.model).__name__} has no separate base model and LM head, so its "
+                                     "hidden states cannot be read")
+                hook = base.register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions[None],
@@ -400,23 +409,7 @@ class ModelRunner:
         finally:
             self._config._attn_implementation = previous
             self.kv_cache.layout = None
-        return out.logits[0].float(), None
-
-    def _forward_base(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                      hidden_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The transformers forward for steps where a strategy reads hidden states: the whole causal-LM forward
-        (so whatever its head does after the LM head, e.g. Gemma 2's logit soft-cap or Granite's scaling, still
-        applies), with the base model's last hidden state (after its final norm, the LM head's input) taken as it
-        passes."""
-        base = self.model.base_model
-        if base is self.model or self.model.get_output_embeddings() is None:
-            raise ValueError(f"{type(self.model).__name__} has no separate base model and LM head, so its hidden "
-                             "states cannot be read")
-        captured: list[torch.Tensor] = []
-        hook = base.register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
-        try:
-            out = self.model(input_ids=input_ids, position_ids=positions[None], past_key_values=self.kv_cache,
-                             use_cache=True, logits_to_keep=keep, paged_kv_cache=self.kv_cache)
-        finally:
-            hook.remove()
-        return out.logits[0].float(), captured[-1][0].index_select(0, hidden_index)
+            if hook is not None:
+                hook.remove()
+        hidden = None if hidden_index is None else captured[-1][0].index_select(0, hidden_index)
+        return out.logits[0].float(), hidden
