@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from decodekit.core.fused_decoder import _column_major, _Matrix, _share
+from decodekit.core.fused_decoder import _Matrix, relay_column_major
 from decodekit.core.native_kernels import NativeKernels
 
 
@@ -33,7 +33,6 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None) -> in
     The output embeddings are included; where they are tied to the input embeddings, both keep sharing one
     parameter. Returns how many linear layers now run this way.
     """
-    head = model.get_output_embeddings()
     embeddings = model.get_input_embeddings()
     count = 0
     with torch.no_grad():
@@ -42,26 +41,17 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None) -> in
                 continue
             if module.weight.device.type != "cpu" or module.weight.is_meta:
                 continue
-            tied = module is head and embeddings is not None and module.weight is embeddings.weight
-            _route(module, prepack, native, tied_to=embeddings if tied else None)
+            _route(module, prepack, native, embeddings)
             count += 1
     return count
 
 
-def _route(module: nn.Linear, prepack: bool, native: NativeKernels | None, tied_to: Any = None) -> None:
-    """Re-lay one linear layer and make its forward the `_Matrix` product."""
-    weight = module.weight
-    if weight.shape[1] > weight.shape[0]:
-        col = weight.detach().t()  # a wide input, a narrow output: row-major streams faster for one row
-    else:
-        col = _column_major(weight)
-        if tied_to is not None:
-            # one parameter for both: lookups then read a strided row (cheap), the head a column-major matrix
-            relaid = nn.Parameter(col.t(), requires_grad=False)
-            tied_to.weight = relaid
-            module.weight = relaid
-        else:
-            _share(module, col.t())
+def _route(module: nn.Linear, prepack: bool, native: NativeKernels | None, embeddings: Any) -> None:
+    """Re-lay one linear layer (the input `embeddings` follow where tied to it) and make its forward the `_Matrix`
+    product."""
+    # a wide input and a narrow output (an MLP's down projection) stream faster row-major for one row
+    wide = module.in_features > module.out_features
+    col = module.weight.detach().t() if wide else relay_column_major(module, embeddings)
     bias = module.bias.detach() if module.bias is not None else None
     matrix = _Matrix(col, bias, prepack, native)
     out_features = module.out_features
