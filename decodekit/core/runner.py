@@ -10,6 +10,7 @@ import torch
 
 from decodekit.api.errors import ConfigError, UnsupportedModelError
 from decodekit.api.models import LoadedModel
+from decodekit.core.attention_probe import probe_attention
 from decodekit.core.config import EngineConfig
 from decodekit.core.cuda_graphs import DecodeGraphs, GraphCaptureFailed
 from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
@@ -48,6 +49,10 @@ def _text_config(model: Any) -> Any:
 def model_geometry(model: Any) -> ModelGeometry:
     """Read layer count, KV heads, head size and context length from a HF config (refusing what we can't page).
 
+    The model runs once on two tokens through a recording attention function (`attention_probe`): an attention
+    keyword the paged attention does not implement refuses the model, and the KV heads and head size its layers
+    write override the config's.
+
     Sliding-window layers and attention-logit soft-capping are served by the paged attention itself (transformers
     passes `sliding_window` and `softcap` to the attention function per layer), so they keep the whole context."""
     config = _text_config(model)
@@ -57,10 +62,25 @@ def model_geometry(model: Any) -> ModelGeometry:
         raise UnsupportedModelError(f"{arch}: layer types {unsupported} are not supported by decodekit's paged "
                                     f"attention yet (it serves {list(SUPPORTED_LAYER_TYPES)})")
     heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     max_len = getattr(config, "max_position_embeddings", None) or 2048
-    return ModelGeometry(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
-                         head_dim, max_len, config.vocab_size)
+    num_layers = config.num_hidden_layers
+    probe = probe_attention(model)
+    if probe is not None:
+        reason = probe.refusal(arch)
+        if reason is not None:
+            raise UnsupportedModelError(reason)
+        if probe.kv_shapes[0] != (kv_heads, head_dim):
+            # the layers' own keys decide the pool's width (a config may set an attribute its architecture ignores)
+            log.info("%s: the layers write %d KV heads of size %d (the config says %d of %d)", arch,
+                     *probe.kv_shapes[0], kv_heads, head_dim)
+            kv_heads, head_dim = probe.kv_shapes[0]
+        deepest = max(index for index in probe.layer_indices if index is not None)
+        if deepest >= num_layers:
+            raise UnsupportedModelError(f"{arch}: an attention layer has index {deepest}, beyond the config's "
+                                        f"{num_layers} hidden layers")
+    return ModelGeometry(num_layers, kv_heads, head_dim, max_len, config.vocab_size)
 
 
 def wants_fused_decoder(model: Any, setting: bool | None, owned: bool, key: str = "fused_decoder") -> bool:
