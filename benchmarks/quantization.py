@@ -12,7 +12,12 @@ quality.
 - perplexity on held-out text: the Python language reference's prose that ships with CPython (`pydoc_data`), a
   text nobody tuned against, scored with `prompt_logprobs=0` in windows of `--window` tokens.
 
+`--model` measures another model (a folder; e.g. an architecture the fused decoder cannot take, whose own linear
+layers then multiply the compressed copies), `--speed-only` skips the quality figures (meaningless on a random
+model).
+
 Usage: python benchmarks/quantization.py [--repeats 3] [--threads 0] [--window 512] [--weights int8 bf16]
+       [--model smollm2-135m-instruct] [--speed-only]
 """
 
 from __future__ import annotations
@@ -124,13 +129,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--window", type=int, default=512, help="perplexity window in tokens")
     parser.add_argument("--weights", nargs="+", choices=["int8", "bf16"], default=["int8", "bf16"])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the model (bundled name or folder)")
+    parser.add_argument("--speed-only", action="store_true", help="skip agreement and perplexity")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    llms = {"float32": LLM("smollm2-135m-instruct", dtype="float32")}
+    llms = {"float32": LLM(args.model, dtype="float32")}
     for weights in args.weights:
-        llms[weights] = LLM("smollm2-135m-instruct", dtype="float32", quantization=weights)
+        llms[weights] = LLM(args.model, dtype="float32", quantization=weights)
     print(machine_line(environment(), "float32"), flush=True)
+    for name, llm in llms.items():
+        print(f"{name}: {llm.engine.model.forward_name}", flush=True)
     prompts = [llms["float32"].apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS]
     for batch in (1, 32):
         rates = decode_rates(llms, prompts, batch, args.repeats)
@@ -139,6 +148,8 @@ def main() -> None:
             print(f"batch {batch:2}: float32 {statistics.median(rates['float32']):6.1f} tok/s, {weights} "
                   f"{statistics.median(rates[weights]):6.1f} tok/s, ratio {statistics.median(ratios):.2f}x "
                   f"({min(ratios):.2f}-{max(ratios):.2f}, {args.repeats} repeats)", flush=True)
+    if args.speed_only:
+        return
     for weights in args.weights:
         stats = agreement(llms["float32"], llms[weights], prompts)
         print(f"{weights} greedy agreement over {len(prompts)} chat answers ({stats['length']:.0f} tokens on "

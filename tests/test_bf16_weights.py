@@ -125,8 +125,6 @@ def test_a_bf16_self_draft_gives_the_float_targets_greedy_output(batch, tokenize
 
 @needs_kernels
 def test_asking_for_bf16_weights_where_they_cannot_run_is_refused_with_the_option_named(tokenizer):
-    with pytest.raises(ConfigError, match=r"quantization 'bf16' runs in the fused decoder"):
-        LLM(tiny_model("llama"), tokenizer, quantization="bf16", fused_decoder=False, kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match=r"quantization 'bf16' multiplies on the native kernels"):
         LLM(tiny_model("llama"), tokenizer, quantization="bf16", native_kernels=False, kv_cache_memory="16MiB")
 

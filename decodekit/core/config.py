@@ -68,10 +68,13 @@ class EngineConfig(BaseModel):
         "Q8_0 weights) through the native kernels: about 2x faster per token at batch 1 on a CPU, no longer exactly "
         "the float model's tokens; 'bf16' multiplies bfloat16 copies in float32 (llama.cpp's bf16 weights): half "
         "the bytes of float32, 2-2.6x faster products of 1-8 rows, 0.85x at 64-128. Both need a float32 model on a "
-        "CPU with a C compiler, and a Llama-family model.")
+        "CPU with a C compiler. Llama-family models get the copies in the fused decoder; other architectures (and "
+        "any model under fused_decoder: false) multiply them in their own linear layers, whose float32 weights a "
+        "model decodekit loaded then frees.")
     draft_quantization: Literal["int8", "bf16"] | None = Field(
         None, description="The same choice for the draft model of speculative decoding; with the draft "
-        "`target` (the target model itself), 'int8' or 'bf16' makes a quantized self-draft.")
+        "`target` (the target model itself), 'int8' or 'bf16' makes a quantized self-draft (a model the fused "
+        "decoder takes).")
 
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Elements of the KV block pool. 'auto': the model's dtype (float32 for a float32 model, "

@@ -73,7 +73,7 @@ class Engine:
         self.draft = draft
         # the draft's options, checked now: a draft the fused decoder cannot take is refused here, not at the
         # first speculative request
-        self.draft_config = draft_config(config, draft) if draft is not None else None
+        self.draft_config = draft_config(config, draft, loaded) if draft is not None else None
         self.components = Components(registry, ComponentInfo(
             loaded.tokenizer, self.vocab_size, self.eos_token_ids, loaded.device, loaded.name, draft,
             open_model=self._open_model, target=loaded))

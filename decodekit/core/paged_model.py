@@ -68,11 +68,14 @@ class PagedModel:
 
     @property
     def forward_name(self) -> str:
-        """How the model runs, for logs: "transformers" (with how many linear layers were re-laid, if any), "fused",
+        """How the model runs, for logs: "transformers" (with how many linear layers were re-laid or quantized, if any),
+        "fused",
         "fused (prepacked weights)" or "fused (int8 weights)"."""
         fused = self.runner.fused
         if fused is None:
-            relaid = getattr(self.runner.model, "decodekit_relaid_linears", 0)
+            relaid, quantization = getattr(self.runner.model, "decodekit_relaid_linears", (0, None))
+            if quantization is not None:
+                return f"transformers ({relaid} linear layers in {quantization})"
             return f"transformers ({relaid} linear layers re-laid)" if relaid else "transformers"
         if fused.quantization is not None:
             return f"fused ({fused.quantization} weights)"

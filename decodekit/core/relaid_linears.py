@@ -14,26 +14,38 @@ loaded itself keeps its module but multiplies through the fused decoder's `_Matr
 
 The module's `forward` is replaced on the instance, so transformers' own code (and `generate` on the same object)
 calls the same products. Only models decodekit loaded are touched, as for the fused decoder.
+
+With a `quantization` ("int8" or "bf16"), each layer instead multiplies through the fused decoder's compressed copies
+(`_Int8Matrix`, `_Bf16Matrix`: the native panel kernels, float32 activations), so every architecture gets the
+quantized weights the fused decoder gives Llama-family models. A model object passed in keeps its weights (its
+forward now runs the compressed products); a model decodekit loaded has each layer's float32 weight freed once its
+copy serves it, except the output embeddings (kept for the input embeddings tied to them and for proposers that
+reuse the LM head).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from decodekit.core.fused_decoder import _Matrix, relay_column_major
+from decodekit.core.fused_decoder import _QUANTIZED, _Matrix, _trim_heap, relay_column_major
 from decodekit.core.native_kernels import NativeKernels
 
 
-def relay_linears(model: Any, prepack: bool, native: NativeKernels | None) -> int:
-    """Re-lay every plain float32 `nn.Linear` of `model` on the CPU and route its forward through a `_Matrix`.
+def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quantization: str | None = None,
+                  release: bool = False) -> int:
+    """Re-lay every plain float32 `nn.Linear` of `model` on the CPU and route its forward through a `_Matrix` (or,
+    with a `quantization`, through a compressed copy of its weight; `native` is then required).
 
     The output embeddings are included; where they are tied to the input embeddings, both keep sharing one
-    parameter. Returns how many linear layers now run this way.
+    parameter. With `release` (a model decodekit loaded), quantized layers' own weights are freed, the output
+    embeddings' excepted. Returns how many linear layers now run this way.
     """
     embeddings = model.get_input_embeddings()
+    head = model.get_output_embeddings()
     count = 0
     with torch.no_grad():
         for module in list(model.modules()):
@@ -41,8 +53,18 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None) -> in
                 continue
             if module.weight.device.type != "cpu" or module.weight.is_meta:
                 continue
-            _route(module, prepack, native, embeddings)
+            if quantization is None:
+                _route(module, prepack, native, embeddings)
+            else:
+                assert native is not None, "quantized products run on the native kernels"
+                matrix = _QUANTIZED[quantization](module.weight, module.bias, native)
+                _set_forward(module, matrix)
+                if release and module is not head:
+                    module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
+                                                             device="meta"), requires_grad=False)
             count += 1
+    if release and quantization is not None:
+        _trim_heap()
     return count
 
 
@@ -53,7 +75,11 @@ def _route(module: nn.Linear, prepack: bool, native: NativeKernels | None, embed
     wide = module.in_features > module.out_features
     col = module.weight.detach().t() if wide else relay_column_major(module, embeddings)
     bias = module.bias.detach() if module.bias is not None else None
-    matrix = _Matrix(col, bias, prepack, native)
+    _set_forward(module, _Matrix(col, bias, prepack, native))
+
+
+def _set_forward(module: nn.Linear, matrix: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Make `matrix` (a `[rows, in] -> [rows, out]` product, bias included) the forward of `module`."""
     out_features = module.out_features
 
     def forward(x: torch.Tensor) -> torch.Tensor:

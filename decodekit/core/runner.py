@@ -200,23 +200,34 @@ def kv_cache_dtype(loaded: LoadedModel, config: EngineConfig) -> torch.dtype:
     return dtype
 
 
-def draft_config(config: EngineConfig, draft: LoadedModel) -> EngineConfig:
+def draft_config(config: EngineConfig, draft: LoadedModel, target: LoadedModel | None = None) -> EngineConfig:
     """The engine options a draft model runs under: the engine's, with `fused_decoder` from
     `draft_fused_decoder` (unset: the target's explicit `fused_decoder` where the draft can follow it, else the
     default rule) and the native kernels only where the draft is fused. Computed when the engine is built, so a
     draft the fused decoder cannot take is refused then (only when `draft_fused_decoder` is True), never at the
     first speculative request.
 
+    A `draft_quantization` runs in the fused decoder where the draft can be fused (copies beside the module), else
+    on the draft's own linear layers (`relaid_linears`), which a self-draft cannot do: it shares the `target`'s
+    modules.
+
     Raises:
-        ConfigError: `draft_fused_decoder` is True but the draft cannot be fused.
+        ConfigError: `draft_fused_decoder` is True but the draft cannot be fused, or a quantized self-draft cannot.
     """
     config = bf16_weights_on_cpu(draft, config, key="draft_quantization")
     setting = config.draft_fused_decoder
     fusable = fused_decoder_refusal(draft.model) is None
     if config.draft_quantization is not None:  # quantized copies leave the module as it is, owned or not
-        if setting is False:
-            raise ConfigError("draft_quantization runs in the fused decoder; leave draft_fused_decoder unset or true")
-        setting = True
+        if setting is False or not fusable:
+            if target is not None and draft.model is target.model:
+                why = ("draft_fused_decoder is false" if setting is False
+                       else f"the fused decoder cannot take it ({fused_decoder_refusal(draft.model)})")
+                raise ConfigError(f"draft_quantization: a quantized self-draft is a compressed copy the fused decoder "
+                                  f"keeps beside the target's own modules, and {why}; draft with a separate model, or "
+                                  "with the n-gram proposer")
+            setting = False
+        else:
+            setting = True
     if setting is None and config.fused_decoder is not None and (fusable or not config.fused_decoder):
         setting = config.fused_decoder  # the target's explicit choice, where the draft can follow it
     key = "draft_quantization" if config.draft_quantization is not None else "draft_fused_decoder"
@@ -242,18 +253,17 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
         ConfigError: an option asks for what cannot run here (each message names the option and says why).
     """
     quantization = config.quantization
-    if quantization is not None and config.fused_decoder is False:
-        raise ConfigError(f"quantization {quantization!r} runs in the fused decoder; leave fused_decoder unset")
     geometry = model_geometry(loaded.model)
     max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
-    # int8 copies leave the module's own weights alone, so a model object passed in can be quantized too
-    fused = wants_fused_decoder(loaded.model, True if quantization else config.fused_decoder, loaded.owned,
-                                key="quantization" if quantization else "fused_decoder")
+    # quantized copies leave the module's own weights alone, so a model object passed in can be quantized in the
+    # fused decoder too; a model it cannot take (or `fused_decoder: false`) quantizes its own linear layers
+    setting = config.fused_decoder
+    if quantization is not None and setting is None and fused_decoder_refusal(loaded.model) is None:
+        setting = True
+    fused = wants_fused_decoder(loaded.model, setting, loaded.owned)
     native = wants_native_kernels(loaded.model, config.native_kernels, quantization is not None) if fused else None
-    if quantization is not None and native is None:
-        raise ConfigError(f"quantization {quantization!r} multiplies on the native kernels, which cannot run here "
-                          f"(they need a CPU, a C compiler, and native_kernels not false; this model is on "
-                          f"{loaded.device})")
+    if quantization is not None and fused and native is None:
+        raise ConfigError(_quantization_refusal(quantization, loaded))
     if not fused:
         relay_unfused_linears(loaded, config)
     graphs = wants_cuda_graphs(loaded, config.cuda_graphs, fused, max_model_len)
@@ -262,18 +272,29 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
                        max_model_len=max_model_len)
 
 
+def _quantization_refusal(quantization: str, loaded: LoadedModel) -> str:
+    return (f"quantization {quantization!r} multiplies on the native kernels, which cannot run here (they need "
+            f"float32 weights on a CPU, a C compiler, and native_kernels not false; this model is {loaded.dtype} on "
+            f"{loaded.device})")
+
+
 def relay_unfused_linears(loaded: LoadedModel, config: EngineConfig) -> int:
     """For a model that runs its own transformers forward: re-lay its linear layers and multiply them the fused
     decoder's way (`relaid_linears`), on a CPU in float32. By default only where decodekit loaded the model itself
     (its weights change layout in place); `native_kernels: true` asks for it on a model object passed in too, and
-    `false` keeps torch's products. Returns how many layers were re-laid.
+    `false` keeps torch's products. With `quantization` the layers multiply compressed copies instead, owned or not
+    (a model decodekit loaded then frees their float32 weights). Returns how many layers now run this way.
 
     Raises:
-        ConfigError: `native_kernels` is true but this cannot run here (the message says why).
+        ConfigError: `native_kernels` is true, or a `quantization` is asked, but this cannot run here (the message
+            says why).
     """
     setting = config.native_kernels
     model = loaded.model
-    if setting is False or (setting is None and not loaded.owned):
+    quantization = config.quantization
+    if quantization is not None and setting is False:
+        raise ConfigError(_quantization_refusal(quantization, loaded))
+    if setting is False or (setting is None and not loaded.owned and quantization is None):
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kernels = load_kernels()
@@ -284,14 +305,23 @@ def relay_unfused_linears(loaded: LoadedModel, config: EngineConfig) -> int:
     elif isinstance(kernels, str):
         reason = kernels
     if reason is not None:
+        if quantization is not None:
+            raise ConfigError(_quantization_refusal(quantization, loaded))
         if setting:
             raise ConfigError(f"native_kernels: {reason}; set native_kernels to false or leave it unset")
         return 0
     assert not isinstance(kernels, str)
-    count = relay_linears(model, wants_prepacking(model, config.prepack_weights), kernels)
-    model.decodekit_relaid_linears = count
-    log.info("%s runs its own forward; %d linear layers re-laid for the native single-row products", loaded.name,
-             count)
+    routed: tuple[int, str | None] | None = getattr(model, "decodekit_relaid_linears", None)
+    if routed is not None:  # the same model object in a second engine: its layers already run their products
+        if routed[1] != quantization:
+            raise ConfigError(f"quantization {quantization!r}: this model object's linear layers already multiply "
+                              f"{routed[1] or 'float32'} products for another engine; load a fresh copy")
+        return routed[0]
+    prepack = quantization is None and wants_prepacking(model, config.prepack_weights)
+    count = relay_linears(model, prepack, kernels, quantization, release=loaded.owned)
+    model.decodekit_relaid_linears = (count, quantization)
+    log.info("%s runs its own forward; %d linear layers %s", loaded.name, count,
+             f"multiply {quantization} copies" if quantization else "re-laid for the native single-row products")
     return count
 
 
