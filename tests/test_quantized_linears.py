@@ -15,7 +15,7 @@ from decodekit.core.fused_decoder import _Int8Matrix, fused_decoder_refusal
 from decodekit.core.native_kernels import load_kernels
 from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
 
 kernels = load_kernels()
 pytestmark = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
@@ -135,6 +135,27 @@ def test_a_separately_loaded_draft_the_fused_decoder_cannot_take_drafts_on_quant
     proposer = llm.engine.components.get("proposers", "draft")
     assert proposer.model.forward_name.endswith("linear layers in int8)")
     assert "in int8" not in llm.engine.model.forward_name
+
+
+def test_a_bfloat16_model_decodekit_loads_runs_bf16_copies_in_float32_and_matches_transformers_float32(saved,
+                                                                                                      tokenizer):
+    """`dtype="bfloat16"` on a CPU for an architecture the fused decoder cannot take: the linear layers multiply bf16
+    copies of its own weights, the rest is widened to float32, the KV cache stays bf16. The tokens are transformers'
+    float32 greedy tokens on the same (bf16-valued) weights with a cache rounding to bf16. A model object passed in
+    keeps its dtype and torch's bf16 forward."""
+    folder, model = saved
+    reference = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
+    llm = LLM(str(folder), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", block_size=4,
+              max_num_batched_tokens=32)
+    assert llm.engine.config.quantization == "bf16" and llm.engine.model.forward_name.endswith("in bf16)")
+    assert llm.engine.kv_cache.pool.dtype == torch.bfloat16
+    assert llm.engine.runner.model.get_input_embeddings().weight.dtype == torch.float32
+    prompts = random_prompts(5, 3, 50, seed=12)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy_bf16_cache(reference, p, 12) for p in prompts]
+    given = LLM(copy.deepcopy(model).to(torch.bfloat16), tokenizer, dtype="bfloat16", device="cpu",
+                kv_cache_memory="16MiB")
+    assert given.engine.config.quantization is None and given.engine.model.forward_name == "transformers"
 
 
 def test_quantization_where_it_cannot_run_is_refused_with_the_option_named(tokenizer):

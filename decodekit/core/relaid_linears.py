@@ -49,7 +49,9 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
     count = 0
     with torch.no_grad():
         for module in list(model.modules()):
-            if type(module) is not nn.Linear or module.weight.dtype != torch.float32:
+            # float32 weights; bf16 ones too for bf16 copies (a bf16 model whose other weights are widened after)
+            dtypes = (torch.float32,) if quantization != "bf16" else (torch.float32, torch.bfloat16)
+            if type(module) is not nn.Linear or module.weight.dtype not in dtypes:
                 continue
             if module.weight.device.type != "cpu" or module.weight.is_meta:
                 continue

@@ -153,7 +153,8 @@ def wants_native_kernels(model: Any, setting: bool | None, quantized: bool = Fal
 
 def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "quantization") -> EngineConfig:
     """`config` with `key` (`quantization` or `draft_quantization`) set to "bf16" where `loaded` is a bfloat16
-    model on a CPU that the fused decoder and its native kernels can run, and nothing else was asked: its weights
+    model on a CPU that the fused decoder and its native kernels can run (or any architecture decodekit loaded
+    itself: its own linear layers then multiply the copies), and nothing else was asked: its weights
     are then multiplied in float32 by the native bf16 product (llama.cpp's bf16 on a CPU), with float32 activations
     (and a bf16 KV cache: `kv_cache_dtype`). torch's own bf16 CPU path rounds every activation to bf16 and measured
     0.1x float32's speed at batch 1 on a 2-core AVX2 CPU (0.68x on an AVX512-BF16 one, issue 21); this one 1.9x
@@ -162,8 +163,11 @@ def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "q
     fused = config.fused_decoder
     if key == "draft_quantization" and config.draft_fused_decoder is not None:
         fused = config.draft_fused_decoder  # else the draft follows the target's choice (`draft_config`)
+    # a model the fused decoder cannot take gets bf16 copies in its own linear layers (`relaid_linears`), and its
+    # other weights widened to float32: only where decodekit loaded it (a model object passed in keeps its dtype)
+    own_layers = fused_decoder_refusal(loaded.model) is not None
     if (loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16 or getattr(config, key) is not None
-            or fused is False or config.native_kernels is False or fused_decoder_refusal(loaded.model) is not None
+            or fused is False or config.native_kernels is False or (own_layers and not loaded.owned)
             or isinstance(load_kernels(), str)):
         return config
     log.info("%s: bfloat16 on a CPU runs as bf16 weights multiplied in float32 (%s bf16); float32 activations",
@@ -299,7 +303,11 @@ def relay_unfused_linears(loaded: LoadedModel, config: EngineConfig) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     kernels = load_kernels()
     reason = None
-    if loaded.device.type != "cpu" or head is None or head.weight.dtype != torch.float32:
+    # a bfloat16 model decodekit loaded has its linear layers' bf16 copies made from its own weights, then the rest
+    # (embeddings, norms) widened to float32: float32 activations, as the fused decoder runs a bf16 model
+    widen = (quantization == "bf16" and loaded.owned and head is not None
+             and head.weight.dtype == torch.bfloat16)
+    if loaded.device.type != "cpu" or head is None or (head.weight.dtype != torch.float32 and not widen):
         dtype = None if head is None else head.weight.dtype
         reason = f"they run float32 on a CPU, not {dtype} on {loaded.device}"
     elif isinstance(kernels, str):
@@ -319,6 +327,8 @@ def relay_unfused_linears(loaded: LoadedModel, config: EngineConfig) -> int:
         return routed[0]
     prepack = quantization is None and wants_prepacking(model, config.prepack_weights)
     count = relay_linears(model, prepack, kernels, quantization, release=loaded.owned)
+    if widen:
+        model.float()
     model.decodekit_relaid_linears = (count, quantization)
     log.info("%s runs its own forward; %d linear layers %s", loaded.name, count,
              f"multiply {quantization} copies" if quantization else "re-laid for the native single-row products")
