@@ -1,4 +1,4 @@
-"""int8 and bf16 weights for every architecture: a model the fused decoder cannot take (Gemma 3, OPT; or any model
+"""int8 and bf16 weights for every architecture: a model the fused decoder cannot take (Gemma 2, OPT; or any model
 under `fused_decoder: false`) multiplies compressed copies of its own linear layers (`relaid_linears`), and its
 tokens are transformers' on the model whose weights are those copies. Refusals name the option."""
 
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernel
 SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 ARCHS = {
-    # tied embeddings, sliding-window and global layers, no biases
-    "gemma3_text": dict(head_dim=16, num_key_value_heads=2, sliding_window=8, query_pre_attn_scalar=16,
-                        tie_word_embeddings=True),
+    # tied embeddings, sliding-window and global layers, soft-capped scores and logits, no biases
+    "gemma2": dict(head_dim=16, num_key_value_heads=2, sliding_window=8, query_pre_attn_scalar=16,
+                   tie_word_embeddings=True),
     # biases on every projection, an MLP of plain linears
     "opt": dict(ffn_dim=128, word_embed_proj_dim=64, tie_word_embeddings=False),
 }
@@ -121,7 +121,7 @@ def test_fused_decoder_false_quantizes_a_llama_models_own_linear_layers(quantiza
 
 
 def test_a_separately_loaded_draft_the_fused_decoder_cannot_take_drafts_on_quantized_weights(saved):
-    """A Gemma 3 / OPT draft with `draft_quantization: int8` beside its float32 self as target: speculation stays
+    """A Gemma 2 / OPT draft with `draft_quantization: int8` beside its float32 self as target: speculation stays
     lossless, and the draft's own weights are freed when it is built."""
     folder, model = saved
     llm = LLM(str(folder), dtype="float32", draft=str(folder), draft_quantization="int8", kv_cache_memory="16MiB",

@@ -1,4 +1,4 @@
-"""Models the fused decoder cannot take (Gemma 3, OPT, ...) have their own linear layers re-laid and multiplied on
+"""Models the fused decoder cannot take (Gemma 2, OPT, ...) have their own linear layers re-laid and multiplied on
 the native kernels when decodekit loads them: same values, same tokens as transformers, any step size; a model
 object passed in is left alone unless `native_kernels: true` asks."""
 
@@ -19,9 +19,9 @@ from tests.conftest import hf_greedy, random_prompts
 SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 ARCHS = {
-    # tied embeddings, sliding-window and global layers, no biases
-    "gemma3_text": dict(head_dim=16, num_key_value_heads=2, sliding_window=8, query_pre_attn_scalar=16,
-                        tie_word_embeddings=True),
+    # tied embeddings, sliding-window and global layers, soft-capped scores and logits, no biases
+    "gemma2": dict(head_dim=16, num_key_value_heads=2, sliding_window=8, query_pre_attn_scalar=16,
+                   tie_word_embeddings=True),
     # biases on every projection, an MLP of plain linears
     "opt": dict(ffn_dim=128, word_embed_proj_dim=64, tie_word_embeddings=False),
 }
@@ -105,7 +105,7 @@ def test_a_draft_model_decodekit_loads_gets_re_laid_linears_and_speculation_stay
         folders[arch] = tmp_path / arch
         _model(arch).save_pretrained(folders[arch])
         tiny_tokenizer().save_pretrained(folders[arch])
-    llm = LLM(str(folders["gemma3_text"]), draft=str(folders["opt"]), dtype="float32", kv_cache_memory="16MiB",
+    llm = LLM(str(folders["gemma2"]), draft=str(folders["opt"]), dtype="float32", kv_cache_memory="16MiB",
               block_size=4)
     prompts = random_prompts(3, 5, 30, seed=6)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, strategy={
@@ -113,5 +113,5 @@ def test_a_draft_model_decodekit_loads_gets_re_laid_linears_and_speculation_stay
     draft = llm.engine.components.get("proposers", "draft").model  # built at first use
     assert "linear layers re-laid" in draft.forward_name
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
-    reference = _model("gemma3_text")
+    reference = _model("gemma2")
     assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 12) for p in prompts]

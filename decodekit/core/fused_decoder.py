@@ -1,10 +1,12 @@
-"""The fused decoder: a lean forward for Llama-family models over the paged KV cache.
+"""The fused decoder: a lean forward for Llama-family models (and Gemma 3) over the paged KV cache.
 
 At batch 1, transformers' modules spent ~25 ms of a ~75 ms SmolLM2 step here outside the matrix products, and
 this CPU's BLAS reads weights stored `[out, in]` at ~11 GB/s for one row but `[in, out]` at ~18.6 GB/s. For
 architectures whose layers are exactly "RMSNorm, attention with RoPE, RMSNorm, SiLU-gated MLP" (Llama, Mistral,
 Qwen2 and their fine-tunes, SmolLM2 among them; Qwen3, whose queries and keys also pass a per-head RMSNorm before
-RoPE) this module runs the same math with fewer, larger operations:
+RoPE; Gemma 3, whose block adds (1 + w) norms, a norm of the attention's and of the MLP's output before each
+residual add, GELU-tanh gating and a RoPE table per layer type) this module runs the same math with fewer, larger
+operations:
 
 - q/k/v and gate/up are fused into one product each; the residual add rides on the output product;
 - weights are re-laid once in column-major order (`[in, out]` contiguous, seen by the model as the same
@@ -54,7 +56,13 @@ from decodekit.core.native_kernels import (
 )
 
 # Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
-FUSABLE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+LLAMA_BLOCK_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                       "Qwen3ForCausalLM"})
+# Causal LMs with Gemma 3's block: the Llama block with (1 + w) RMSNorms, a norm after attention and after the MLP
+# (before each residual add), GELU-tanh gating, per-head query/key norms, and a RoPE table per layer type (local
+# and global layers).
+GEMMA3_BLOCK_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})
+FUSABLE_ARCHITECTURES = LLAMA_BLOCK_ARCHITECTURES | GEMMA3_BLOCK_ARCHITECTURES
 
 
 class _Matrix:
@@ -233,6 +241,13 @@ class _FusedLayer:
     k_norm: torch.Tensor | None = None
     qk_eps: float = 0.0
     window: int | None = None  # the layer's sliding window (Mistral, Qwen2's windowed layers), None: whole context
+    # Gemma 3: the norms of the attention's and the MLP's outputs before each residual add (None: the Llama block,
+    # whose residual add rides on the output product), GELU-tanh gating instead of SiLU, and the layer's RoPE table
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    out_eps: float = 0.0
+    gelu: bool = False
+    rope: str | None = None
 
 
 def fused_decoder_refusal(model: Any) -> str | None:
@@ -241,7 +256,12 @@ def fused_decoder_refusal(model: Any) -> str | None:
     if arch not in FUSABLE_ARCHITECTURES:
         return f"{arch} is not one of {sorted(FUSABLE_ARCHITECTURES)}"
     config = model.config
-    if getattr(config, "hidden_act", None) != "silu":
+    gemma = arch in GEMMA3_BLOCK_ARCHITECTURES
+    if gemma:
+        reason = _gemma3_refusal(model)
+        if reason is not None:
+            return reason
+    elif getattr(config, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
@@ -253,6 +273,8 @@ def fused_decoder_refusal(model: Any) -> str | None:
         qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if any(n is not None for n in qk_norms) and not all(_is_rms_norm(n) for n in qk_norms):
             return "decoder layers differ from the Llama block (query/key norms other than Qwen3's RMSNorms)"
+        if gemma and not all(_is_rms_norm(getattr(layer, n, None)) for n in _GEMMA3_OUTPUT_NORMS):
+            return "decoder layers differ from Gemma 3's block (its output norms)"
         found = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         found += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         parts = [p for p in found if type(p) is nn.Linear]
@@ -261,25 +283,73 @@ def fused_decoder_refusal(model: Any) -> str | None:
         if any(p.bias is not None for p in parts[3:]):
             return "output or MLP projections have a bias"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not hasattr(norm, "variance_epsilon") or getattr(norm, "bias", None) is not None:
+            if not _is_rms_norm(norm):
                 return "a norm is not RMSNorm"
     return None
 
 
+# Gemma 3's decoder-layer norms beyond the Llama block's two
+_GEMMA3_OUTPUT_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def _gemma3_refusal(model: Any) -> str | None:
+    """Why a Gemma 3 model cannot use the fused decoder, or None when it can."""
+    config = model.config
+    if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
+        return f"hidden_activation {getattr(config, 'hidden_activation', None)!r} is not gelu_pytorch_tanh"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "soft-capped attention scores (attn_logit_softcapping) are not in the fused decoder"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    return None
+
+
 def _is_rms_norm(module: Any) -> bool:
-    """An RMSNorm as transformers' Llama-family models define it: a weight, an epsilon, no bias."""
-    return (module is not None and hasattr(module, "variance_epsilon") and hasattr(module, "weight")
-            and getattr(module, "bias", None) is None)
+    """An RMSNorm as transformers' Llama-family (`variance_epsilon`) and Gemma (`eps`) models define it: a weight,
+    an epsilon, no bias."""
+    return (module is not None and (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))
+            and isinstance(getattr(module, "weight", None), torch.Tensor) and getattr(module, "bias", None) is None)
 
 
-def _qk_norms(attn: Any, as_float: bool) -> dict[str, Any]:
-    """The `_FusedLayer` fields of a layer's query/key norms (Qwen3), empty where it has none."""
+def _norm_eps(norm: Any) -> float:
+    """An RMSNorm's epsilon (Llama's `variance_epsilon`, Gemma's `eps`)."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
+def _norm_weight(norm: Any, gemma: bool, as_float: bool = False) -> torch.Tensor:
+    """The weight an RMSNorm multiplies by: its own, or Gemma's `1 + w` (computed in float32, as Gemma does)."""
+    weight = norm.weight.detach()
+    if gemma:
+        return 1.0 + weight.float()
+    return weight.float() if as_float else weight
+
+
+def _qk_norms(attn: Any, as_float: bool, gemma: bool = False) -> dict[str, Any]:
+    """The `_FusedLayer` fields of a layer's query/key norms (Qwen3, Gemma 3), empty where it has none."""
     if getattr(attn, "q_norm", None) is None:
         return {}
-    q_norm, k_norm = attn.q_norm.weight.detach(), attn.k_norm.weight.detach()
-    if as_float:
-        q_norm, k_norm = q_norm.float(), k_norm.float()
-    return {"q_norm": q_norm, "k_norm": k_norm, "qk_eps": float(attn.q_norm.variance_epsilon)}
+    return {"q_norm": _norm_weight(attn.q_norm, gemma, as_float), "k_norm": _norm_weight(attn.k_norm, gemma, as_float),
+            "qk_eps": _norm_eps(attn.q_norm)}
+
+
+def _block_fields(layer: Any, as_float: bool) -> dict[str, Any]:
+    """A decoder layer's `_FusedLayer` fields besides its products: its norms (weights and epsilons), and for
+    Gemma 3 the (1 + w) norms (the pre-MLP norm taking the Llama block's `post_norm` place, the output norms of
+    attention and MLP), GELU gating and the layer's RoPE table. `as_float`: norm weights in float32 (quantized
+    copies meet float32 activations); Gemma's are float32 always."""
+    attn = layer.self_attn
+    if getattr(layer, "pre_feedforward_layernorm", None) is None:
+        return {"input_norm": _norm_weight(layer.input_layernorm, False, as_float),
+                "input_eps": _norm_eps(layer.input_layernorm),
+                "post_norm": _norm_weight(layer.post_attention_layernorm, False, as_float),
+                "post_eps": _norm_eps(layer.post_attention_layernorm), **_qk_norms(attn, as_float)}
+    return {"input_norm": _norm_weight(layer.input_layernorm, True), "input_eps": _norm_eps(layer.input_layernorm),
+            "post_norm": _norm_weight(layer.pre_feedforward_layernorm, True),
+            "post_eps": _norm_eps(layer.pre_feedforward_layernorm),
+            "attn_out_norm": _norm_weight(layer.post_attention_layernorm, True),
+            "mlp_out_norm": _norm_weight(layer.post_feedforward_layernorm, True),
+            "out_eps": _norm_eps(layer.post_attention_layernorm), "gelu": True, "rope": attn.layer_type,
+            **_qk_norms(attn, as_float, gemma=True)}
 
 
 def _layer_window(attn: Any, config: Any) -> int | None:
@@ -404,16 +474,22 @@ class FusedDecoder:
         self.native = native
         self.quantization = quantization
         head_dim = model.model.layers[0].self_attn.head_dim
-        # the GPU path: steps attended by token table run their small ops as Triton kernels (`gpu_ops`)
-        self.gpu_ops = kernel_available(weight.device) and head_dim & (head_dim - 1) == 0
+        gemma = type(model).__name__ in GEMMA3_BLOCK_ARCHITECTURES
+        # the GPU path: steps attended by token table run their small ops as Triton kernels (`gpu_ops`), written for
+        # the Llama block
+        self.gpu_ops = kernel_available(weight.device) and head_dim & (head_dim - 1) == 0 and not gemma
         base = model.model
-        self.embed_tokens = base.embed_tokens
+        self.embed_tokens = base.embed_tokens  # Gemma's scales its rows by sqrt(hidden) itself
         self.rotary_emb = base.rotary_emb
+        # Gemma 3 has a RoPE table per layer type (local and global layers), the Llama block one
+        self.rope_types: list[str] | None = sorted(set(model.config.layer_types)) if gemma else None
+        self.final_softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         # quantized copies are multiplied in float32 whatever the model's dtype (a bf16 model on a CPU: see
         # `runner.bf16_weights_on_cpu`), so the embeddings and norms they meet are float32 too
         self.dtype = torch.float32 if quantization is not None else weight.dtype
-        self.final_norm = base.norm.weight.to(self.dtype)
-        self.final_eps = float(base.norm.variance_epsilon)
+        # Gemma's (1 + w) stays float32: `_rms_norm` then multiplies before rounding to the activations' dtype
+        self.final_norm = _norm_weight(base.norm, gemma) if gemma else base.norm.weight.to(self.dtype)
+        self.final_eps = _norm_eps(base.norm)
         self.last_hidden: torch.Tensor | None = None  # the last call's hidden states at `hidden_index`
         self.prepacked = prepack and quantization is None
         if quantization is not None:
@@ -441,16 +517,12 @@ class FusedDecoder:
             raise ValueError("the fused decoder needs all or none of q/k/v to have a bias")
         qkv_bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         return _FusedLayer(
-            input_norm=layer.input_layernorm.weight.float(),
-            input_eps=float(layer.input_layernorm.variance_epsilon),
             qkv=matrix(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv_bias, native),
             q_heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=attn.k_proj.weight.shape[0] // head_dim,
             o=matrix(attn.o_proj.weight, None, native),
-            post_norm=layer.post_attention_layernorm.weight.float(),
-            post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             gate_up=matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=matrix(mlp.down_proj.weight, None, native),
-            scaling=float(attn.scaling), **_qk_norms(attn, as_float=True), window=_layer_window(attn, attn.config),
+            scaling=float(attn.scaling), window=_layer_window(attn, attn.config), **_block_fields(layer, True),
         )
 
     @staticmethod
@@ -468,14 +540,11 @@ class FusedDecoder:
         # it faster that way (addmm with the residual, cold weights: median 263 vs 319 µs for SmolLM2's 1536x576).
         down_t = mlp.down_proj.weight.detach().t()
         return _FusedLayer(
-            input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
             qkv=_Matrix(_fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), qkv_bias, prepack, native),
             q_heads=q_heads, kv_heads=kv_heads, o=_Matrix(o_t, None, prepack, native),
-            post_norm=layer.post_attention_layernorm.weight,
-            post_eps=float(layer.post_attention_layernorm.variance_epsilon),
             gate_up=_Matrix(_fuse_columns([mlp.gate_proj, mlp.up_proj]), None, prepack, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=_Matrix(down_t, None, prepack, native),
-            scaling=float(attn.scaling), **_qk_norms(attn, as_float=False), window=_layer_window(attn, attn.config),
+            scaling=float(attn.scaling), window=_layer_window(attn, attn.config), **_block_fields(layer, False),
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
@@ -490,37 +559,58 @@ class FusedDecoder:
         whose short-query sequences bring at most `runner.NATIVE_MAX_TOKENS` tokens (long chunks in it get SDPA).
         """
         hidden = self.embed_tokens(input_ids).to(self.dtype)  # [T, hidden]
-        cos, sin = self.rotary_emb(hidden[None], positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim], broadcast over heads
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # see `_rotate`
+        ropes = self._rope_tables(hidden, positions)
         tokens = hidden.shape[0]
         native = self.native
         if native is not None and plan is not None:
-            plan.set_rope(cos[:, 0], sin[:, 0])
+            table: str | None = None
             for index, layer in enumerate(self.layers):
+                if index == 0 or layer.rope != table:
+                    table = layer.rope
+                    plan.set_rope(ropes[table][0][:, 0], ropes[table][1][:, 0])
                 hidden = self._native_layer(native, index, layer, hidden, cache, plan)
             if hidden_index is not None:
                 self.last_hidden = native.rms_norm(hidden.index_select(0, hidden_index), self.final_norm,
                                                    self.final_eps)
             hidden = native.rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
-            return self.lm_head(hidden)
+            return self._logits(hidden)
         layout = cache.layout
         if self.gpu_ops and layout is not None and layout.token_table is not None and not layout.chunks:
-            cos2d, sin2d = cos[:, 0], sin[:, 0]
+            cos2d, sin2d = ropes[None][0][:, 0], ropes[None][1][:, 0]
             delta: torch.Tensor | None = None  # each layer's last product, added to `hidden` by the next norm
             for index, layer in enumerate(self.layers):
                 hidden, delta = self._gpu_layer(index, layer, hidden, delta, cos2d, sin2d, cache, tokens)
             normed = gpu_ops.rms_norm(hidden, self.final_norm, self.final_eps, residual=delta)
             if hidden_index is not None:
                 self.last_hidden = normed.index_select(0, hidden_index)
-            return self.lm_head(normed.index_select(0, logit_index))
+            return self._logits(normed.index_select(0, logit_index))
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, cache, tokens)
+            hidden = self._layer(index, layer, hidden, *ropes[layer.rope], cache, tokens)
         if hidden_index is not None:
             self.last_hidden = _rms_norm(hidden.index_select(0, hidden_index), self.final_norm, self.final_eps)
         hidden = _rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
-        return self.lm_head(hidden)
+        return self._logits(hidden)
+
+    def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor
+                     ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """This step's RoPE tables `(cos, signed_sin)`, `[T, 1, head_dim]` each (broadcast over heads; `signed_sin`
+        as `_rotate` takes it), by layer type for Gemma 3, under None for the Llama block's single table."""
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        keys: list[str | None] = list(self.rope_types) if self.rope_types else [None]
+        for key in keys:
+            extra = () if key is None else (key,)
+            cos, sin = self.rotary_emb(hidden[None], positions[None], *extra)
+            cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+            half = sin.shape[-1] // 2
+            tables[key] = cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return tables
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head on final-norm outputs, soft-capped as the model caps its logits (`final_logit_softcapping`)."""
+        logits = self.lm_head(normed)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     @staticmethod
     def _native_layer(native: NativeKernels, index: int, layer: _FusedLayer, hidden: torch.Tensor,
@@ -541,10 +631,20 @@ class FusedDecoder:
             query, key, value = heads.split([layer.q_heads, layer.kv_heads, layer.kv_heads], dim=1)
             attend_chunks(cache.layout, query, key, value, cache.key_rows[index], cache.value_rows[index],
                           layer.scaling, attended.view(tokens, layer.q_heads, -1), layer.window)
-        hidden = layer.o(attended, residual=hidden)
+        if layer.attn_out_norm is None:
+            hidden = layer.o(attended, residual=hidden)
+        else:  # Gemma 3: the attention's output is normed before the residual add
+            hidden = hidden + native.rms_norm(layer.o(attended), layer.attn_out_norm, layer.out_eps)
         gate_up = layer.gate_up(native.rms_norm(hidden, layer.post_norm, layer.post_eps))
-        gated = _silu_gate(gate_up, layer.intermediate) if tokens > NATIVE_GATING_MAX_ROWS else native.silu_mul(gate_up)
-        return layer.down(gated, residual=hidden)
+        if layer.gelu:
+            gated = _gelu_gate(gate_up, layer.intermediate)
+        elif tokens > NATIVE_GATING_MAX_ROWS:
+            gated = _silu_gate(gate_up, layer.intermediate)
+        else:
+            gated = native.silu_mul(gate_up)
+        if layer.mlp_out_norm is None:
+            return layer.down(gated, residual=hidden)
+        return hidden + native.rms_norm(layer.down(gated), layer.mlp_out_norm, layer.out_eps)
 
     @staticmethod
     def _gpu_layer(index: int, layer: _FusedLayer, hidden: torch.Tensor, delta: torch.Tensor | None,
@@ -578,9 +678,15 @@ class FusedDecoder:
         query, key = _rotate(qk, cos, sin).split([layer.q_heads, layer.kv_heads], dim=1)
         cache.write(index, key, value)
         attended = paged_attention(cache, index, query, key, value, layer.scaling, layer.window)
-        hidden = layer.o(attended.reshape(tokens, -1), residual=hidden)
+        if layer.attn_out_norm is None:
+            hidden = layer.o(attended.reshape(tokens, -1), residual=hidden)
+        else:  # Gemma 3: the attention's output is normed before the residual add
+            hidden = hidden + _rms_norm(layer.o(attended.reshape(tokens, -1)), layer.attn_out_norm, layer.out_eps)
         gate_up = layer.gate_up(_rms_norm(hidden, layer.post_norm, layer.post_eps))
-        return layer.down(_silu_gate(gate_up, layer.intermediate), residual=hidden)
+        gated = (_gelu_gate if layer.gelu else _silu_gate)(gate_up, layer.intermediate)
+        if layer.mlp_out_norm is None:
+            return layer.down(gated, residual=hidden)
+        return hidden + _rms_norm(layer.down(gated), layer.mlp_out_norm, layer.out_eps)
 
 
 def _silu_gate(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
@@ -588,16 +694,24 @@ def _silu_gate(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
 
 
+def _gelu_gate(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """`gelu_tanh(gate) * up` (Gemma's `gelu_pytorch_tanh`) from the fused gate/up product's two halves."""
+    return F.gelu(gate_up[:, :intermediate], approximate="tanh") * gate_up[:, intermediate:]
+
+
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm (float32 statistics), rounding the same way.
+    """transformers' RMSNorm (float32 statistics), rounding the same way: LlamaRMSNorm where `weight` has the
+    activations' dtype, Gemma's where it is float32 under narrower activations.
 
     In float32 the fused `F.rms_norm` kernel gives bit-identical results in one op instead of six (a test holds
-    it to that); other dtypes follow transformers op for op, because it rounds to the model dtype before the
-    weight multiply.
+    it to that). Llama rounds to the model dtype before the weight multiply, followed op for op here; Gemma
+    multiplies by its float32 (1 + w) first and rounds after, which is `F.rms_norm` in float32, then rounded.
     """
     dtype = hidden.dtype
     if dtype == torch.float32:
         return F.rms_norm(hidden, weight.shape, weight, eps)
+    if weight.dtype == torch.float32:
+        return F.rms_norm(hidden.to(torch.float32), weight.shape, weight, eps).to(dtype)
     as_float = hidden.to(torch.float32)
     variance = as_float.pow(2).mean(-1, keepdim=True)
     return weight * (as_float * torch.rsqrt(variance + eps)).to(dtype)

@@ -13,7 +13,12 @@ from decodekit.api.models import LoadedModel
 from decodekit.core.attention_probe import probe_attention
 from decodekit.core.config import EngineConfig
 from decodekit.core.cuda_graphs import DecodeGraphs, GraphCaptureFailed
-from decodekit.core.fused_decoder import FusedDecoder, fused_decoder_refusal, prepacking_available
+from decodekit.core.fused_decoder import (
+    GEMMA3_BLOCK_ARCHITECTURES,
+    FusedDecoder,
+    fused_decoder_refusal,
+    prepacking_available,
+)
 from decodekit.core.gpu_attention import kernel_available
 from decodekit.core.kv_cache import (
     ATTENTION_NAME,
@@ -93,6 +98,12 @@ def wants_fused_decoder(model: Any, setting: bool | None, owned: bool, key: str 
     reason = fused_decoder_refusal(model)
     if setting and reason is not None:
         raise ConfigError(f"{key}: {reason}; set {key} to false or leave it unset")
+    weight = model.get_output_embeddings().weight if reason is None else None
+    if setting is None and weight is not None and weight.device.type == "cpu" and weight.dtype != torch.float32:
+        # torch's bf16 / fp16 products on a CPU, on the fused decoder's column-major weights, ran 10x slower than
+        # transformers' own forward (SmolLM2 bf16 with native_kernels false: 2.4 against 24.8 tok/s, 2-core AVX2);
+        # a bf16 model gets the fused decoder through its bf16 copies instead (`bf16_weights_on_cpu`)
+        reason = f"{weight.dtype} weights on a CPU run faster in transformers' own forward"
     if setting is None and reason is not None:
         log.info("fused decoder off: %s", reason)
     return reason is None and (setting if setting is not None else owned)
@@ -350,6 +361,8 @@ def wants_cuda_graphs(loaded: LoadedModel, setting: bool | None, fused: bool, ma
         reason = f"they need the model on a CUDA device, not {loaded.device}"
     elif not fused:
         reason = "they capture the fused decoder, which is off for this model"
+    elif type(loaded.model).__name__ in GEMMA3_BLOCK_ARCHITECTURES:
+        reason = "the fused decoder's GPU kernels are written for the Llama block, not Gemma 3's"
     elif not kernel_available(loaded.device):
         reason = "the paged-attention kernel needs Triton, which is not installed"
     elif needs_capped_attention(_text_config(loaded.model), max_model_len):

@@ -1,0 +1,175 @@
+"""Gemma 3 through the fused decoder: (1 + w) RMSNorms, norms of the attention's and the MLP's outputs before each
+residual add, GELU-tanh gating, per-head query/key norms, a RoPE table per layer type (local and global layers),
+sliding windows, a tied head and a logit cap, on the native kernels and on torch ops, with float32, int8 and bf16
+weights: token for token what transformers generates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from decodekit import LLM, SamplingParams
+from decodekit.core.fused_decoder import _Int8Matrix, _rms_norm, fused_decoder_refusal
+from decodekit.core.native_kernels import load_kernels
+from decodekit.core.runner import ForwardItem
+from decodekit.models.tiny import tiny_tokenizer
+from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
+
+kernels = load_kernels()
+needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
+
+GEMMA3 = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+              head_dim=16, sliding_window=5, query_pre_attn_scalar=16, tie_word_embeddings=True,
+              final_logit_softcapping=6.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})
+
+
+def gemma3(**overrides) -> torch.nn.Module:
+    """A 3-layer random Gemma 3 (local, global, local) whose norms are away from Gemma's zero init (so (1 + w) is
+    not 1), with a widened head (rare greedy ties) and scaled queries (attention far from uniform)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gemma3_text", **{**GEMMA3, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0.0, 0.3)
+        model.get_output_embeddings().weight.mul_(8.0)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native kernels", "torch ops"])
+def test_gemma3_through_the_fused_decoder_generates_transformers_tokens(native, tokenizer):
+    """Batch 6 with chunked prefill (prompts longer than the window), then n-gram verification steps."""
+    if native and isinstance(kernels, str):
+        pytest.skip(kernels)
+    model = gemma3()
+    assert fused_decoder_refusal(model) is None
+    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24,
+              fused_decoder=True, native_kernels=native)
+    fused = llm.engine.runner.fused
+    assert fused is not None and (fused.native is not None) == native
+    assert [layer.rope for layer in fused.layers] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert [layer.window for layer in fused.layers] == [5, None, 5]
+    prompts = random_prompts(6, 3, 50, seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 16) for p in prompts]
+    copies = [p * 3 for p in random_prompts(3, 4, 9, seed=3)]
+    spec = llm.generate(copies, SamplingParams(max_tokens=16, temperature=0, strategy={
+        "speculative": {"proposer": "ngram", "num_speculative_tokens": 4}}))
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+    assert [o.token_ids for o in spec] == [hf_greedy(model, p, 16) for p in copies]
+
+
+def test_the_local_and_global_rope_tables_differ_so_each_layer_must_take_its_own():
+    model = gemma3()
+    x, positions = torch.zeros(1, 4, 64), torch.arange(40, 44)[None]
+    local = model.model.rotary_emb(x, positions, "sliding_attention")
+    global_ = model.model.rotary_emb(x, positions, "full_attention")
+    assert not torch.allclose(local[0], global_[0], atol=1e-3)
+
+
+def test_logits_and_hidden_states_equal_transformers_including_the_logit_cap(tokenizer):
+    model = gemma3()
+    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", block_size=4, fused_decoder=True)
+    engine = llm.engine
+    prompt = random_prompts(1, 12, 13, seed=2)[0]
+    engine.allocator.allocate(0, [])
+    engine.allocator.ensure_slots(0, 0, len(prompt))
+    item = ForwardItem(prompt, 0, engine.allocator.block_table(0), 1, 1)
+    logits, hidden = engine.runner.forward_with_hidden([item], [])
+    engine.allocator.free(0)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt]), output_hidden_states=True)
+    assert float(logits.abs().max()) <= 6.0  # capped at final_logit_softcapping
+    torch.testing.assert_close(logits[0], reference.logits[0, -1], rtol=1e-5, atol=1e-5)
+    assert hidden is not None
+    torch.testing.assert_close(hidden[0], reference.hidden_states[-1][0, -1], rtol=1e-5, atol=1e-5)
+
+
+def _as_quantized(model, quantization: str):
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                if quantization == "bf16":
+                    module.weight.copy_(module.weight.to(torch.bfloat16).float())
+                else:
+                    matrix = _Int8Matrix(module.weight, None, kernels)  # type: ignore[arg-type]
+                    module.weight.copy_(matrix.weight.float() * matrix.scale[:, None])
+    return reference
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["int8", "bf16"])
+def test_quantized_gemma3_in_the_fused_decoder_generates_transformers_tokens_on_its_quantized_weights(
+        quantization, tokenizer):
+    model = gemma3()
+    reference = _as_quantized(model, quantization)
+    llm = LLM(model, tokenizer, quantization=quantization, kv_cache_memory="16MiB", block_size=4,
+              max_num_batched_tokens=24)
+    assert llm.engine.model.forward_name == f"fused ({quantization} weights)"
+    prompts = random_prompts(5, 3, 40, seed=9)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 12) for p in prompts]
+
+
+def test_a_gemma3_decodekit_loads_runs_fused_by_default(tokenizer, tmp_path):
+    model = gemma3()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", block_size=4)
+    assert llm.engine.model.forward_name.startswith("fused")
+    prompts = random_prompts(3, 3, 30, seed=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]
+
+
+def test_gemma3_variants_the_fused_decoder_does_not_implement_are_refused_with_the_reason():
+    assert "attn_logit_softcapping" in (fused_decoder_refusal(gemma3(attn_logit_softcapping=50.0)) or "")
+    assert "gelu_pytorch_tanh" in (fused_decoder_refusal(gemma3(hidden_activation="silu")) or "")
+
+
+def test_norms_round_as_gemma_and_llama_do_in_narrower_dtypes():
+    """Gemma multiplies by its float32 (1 + w) before rounding to the activations' dtype, Llama rounds first and
+    multiplies by its own-dtype weight: `_rms_norm` tells them by the weight's dtype, bit for bit."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = (torch.randn(7, 64) * 3).to(torch.bfloat16)
+    gemma, llama = Gemma3RMSNorm(64, eps=1e-6), LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        gemma.weight.normal_(0.0, 0.3)
+        llama.weight.normal_(1.0, 0.3)
+    llama = llama.to(torch.bfloat16)
+    assert torch.equal(_rms_norm(x, 1.0 + gemma.weight.float(), 1e-6), gemma(x))
+    assert torch.equal(_rms_norm(x, llama.weight, 1e-6), llama(x))
+
+
+@needs_kernels
+def test_a_bfloat16_gemma3_on_a_cpu_runs_fused_bf16_copies_in_float32(tokenizer, tmp_path):
+    """`dtype="bfloat16"` on a CPU: the fused decoder's bf16 copies, float32 activations, a bf16 KV cache; the
+    tokens are transformers' float32 tokens on the same bf16-valued weights with a cache rounding to bf16."""
+    model = gemma3()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    reference = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", block_size=4)
+    assert llm.engine.model.forward_name == "fused (bf16 weights)"
+    assert llm.engine.kv_cache.pool.dtype == torch.bfloat16
+    prompts = random_prompts(4, 3, 40, seed=13)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy_bf16_cache(reference, p, 12) for p in prompts]
