@@ -76,6 +76,25 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
+def assert_last_logits_and_hidden_match(llm, model, prompt: list[int], cap: float) -> None:
+    """One engine step over `prompt` that also returns hidden states gives transformers' last-position logits (all
+    within the model's logit `cap`) and its last hidden state (after the final norm: the LM head's input)."""
+    from decodekit.core.runner import ForwardItem
+
+    engine = llm.engine
+    engine.allocator.allocate(0, [])
+    engine.allocator.ensure_slots(0, 0, len(prompt))
+    item = ForwardItem(prompt, 0, engine.allocator.block_table(0), 1, 1)
+    logits, hidden = engine.runner.forward_with_hidden([item], [])
+    engine.allocator.free(0)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt]), output_hidden_states=True)
+    assert float(logits.abs().max()) <= cap
+    torch.testing.assert_close(logits[0], reference.logits[0, -1], rtol=1e-5, atol=1e-5)
+    assert hidden is not None
+    torch.testing.assert_close(hidden[0], reference.hidden_states[-1][0, -1], rtol=1e-5, atol=1e-5)
+
+
 class Bf16RoundingCache(DynamicCache):
     """transformers' dynamic cache, storing (and returning) every key and value rounded to bfloat16 and widened
     back: what decodekit's bf16 KV pool holds under float32 activations (`kv_cache_dtype`)."""

@@ -14,10 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
 from decodekit.core.kv_cache import has_attention_sinks, needs_capped_attention, sliding_window
-from decodekit.core.runner import ForwardItem, model_geometry
+from decodekit.core.runner import model_geometry
 from decodekit.errors import UnsupportedModelError
 from decodekit.models.tiny import tiny_model
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import assert_last_logits_and_hidden_match, hf_greedy, random_prompts
 
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -143,19 +143,8 @@ def test_hidden_states_steps_keep_the_models_own_logit_soft_cap(tokenizer):
     Gemma 2's final logit soft-cap still applies; the hidden state is the LM head's input."""
     model = variant_model("gemma2, window 7 and soft-capped scores and logits")
     llm = LLM(model, tokenizer, kv_cache_memory="4MiB", block_size=4)
-    prompt = random_prompts(1, 20, 21, seed=1)[0]
-    engine = llm.engine
-    engine.allocator.allocate(0, [])
-    engine.allocator.ensure_slots(0, 0, len(prompt))
-    item = ForwardItem(prompt, 0, engine.allocator.block_table(0), 1, 1)
-    logits, hidden = engine.runner.forward_with_hidden([item], [])
-    engine.allocator.free(0)
-    with torch.no_grad():
-        reference = model(torch.tensor([prompt]), output_hidden_states=True)
-    assert float(logits.abs().max()) <= 3.0  # capped at final_logit_softcapping
-    torch.testing.assert_close(logits[0], reference.logits[0, -1], rtol=1e-5, atol=1e-5)
-    assert hidden is not None
-    torch.testing.assert_close(hidden[0], reference.hidden_states[-1][0, -1], rtol=1e-5, atol=1e-5)  # after the norm
+    # capped at final_logit_softcapping
+    assert_last_logits_and_hidden_match(llm, model, random_prompts(1, 20, 21, seed=1)[0], cap=3.0)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native kernels", "torch ops"])

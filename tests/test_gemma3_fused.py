@@ -12,11 +12,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_decoder import _Int8Matrix, _rms_norm, fused_decoder_refusal
+from decodekit.core.fused_decoder import _rms_norm, fused_decoder_refusal
 from decodekit.core.native_kernels import load_kernels
-from decodekit.core.runner import ForwardItem
 from decodekit.models.tiny import tiny_tokenizer
-from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
+from tests.conftest import assert_last_logits_and_hidden_match, hf_greedy, hf_greedy_bf16_cache, random_prompts
+from tests.unfused_models import as_quantized
 
 kernels = load_kernels()
 needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
@@ -85,32 +85,8 @@ def test_the_local_and_global_rope_tables_differ_so_each_layer_must_take_its_own
 def test_logits_and_hidden_states_equal_transformers_including_the_logit_cap(tokenizer):
     model = gemma3()
     llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", block_size=4, fused_decoder=True)
-    engine = llm.engine
-    prompt = random_prompts(1, 12, 13, seed=2)[0]
-    engine.allocator.allocate(0, [])
-    engine.allocator.ensure_slots(0, 0, len(prompt))
-    item = ForwardItem(prompt, 0, engine.allocator.block_table(0), 1, 1)
-    logits, hidden = engine.runner.forward_with_hidden([item], [])
-    engine.allocator.free(0)
-    with torch.no_grad():
-        reference = model(torch.tensor([prompt]), output_hidden_states=True)
-    assert float(logits.abs().max()) <= 6.0  # capped at final_logit_softcapping
-    torch.testing.assert_close(logits[0], reference.logits[0, -1], rtol=1e-5, atol=1e-5)
-    assert hidden is not None
-    torch.testing.assert_close(hidden[0], reference.hidden_states[-1][0, -1], rtol=1e-5, atol=1e-5)
-
-
-def _as_quantized(model, quantization: str):
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in reference.modules():
-            if isinstance(module, torch.nn.Linear):
-                if quantization == "bf16":
-                    module.weight.copy_(module.weight.to(torch.bfloat16).float())
-                else:
-                    matrix = _Int8Matrix(module.weight, None, kernels)  # type: ignore[arg-type]
-                    module.weight.copy_(matrix.weight.float() * matrix.scale[:, None])
-    return reference
+    assert llm.engine.runner.fused is not None
+    assert_last_logits_and_hidden_match(llm, model, random_prompts(1, 12, 13, seed=2)[0], cap=6.0)
 
 
 @needs_kernels
@@ -118,7 +94,7 @@ def _as_quantized(model, quantization: str):
 def test_quantized_gemma3_in_the_fused_decoder_generates_transformers_tokens_on_its_quantized_weights(
         quantization, tokenizer):
     model = gemma3()
-    reference = _as_quantized(model, quantization)
+    reference = as_quantized(model, quantization)
     llm = LLM(model, tokenizer, quantization=quantization, kv_cache_memory="16MiB", block_size=4,
               max_num_batched_tokens=24)
     assert llm.engine.model.forward_name == f"fused ({quantization} weights)"

@@ -8,60 +8,22 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_decoder import _Int8Matrix, fused_decoder_refusal
 from decodekit.core.native_kernels import load_kernels
 from decodekit.errors import ConfigError
-from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
+from tests.unfused_models import UNFUSED_ARCHS, as_quantized, save_unfused, unfused_model
 
 kernels = load_kernels()
 pytestmark = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
 
-SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-ARCHS = {
-    # tied embeddings, sliding-window and global layers, soft-capped scores and logits, no biases
-    "gemma2": dict(head_dim=16, num_key_value_heads=2, sliding_window=8, query_pre_attn_scalar=16,
-                   tie_word_embeddings=True),
-    # biases on every projection, an MLP of plain linears
-    "opt": dict(ffn_dim=128, word_embed_proj_dim=64, tie_word_embeddings=False),
-}
-
-
-def _model(arch: str):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **SMALL, **ARCHS[arch]), dtype=torch.float32)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)  # fewer greedy near-ties, as tiny_model does
-    return model.eval()
-
-
-def _as_quantized(model, quantization: str):
-    """A copy of `model` whose every linear weight is what the engine's compressed copy multiplies."""
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in reference.modules():
-            if isinstance(module, torch.nn.Linear):
-                if quantization == "bf16":
-                    module.weight.copy_(module.weight.to(torch.bfloat16).float())
-                else:
-                    matrix = _Int8Matrix(module.weight, None, kernels)  # type: ignore[arg-type]
-                    module.weight.copy_(matrix.weight.float() * matrix.scale[:, None])
-    return reference
-
-
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(scope="module", params=list(UNFUSED_ARCHS))
 def saved(request, tmp_path_factory):
     """(folder, the model as saved)."""
     folder = tmp_path_factory.mktemp(request.param)
-    model = _model(request.param)
-    model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    assert fused_decoder_refusal(model) is not None
-    return folder, model
+    return folder, save_unfused(request.param, folder)
 
 
 @pytest.mark.parametrize("quantization", ["bf16", "int8"])
@@ -69,7 +31,7 @@ def test_a_model_the_fused_decoder_cannot_take_generates_transformers_tokens_on_
         saved, quantization):
     """Batch 6 with chunked prefill (steps of 0, 1, 2-8 and many rows), then n-gram verification."""
     folder, model = saved
-    reference = _as_quantized(model, quantization)
+    reference = as_quantized(model, quantization)
     llm = LLM(str(folder), dtype="float32", quantization=quantization, kv_cache_memory="16MiB", block_size=4,
               max_num_batched_tokens=32)
     assert llm.engine.model.forward_name.endswith(f"linear layers in {quantization})")
@@ -97,9 +59,9 @@ def test_a_loaded_model_frees_its_layer_weights_and_keeps_its_embeddings_and_hea
 
 def test_a_model_object_keeps_its_weights_and_runs_the_quantized_products(tokenizer):
     """A model passed in is quantized (asked by name), never freed: its own forward now multiplies the copies."""
-    model = _model("opt")
+    model = unfused_model("opt")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    reference = _as_quantized(model, "bf16")
+    reference = as_quantized(model, "bf16")
     prompt = random_prompts(1, 5, 20, seed=4)[0]
     llm = LLM(model, tokenizer, quantization="bf16", kv_cache_memory="16MiB", block_size=4)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
@@ -111,7 +73,7 @@ def test_a_model_object_keeps_its_weights_and_runs_the_quantized_products(tokeni
 @pytest.mark.parametrize("quantization", ["bf16", "int8"])
 def test_fused_decoder_false_quantizes_a_llama_models_own_linear_layers(quantization, tokenizer):
     model = tiny_model("llama")
-    reference = _as_quantized(model, quantization)
+    reference = as_quantized(model, quantization)
     llm = LLM(model, tokenizer, quantization=quantization, fused_decoder=False, kv_cache_memory="16MiB",
               block_size=4, max_num_batched_tokens=24)
     assert llm.engine.runner.fused is None and f"in {quantization}" in llm.engine.model.forward_name
@@ -160,15 +122,15 @@ def test_a_bfloat16_model_decodekit_loads_runs_bf16_copies_in_float32_and_matche
 
 def test_quantization_where_it_cannot_run_is_refused_with_the_option_named(tokenizer):
     with pytest.raises(ConfigError, match=r"draft_quantization: a quantized self-draft .*fused decoder cannot take"):
-        LLM(_model("opt"), tokenizer, draft="target", draft_quantization="int8", kv_cache_memory="16MiB")
+        LLM(unfused_model("opt"), tokenizer, draft="target", draft_quantization="int8", kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match=r"draft_quantization: a quantized self-draft .*draft_fused_decoder is false"):
         LLM(tiny_model("llama"), tokenizer, draft="target", draft_quantization="int8", draft_fused_decoder=False,
             kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match=r"quantization 'int8' multiplies on the native kernels"):
-        LLM(_model("opt"), tokenizer, quantization="int8", native_kernels=False, kv_cache_memory="16MiB")
+        LLM(unfused_model("opt"), tokenizer, quantization="int8", native_kernels=False, kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match=r"quantization 'bf16' multiplies on the native kernels.*float16"):
-        LLM(_model("opt").half(), tokenizer, quantization="bf16", kv_cache_memory="16MiB")
-    model = _model("opt")
+        LLM(unfused_model("opt").half(), tokenizer, quantization="bf16", kv_cache_memory="16MiB")
+    model = unfused_model("opt")
     LLM(model, tokenizer, quantization="int8", kv_cache_memory="16MiB")
     with pytest.raises(ConfigError, match=r"already multiply int8 products for another engine"):
         LLM(model, tokenizer, quantization="bf16", kv_cache_memory="16MiB")

@@ -8,42 +8,19 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_decoder import fused_decoder_refusal
 from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_tokenizer
 from tests.conftest import hf_greedy, random_prompts
-
-SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-ARCHS = {
-    # tied embeddings, sliding-window and global layers, soft-capped scores and logits, no biases
-    "gemma2": dict(head_dim=16, num_key_value_heads=2, sliding_window=8, query_pre_attn_scalar=16,
-                   tie_word_embeddings=True),
-    # biases on every projection, an MLP of plain linears
-    "opt": dict(ffn_dim=128, word_embed_proj_dim=64, tie_word_embeddings=False),
-}
+from tests.unfused_models import UNFUSED_ARCHS, save_unfused, unfused_model
 
 
-def _model(arch: str):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **SMALL, **ARCHS[arch]), dtype=torch.float32)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)  # fewer greedy near-ties, as tiny_model does
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(scope="module", params=list(UNFUSED_ARCHS))
 def saved(request, tmp_path_factory):
     """(folder, the model as saved): a model decodekit loads from a folder is its own to re-lay."""
     folder = tmp_path_factory.mktemp(request.param)
-    model = _model(request.param)
-    model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    assert fused_decoder_refusal(model) is not None
-    return folder, model
+    return folder, save_unfused(request.param, folder)
 
 
 def test_a_loaded_model_runs_re_laid_linears_and_generates_transformers_tokens(saved):
@@ -79,7 +56,7 @@ def test_re_laying_keeps_every_weight_value_and_a_tied_head_tied(saved):
 
 
 def test_a_model_object_is_left_alone_unless_native_kernels_is_true(tokenizer):
-    model = _model("opt")
+    model = unfused_model("opt")
     weight = model.get_output_embeddings().weight
     llm = LLM(model, tokenizer, kv_cache_memory="4MiB")
     assert llm.engine.model.forward_name == "transformers" and model.get_output_embeddings().weight is weight
@@ -96,14 +73,14 @@ def test_native_kernels_false_keeps_torchs_products_and_true_refuses_what_cannot
     assert LLM(str(folder), dtype="float32", kv_cache_memory="4MiB",
                native_kernels=False).engine.model.forward_name == "transformers"
     with pytest.raises(ConfigError, match=r"native_kernels: they run float32 on a CPU, not torch\.float16"):
-        LLM(_model("opt").half(), tokenizer, kv_cache_memory="4MiB", native_kernels=True)
+        LLM(unfused_model("opt").half(), tokenizer, kv_cache_memory="4MiB", native_kernels=True)
 
 
 def test_a_draft_model_decodekit_loads_gets_re_laid_linears_and_speculation_stays_lossless(tmp_path):
     folders = {}
-    for arch in ARCHS:
+    for arch in UNFUSED_ARCHS:
         folders[arch] = tmp_path / arch
-        _model(arch).save_pretrained(folders[arch])
+        unfused_model(arch).save_pretrained(folders[arch])
         tiny_tokenizer().save_pretrained(folders[arch])
     llm = LLM(str(folders["gemma2"]), draft=str(folders["opt"]), dtype="float32", kv_cache_memory="16MiB",
               block_size=4)
@@ -113,5 +90,5 @@ def test_a_draft_model_decodekit_loads_gets_re_laid_linears_and_speculation_stay
     draft = llm.engine.components.get("proposers", "draft").model  # built at first use
     assert "linear layers re-laid" in draft.forward_name
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
-    reference = _model("gemma2")
+    reference = unfused_model("gemma2")
     assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 12) for p in prompts]

@@ -1,0 +1,63 @@
+"""Tiny random models of architectures the fused decoder cannot take (Gemma 2, OPT), and the reference a quantized
+engine is meant to equal: shared by the re-laid and quantized linear-layer tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from decodekit.core.fused_decoder import _Int8Matrix
+from decodekit.core.native_kernels import load_kernels
+
+SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+UNFUSED_ARCHS: dict[str, dict[str, Any]] = {
+    # tied embeddings, sliding-window and global layers, soft-capped scores and logits, no biases
+    "gemma2": dict(head_dim=16, num_key_value_heads=2, sliding_window=8, query_pre_attn_scalar=16,
+                   tie_word_embeddings=True),
+    # biases on every projection, an MLP of plain linears
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64, tie_word_embeddings=False),
+}
+
+
+def unfused_model(arch: str) -> Any:
+    """A 2-layer random model of `arch` (a key of `UNFUSED_ARCHS`), its head widened as `tiny_model` does."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, **SMALL, **UNFUSED_ARCHS[arch])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # fewer greedy near-ties
+    return model.eval()
+
+
+def save_unfused(arch: str, folder: Any) -> Any:
+    """Save `unfused_model(arch)` and the tiny tokenizer as a local HF folder (a model decodekit loads is its own to
+    re-lay and quantize); returns the model as saved."""
+    from decodekit.core.fused_decoder import fused_decoder_refusal
+    from decodekit.models.tiny import tiny_tokenizer
+
+    model = unfused_model(arch)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    assert fused_decoder_refusal(model) is not None
+    return model
+
+
+def as_quantized(model: Any, quantization: str) -> Any:
+    """A copy of `model` whose every linear weight is what an engine's `quantization` copy multiplies: bf16-rounded,
+    or int8 with one scale per output row, dequantized."""
+    import copy
+
+    kernels = load_kernels()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                if quantization == "bf16":
+                    module.weight.copy_(module.weight.to(torch.bfloat16).float())
+                else:
+                    matrix = _Int8Matrix(module.weight, None, kernels)  # type: ignore[arg-type]
+                    module.weight.copy_(matrix.weight.float() * matrix.scale[:, None])
+    return reference
