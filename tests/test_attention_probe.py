@@ -60,6 +60,14 @@ def test_an_attention_keyword_the_paged_attention_does_not_implement_refuses_the
         LLM(model, tokenizer)
 
 
+def test_a_model_whose_attention_is_bidirectional_is_refused(tokenizer):
+    """Gemma 3 with `use_bidirectional_attention` (EmbeddingGemma's setting) marks its attention non-causal, which
+    SDPA reads from the module; the paged attention would serve it causally."""
+    model = _model("gemma3_text", head_dim=16, query_pre_attn_scalar=16, use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedModelError, match=r"bidirectional \(is_causal false\)"):
+        LLM(model, tokenizer)
+
+
 def test_the_kv_pool_takes_the_width_the_layers_write_when_the_config_misstates_it(tokenizer):
     """GPT-NeoX has no grouped-query attention; a config carrying `num_key_value_heads` anyway used to get a pool half
     as wide as its keys, and every request failed."""

@@ -44,6 +44,9 @@ class AttentionProbe:
 
     def refusal(self, arch: str) -> str | None:
         """Why the paged attention cannot serve these layers, or None where it can."""
+        if "is_causal" in self.keywords:
+            return (f"{arch}: its attention is bidirectional (is_causal false), and decodekit's paged attention is "
+                    "causal; it serves decoder-only language models")
         unknown = sorted(self.keywords - HANDLED_KEYWORDS - INERT_KEYWORDS)
         if unknown:
             return (f"{arch}: its attention passes {unknown} to the attention function, which decodekit's paged "
@@ -64,6 +67,8 @@ def _recording_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     keywords = {name for name, v in kwargs.items() if v is not None and not (name == "is_causal" and v is True)}
     if attention_mask is not None:
         keywords.add("attention_mask")
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:  # SDPA reads the module's flag too
+        keywords.add("is_causal")
     _RECORDS.append((getattr(module, "layer_idx", None), (int(key.shape[1]), int(key.shape[3])), keywords))
     batch, heads, tokens, _ = query.shape
     return query.new_zeros(batch, tokens, heads, value.shape[-1]), None
