@@ -93,9 +93,11 @@ def test_native_silu_gating_matches_torch(native, rows, inter, seed):
     torch.testing.assert_close(native.silu_mul(gate_up), want, rtol=1e-6, atol=1e-7)
 
 
-def _reference_attention(queries, keys, values, scale):
-    """softmax(q k^T * scale) v in float64 for one query head over its keys."""
+def _reference_attention(queries, keys, values, scale, softcap=None):
+    """softmax(q k^T * scale) v in float64 for one query head over its keys (scores soft-capped by `softcap`)."""
     scores = (queries.double() @ keys.double().T) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     return (torch.softmax(scores, dim=-1) @ values.double()).float()
 
 
@@ -104,13 +106,14 @@ def _reference_attention(queries, keys, values, scale):
        dim=st.sampled_from([8, 64, 72, 128]), query_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4),
        contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), max_query=st.sampled_from([2, 16]),
        kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=st.sampled_from([None, 1, 3, 17]),
-       seed=st.integers(0, 2**16))
+       softcap=st.sampled_from([None, 0.5, 5.0]), seed=st.integers(0, 2**16))
 def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native, block_size, kv_heads, group, dim,
                                                                           query_lens, contexts, max_query, kv_dtype,
-                                                                          window, seed):
+                                                                          window, softcap, seed):
     # Sequences with more than `max_query` new tokens stand for prefill chunks: rotated and stored, not attended.
     # A bfloat16 pool (`kv_cache_dtype`) must hold exactly torch's rounding of the keys and values, and attention
-    # must be the float32 attention over those stored values; with a sliding `window`, over the last `window` keys.
+    # must be the float32 attention over those stored values; with a sliding `window`, over the last `window` keys;
+    # with a `softcap` (Gemma 2), of capped scores.
     heads = kv_heads * group
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -139,7 +142,7 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
     assert plan.has_chunks == any(q > max_query for q in query_lens)
     plan.set_rope(cos, sin)
     rotated = qkv.clone()
-    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3, window)
+    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3, window, softcap)
 
     assert torch.equal(key_pool, want_keys), "rotated keys must land bit-exactly at their slots"
     assert torch.equal(value_pool, want_values)
@@ -156,7 +159,7 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
             seen = seen[-window:] if window else seen
             for h in range(heads):
                 want = _reference_attention(query[token, h][None], want_keys[seen, h // group].float(),
-                                            want_values[seen, h // group].float(), 0.3)[0]
+                                            want_values[seen, h // group].float(), 0.3, softcap)[0]
                 torch.testing.assert_close(out[token, h], want, rtol=1e-5, atol=1e-5)
             token += 1
 

@@ -1,12 +1,13 @@
-"""The fused decoder: a lean forward for Llama-family models (and Gemma 3) over the paged KV cache.
+"""The fused decoder: a lean forward for Llama-family and Gemma models over the paged KV cache.
 
 At batch 1, transformers' modules spent ~25 ms of a ~75 ms SmolLM2 step here outside the matrix products, and
 this CPU's BLAS reads weights stored `[out, in]` at ~11 GB/s for one row but `[in, out]` at ~18.6 GB/s. For
 architectures whose layers are exactly "RMSNorm, attention with RoPE, RMSNorm, SiLU-gated MLP" (Llama, Mistral,
 Qwen2 and their fine-tunes, SmolLM2 among them; Qwen3, whose queries and keys also pass a per-head RMSNorm before
-RoPE; Gemma 3, whose block adds (1 + w) norms, a norm of the attention's and of the MLP's output before each
-residual add, GELU-tanh gating and a RoPE table per layer type) this module runs the same math with fewer, larger
-operations:
+RoPE; Gemma, whose block has (1 + w) norms and GELU-tanh gating; Gemma 2, which adds a norm of the attention's and
+of the MLP's output before each residual add, local layers and soft-capped scores and logits; Gemma 3, with Qwen3's
+query/key norms instead of the score cap and a RoPE table per layer type) this module runs the same math with
+fewer, larger operations:
 
 - q/k/v and gate/up are fused into one product each; the residual add rides on the output product;
 - weights are re-laid once in column-major order (`[in, out]` contiguous, seen by the model as the same
@@ -58,11 +59,13 @@ from decodekit.core.native_kernels import (
 # Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
 LLAMA_BLOCK_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                        "Qwen3ForCausalLM"})
-# Causal LMs with Gemma 3's block: the Llama block with (1 + w) RMSNorms, a norm after attention and after the MLP
-# (before each residual add), GELU-tanh gating, per-head query/key norms, and a RoPE table per layer type (local
-# and global layers).
-GEMMA3_BLOCK_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})
-FUSABLE_ARCHITECTURES = LLAMA_BLOCK_ARCHITECTURES | GEMMA3_BLOCK_ARCHITECTURES
+# Causal LMs with Gemma's blocks: the Llama block with (1 + w) RMSNorms, GELU-tanh gating and scaled embeddings
+# (Gemma); plus a norm after attention and after the MLP, before each residual add, local and global layers and
+# soft-capped scores and logits (Gemma 2); Gemma 2's block with per-head query/key norms instead of the score cap and
+# a RoPE table per layer type (Gemma 3).
+GEMMA_ARCHITECTURES = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+GEMMA3_BLOCK_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})  # a RoPE table per layer type
+FUSABLE_ARCHITECTURES = LLAMA_BLOCK_ARCHITECTURES | GEMMA_ARCHITECTURES
 
 
 class _Matrix:
@@ -241,8 +244,10 @@ class _FusedLayer:
     k_norm: torch.Tensor | None = None
     qk_eps: float = 0.0
     window: int | None = None  # the layer's sliding window (Mistral, Qwen2's windowed layers), None: whole context
-    # Gemma 3: the norms of the attention's and the MLP's outputs before each residual add (None: the Llama block,
-    # whose residual add rides on the output product), GELU-tanh gating instead of SiLU, and the layer's RoPE table
+    # Gemma 2 and 3: the norms of the attention's and the MLP's outputs before each residual add (None: the Llama
+    # block, whose residual add rides on the output product); Gemma: GELU-tanh gating instead of SiLU; Gemma 2: the
+    # score cap; Gemma 3: the layer's RoPE table
+    softcap: float | None = None
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     out_eps: float = 0.0
@@ -256,9 +261,9 @@ def fused_decoder_refusal(model: Any) -> str | None:
     if arch not in FUSABLE_ARCHITECTURES:
         return f"{arch} is not one of {sorted(FUSABLE_ARCHITECTURES)}"
     config = model.config
-    gemma = arch in GEMMA3_BLOCK_ARCHITECTURES
+    gemma = arch in GEMMA_ARCHITECTURES
     if gemma:
-        reason = _gemma3_refusal(model)
+        reason = _gemma_refusal(model)
         if reason is not None:
             return reason
     elif getattr(config, "hidden_act", None) != "silu":
@@ -273,8 +278,9 @@ def fused_decoder_refusal(model: Any) -> str | None:
         qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
         if any(n is not None for n in qk_norms) and not all(_is_rms_norm(n) for n in qk_norms):
             return "decoder layers differ from the Llama block (query/key norms other than Qwen3's RMSNorms)"
-        if gemma and not all(_is_rms_norm(getattr(layer, n, None)) for n in _GEMMA3_OUTPUT_NORMS):
-            return "decoder layers differ from Gemma 3's block (its output norms)"
+        if arch != "GemmaForCausalLM" and gemma and not all(_is_rms_norm(getattr(layer, n, None))
+                                                            for n in _GEMMA_OUTPUT_NORMS):
+            return f"decoder layers differ from {arch}'s block (its output norms)"
         found = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         found += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         parts = [p for p in found if type(p) is nn.Linear]
@@ -288,17 +294,17 @@ def fused_decoder_refusal(model: Any) -> str | None:
     return None
 
 
-# Gemma 3's decoder-layer norms beyond the Llama block's two
-_GEMMA3_OUTPUT_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+# Gemma 2 and 3's decoder-layer norms beyond the Llama block's two
+_GEMMA_OUTPUT_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
-def _gemma3_refusal(model: Any) -> str | None:
-    """Why a Gemma 3 model cannot use the fused decoder, or None when it can."""
+def _gemma_refusal(model: Any) -> str | None:
+    """Why a Gemma model cannot use the fused decoder, or None when it can."""
     config = model.config
-    if getattr(config, "hidden_activation", None) != "gelu_pytorch_tanh":
-        return f"hidden_activation {getattr(config, 'hidden_activation', None)!r} is not gelu_pytorch_tanh"
-    if getattr(config, "attn_logit_softcapping", None):
-        return "soft-capped attention scores (attn_logit_softcapping) are not in the fused decoder"
+    # Gemma reads `hidden_act`, Gemma 2 and 3 `hidden_activation`
+    key = "hidden_act" if type(model).__name__ == "GemmaForCausalLM" else "hidden_activation"
+    if getattr(config, key, None) != "gelu_pytorch_tanh":
+        return f"{key} {getattr(config, key, None)!r} is not gelu_pytorch_tanh"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"
     return None
@@ -332,24 +338,27 @@ def _qk_norms(attn: Any, as_float: bool, gemma: bool = False) -> dict[str, Any]:
             "qk_eps": _norm_eps(attn.q_norm)}
 
 
-def _block_fields(layer: Any, as_float: bool) -> dict[str, Any]:
-    """A decoder layer's `_FusedLayer` fields besides its products: its norms (weights and epsilons), and for
-    Gemma 3 the (1 + w) norms (the pre-MLP norm taking the Llama block's `post_norm` place, the output norms of
-    attention and MLP), GELU gating and the layer's RoPE table. `as_float`: norm weights in float32 (quantized
-    copies meet float32 activations); Gemma's are float32 always."""
+def _block_fields(layer: Any, as_float: bool, gemma: bool, rope_by_type: bool) -> dict[str, Any]:
+    """A decoder layer's `_FusedLayer` fields besides its products: its norms (weights and epsilons), and for Gemma
+    the (1 + w) norms (float32 always) and GELU gating; for Gemma 2 and 3 the pre-MLP norm taking the Llama block's
+    `post_norm` place, the output norms of attention and MLP, and the score cap; with `rope_by_type` (Gemma 3) the
+    layer's RoPE table. `as_float`: the Llama block's norm weights in float32 (quantized copies meet float32
+    activations)."""
     attn = layer.self_attn
+    fields: dict[str, Any] = {
+        "input_norm": _norm_weight(layer.input_layernorm, gemma, as_float),
+        "input_eps": _norm_eps(layer.input_layernorm), **_qk_norms(attn, as_float, gemma), "gelu": gemma,
+        "softcap": getattr(attn, "attn_logit_softcapping", None) or None,
+        "rope": attn.layer_type if rope_by_type else None,
+    }
     if getattr(layer, "pre_feedforward_layernorm", None) is None:
-        return {"input_norm": _norm_weight(layer.input_layernorm, False, as_float),
-                "input_eps": _norm_eps(layer.input_layernorm),
-                "post_norm": _norm_weight(layer.post_attention_layernorm, False, as_float),
-                "post_eps": _norm_eps(layer.post_attention_layernorm), **_qk_norms(attn, as_float)}
-    return {"input_norm": _norm_weight(layer.input_layernorm, True), "input_eps": _norm_eps(layer.input_layernorm),
-            "post_norm": _norm_weight(layer.pre_feedforward_layernorm, True),
+        return {**fields, "post_norm": _norm_weight(layer.post_attention_layernorm, gemma, as_float),
+                "post_eps": _norm_eps(layer.post_attention_layernorm)}
+    return {**fields, "post_norm": _norm_weight(layer.pre_feedforward_layernorm, True),
             "post_eps": _norm_eps(layer.pre_feedforward_layernorm),
             "attn_out_norm": _norm_weight(layer.post_attention_layernorm, True),
             "mlp_out_norm": _norm_weight(layer.post_feedforward_layernorm, True),
-            "out_eps": _norm_eps(layer.post_attention_layernorm), "gelu": True, "rope": attn.layer_type,
-            **_qk_norms(attn, as_float, gemma=True)}
+            "out_eps": _norm_eps(layer.post_attention_layernorm)}
 
 
 def _layer_window(attn: Any, config: Any) -> int | None:
@@ -474,7 +483,7 @@ class FusedDecoder:
         self.native = native
         self.quantization = quantization
         head_dim = model.model.layers[0].self_attn.head_dim
-        gemma = type(model).__name__ in GEMMA3_BLOCK_ARCHITECTURES
+        gemma = type(model).__name__ in GEMMA_ARCHITECTURES
         # the GPU path: steps attended by token table run their small ops as Triton kernels (`gpu_ops`), written for
         # the Llama block
         self.gpu_ops = kernel_available(weight.device) and head_dim & (head_dim - 1) == 0 and not gemma
@@ -482,7 +491,8 @@ class FusedDecoder:
         self.embed_tokens = base.embed_tokens  # Gemma's scales its rows by sqrt(hidden) itself
         self.rotary_emb = base.rotary_emb
         # Gemma 3 has a RoPE table per layer type (local and global layers), the Llama block one
-        self.rope_types: list[str] | None = sorted(set(model.config.layer_types)) if gemma else None
+        by_type = type(model).__name__ in GEMMA3_BLOCK_ARCHITECTURES
+        self.rope_types: list[str] | None = sorted(set(model.config.layer_types)) if by_type else None
         self.final_softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         # quantized copies are multiplied in float32 whatever the model's dtype (a bf16 model on a CPU: see
         # `runner.bf16_weights_on_cpu`), so the embeddings and norms they meet are float32 too
@@ -496,18 +506,19 @@ class FusedDecoder:
             assert native is not None
             matrix = _QUANTIZED[quantization]
             with torch.no_grad():
-                self.layers = [self._quantize(layer, matrix, native) for layer in base.layers]
+                self.layers = [self._quantize(layer, matrix, native, gemma, by_type) for layer in base.layers]
                 self.lm_head: _AnyMatrix = matrix(model.lm_head.weight, None, native)
             return
         with torch.no_grad():
-            self.layers = [self._fuse(layer, prepack, native) for layer in base.layers]
+            self.layers = [self._fuse(layer, prepack, native, gemma, by_type) for layer in base.layers]
             head = model.lm_head
             # A tied head shares the embedding's Parameter: re-laying it makes embedding lookups strided reads
             # (~2 ms per 256 prompt tokens here) but saves a second vocabulary-sized matrix.
             self.lm_head = _Matrix(relay_column_major(head, self.embed_tokens), None, prepack, native)
 
     @staticmethod
-    def _quantize(layer: Any, matrix: type[_Int8Matrix] | type[_Bf16Matrix], native: NativeKernels) -> _FusedLayer:
+    def _quantize(layer: Any, matrix: type[_Int8Matrix] | type[_Bf16Matrix], native: NativeKernels, gemma: bool,
+                  rope_by_type: bool) -> _FusedLayer:
         """The layer's products as compressed copies (`matrix`: q/k/v and gate/up fused by rows); the module is not
         touched."""
         attn, mlp = layer.self_attn, layer.mlp
@@ -522,11 +533,13 @@ class FusedDecoder:
             o=matrix(attn.o_proj.weight, None, native),
             gate_up=matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=matrix(mlp.down_proj.weight, None, native),
-            scaling=float(attn.scaling), window=_layer_window(attn, attn.config), **_block_fields(layer, True),
+            scaling=float(attn.scaling), window=_layer_window(attn, attn.config),
+            **_block_fields(layer, True, gemma, rope_by_type),
         )
 
     @staticmethod
-    def _fuse(layer: Any, prepack: bool, native: NativeKernels | None) -> _FusedLayer:
+    def _fuse(layer: Any, prepack: bool, native: NativeKernels | None, gemma: bool, rope_by_type: bool
+              ) -> _FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         head_dim = int(attn.head_dim)
         q_heads, kv_heads = attn.q_proj.weight.shape[0] // head_dim, attn.k_proj.weight.shape[0] // head_dim
@@ -544,7 +557,8 @@ class FusedDecoder:
             q_heads=q_heads, kv_heads=kv_heads, o=_Matrix(o_t, None, prepack, native),
             gate_up=_Matrix(_fuse_columns([mlp.gate_proj, mlp.up_proj]), None, prepack, native),
             intermediate=mlp.gate_proj.weight.shape[0], down=_Matrix(down_t, None, prepack, native),
-            scaling=float(attn.scaling), window=_layer_window(attn, attn.config), **_block_fields(layer, False),
+            scaling=float(attn.scaling), window=_layer_window(attn, attn.config),
+            **_block_fields(layer, False, gemma, rope_by_type),
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
@@ -624,13 +638,13 @@ class FusedDecoder:
         qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps))
         _norm_queries_and_keys(layer, qkv, tokens)
         attended = native.rope_cache_attend(qkv, layer.q_heads, layer.kv_heads, cache.key_slots[index],
-                                            cache.value_slots[index], plan, layer.scaling, layer.window)
+                                            cache.value_slots[index], plan, layer.scaling, layer.window, layer.softcap)
         if plan.has_chunks:
             assert cache.layout is not None
             heads = qkv.view(tokens, -1, cache.key_slots[index].shape[-1])
             query, key, value = heads.split([layer.q_heads, layer.kv_heads, layer.kv_heads], dim=1)
             attend_chunks(cache.layout, query, key, value, cache.key_rows[index], cache.value_rows[index],
-                          layer.scaling, attended.view(tokens, layer.q_heads, -1), layer.window)
+                          layer.scaling, attended.view(tokens, layer.q_heads, -1), layer.window, layer.softcap)
         if layer.attn_out_norm is None:
             hidden = layer.o(attended, residual=hidden)
         else:  # Gemma 3: the attention's output is normed before the residual add
@@ -677,7 +691,7 @@ class FusedDecoder:
         qk, value = qkv.view(tokens, -1, head_dim).split([layer.q_heads + layer.kv_heads, layer.kv_heads], dim=1)
         query, key = _rotate(qk, cos, sin).split([layer.q_heads, layer.kv_heads], dim=1)
         cache.write(index, key, value)
-        attended = paged_attention(cache, index, query, key, value, layer.scaling, layer.window)
+        attended = paged_attention(cache, index, query, key, value, layer.scaling, layer.window, layer.softcap)
         if layer.attn_out_norm is None:
             hidden = layer.o(attended.reshape(tokens, -1), residual=hidden)
         else:  # Gemma 3: the attention's output is normed before the residual add

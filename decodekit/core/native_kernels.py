@@ -202,7 +202,7 @@ class NativeKernels:
         self._silu_mul.argtypes = [_p, _p, _i, _i]
         self._silu_mul.restype = None
         self._attend = lib.dk_rope_cache_attend
-        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _i, _i, _p]
+        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _i, _f, _i, _p]
         self._attend.restype = ctypes.c_int
         self._linear_i8 = lib.dk_linear_i8
         self._linear_i8.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p, _i]
@@ -299,14 +299,15 @@ class NativeKernels:
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,
                           value_slots: torch.Tensor, plan: DecodeAttentionPlan, scaling: float,
-                          window: int | None = None) -> torch.Tensor:
+                          window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """RoPE on `qkv`'s query and key heads (in place), KV write to the pool, attention; returns `[T, H * D]`.
 
         `qkv` is `[T, (heads + 2 * kv_heads) * D]` float32, contiguous; `key_slots`/`value_slots` are one layer's
         `[slots, kv_heads, D]` pool views, float32 or bfloat16 (keys and values are then stored rounded to nearest
         even, as `.to(torch.bfloat16)` does, and widened as they are read: the arithmetic stays float32); `plan`
         (with `set_rope` called) says where each query's keys are; with a `window`, each query attends only the last
-        `window` of them (transformers' `sliding_window`). The
+        `window` of them (transformers' `sliding_window`); with a `softcap`, scores are capped to
+        `softcap * tanh(score / softcap)` (Gemma 2). The
         rows of tokens the plan leaves out (key length 0) are not written: the caller attends them. From
         `PARALLEL_MIN_KEYS` keys read, the attention is split over torch's threads (when built with OpenMP); every
         (token, kv head) item is computed as on one thread, so the result does not depend on the split.
@@ -321,7 +322,8 @@ class NativeKernels:
         cos, sin, slots, tables, table_start, key_len = plan.pointers
         status = self._attend(qkv.data_ptr(), plan.tokens, heads, kv_heads, dim, cos, sin, key_slots.data_ptr(),
                               value_slots.data_ptr(), slots, tables, table_start, key_len, plan.block_size, scaling,
-                              PARALLEL_MIN_KEYS, window or 0, int(key_slots.dtype == torch.bfloat16), out.data_ptr())
+                              PARALLEL_MIN_KEYS, window or 0, softcap or 0.0, int(key_slots.dtype == torch.bfloat16),
+                              out.data_ptr())
         if status != 0:
             raise MemoryError("native attention could not allocate its scratch memory")
         return out

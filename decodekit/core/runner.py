@@ -14,7 +14,7 @@ from decodekit.core.attention_probe import probe_attention
 from decodekit.core.config import EngineConfig
 from decodekit.core.cuda_graphs import DecodeGraphs, GraphCaptureFailed
 from decodekit.core.fused_decoder import (
-    GEMMA3_BLOCK_ARCHITECTURES,
+    GEMMA_ARCHITECTURES,
     FusedDecoder,
     fused_decoder_refusal,
     prepacking_available,
@@ -361,8 +361,8 @@ def wants_cuda_graphs(loaded: LoadedModel, setting: bool | None, fused: bool, ma
         reason = f"they need the model on a CUDA device, not {loaded.device}"
     elif not fused:
         reason = "they capture the fused decoder, which is off for this model"
-    elif type(loaded.model).__name__ in GEMMA3_BLOCK_ARCHITECTURES:
-        reason = "the fused decoder's GPU kernels are written for the Llama block, not Gemma 3's"
+    elif type(loaded.model).__name__ in GEMMA_ARCHITECTURES:
+        reason = "the fused decoder's GPU kernels are written for the Llama block, not Gemma's"
     elif not kernel_available(loaded.device):
         reason = "the paged-attention kernel needs Triton, which is not installed"
     elif needs_capped_attention(_text_config(loaded.model), max_model_len):

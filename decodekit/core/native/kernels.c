@@ -217,7 +217,7 @@ static int rope_store(float* qkv, int64_t tokens, int64_t heads, int64_t kv_head
 KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_end, int64_t heads, int64_t kv_heads,
                           int64_t dim, const void* kpool, const void* vpool, const int64_t* tables,
                           const int64_t* table_start, const int64_t* key_len, int64_t block_size, float scale,
-                          int64_t window, float* out, int kv_bf16) {
+                          int64_t window, float softcap, float* out, int kv_bf16) {
     if (item_begin >= item_end) return 0;
     int64_t width = (heads + 2 * kv_heads) * dim;
     int64_t group = heads / kv_heads;
@@ -257,6 +257,9 @@ KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_en
                 scores[h * n + j] = dot_kv(qg + h * dim, key, dim, kv_bf16) * scale;
             }
         }
+        /* Gemma 2's soft-capped scores, as transformers computes them: cap * tanh(score / cap) */
+        if (softcap > 0)
+            for (int64_t j = 0; j < group * n; ++j) scores[j] = tanhf(scores[j] / softcap) * softcap;
         for (int64_t h = 0; h < group; ++h) {
             float* sc = scores + h * n;
             float m = sc[0];
@@ -306,7 +309,8 @@ int dk_parallel(void) {
 /* One decoder layer's attention for the tokens of a step that belong to sequences scoring a few new tokens
  * (decode, speculative verification, beams): RoPE and KV write for all T tokens (rope_store), then attention
  * (attend_items) for all of them: every write happens before any read, so queries of one sequence see each
- * other's keys (causality comes from key_len; a `window` > 0 keeps each query's last `window` keys). The pools
+ * other's keys (causality comes from key_len; a `window` > 0 keeps each query's last `window` keys; a `softcap` > 0
+ * caps each score to softcap * tanh(score / softcap)). The pools
  * hold float32, or bfloat16 where `kv_bf16` is non-zero
  * (written rounded to nearest even, read widened: float32 arithmetic either way). With OpenMP and at least
  * `parallel_min_keys` keys to read, the attention is cut into one range of about equal work per thread. Returns 0,
@@ -315,7 +319,7 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
                          const float* cos, const float* signed_sin, void* kpool, void* vpool,
                          const int64_t* slots, const int64_t* tables, const int64_t* table_start,
                          const int64_t* key_len, int64_t block_size, float scale, int64_t parallel_min_keys,
-                         int64_t window, int64_t kv_bf16, float* out) {
+                         int64_t window, float softcap, int64_t kv_bf16, float* out) {
     if (rope_store(qkv, tokens, heads, kv_heads, dim, cos, signed_sin, kpool, vpool, slots, kv_bf16 != 0) != 0)
         return -1;
     int64_t total = 0;
@@ -334,10 +338,10 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
         /* two inlined copies of attend_items, one per pool element (its flag a constant in each) */
         if (kv_bf16)
             failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
-                                  block_size, scale, window, out, 1) != 0;
+                                  block_size, scale, window, softcap, out, 1) != 0;
         else
             failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
-                                  block_size, scale, window, out, 0) != 0;
+                                  block_size, scale, window, softcap, out, 0) != 0;
     }
     return failed ? -1 : 0;
 }

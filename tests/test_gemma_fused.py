@@ -1,7 +1,7 @@
-"""Gemma 3 through the fused decoder: (1 + w) RMSNorms, norms of the attention's and the MLP's outputs before each
-residual add, GELU-tanh gating, per-head query/key norms, a RoPE table per layer type (local and global layers),
-sliding windows, a tied head and a logit cap, on the native kernels and on torch ops, with float32, int8 and bf16
-weights: token for token what transformers generates."""
+"""Gemma 1, 2 and 3 through the fused decoder: (1 + w) RMSNorms, GELU-tanh gating and scaled embeddings (all three);
+norms of the attention's and the MLP's outputs before each residual add, local and global layers, soft-capped scores
+and logits (Gemma 2 and 3); per-head query/key norms and a RoPE table per layer type (Gemma 3). On the native kernels
+and on torch ops, with float32, int8 and bf16 weights: token for token what transformers generates."""
 
 from __future__ import annotations
 
@@ -21,20 +21,29 @@ from tests.unfused_models import as_quantized
 kernels = load_kernels()
 needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
 
-GEMMA3 = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-              head_dim=16, sliding_window=5, query_pre_attn_scalar=16, tie_word_embeddings=True,
-              final_logit_softcapping=6.0,
-              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                               "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})
+              head_dim=16, tie_word_embeddings=True)
+LOCAL_GLOBAL = ["sliding_attention", "full_attention", "sliding_attention"]
+VARIANTS = {
+    "gemma": ("gemma", {}),
+    # windows on the local layers, soft-capped scores and logits
+    "gemma2": ("gemma2", dict(sliding_window=5, query_pre_attn_scalar=16, layer_types=LOCAL_GLOBAL,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=6.0)),
+    # windows, a RoPE table per layer type (the global one scaled), a logit cap
+    "gemma3": ("gemma3_text", dict(
+        sliding_window=5, query_pre_attn_scalar=16, final_logit_softcapping=6.0, layer_types=LOCAL_GLOBAL,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}})),
+}
 
 
-def gemma3(**overrides) -> torch.nn.Module:
-    """A 3-layer random Gemma 3 (local, global, local) whose norms are away from Gemma's zero init (so (1 + w) is
-    not 1), with a widened head (rare greedy ties) and scaled queries (attention far from uniform)."""
+def gemma(variant: str = "gemma3", **overrides) -> torch.nn.Module:
+    """A 3-layer random Gemma of `variant` whose norms are away from Gemma's zero init (so (1 + w) is not 1), with a
+    widened head (rare greedy ties) and scaled queries (attention far from uniform, scores reaching the cap)."""
+    kind, options = VARIANTS[variant]
     torch.manual_seed(0)
-    config = AutoConfig.for_model("gemma3_text", **{**GEMMA3, **overrides})
+    config = AutoConfig.for_model(kind, **{**COMMON, **options, **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -52,18 +61,20 @@ def tokenizer():
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native kernels", "torch ops"])
-def test_gemma3_through_the_fused_decoder_generates_transformers_tokens(native, tokenizer):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gemma_through_the_fused_decoder_generates_transformers_tokens(variant, native, tokenizer):
     """Batch 6 with chunked prefill (prompts longer than the window), then n-gram verification steps."""
     if native and isinstance(kernels, str):
         pytest.skip(kernels)
-    model = gemma3()
+    model = gemma(variant)
     assert fused_decoder_refusal(model) is None
     llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24,
               fused_decoder=True, native_kernels=native)
     fused = llm.engine.runner.fused
     assert fused is not None and (fused.native is not None) == native
-    assert [layer.rope for layer in fused.layers] == ["sliding_attention", "full_attention", "sliding_attention"]
-    assert [layer.window for layer in fused.layers] == [5, None, 5]
+    assert [layer.rope for layer in fused.layers] == (LOCAL_GLOBAL if variant == "gemma3" else [None] * 3)
+    assert [layer.window for layer in fused.layers] == ([None] * 3 if variant == "gemma" else [5, None, 5])
+    assert [layer.softcap for layer in fused.layers] == ([5.0] * 3 if variant == "gemma2" else [None] * 3)
     prompts = random_prompts(6, 3, 50, seed=7)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 16) for p in prompts]
@@ -75,25 +86,33 @@ def test_gemma3_through_the_fused_decoder_generates_transformers_tokens(native, 
 
 
 def test_the_local_and_global_rope_tables_differ_so_each_layer_must_take_its_own():
-    model = gemma3()
+    model = gemma("gemma3")
     x, positions = torch.zeros(1, 4, 64), torch.arange(40, 44)[None]
     local = model.model.rotary_emb(x, positions, "sliding_attention")
     global_ = model.model.rotary_emb(x, positions, "full_attention")
     assert not torch.allclose(local[0], global_[0], atol=1e-3)
 
 
-def test_logits_and_hidden_states_equal_transformers_including_the_logit_cap(tokenizer):
-    model = gemma3()
-    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", block_size=4, fused_decoder=True)
+@pytest.mark.parametrize("native", [True, False], ids=["native kernels", "torch ops"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_and_hidden_states_equal_transformers_including_the_logit_cap(variant, native, tokenizer):
+    """Stricter than greedy tokens: a score cap or a GELU form left out moves the logits, rarely the argmax."""
+    if native and isinstance(kernels, str):
+        pytest.skip(kernels)
+    model = gemma(variant)
+    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", block_size=4, fused_decoder=True,
+              native_kernels=native)
     assert llm.engine.runner.fused is not None
-    assert_last_logits_and_hidden_match(llm, model, random_prompts(1, 12, 13, seed=2)[0], cap=6.0)
+    cap = 6.0 if variant != "gemma" else float("inf")
+    assert_last_logits_and_hidden_match(llm, model, random_prompts(1, 12, 13, seed=2)[0], cap=cap)
 
 
 @needs_kernels
 @pytest.mark.parametrize("quantization", ["int8", "bf16"])
-def test_quantized_gemma3_in_the_fused_decoder_generates_transformers_tokens_on_its_quantized_weights(
-        quantization, tokenizer):
-    model = gemma3()
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3"])
+def test_quantized_gemma_in_the_fused_decoder_generates_transformers_tokens_on_its_quantized_weights(
+        variant, quantization, tokenizer):
+    model = gemma(variant)
     reference = as_quantized(model, quantization)
     llm = LLM(model, tokenizer, quantization=quantization, kv_cache_memory="16MiB", block_size=4,
               max_num_batched_tokens=24)
@@ -104,7 +123,7 @@ def test_quantized_gemma3_in_the_fused_decoder_generates_transformers_tokens_on_
 
 
 def test_a_gemma3_decodekit_loads_runs_fused_by_default(tokenizer, tmp_path):
-    model = gemma3()
+    model = gemma("gemma3")
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", block_size=4)
@@ -114,9 +133,11 @@ def test_a_gemma3_decodekit_loads_runs_fused_by_default(tokenizer, tmp_path):
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]
 
 
-def test_gemma3_variants_the_fused_decoder_does_not_implement_are_refused_with_the_reason():
-    assert "attn_logit_softcapping" in (fused_decoder_refusal(gemma3(attn_logit_softcapping=50.0)) or "")
-    assert "gelu_pytorch_tanh" in (fused_decoder_refusal(gemma3(hidden_activation="silu")) or "")
+def test_gemma_variants_the_fused_decoder_does_not_implement_are_refused_with_the_reason():
+    assert "hidden_activation 'silu'" in (fused_decoder_refusal(gemma("gemma3", hidden_activation="silu")) or "")
+    assert "hidden_act 'silu'" in (fused_decoder_refusal(gemma("gemma", hidden_act="silu")) or "")
+    bidirectional = gemma("gemma3", use_bidirectional_attention=True)
+    assert "bidirectional" in (fused_decoder_refusal(bidirectional) or "")
 
 
 def test_norms_round_as_gemma_and_llama_do_in_narrower_dtypes():
@@ -139,7 +160,7 @@ def test_norms_round_as_gemma_and_llama_do_in_narrower_dtypes():
 def test_a_bfloat16_gemma3_on_a_cpu_runs_fused_bf16_copies_in_float32(tokenizer, tmp_path):
     """`dtype="bfloat16"` on a CPU: the fused decoder's bf16 copies, float32 activations, a bf16 KV cache; the
     tokens are transformers' float32 tokens on the same bf16-valued weights with a cache rounding to bf16."""
-    model = gemma3()
+    model = gemma("gemma3")
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     reference = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
