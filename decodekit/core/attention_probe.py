@@ -14,6 +14,7 @@ The same run reads each layer's KV head count and head size from the keys themse
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,10 @@ def _recording_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     keywords = {name for name, v in kwargs.items() if v is not None and not (name == "is_causal" and v is True)}
     if attention_mask is not None:
         keywords.add("attention_mask")
-    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:  # SDPA reads the module's flag too
+    causal = kwargs.get("is_causal")
+    if causal is None:  # as SDPA decides it: the keyword, else the module's flag
+        causal = getattr(module, "is_causal", True)
+    if causal is False:
         keywords.add("is_causal")
     _RECORDS.append((getattr(module, "layer_idx", None), (int(key.shape[1]), int(key.shape[3])), keywords))
     batch, heads, tokens, _ = query.shape
@@ -75,6 +79,7 @@ def _recording_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
 
 
 _RECORDS: list[tuple[int | None, tuple[int, int], set[str]]] = []
+_PROBING = threading.Lock()  # one probe at a time: `_RECORDS` and the configs' switched attention are shared
 AttentionInterface.register(PROBE_NAME, _recording_attention)
 
 
@@ -85,7 +90,8 @@ def probe_attention(model: Any) -> AttentionProbe | None:
     if _PROBE_ATTRIBUTE in model.__dict__:
         cached: AttentionProbe | None = model.__dict__[_PROBE_ATTRIBUTE]
         return cached
-    probe = _run_probe(model)
+    with _PROBING:
+        probe = _run_probe(model)
     model.__dict__[_PROBE_ATTRIBUTE] = probe
     return probe
 

@@ -647,7 +647,7 @@ class FusedDecoder:
                           layer.scaling, attended.view(tokens, layer.q_heads, -1), layer.window, layer.softcap)
         if layer.attn_out_norm is None:
             hidden = layer.o(attended, residual=hidden)
-        else:  # Gemma 3: the attention's output is normed before the residual add
+        else:  # Gemma 2 and 3: the attention's output is normed before the residual add
             hidden = hidden + native.rms_norm(layer.o(attended), layer.attn_out_norm, layer.out_eps)
         gate_up = layer.gate_up(native.rms_norm(hidden, layer.post_norm, layer.post_eps))
         if layer.gelu:
@@ -694,7 +694,7 @@ class FusedDecoder:
         attended = paged_attention(cache, index, query, key, value, layer.scaling, layer.window, layer.softcap)
         if layer.attn_out_norm is None:
             hidden = layer.o(attended.reshape(tokens, -1), residual=hidden)
-        else:  # Gemma 3: the attention's output is normed before the residual add
+        else:  # Gemma 2 and 3: the attention's output is normed before the residual add
             hidden = hidden + _rms_norm(layer.o(attended.reshape(tokens, -1)), layer.attn_out_norm, layer.out_eps)
         gate_up = layer.gate_up(_rms_norm(hidden, layer.post_norm, layer.post_eps))
         gated = (_gelu_gate if layer.gelu else _silu_gate)(gate_up, layer.intermediate)

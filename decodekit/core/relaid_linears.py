@@ -47,10 +47,10 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
     embeddings = model.get_input_embeddings()
     head = model.get_output_embeddings()
     count = 0
+    # float32 weights; bf16 ones too for bf16 copies (a bf16 model whose other weights are widened after)
+    dtypes = (torch.float32,) if quantization != "bf16" else (torch.float32, torch.bfloat16)
     with torch.no_grad():
         for module in list(model.modules()):
-            # float32 weights; bf16 ones too for bf16 copies (a bf16 model whose other weights are widened after)
-            dtypes = (torch.float32,) if quantization != "bf16" else (torch.float32, torch.bfloat16)
             if type(module) is not nn.Linear or module.weight.dtype not in dtypes:
                 continue
             if module.weight.device.type != "cpu" or module.weight.is_meta:
@@ -61,7 +61,7 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
                 assert native is not None, "quantized products run on the native kernels"
                 matrix = _QUANTIZED[quantization](module.weight, module.bias, native)
                 _set_forward(module, matrix)
-                if release and module is not head:
+                if release and module is not head and module.weight is not embeddings.weight:
                     module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
                                                              device="meta"), requires_grad=False)
             count += 1
