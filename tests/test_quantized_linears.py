@@ -1,4 +1,4 @@
-"""int8 and bf16 weights for every architecture: a model the fused decoder cannot take (Gemma 2, OPT; or any model
+"""int8 and bf16 weights for every architecture: a model the fused decoder cannot take (StarCoder2, OPT; or any model
 under `fused_decoder: false`) multiplies compressed copies of its own linear layers (`relaid_linears`), and its
 tokens are transformers' on the model whose weights are those copies. Refusals name the option."""
 
@@ -83,7 +83,7 @@ def test_fused_decoder_false_quantizes_a_llama_models_own_linear_layers(quantiza
 
 
 def test_a_separately_loaded_draft_the_fused_decoder_cannot_take_drafts_on_quantized_weights(saved):
-    """A Gemma 2 / OPT draft with `draft_quantization: int8` beside its float32 self as target: speculation stays
+    """A StarCoder2 / OPT draft with `draft_quantization: int8` beside its float32 self as target: speculation stays
     lossless, and the draft's own weights are freed when it is built."""
     folder, model = saved
     llm = LLM(str(folder), dtype="float32", draft=str(folder), draft_quantization="int8", kv_cache_memory="16MiB",

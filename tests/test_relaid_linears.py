@@ -1,4 +1,4 @@
-"""Models the fused decoder cannot take (Gemma 2, OPT, ...) have their own linear layers re-laid and multiplied on
+"""Models the fused decoder cannot take (StarCoder2, OPT, ...) have their own linear layers re-laid and multiplied on
 the native kernels when decodekit loads them: same values, same tokens as transformers, any step size; a model
 object passed in is left alone unless `native_kernels: true` asks."""
 
@@ -82,7 +82,7 @@ def test_a_draft_model_decodekit_loads_gets_re_laid_linears_and_speculation_stay
         folders[arch] = tmp_path / arch
         unfused_model(arch).save_pretrained(folders[arch])
         tiny_tokenizer().save_pretrained(folders[arch])
-    llm = LLM(str(folders["gemma2"]), draft=str(folders["opt"]), dtype="float32", kv_cache_memory="16MiB",
+    llm = LLM(str(folders["starcoder2"]), draft=str(folders["opt"]), dtype="float32", kv_cache_memory="16MiB",
               block_size=4)
     prompts = random_prompts(3, 5, 30, seed=6)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, strategy={
@@ -90,5 +90,5 @@ def test_a_draft_model_decodekit_loads_gets_re_laid_linears_and_speculation_stay
     draft = llm.engine.components.get("proposers", "draft").model  # built at first use
     assert "linear layers re-laid" in draft.forward_name
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
-    reference = unfused_model("gemma2")
+    reference = unfused_model("starcoder2")
     assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 12) for p in prompts]

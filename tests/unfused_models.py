@@ -1,4 +1,4 @@
-"""Tiny random models of architectures the fused decoder cannot take (Gemma 2, OPT), and the reference a quantized
+"""Tiny random models of architectures the fused decoder cannot take (StarCoder2, OPT), and the reference a quantized
 engine is meant to equal: shared by the re-laid and quantized linear-layer tests."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from decodekit.core.native_kernels import load_kernels
 SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 UNFUSED_ARCHS: dict[str, dict[str, Any]] = {
-    # tied embeddings, sliding-window and global layers, soft-capped scores and logits, no biases
-    "gemma2": dict(head_dim=16, num_key_value_heads=2, sliding_window=8, query_pre_attn_scalar=16,
-                   tie_word_embeddings=True),
+    # tied embeddings, a sliding window, layer norms, biases, a plain (ungated) MLP
+    "starcoder2": dict(num_key_value_heads=2, sliding_window=8, use_bias=True, tie_word_embeddings=True),
     # biases on every projection, an MLP of plain linears
     "opt": dict(ffn_dim=128, word_embed_proj_dim=64, tie_word_embeddings=False),
 }
