@@ -54,9 +54,9 @@ def _text_config(model: Any) -> Any:
 def model_geometry(model: Any) -> ModelGeometry:
     """Read layer count, KV heads, head size and context length from a HF config (refusing what we can't page).
 
-    The model runs once on two tokens through a recording attention function (`attention_probe`): an attention
-    keyword the paged attention does not implement refuses the model, and the KV heads and head size its layers
-    write override the config's.
+    Any model the fused decoder cannot take runs once on two tokens through a recording attention function
+    (`attention_probe`): an attention keyword the paged attention does not implement refuses the model, and the KV
+    heads and head size its layers write override the config's.
 
     Sliding-window layers and attention-logit soft-capping are served by the paged attention itself (transformers
     passes `sliding_window` and `softcap` to the attention function per layer), so they keep the whole context."""
@@ -71,7 +71,10 @@ def model_geometry(model: Any) -> ModelGeometry:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     max_len = getattr(config, "max_position_embeddings", None) or 2048
     num_layers = config.num_hidden_layers
-    probe = probe_attention(model)
+    # models the fused decoder can take pass known keywords (tests/test_attention_probe.py holds their architectures
+    # to it) and state their KV shapes; skipping their probe saves a forward at start-up (150-500 ms for SmolLM2 on
+    # 2 cores). A variant it refuses (a bidirectional Gemma, say) is probed.
+    probe = None if fused_decoder_refusal(model) is None else probe_attention(model)
     if probe is not None:
         reason = probe.refusal(arch)
         if reason is not None:
