@@ -1,4 +1,4 @@
-"""The fused decoder: a lean forward for Llama-family and Gemma models over the paged KV cache.
+"""The fused decoder: a lean forward for Llama-family, Gemma and Phi-3 models over the paged KV cache.
 
 At batch 1, transformers' modules spent ~25 ms of a ~75 ms SmolLM2 step here outside the matrix products, and
 this CPU's BLAS reads weights stored `[out, in]` at ~11 GB/s for one row but `[in, out]` at ~18.6 GB/s. For
@@ -6,8 +6,8 @@ architectures whose layers are exactly "RMSNorm, attention with RoPE, RMSNorm, S
 Qwen2 and their fine-tunes, SmolLM2 among them; Qwen3, whose queries and keys also pass a per-head RMSNorm before
 RoPE; Gemma, whose block has (1 + w) norms and GELU-tanh gating; Gemma 2, which adds a norm of the attention's and
 of the MLP's output before each residual add, local layers and soft-capped scores and logits; Gemma 3, with Qwen3's
-query/key norms instead of the score cap and a RoPE table per layer type) this module runs the same math with
-fewer, larger operations:
+query/key norms instead of the score cap and a RoPE table per layer type; Phi-3, the Llama block with q/k/v and
+gate/up already fused into one linear each) this module runs the same math with fewer, larger operations:
 
 - q/k/v and gate/up are fused into one product each; the residual add rides on the output product;
 - weights are re-laid once in column-major order (`[in, out]` contiguous, seen by the model as the same
@@ -65,7 +65,9 @@ LLAMA_BLOCK_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM",
 # a RoPE table per layer type (Gemma 3).
 GEMMA_ARCHITECTURES = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 GEMMA3_BLOCK_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})  # a RoPE table per layer type
-FUSABLE_ARCHITECTURES = LLAMA_BLOCK_ARCHITECTURES | GEMMA_ARCHITECTURES
+# The Llama block with q/k/v and gate/up already fused into one linear each (`qkv_proj`, `gate_up_proj`): Phi-3
+PHI3_ARCHITECTURES = frozenset({"Phi3ForCausalLM"})
+FUSABLE_ARCHITECTURES = LLAMA_BLOCK_ARCHITECTURES | GEMMA_ARCHITECTURES | PHI3_ARCHITECTURES
 
 
 class _Matrix:
@@ -281,17 +283,42 @@ def fused_decoder_refusal(model: Any) -> str | None:
         if arch != "GemmaForCausalLM" and gemma and not all(_is_rms_norm(getattr(layer, n, None))
                                                             for n in _GEMMA_OUTPUT_NORMS):
             return f"decoder layers differ from {arch}'s block (its output norms)"
-        found = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        found += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        found = [getattr(part, n, None) for part, n in _projections(arch, attn, mlp)]
         parts = [p for p in found if type(p) is nn.Linear]
         if len(parts) != len(found):  # quantized or wrapped linears keep their own forward
             return "a projection is not a plain torch.nn.Linear"
-        if any(p.bias is not None for p in parts[3:]):
+        if arch in PHI3_ARCHITECTURES and parts[0].bias is not None:
+            return "the fused q/k/v projection has a bias"
+        if any(p.bias is not None for p in parts[-3:]):
             return "output or MLP projections have a bias"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if not _is_rms_norm(norm):
                 return "a norm is not RMSNorm"
+    head_dim = int(base.layers[0].self_attn.head_dim)
+    if _rotary_width(model) != head_dim:  # e.g. Phi-4-mini's partial_rotary_factor 0.75
+        return f"RoPE rotates {_rotary_width(model)} of each head's {head_dim} dimensions (a partial rotary)"
     return None
+
+
+def _projections(arch: str, attn: Any, mlp: Any) -> list[tuple[Any, str]]:
+    """A decoder layer's linear layers as (module, attribute): the attention's, then the MLP's (down last)."""
+    if arch in PHI3_ARCHITECTURES:
+        return [(attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
+    return [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
+            (mlp, "up_proj"), (mlp, "down_proj")]
+
+
+def _rotary_width(model: Any) -> int:
+    """How many dimensions of each head the model's RoPE rotates (the width of its cos table)."""
+    weight = model.get_output_embeddings().weight
+    probe = torch.zeros(1, 1, 1, dtype=weight.dtype, device=weight.device)
+    position = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
+    rotary = model.model.rotary_emb
+    if type(model).__name__ in GEMMA3_BLOCK_ARCHITECTURES:
+        cos, _ = rotary(probe, position, model.config.layer_types[0])
+    else:
+        cos, _ = rotary(probe, position)
+    return int(cos.shape[-1])
 
 
 # Gemma 2 and 3's decoder-layer norms beyond the Llama block's two
@@ -361,6 +388,29 @@ def _block_fields(layer: Any, as_float: bool, gemma: bool, rope_by_type: bool) -
             "out_eps": _norm_eps(layer.post_attention_layernorm)}
 
 
+def _head_counts(attn: Any) -> tuple[int, int]:
+    """A layer's query and key/value head counts, read from its projections' widths."""
+    head_dim = int(attn.head_dim)
+    if hasattr(attn, "qkv_proj"):  # Phi-3: (heads + 2 * kv_heads) * head_dim rows, o_proj reads heads * head_dim
+        heads = attn.o_proj.weight.shape[1] // head_dim
+        return heads, (attn.qkv_proj.weight.shape[0] // head_dim - heads) // 2
+    return attn.q_proj.weight.shape[0] // head_dim, attn.k_proj.weight.shape[0] // head_dim
+
+
+def _qkv_bias(attn: Any) -> torch.Tensor | None:
+    """The q/k/v biases as one vector (Qwen2), or None where the projections have none.
+
+    Raises:
+        ValueError: only some of them have a bias.
+    """
+    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise ValueError("the fused decoder needs all or none of q/k/v to have a bias")
+    return torch.cat([b.detach() for b in biases])
+
+
 def _layer_window(attn: Any, config: Any) -> int | None:
     """The sliding window one attention layer passes to its attention function: its own `sliding_window`
     attribute where the model sets one per layer (Qwen2, Gemma), else the config's (Mistral passes it everywhere)."""
@@ -416,10 +466,6 @@ def _fuse_columns(modules: list[nn.Linear]) -> torch.Tensor:
     return fused
 
 
-_LAYER_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-                      ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-
-
 def release_layer_weights(model: Any) -> int:
     """Swap the decoder layers' projection weights of `model` for meta tensors (same shape and dtype, no memory) and
     return the bytes that frees. For a model the engine owns, once a quantized `FusedDecoder` holds its own copies
@@ -430,8 +476,8 @@ def release_layer_weights(model: Any) -> int:
     freed = 0
     with torch.no_grad():
         for layer in model.model.layers:
-            for part, name in _LAYER_PROJECTIONS:
-                module = getattr(getattr(layer, part), name)
+            for part, name in _projections(type(model).__name__, layer.self_attn, layer.mlp):
+                module = getattr(part, name)
                 weight = module.weight
                 if weight.device.type == "meta":
                     continue
@@ -522,17 +568,18 @@ class FusedDecoder:
         """The layer's products as compressed copies (`matrix`: q/k/v and gate/up fused by rows); the module is not
         touched."""
         attn, mlp = layer.self_attn, layer.mlp
-        head_dim = int(attn.head_dim)
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        if any(b is not None for b in biases) and not all(b is not None for b in biases):
-            raise ValueError("the fused decoder needs all or none of q/k/v to have a bias")
-        qkv_bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+        q_heads, kv_heads = _head_counts(attn)
+        if hasattr(attn, "qkv_proj"):  # Phi-3: already fused by rows, q then k then v; gate then up
+            qkv_weight, qkv_bias = attn.qkv_proj.weight, None
+            gate_up_weight = mlp.gate_up_proj.weight
+        else:
+            qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            qkv_bias = _qkv_bias(attn)
+            gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         return _FusedLayer(
-            qkv=matrix(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), qkv_bias, native),
-            q_heads=attn.q_proj.weight.shape[0] // head_dim, kv_heads=attn.k_proj.weight.shape[0] // head_dim,
-            o=matrix(attn.o_proj.weight, None, native),
-            gate_up=matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, native),
-            intermediate=mlp.gate_proj.weight.shape[0], down=matrix(mlp.down_proj.weight, None, native),
+            qkv=matrix(qkv_weight, qkv_bias, native), q_heads=q_heads, kv_heads=kv_heads,
+            o=matrix(attn.o_proj.weight, None, native), gate_up=matrix(gate_up_weight, None, native),
+            intermediate=gate_up_weight.shape[0] // 2, down=matrix(mlp.down_proj.weight, None, native),
             scaling=float(attn.scaling), window=_layer_window(attn, attn.config),
             **_block_fields(layer, True, gemma, rope_by_type),
         )
@@ -541,22 +588,22 @@ class FusedDecoder:
     def _fuse(layer: Any, prepack: bool, native: NativeKernels | None, gemma: bool, rope_by_type: bool
               ) -> _FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
-        head_dim = int(attn.head_dim)
-        q_heads, kv_heads = attn.q_proj.weight.shape[0] // head_dim, attn.k_proj.weight.shape[0] // head_dim
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        qkv_bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-        if qkv_bias is None and any(b is not None for b in biases):
-            raise ValueError("the fused decoder needs all or none of q/k/v to have a bias")
+        q_heads, kv_heads = _head_counts(attn)
+        if hasattr(attn, "qkv_proj"):  # Phi-3: already fused by rows, q then k then v; gate then up
+            qkv, qkv_bias = relay_column_major(attn.qkv_proj), None
+            gate_up = relay_column_major(mlp.gate_up_proj)
+        else:
+            qkv, qkv_bias = _fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), _qkv_bias(attn)
+            gate_up = _fuse_columns([mlp.gate_proj, mlp.up_proj])
         o_t = _column_major(attn.o_proj.weight)
         _share(attn.o_proj, o_t.t())
         # down_proj keeps its row-major `[out, in]` layout: with a wide input and a narrow output, one row streams
         # it faster that way (addmm with the residual, cold weights: median 263 vs 319 µs for SmolLM2's 1536x576).
         down_t = mlp.down_proj.weight.detach().t()
         return _FusedLayer(
-            qkv=_Matrix(_fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), qkv_bias, prepack, native),
-            q_heads=q_heads, kv_heads=kv_heads, o=_Matrix(o_t, None, prepack, native),
-            gate_up=_Matrix(_fuse_columns([mlp.gate_proj, mlp.up_proj]), None, prepack, native),
-            intermediate=mlp.gate_proj.weight.shape[0], down=_Matrix(down_t, None, prepack, native),
+            qkv=_Matrix(qkv, qkv_bias, prepack, native), q_heads=q_heads, kv_heads=kv_heads,
+            o=_Matrix(o_t, None, prepack, native), gate_up=_Matrix(gate_up, None, prepack, native),
+            intermediate=gate_up.shape[1] // 2, down=_Matrix(down_t, None, prepack, native),
             scaling=float(attn.scaling), window=_layer_window(attn, attn.config),
             **_block_fields(layer, False, gemma, rope_by_type),
         )
