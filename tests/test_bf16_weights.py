@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_decoder import BF16_NATIVE_MAX_ROWS, _Bf16Matrix
 from decodekit.core.native_kernels import PANEL, DecodeAttentionPlan, load_kernels, pack_bf16_panels, pack_int8_panels
+from decodekit.core.weight_matrices import BF16_NATIVE_MAX_ROWS, Bf16Matrix
 from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
@@ -45,7 +45,7 @@ def test_bf16_product_is_the_float32_product_of_the_bf16_rounded_weight(rows, wi
     only error is float32 summation order."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out, width, generator=g)
-    matrix = _Bf16Matrix(weight, torch.randn(out, generator=g) if bias else None, kernels)
+    matrix = Bf16Matrix(weight, torch.randn(out, generator=g) if bias else None, kernels)
     x = torch.randn(rows, width, generator=g)
     res = torch.randn(rows, out, generator=g) if residual else None
     want = x.double() @ _rounded(weight).double().t()

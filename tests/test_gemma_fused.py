@@ -12,7 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_decoder import _rms_norm, fused_decoder_refusal
+from decodekit.core.fused_blocks import fused_decoder_refusal
+from decodekit.core.fused_decoder import _rms_norm
 from decodekit.core.native_kernels import load_kernels
 from decodekit.models.tiny import tiny_tokenizer
 from tests.conftest import assert_last_logits_and_hidden_match, hf_greedy, hf_greedy_bf16_cache, random_prompts

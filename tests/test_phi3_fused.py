@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_decoder import fused_decoder_refusal
+from decodekit.core.fused_blocks import fused_decoder_refusal
 from decodekit.core.native_kernels import load_kernels
 from decodekit.models.tiny import tiny_tokenizer
 from tests.conftest import hf_greedy, random_prompts

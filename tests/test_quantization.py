@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_decoder import INT8_NATIVE_MAX_ROWS, _Bf16Matrix, _Int8Matrix
 from decodekit.core.native_kernels import load_kernels
+from decodekit.core.weight_matrices import INT8_NATIVE_MAX_ROWS, Bf16Matrix, Int8Matrix
 from decodekit.errors import ConfigError, RecipeError
 from decodekit.models.tiny import tiny_model
 from decodekit.recipe import recipe_from_data
@@ -23,7 +23,7 @@ kernels = load_kernels()
 needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
 
 
-def _dequantized(matrix: _Int8Matrix) -> torch.Tensor:
+def _dequantized(matrix: Int8Matrix) -> torch.Tensor:
     return matrix.weight.float() * matrix.scale[:, None]
 
 
@@ -37,7 +37,7 @@ def test_int8_product_is_the_float_product_of_the_dequantized_weight(rows, width
     (max|x| -> 32767), so it may be off by half an activation step times the weight row's absolute sum."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out, width, generator=g)
-    matrix = _Int8Matrix(weight, torch.randn(out, generator=g) if bias else None, kernels)
+    matrix = Int8Matrix(weight, torch.randn(out, generator=g) if bias else None, kernels)
     x = torch.randn(rows, width, generator=g)
     res = torch.randn(rows, out, generator=g) if residual else None
     want = x @ _dequantized(matrix).t()
@@ -54,7 +54,7 @@ def test_int8_product_is_the_float_product_of_the_dequantized_weight(rows, width
 
 
 @needs_kernels
-@pytest.mark.parametrize("matrix_type", [_Int8Matrix, _Bf16Matrix])
+@pytest.mark.parametrize("matrix_type", [Int8Matrix, Bf16Matrix])
 def test_quantized_products_propagate_nan_and_infinity_like_float32(matrix_type):
     """20 outputs: a full panel and a padded one; the int8 call with a non-finite row takes the float path."""
     weight = torch.randn(20, 40)
@@ -64,14 +64,14 @@ def test_quantized_products_propagate_nan_and_infinity_like_float32(matrix_type)
     x[2, 7] = float("inf")
     out = matrix(x)
     assert torch.isnan(out[1]).all() and not torch.isfinite(out[2]).all()
-    used = _dequantized(matrix) if matrix_type is _Int8Matrix else weight.to(torch.bfloat16).float()
+    used = _dequantized(matrix) if matrix_type is Int8Matrix else weight.to(torch.bfloat16).float()
     torch.testing.assert_close(out[0], x[0] @ used.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_int8_weights_are_within_half_a_step_of_the_float_weights():
     weight = torch.randn(40, 33) * torch.logspace(-3, 1, 40)[:, None]  # rows of very different magnitudes
     weight[7] = 0.0  # an all-zero row quantizes to zeros, not NaN
-    matrix = _Int8Matrix(weight, None, kernels)  # type: ignore[arg-type]
+    matrix = Int8Matrix(weight, None, kernels)  # type: ignore[arg-type]
     error = (_dequantized(matrix) - weight).abs()
     assert torch.all(error <= matrix.scale[:, None] / 2 + 1e-7)
     assert matrix.weight.abs().amax(dim=1)[torch.arange(40) != 7].eq(127).all()
@@ -84,7 +84,7 @@ def _dequantize_model_in_place(model) -> None:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(_dequantized(_Int8Matrix(module.weight, None, kernels)))  # type: ignore[arg-type]
+                module.weight.copy_(_dequantized(Int8Matrix(module.weight, None, kernels)))  # type: ignore[arg-type]
 
 
 @needs_kernels

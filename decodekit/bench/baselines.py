@@ -98,7 +98,7 @@ class DecodekitSystem(System):
     batch_size: int | None = None  # None: every request at once; else groups of this many, one after another
 
     def __init__(self, model: Any, tokenizer: Any, dtype: Any, engine_options: dict[str, Any]) -> None:
-        from decodekit.core.fused_decoder import fused_decoder_refusal
+        from decodekit.core.fused_blocks import fused_decoder_refusal
         from decodekit.llm import LLM
 
         notes: list[str] = []

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,185 +43,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from decodekit.core import gpu_ops
-from decodekit.core.gpu_attention import attend_tokens, kernel_available
-from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention, sliding_window
-from decodekit.core.native_kernels import (
-    GEMV_MAX_ROWS,
-    PANEL,
-    DecodeAttentionPlan,
-    NativeKernels,
-    pack_bf16_panels,
-    pack_int8_panels,
-    unpack_int8_panels,
+from decodekit.core.fused_blocks import (
+    GEMMA3_BLOCK_ARCHITECTURES,
+    GEMMA_ARCHITECTURES,
+    block_fields,
+    fused_decoder_refusal,
+    head_counts,
+    layer_window,
+    norm_eps,
+    norm_weight,
+    projections,
+    qkv_bias_of,
 )
-
-# Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
-LLAMA_BLOCK_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                       "Qwen3ForCausalLM"})
-# Causal LMs with Gemma's blocks: the Llama block with (1 + w) RMSNorms, GELU-tanh gating and scaled embeddings
-# (Gemma); plus a norm after attention and after the MLP, before each residual add, local and global layers and
-# soft-capped scores and logits (Gemma 2); Gemma 2's block with per-head query/key norms instead of the score cap and
-# a RoPE table per layer type (Gemma 3).
-GEMMA_ARCHITECTURES = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
-GEMMA3_BLOCK_ARCHITECTURES = frozenset({"Gemma3ForCausalLM"})  # a RoPE table per layer type
-# The Llama block with q/k/v and gate/up already fused into one linear each (`qkv_proj`, `gate_up_proj`): Phi-3
-PHI3_ARCHITECTURES = frozenset({"Phi3ForCausalLM"})
-FUSABLE_ARCHITECTURES = LLAMA_BLOCK_ARCHITECTURES | GEMMA_ARCHITECTURES | PHI3_ARCHITECTURES
-
-
-class _Matrix:
-    """One weight of the fused decoder, multiplied the fastest way for the number of rows at hand.
-
-    `col` is the `[in, out]` operand used for single-row products (batch-1 decode) and long prefill chunks: a
-    column-major buffer, or for `down_proj` a transposed view of the row-major weight. `packed`, when present, is
-    a oneDNN-blocked copy of the same weight for 2-128 rows (batched decode, speculative verification, beams,
-    short chunks), where this CPU's BLAS is slow. With `native` kernels a single row, and up to `GEMV_MAX_ROWS` rows
-    of a column-major weight, run `dk_gemv` on `col`: it splits the outputs over the threads (torch's single-row
-    product streams the weights on one) and reads faster than oneDNN's copy for a few rows.
-    """
-
-    def __init__(self, col: torch.Tensor, bias: torch.Tensor | None, pack: bool,
-                 native: NativeKernels | None = None) -> None:
-        self.col = col
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(col.t(), _PACK_ROWS_HINT) if pack else None
-        # `dk_gemv` reads either layout from memory as it lies (several rows only column-major); a weight strided
-        # both ways keeps torch's product
-        self.col_major = col.is_contiguous()
-        self.native = native if self.col_major or col.t().is_contiguous() else None
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
-        if self.native is not None and (x.shape[0] == 1 or (self.col_major and 0 < x.shape[0] <= GEMV_MAX_ROWS)):
-            return self.native.gemv(x, self.col, self.bias, residual)
-        if self.packed is not None and 1 < x.shape[0] <= _PACKED_MAX_ROWS:
-            if residual is None:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
-        if residual is not None:
-            out = torch.addmm(residual, x, self.col)
-            return out if self.bias is None else out.add_(self.bias)
-        return torch.mm(x, self.col) if self.bias is None else torch.addmm(self.bias, x, self.col)
-
-
-# Rows the oneDNN weight blocking is tuned for: measured here, 64 serves 2-128 rows well (2-8 rows 1.4-1.8x
-# faster than BLAS on either layout), while a hint of 1 made 2-row products slower than BLAS. From 256 rows up
-# (prefill) BLAS on the column-major layout is as fast or faster, so it keeps those.
-_PACK_ROWS_HINT = 64
-_PACKED_MAX_ROWS = 128
+from decodekit.core.gpu_attention import attend_tokens, kernel_available
+from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
+from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels
+from decodekit.core.weight_matrices import QUANTIZATIONS, QUANTIZED_MATRICES, AnyMatrix, Bf16Matrix, Int8Matrix, Matrix
 
 # SiLU-gating of more rows than this stays in torch: its `exp` is vectorized (and threaded), the native one is a
 # scalar `expf` per element, which only wins while dispatch dominates.
 NATIVE_GATING_MAX_ROWS = 64
-
-
-def prepacking_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether oneDNN-blocked weights can serve multi-row products here (CPU, float32, oneDNN built in)."""
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return False
-    try:  # private ops of torch (the ones inductor's CPU freezing uses); refuse quietly if they ever change
-        probe = torch.ones(4, 8)
-        packed = torch.ops.mkldnn._reorder_linear_weight(probe, _PACK_ROWS_HINT)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), packed, None, "none", [], "")
-        return bool(torch.equal(out, torch.full((2, 4), 8.0)))
-    except (RuntimeError, AttributeError):
-        return False
-
-
-def _dequantized_mm(x: torch.Tensor, residual: torch.Tensor | None, out_dim: int,
-                    blocks: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """`x @ W^T (+ residual)` for a compressed weight given as `(first output row, float W^T block [in, rows])`
-    blocks: products of many rows (prefill chunks) are bound by arithmetic, where BLAS on float32 beats the native
-    kernels, so they run on weights dequantized a block of output rows at a time (a few MB, never the whole
-    matrix)."""
-    out = x.new_empty(x.shape[0], out_dim) if residual is None else residual.clone()
-    for start, block in blocks:
-        end = start + block.shape[1]
-        if residual is None:
-            torch.mm(x, block, out=out[:, start:end])
-        else:
-            out[:, start:end].addmm_(x, block)
-    return out
-
-
-class _Int8Matrix:
-    """One weight as int8 with a float32 scale per output row (weight-only quantization), packed in panels of 16
-    output rows (`pack_int8_panels`).
-
-    Symmetric and round-to-nearest: a row's largest |w| maps to 127, so each weight is off by at most half a step
-    (a relative error of ~0.4% of the row's largest weight). Up to `INT8_NATIVE_MAX_ROWS` rows run the native
-    kernel, which streams the int8 bytes and rounds the activations to int16 per row (an error of at most
-    sqrt(in) / 65534 of a row's rms: see `dk_linear_i8`); more rows take `_dequantized_mm`.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
-        rows = weight.detach().to(torch.float32)
-        self.out_dim, self.in_dim = rows.shape
-        scale = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        self.panels = pack_int8_panels(torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8))
-        self.scale = scale.contiguous()
-        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        self.native = native
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The int8 weight `[out, in]` (unpacked: a copy)."""
-        return unpack_int8_panels(self.panels, self.out_dim, self.in_dim)
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ W^T (+ bias) (+ residual)` with `W = weight * scale`."""
-        if x.shape[0] <= INT8_NATIVE_MAX_ROWS:
-            return self.native.linear_i8(x, self.panels, self.scale, self.bias, residual)
-        step = _DEQUANTIZE_BLOCK // PANEL
-        blocks = ((first * PANEL, (unpack_int8_panels(self.panels[first:first + step], self.out_dim - first * PANEL,
-                                                      self.in_dim).to(x.dtype)
-                                   * self.scale[first * PANEL:(first + step) * PANEL, None]).t())
-                  for first in range(0, self.panels.shape[0], step))
-        out = _dequantized_mm(x, residual, self.out_dim, blocks)
-        return out if self.bias is None else out.add_(self.bias)
-
-
-class _Bf16Matrix:
-    """One weight as bfloat16, packed in panels of 16 output rows (`pack_bf16_panels`), multiplied in float32.
-
-    Round-to-nearest-even to bf16 (8 significant bits: a relative error of at most 2^-9 per weight, none for
-    weights bf16 represents). Up to `BF16_NATIVE_MAX_ROWS` rows run `dk_linear_bf16`, which reads the panels front
-    to back; more rows take `_dequantized_mm`.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
-        self.out_dim, self.in_dim = weight.shape
-        self.panels = pack_bf16_panels(weight)
-        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        self.native = native
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ W^T (+ bias) (+ residual)` with `W` the bf16-rounded weight."""
-        if x.shape[0] <= BF16_NATIVE_MAX_ROWS:
-            return self.native.linear_bf16(x, self.panels, self.out_dim, self.bias, residual)
-        step = _DEQUANTIZE_BLOCK // PANEL
-        blocks = ((first * PANEL, self.panels[first:first + step].to(x.dtype).permute(1, 0, 2)
-                   .reshape(self.in_dim, -1)[:, :self.out_dim - first * PANEL])
-                  for first in range(0, self.panels.shape[0], step))
-        out = _dequantized_mm(x, residual, self.out_dim, blocks)
-        return out if self.bias is None else out.add_(self.bias)
-
-
-# Rows up to which the int8 kernel beats dequantizing to float32 BLAS. Measured on SmolLM2 (2-core AVX2, whole
-# decode steps, benchmarks/step_cost.py): the kernel costs ~3.1 ms per row from 16 rows on, the dequantizing path
-# ~70 ms per step more than float32's ~2.6-2.9 ms per row, so they cross near 140 rows; with the limit at 32, a
-# 33-row step cost 1.7x a 32-row one.
-INT8_NATIVE_MAX_ROWS = 128
-# The same for bf16: per product (SmolLM2's shapes, 2 threads) the kernel takes 1.06-1.2x the time of float32's
-# prepacked oneDNN at 64-128 rows, where it is bound by arithmetic (AVX2 has no bf16 multiply), and 2-3.5x less at
-# 1-8 rows; BLAS on dequantized blocks (29 ms against float32's 15 at 32 rows) is slower than both up to 128 rows.
-BF16_NATIVE_MAX_ROWS = 128
-# Output rows dequantized at once on the BLAS path: a few MB of float32, not a vocabulary-sized matrix.
-_DEQUANTIZE_BLOCK = 2048
-
-QUANTIZATIONS = ("int8", "bf16")
-_QUANTIZED: dict[str, type[_Int8Matrix] | type[_Bf16Matrix]] = {"int8": _Int8Matrix, "bf16": _Bf16Matrix}
-_AnyMatrix = _Matrix | _Int8Matrix | _Bf16Matrix
 
 
 @dataclass
@@ -231,15 +71,15 @@ class _FusedLayer:
 
     input_norm: torch.Tensor
     input_eps: float
-    qkv: _AnyMatrix
+    qkv: AnyMatrix
     q_heads: int
     kv_heads: int
-    o: _AnyMatrix
+    o: AnyMatrix
     post_norm: torch.Tensor
     post_eps: float
-    gate_up: _AnyMatrix
+    gate_up: AnyMatrix
     intermediate: int
-    down: _AnyMatrix
+    down: AnyMatrix
     scaling: float
     # Qwen3's per-head RMSNorms of queries and keys before RoPE (`[head_dim]` weights), None for the Llama block
     q_norm: torch.Tensor | None = None
@@ -255,168 +95,6 @@ class _FusedLayer:
     out_eps: float = 0.0
     gelu: bool = False
     rope: str | None = None
-
-
-def fused_decoder_refusal(model: Any) -> str | None:
-    """Why `model` cannot use the fused decoder, or None when it can."""
-    arch = type(model).__name__
-    if arch not in FUSABLE_ARCHITECTURES:
-        return f"{arch} is not one of {sorted(FUSABLE_ARCHITECTURES)}"
-    config = model.config
-    gemma = arch in GEMMA_ARCHITECTURES
-    if gemma:
-        reason = _gemma_refusal(model)
-        if reason is not None:
-            return reason
-    elif getattr(config, "hidden_act", None) != "silu":
-        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
-        return "no `model.layers` / `model.rotary_emb`"
-    for layer in base.layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or mlp is None:
-            return "decoder layers differ from the Llama block"
-        qk_norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
-        if any(n is not None for n in qk_norms) and not all(_is_rms_norm(n) for n in qk_norms):
-            return "decoder layers differ from the Llama block (query/key norms other than Qwen3's RMSNorms)"
-        if arch != "GemmaForCausalLM" and gemma and not all(_is_rms_norm(getattr(layer, n, None))
-                                                            for n in _GEMMA_OUTPUT_NORMS):
-            return f"decoder layers differ from {arch}'s block (its output norms)"
-        found = [getattr(part, n, None) for part, n in _projections(arch, attn, mlp)]
-        parts = [p for p in found if type(p) is nn.Linear]
-        if len(parts) != len(found):  # quantized or wrapped linears keep their own forward
-            return "a projection is not a plain torch.nn.Linear"
-        if arch in PHI3_ARCHITECTURES and parts[0].bias is not None:
-            return "the fused q/k/v projection has a bias"
-        if any(p.bias is not None for p in parts[-3:]):
-            return "output or MLP projections have a bias"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not _is_rms_norm(norm):
-                return "a norm is not RMSNorm"
-    head_dim = int(base.layers[0].self_attn.head_dim)
-    if _rotary_width(model) != head_dim:  # e.g. Phi-4-mini's partial_rotary_factor 0.75
-        return f"RoPE rotates {_rotary_width(model)} of each head's {head_dim} dimensions (a partial rotary)"
-    return None
-
-
-def _projections(arch: str, attn: Any, mlp: Any) -> list[tuple[Any, str]]:
-    """A decoder layer's linear layers as (module, attribute): the attention's, then the MLP's (down last)."""
-    if arch in PHI3_ARCHITECTURES:
-        return [(attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
-    return [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
-            (mlp, "up_proj"), (mlp, "down_proj")]
-
-
-def _rotary_width(model: Any) -> int:
-    """How many dimensions of each head the model's RoPE rotates (the width of its cos table)."""
-    weight = model.get_output_embeddings().weight
-    probe = torch.zeros(1, 1, 1, dtype=weight.dtype, device=weight.device)
-    position = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
-    rotary = model.model.rotary_emb
-    if type(model).__name__ in GEMMA3_BLOCK_ARCHITECTURES:
-        cos, _ = rotary(probe, position, model.config.layer_types[0])
-    else:
-        cos, _ = rotary(probe, position)
-    return int(cos.shape[-1])
-
-
-# Gemma 2 and 3's decoder-layer norms beyond the Llama block's two
-_GEMMA_OUTPUT_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-
-
-def _gemma_refusal(model: Any) -> str | None:
-    """Why a Gemma model cannot use the fused decoder, or None when it can."""
-    config = model.config
-    # Gemma reads `hidden_act`, Gemma 2 and 3 `hidden_activation`
-    key = "hidden_act" if type(model).__name__ == "GemmaForCausalLM" else "hidden_activation"
-    if getattr(config, key, None) != "gelu_pytorch_tanh":
-        return f"{key} {getattr(config, key, None)!r} is not gelu_pytorch_tanh"
-    if getattr(config, "use_bidirectional_attention", False):
-        return "bidirectional attention"
-    return None
-
-
-def _is_rms_norm(module: Any) -> bool:
-    """An RMSNorm as transformers' Llama-family (`variance_epsilon`) and Gemma (`eps`) models define it: a weight,
-    an epsilon, no bias."""
-    return (module is not None and (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))
-            and isinstance(getattr(module, "weight", None), torch.Tensor) and getattr(module, "bias", None) is None)
-
-
-def _norm_eps(norm: Any) -> float:
-    """An RMSNorm's epsilon (Llama's `variance_epsilon`, Gemma's `eps`)."""
-    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
-
-
-def _norm_weight(norm: Any, gemma: bool, as_float: bool = False) -> torch.Tensor:
-    """The weight an RMSNorm multiplies by: its own, or Gemma's `1 + w` (computed in float32, as Gemma does)."""
-    weight = norm.weight.detach()
-    if gemma:
-        return 1.0 + weight.float()
-    return weight.float() if as_float else weight
-
-
-def _qk_norms(attn: Any, as_float: bool, gemma: bool = False) -> dict[str, Any]:
-    """The `_FusedLayer` fields of a layer's query/key norms (Qwen3, Gemma 3), empty where it has none."""
-    if getattr(attn, "q_norm", None) is None:
-        return {}
-    return {"q_norm": _norm_weight(attn.q_norm, gemma, as_float), "k_norm": _norm_weight(attn.k_norm, gemma, as_float),
-            "qk_eps": _norm_eps(attn.q_norm)}
-
-
-def _block_fields(layer: Any, as_float: bool, gemma: bool, rope_by_type: bool) -> dict[str, Any]:
-    """A decoder layer's `_FusedLayer` fields besides its products: its norms (weights and epsilons), and for Gemma
-    the (1 + w) norms (float32 always) and GELU gating; for Gemma 2 and 3 the pre-MLP norm taking the Llama block's
-    `post_norm` place, the output norms of attention and MLP, and the score cap; with `rope_by_type` (Gemma 3) the
-    layer's RoPE table. `as_float`: the Llama block's norm weights in float32 (quantized copies meet float32
-    activations)."""
-    attn = layer.self_attn
-    fields: dict[str, Any] = {
-        "input_norm": _norm_weight(layer.input_layernorm, gemma, as_float),
-        "input_eps": _norm_eps(layer.input_layernorm), **_qk_norms(attn, as_float, gemma), "gelu": gemma,
-        "softcap": getattr(attn, "attn_logit_softcapping", None) or None,
-        "rope": attn.layer_type if rope_by_type else None,
-    }
-    if getattr(layer, "pre_feedforward_layernorm", None) is None:
-        return {**fields, "post_norm": _norm_weight(layer.post_attention_layernorm, gemma, as_float),
-                "post_eps": _norm_eps(layer.post_attention_layernorm)}
-    return {**fields, "post_norm": _norm_weight(layer.pre_feedforward_layernorm, True),
-            "post_eps": _norm_eps(layer.pre_feedforward_layernorm),
-            "attn_out_norm": _norm_weight(layer.post_attention_layernorm, True),
-            "mlp_out_norm": _norm_weight(layer.post_feedforward_layernorm, True),
-            "out_eps": _norm_eps(layer.post_attention_layernorm)}
-
-
-def _head_counts(attn: Any) -> tuple[int, int]:
-    """A layer's query and key/value head counts, read from its projections' widths."""
-    head_dim = int(attn.head_dim)
-    if hasattr(attn, "qkv_proj"):  # Phi-3: (heads + 2 * kv_heads) * head_dim rows, o_proj reads heads * head_dim
-        heads = attn.o_proj.weight.shape[1] // head_dim
-        return heads, (attn.qkv_proj.weight.shape[0] // head_dim - heads) // 2
-    return attn.q_proj.weight.shape[0] // head_dim, attn.k_proj.weight.shape[0] // head_dim
-
-
-def _qkv_bias(attn: Any) -> torch.Tensor | None:
-    """The q/k/v biases as one vector (Qwen2), or None where the projections have none.
-
-    Raises:
-        ValueError: only some of them have a bias.
-    """
-    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-    if all(b is None for b in biases):
-        return None
-    if any(b is None for b in biases):
-        raise ValueError("the fused decoder needs all or none of q/k/v to have a bias")
-    return torch.cat([b.detach() for b in biases])
-
-
-def _layer_window(attn: Any, config: Any) -> int | None:
-    """The sliding window one attention layer passes to its attention function: its own `sliding_window`
-    attribute where the model sets one per layer (Qwen2, Gemma), else the config's (Mistral passes it everywhere)."""
-    if hasattr(attn, "sliding_window"):
-        return int(attn.sliding_window) if attn.sliding_window else None
-    return sliding_window(config)
 
 
 def _norm_queries_and_keys(layer: _FusedLayer, qkv: torch.Tensor, tokens: int) -> None:
@@ -476,7 +154,7 @@ def release_layer_weights(model: Any) -> int:
     freed = 0
     with torch.no_grad():
         for layer in model.model.layers:
-            for part, name in _projections(type(model).__name__, layer.self_attn, layer.mlp):
+            for part, name in projections(type(model).__name__, layer.self_attn, layer.mlp):
                 module = getattr(part, name)
                 weight = module.weight
                 if weight.device.type == "meta":
@@ -544,56 +222,56 @@ class FusedDecoder:
         # `runner.bf16_weights_on_cpu`), so the embeddings and norms they meet are float32 too
         self.dtype = torch.float32 if quantization is not None else weight.dtype
         # Gemma's (1 + w) stays float32: `_rms_norm` then multiplies before rounding to the activations' dtype
-        self.final_norm = _norm_weight(base.norm, gemma) if gemma else base.norm.weight.to(self.dtype)
-        self.final_eps = _norm_eps(base.norm)
+        self.final_norm = norm_weight(base.norm, gemma) if gemma else base.norm.weight.to(self.dtype)
+        self.final_eps = norm_eps(base.norm)
         self.last_hidden: torch.Tensor | None = None  # the last call's hidden states at `hidden_index`
         self.prepacked = prepack and quantization is None
         if quantization is not None:
             assert native is not None
-            matrix = _QUANTIZED[quantization]
+            matrix = QUANTIZED_MATRICES[quantization]
             with torch.no_grad():
                 self.layers = [self._quantize(layer, matrix, native, gemma, by_type) for layer in base.layers]
-                self.lm_head: _AnyMatrix = matrix(model.lm_head.weight, None, native)
+                self.lm_head: AnyMatrix = matrix(model.lm_head.weight, None, native)
             return
         with torch.no_grad():
             self.layers = [self._fuse(layer, prepack, native, gemma, by_type) for layer in base.layers]
             head = model.lm_head
             # A tied head shares the embedding's Parameter: re-laying it makes embedding lookups strided reads
             # (~2 ms per 256 prompt tokens here) but saves a second vocabulary-sized matrix.
-            self.lm_head = _Matrix(relay_column_major(head, self.embed_tokens), None, prepack, native)
+            self.lm_head = Matrix(relay_column_major(head, self.embed_tokens), None, prepack, native)
 
     @staticmethod
-    def _quantize(layer: Any, matrix: type[_Int8Matrix] | type[_Bf16Matrix], native: NativeKernels, gemma: bool,
+    def _quantize(layer: Any, matrix: type[Int8Matrix] | type[Bf16Matrix], native: NativeKernels, gemma: bool,
                   rope_by_type: bool) -> _FusedLayer:
         """The layer's products as compressed copies (`matrix`: q/k/v and gate/up fused by rows); the module is not
         touched."""
         attn, mlp = layer.self_attn, layer.mlp
-        q_heads, kv_heads = _head_counts(attn)
+        q_heads, kv_heads = head_counts(attn)
         if hasattr(attn, "qkv_proj"):  # Phi-3: already fused by rows, q then k then v; gate then up
             qkv_weight, qkv_bias = attn.qkv_proj.weight, None
             gate_up_weight = mlp.gate_up_proj.weight
         else:
             qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            qkv_bias = _qkv_bias(attn)
+            qkv_bias = qkv_bias_of(attn)
             gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         return _FusedLayer(
             qkv=matrix(qkv_weight, qkv_bias, native), q_heads=q_heads, kv_heads=kv_heads,
             o=matrix(attn.o_proj.weight, None, native), gate_up=matrix(gate_up_weight, None, native),
             intermediate=gate_up_weight.shape[0] // 2, down=matrix(mlp.down_proj.weight, None, native),
-            scaling=float(attn.scaling), window=_layer_window(attn, attn.config),
-            **_block_fields(layer, True, gemma, rope_by_type),
+            scaling=float(attn.scaling), window=layer_window(attn, attn.config),
+            **block_fields(layer, True, gemma, rope_by_type),
         )
 
     @staticmethod
     def _fuse(layer: Any, prepack: bool, native: NativeKernels | None, gemma: bool, rope_by_type: bool
               ) -> _FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
-        q_heads, kv_heads = _head_counts(attn)
+        q_heads, kv_heads = head_counts(attn)
         if hasattr(attn, "qkv_proj"):  # Phi-3: already fused by rows, q then k then v; gate then up
             qkv, qkv_bias = relay_column_major(attn.qkv_proj), None
             gate_up = relay_column_major(mlp.gate_up_proj)
         else:
-            qkv, qkv_bias = _fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), _qkv_bias(attn)
+            qkv, qkv_bias = _fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), qkv_bias_of(attn)
             gate_up = _fuse_columns([mlp.gate_proj, mlp.up_proj])
         o_t = _column_major(attn.o_proj.weight)
         _share(attn.o_proj, o_t.t())
@@ -601,11 +279,11 @@ class FusedDecoder:
         # it faster that way (addmm with the residual, cold weights: median 263 vs 319 µs for SmolLM2's 1536x576).
         down_t = mlp.down_proj.weight.detach().t()
         return _FusedLayer(
-            qkv=_Matrix(qkv, qkv_bias, prepack, native), q_heads=q_heads, kv_heads=kv_heads,
-            o=_Matrix(o_t, None, prepack, native), gate_up=_Matrix(gate_up, None, prepack, native),
-            intermediate=gate_up.shape[1] // 2, down=_Matrix(down_t, None, prepack, native),
-            scaling=float(attn.scaling), window=_layer_window(attn, attn.config),
-            **_block_fields(layer, False, gemma, rope_by_type),
+            qkv=Matrix(qkv, qkv_bias, prepack, native), q_heads=q_heads, kv_heads=kv_heads,
+            o=Matrix(o_t, None, prepack, native), gate_up=Matrix(gate_up, None, prepack, native),
+            intermediate=gate_up.shape[1] // 2, down=Matrix(down_t, None, prepack, native),
+            scaling=float(attn.scaling), window=layer_window(attn, attn.config),
+            **block_fields(layer, False, gemma, rope_by_type),
         )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,

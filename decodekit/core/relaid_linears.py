@@ -4,7 +4,7 @@ re-laid in place and multiplied the fused decoder's way.
 The fused decoder rewrites the whole forward of Llama-family models. Every other architecture runs its own
 transformers modules, where a batch-1 float32 step is mostly `nn.Linear` products reading `[out, in]` weights on one
 core (a SmolLM2-shaped Gemma 3: 68 ms per step, 0.98x transformers). Here each plain `nn.Linear` of a model decodekit
-loaded itself keeps its module but multiplies through the fused decoder's `_Matrix`:
+loaded itself keeps its module but multiplies through the fused decoder's `Matrix`:
 
 - the weight is re-laid column-major in place (the module's parameter becomes a transposed view of the new buffer,
   values unchanged, nothing stored twice), except where the input is wider than the output (an MLP's down
@@ -16,7 +16,7 @@ The module's `forward` is replaced on the instance, so transformers' own code (a
 calls the same products. Only models decodekit loaded are touched, as for the fused decoder.
 
 With a `quantization` ("int8" or "bf16"), each layer instead multiplies through the fused decoder's compressed copies
-(`_Int8Matrix`, `_Bf16Matrix`: the native panel kernels, float32 activations), so every architecture gets the
+(`Int8Matrix`, `Bf16Matrix`: the native panel kernels, float32 activations), so every architecture gets the
 quantized weights the fused decoder gives Llama-family models. A model object passed in keeps its weights (its
 forward now runs the compressed products); a model decodekit loaded has each layer's float32 weight freed once its
 copy serves it, except the output embeddings (kept for the input embeddings tied to them and for proposers that
@@ -31,13 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from decodekit.core.fused_decoder import _QUANTIZED, _Matrix, _trim_heap, relay_column_major
+from decodekit.core.fused_decoder import _trim_heap, relay_column_major
 from decodekit.core.native_kernels import NativeKernels
+from decodekit.core.weight_matrices import QUANTIZED_MATRICES, Matrix
 
 
 def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quantization: str | None = None,
                   release: bool = False) -> int:
-    """Re-lay every plain float32 `nn.Linear` of `model` on the CPU and route its forward through a `_Matrix` (or,
+    """Re-lay every plain float32 `nn.Linear` of `model` on the CPU and route its forward through a `Matrix` (or,
     with a `quantization`, through a compressed copy of its weight; `native` is then required).
 
     The output embeddings are included; where they are tied to the input embeddings, both keep sharing one
@@ -59,7 +60,7 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
                 _route(module, prepack, native, embeddings)
             else:
                 assert native is not None, "quantized products run on the native kernels"
-                matrix = _QUANTIZED[quantization](module.weight, module.bias, native)
+                matrix = QUANTIZED_MATRICES[quantization](module.weight, module.bias, native)
                 _set_forward(module, matrix)
                 if release and module is not head and module.weight is not embeddings.weight:
                     module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
@@ -71,13 +72,13 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
 
 
 def _route(module: nn.Linear, prepack: bool, native: NativeKernels | None, embeddings: Any) -> None:
-    """Re-lay one linear layer (the input `embeddings` follow where tied to it) and make its forward the `_Matrix`
+    """Re-lay one linear layer (the input `embeddings` follow where tied to it) and make its forward the `Matrix`
     product."""
     # a wide input and a narrow output (an MLP's down projection) stream faster row-major for one row
     wide = module.in_features > module.out_features
     col = module.weight.detach().t() if wide else relay_column_major(module, embeddings)
     bias = module.bias.detach() if module.bias is not None else None
-    _set_forward(module, _Matrix(col, bias, prepack, native))
+    _set_forward(module, Matrix(col, bias, prepack, native))
 
 
 def _set_forward(module: nn.Linear, matrix: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -13,12 +13,8 @@ from decodekit.api.models import LoadedModel
 from decodekit.core.attention_probe import probe_attention
 from decodekit.core.config import EngineConfig
 from decodekit.core.cuda_graphs import DecodeGraphs, GraphCaptureFailed
-from decodekit.core.fused_decoder import (
-    GEMMA_ARCHITECTURES,
-    FusedDecoder,
-    fused_decoder_refusal,
-    prepacking_available,
-)
+from decodekit.core.fused_blocks import GEMMA_ARCHITECTURES, fused_decoder_refusal
+from decodekit.core.fused_decoder import FusedDecoder
 from decodekit.core.gpu_attention import kernel_available
 from decodekit.core.kv_cache import (
     ATTENTION_NAME,
@@ -31,6 +27,7 @@ from decodekit.core.kv_cache import (
 )
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
 from decodekit.core.relaid_linears import relay_linears
+from decodekit.core.weight_matrices import prepacking_available
 
 log = logging.getLogger("decodekit.runner")
 

@@ -1,0 +1,172 @@
+"""The weight products of the fused decoder and of other architectures' re-laid linear layers: one weight, multiplied
+the fastest way for the number of rows at hand (`Matrix`: column-major float32, `dk_gemv`, oneDNN-prepacked copies),
+or as compressed copies multiplied in float32 on the native kernels (`Int8Matrix`, `Bf16Matrix`).
+
+Shared by `fused_decoder` (fused q/k/v and gate/up products of the architectures it takes) and `relaid_linears`
+(each `nn.Linear` of the others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from decodekit.core.native_kernels import (
+    GEMV_MAX_ROWS,
+    PANEL,
+    NativeKernels,
+    pack_bf16_panels,
+    pack_int8_panels,
+    unpack_int8_panels,
+)
+
+
+class Matrix:
+    """One weight of the fused decoder, multiplied the fastest way for the number of rows at hand.
+
+    `col` is the `[in, out]` operand used for single-row products (batch-1 decode) and long prefill chunks: a
+    column-major buffer, or for `down_proj` a transposed view of the row-major weight. `packed`, when present, is
+    a oneDNN-blocked copy of the same weight for 2-128 rows (batched decode, speculative verification, beams,
+    short chunks), where this CPU's BLAS is slow. With `native` kernels a single row, and up to `GEMV_MAX_ROWS` rows
+    of a column-major weight, run `dk_gemv` on `col`: it splits the outputs over the threads (torch's single-row
+    product streams the weights on one) and reads faster than oneDNN's copy for a few rows.
+    """
+
+    def __init__(self, col: torch.Tensor, bias: torch.Tensor | None, pack: bool,
+                 native: NativeKernels | None = None) -> None:
+        self.col = col
+        self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(col.t(), _PACK_ROWS_HINT) if pack else None
+        # `dk_gemv` reads either layout from memory as it lies (several rows only column-major); a weight strided
+        # both ways keeps torch's product
+        self.col_major = col.is_contiguous()
+        self.native = native if self.col_major or col.t().is_contiguous() else None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
+        if self.native is not None and (x.shape[0] == 1 or (self.col_major and 0 < x.shape[0] <= GEMV_MAX_ROWS)):
+            return self.native.gemv(x, self.col, self.bias, residual)
+        if self.packed is not None and 1 < x.shape[0] <= _PACKED_MAX_ROWS:
+            if residual is None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        if residual is not None:
+            out = torch.addmm(residual, x, self.col)
+            return out if self.bias is None else out.add_(self.bias)
+        return torch.mm(x, self.col) if self.bias is None else torch.addmm(self.bias, x, self.col)
+
+
+# Rows the oneDNN weight blocking is tuned for: measured here, 64 serves 2-128 rows well (2-8 rows 1.4-1.8x
+# faster than BLAS on either layout), while a hint of 1 made 2-row products slower than BLAS. From 256 rows up
+# (prefill) BLAS on the column-major layout is as fast or faster, so it keeps those.
+_PACK_ROWS_HINT = 64
+_PACKED_MAX_ROWS = 128
+
+def prepacking_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN-blocked weights can serve multi-row products here (CPU, float32, oneDNN built in)."""
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:  # private ops of torch (the ones inductor's CPU freezing uses); refuse quietly if they ever change
+        probe = torch.ones(4, 8)
+        packed = torch.ops.mkldnn._reorder_linear_weight(probe, _PACK_ROWS_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), packed, None, "none", [], "")
+        return bool(torch.equal(out, torch.full((2, 4), 8.0)))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _dequantized_mm(x: torch.Tensor, residual: torch.Tensor | None, out_dim: int,
+                    blocks: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """`x @ W^T (+ residual)` for a compressed weight given as `(first output row, float W^T block [in, rows])`
+    blocks: products of many rows (prefill chunks) are bound by arithmetic, where BLAS on float32 beats the native
+    kernels, so they run on weights dequantized a block of output rows at a time (a few MB, never the whole
+    matrix)."""
+    out = x.new_empty(x.shape[0], out_dim) if residual is None else residual.clone()
+    for start, block in blocks:
+        end = start + block.shape[1]
+        if residual is None:
+            torch.mm(x, block, out=out[:, start:end])
+        else:
+            out[:, start:end].addmm_(x, block)
+    return out
+
+
+class Int8Matrix:
+    """One weight as int8 with a float32 scale per output row (weight-only quantization), packed in panels of 16
+    output rows (`pack_int8_panels`).
+
+    Symmetric and round-to-nearest: a row's largest |w| maps to 127, so each weight is off by at most half a step
+    (a relative error of ~0.4% of the row's largest weight). Up to `INT8_NATIVE_MAX_ROWS` rows run the native
+    kernel, which streams the int8 bytes and rounds the activations to int16 per row (an error of at most
+    sqrt(in) / 65534 of a row's rms: see `dk_linear_i8`); more rows take `_dequantized_mm`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
+        rows = weight.detach().to(torch.float32)
+        self.out_dim, self.in_dim = rows.shape
+        scale = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        self.panels = pack_int8_panels(torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.scale = scale.contiguous()
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.native = native
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The int8 weight `[out, in]` (unpacked: a copy)."""
+        return unpack_int8_panels(self.panels, self.out_dim, self.in_dim)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W^T (+ bias) (+ residual)` with `W = weight * scale`."""
+        if x.shape[0] <= INT8_NATIVE_MAX_ROWS:
+            return self.native.linear_i8(x, self.panels, self.scale, self.bias, residual)
+        step = _DEQUANTIZE_BLOCK // PANEL
+        blocks = ((first * PANEL, (unpack_int8_panels(self.panels[first:first + step], self.out_dim - first * PANEL,
+                                                      self.in_dim).to(x.dtype)
+                                   * self.scale[first * PANEL:(first + step) * PANEL, None]).t())
+                  for first in range(0, self.panels.shape[0], step))
+        out = _dequantized_mm(x, residual, self.out_dim, blocks)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class Bf16Matrix:
+    """One weight as bfloat16, packed in panels of 16 output rows (`pack_bf16_panels`), multiplied in float32.
+
+    Round-to-nearest-even to bf16 (8 significant bits: a relative error of at most 2^-9 per weight, none for
+    weights bf16 represents). Up to `BF16_NATIVE_MAX_ROWS` rows run `dk_linear_bf16`, which reads the panels front
+    to back; more rows take `_dequantized_mm`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
+        self.out_dim, self.in_dim = weight.shape
+        self.panels = pack_bf16_panels(weight)
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.native = native
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W^T (+ bias) (+ residual)` with `W` the bf16-rounded weight."""
+        if x.shape[0] <= BF16_NATIVE_MAX_ROWS:
+            return self.native.linear_bf16(x, self.panels, self.out_dim, self.bias, residual)
+        step = _DEQUANTIZE_BLOCK // PANEL
+        blocks = ((first * PANEL, self.panels[first:first + step].to(x.dtype).permute(1, 0, 2)
+                   .reshape(self.in_dim, -1)[:, :self.out_dim - first * PANEL])
+                  for first in range(0, self.panels.shape[0], step))
+        out = _dequantized_mm(x, residual, self.out_dim, blocks)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+# Rows up to which the int8 kernel beats dequantizing to float32 BLAS. Measured on SmolLM2 (2-core AVX2, whole
+# decode steps, benchmarks/step_cost.py): the kernel costs ~3.1 ms per row from 16 rows on, the dequantizing path
+# ~70 ms per step more than float32's ~2.6-2.9 ms per row, so they cross near 140 rows; with the limit at 32, a
+# 33-row step cost 1.7x a 32-row one.
+INT8_NATIVE_MAX_ROWS = 128
+# The same for bf16: per product (SmolLM2's shapes, 2 threads) the kernel takes 1.06-1.2x the time of float32's
+# prepacked oneDNN at 64-128 rows, where it is bound by arithmetic (AVX2 has no bf16 multiply), and 2-3.5x less at
+# 1-8 rows; BLAS on dequantized blocks (29 ms against float32's 15 at 32 rows) is slower than both up to 128 rows.
+BF16_NATIVE_MAX_ROWS = 128
+# Output rows dequantized at once on the BLAS path: a few MB of float32, not a vocabulary-sized matrix.
+_DEQUANTIZE_BLOCK = 2048
+
+QUANTIZATIONS = ("int8", "bf16")
+QUANTIZED_MATRICES: dict[str, type[Int8Matrix] | type[Bf16Matrix]] = {"int8": Int8Matrix, "bf16": Bf16Matrix}
+AnyMatrix = Matrix | Int8Matrix | Bf16Matrix
