@@ -9,7 +9,8 @@ of the MLP's output before each residual add, local layers and soft-capped score
 query/key norms instead of the score cap and a RoPE table per layer type; Phi-3, the Llama block with q/k/v and
 gate/up already fused into one linear each) this module runs the same math with fewer, larger operations:
 
-- q/k/v and gate/up are fused into one product each; the residual add rides on the output product;
+- q/k/v and gate/up are fused into one product each; the residual add rides on the output product (Gemma 2 and 3
+  norm that output first);
 - weights are re-laid once in column-major order (`[in, out]` contiguous, seen by the model as the same
   `[out, in]` values through a transposed view): 15-25% faster for one row, no slower for long prefill chunks.
   `down_proj` (wide input, narrow output) is the exception: it streams faster row-major, so it stays as it is;
