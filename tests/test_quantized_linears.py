@@ -97,6 +97,11 @@ def test_a_separately_loaded_draft_the_fused_decoder_cannot_take_drafts_on_quant
     proposer = llm.engine.components.get("proposers", "draft")
     assert proposer.model.forward_name.endswith("linear layers in int8)")
     assert "in int8" not in llm.engine.model.forward_name
+    assert llm.engine.draft is not None
+    draft, target = llm.engine.draft.model, llm.engine.loaded.model
+    linears = [m for m in draft.modules() if isinstance(m, torch.nn.Linear) and m is not draft.get_output_embeddings()]
+    assert linears and all(m.weight.is_meta for m in linears)
+    assert not any(m.weight.is_meta for m in target.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_a_bfloat16_model_decodekit_loads_runs_bf16_copies_in_float32_and_matches_transformers_float32(saved,
