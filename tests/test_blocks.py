@@ -51,6 +51,7 @@ class ShadowPool:
         self.bs = block_size
         self.tokens: dict[int, list[int]] = {}  # live sequence -> its token ids
         self.computed: dict[int, int] = {}  # live sequence -> how many leading positions hold its K/V
+        self.dropped: dict[int, int] = {}  # live sequence -> leading blocks released behind its sliding window
         self.content: dict[int, list[tuple[int, ...] | None]] = {b: [None] * block_size for b in range(num_blocks)}
         self.history: list[list[int]] = []  # recent token lists, to probe the cache with and to reuse as prompts
         self._next_id = 0
@@ -87,6 +88,7 @@ class ShadowPool:
             assert self.alloc.ref_counts[table[i]] == 1
         self.tokens[seq] = list(tokens)
         self.computed[seq] = cached
+        self.dropped[seq] = 0
         self.remember(tokens)
         return cached
 
@@ -148,21 +150,44 @@ class ShadowPool:
         assert self.alloc.block_table(child) == self.alloc.block_table(parent)
         self.tokens[child] = list(self.tokens[parent])
         self.computed[child] = self.computed[parent]
+        self.dropped[child] = self.dropped[parent]
 
     def truncate(self, seq: int, n: int, replacement: list[int]) -> None:
         """Roll back to `n` tokens, then append the replacement tokens still to be computed (rejected draft
         tokens and the corrected one, or a beam rewrite)."""
         slots_before = self.alloc.num_slots(seq)
+        if n < self.dropped[seq] * self.bs:  # into the blocks released behind the window: refused, nothing changed
+            before = _snapshot(self.alloc)
+            with pytest.raises(ValueError, match="sliding window"):
+                self.alloc.truncate(seq, n)
+            assert _snapshot(self.alloc) == before, "a refused truncate changed the allocator"
+            return
         self.alloc.truncate(seq, n)
         assert self.alloc.num_slots(seq) == min(slots_before, self.alloc.blocks_needed(n) * self.bs)
         self.tokens[seq] = self.tokens[seq][:n] + replacement
         self.computed[seq] = min(self.computed[seq], n)
         self.remember(self.tokens[seq])
 
+    def drop_behind(self, seq: int, position: int) -> None:
+        """Release the blocks wholly before `position` (a sliding window moved past them)."""
+        free_before = self.alloc.num_free_blocks
+        table_before = list(self.alloc.block_table(seq))
+        hashed = len(self.alloc._tables[seq].hashes)
+        released = self.alloc.drop_behind(seq, position)
+        table = self.alloc.block_table(seq)
+        expected = max(self.dropped[seq], min(max(0, position) // self.bs, len(table_before), hashed))
+        assert released == expected - self.dropped[seq]
+        assert len(table) == len(table_before), "the table keeps its length"
+        assert table[:expected] == [self.alloc.dropped_block] * expected
+        assert table[expected:] == table_before[expected:]
+        newly_free = sum(1 for b in table_before[self.dropped[seq] : expected] if self.alloc.ref_counts[b] == 0)
+        assert self.alloc.num_free_blocks == free_before + newly_free
+        self.dropped[seq] = expected
+
     def free(self, seq: int) -> None:
         self.alloc.free(seq)
         assert not self.alloc.has(seq)
-        del self.tokens[seq], self.computed[seq]
+        del self.tokens[seq], self.computed[seq], self.dropped[seq]
 
     # ---- checks ------------------------------------------------------------------------------------------
     def check_no_leaks(self) -> None:
@@ -171,7 +196,9 @@ class ShadowPool:
         refs = [0] * alloc.num_blocks
         for seq in self.tokens:
             assert alloc.has(seq)
-            for block in alloc.block_table(seq):
+            table = alloc.block_table(seq)
+            assert table[: self.dropped[seq]] == [alloc.dropped_block] * self.dropped[seq]
+            for block in table[self.dropped[seq] :]:
                 refs[block] += 1
         assert alloc.ref_counts == refs
         assert alloc.num_free_blocks + sum(1 for r in alloc.ref_counts if r > 0) == alloc.num_blocks
@@ -181,7 +208,7 @@ class ShadowPool:
         for seq, tokens in self.tokens.items():
             table = self.alloc.block_table(seq)
             assert len(table) * self.bs >= self.computed[seq]
-            for p in range(self.computed[seq]):
+            for p in range(self.dropped[seq] * self.bs, self.computed[seq]):
                 assert self.content[table[p // self.bs]][p % self.bs] == _kv(tokens, p), (
                     f"seq {seq} position {p} was overwritten")
 
@@ -213,7 +240,8 @@ class ShadowPool:
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random allocate / write (ensure_slots, copy-on-write, mark_computed) / fork / truncate / free."""
+    """Random allocate / write (ensure_slots, copy-on-write, mark_computed) / fork / truncate / free / release behind
+    a sliding window."""
 
     @initialize(num_blocks=st.integers(1, 16), block_size=st.integers(1, 4))
     def setup(self, num_blocks: int, block_size: int) -> None:
@@ -270,6 +298,12 @@ class AllocatorMachine(RuleBasedStateMachine):
     def mark_computed(self, data: st.DataObject) -> None:
         seq = self._live(data)
         self.pool.alloc.mark_computed(seq, self.pool.tokens[seq], self.pool.computed[seq])
+
+    @precondition(lambda self: self.pool.tokens)
+    @rule(data=st.data())
+    def drop_behind(self, data: st.DataObject) -> None:
+        seq = self._live(data)
+        self.pool.drop_behind(seq, self.pool.computed[seq] - data.draw(st.integers(0, 6)))
 
     @precondition(lambda self: self.pool.tokens)
     @rule(data=st.data())

@@ -9,6 +9,11 @@ Prefix caching: once every token of a block has been computed, the block is hash
 block, its tokens) and published; a new sequence whose prompt starts with the same tokens reuses the published
 blocks instead of recomputing them. A freed block keeps its hash (its KV is still valid) until it is reused for
 something else, so a finished request's prompt stays cached while memory allows.
+
+Sliding windows: where every layer of the model attends only the last `window` keys, the blocks wholly behind a
+sequence's window are released while it runs (`drop_behind`, as vLLM does). Their table entries then read
+`dropped_block`, an id past the pool's blocks that the KV cache maps to its scratch block: the attention never reads
+a key there (the window masks or skips it), and the table keeps its length, so slot arithmetic stays the same.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class _Table:
     # The prefix (chain) hash of each leading fully-computed block. Kept per table rather than looked up from the
     # published blocks: a block computed twice is published only once, so its hash may belong to another block.
     hashes: list[int] = field(default_factory=list)
+    # how many leading blocks were released behind a sliding window (`BlockAllocator.drop_behind`)
+    num_dropped: int = 0
 
     @property
     def num_hashed(self) -> int:
@@ -73,6 +80,9 @@ class BlockAllocator:
         self._block_to_hash: dict[int, int] = {}
         self._tables: dict[int, _Table] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        # what a released block behind a sliding window reads in its table (`drop_behind`): the KV cache's scratch
+        # block, one past the blocks handed out
+        self.dropped_block = num_blocks
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -185,6 +195,9 @@ class BlockAllocator:
         table = self._tables[seq_id]
         bs = self.block_size
         first, last = start // bs, (end - 1) // bs
+        if first < table.num_dropped:
+            raise ValueError(f"sequence {seq_id} cannot write position {start}: its block was released behind its "
+                             "sliding window")
         new_blocks = max(0, last + 1 - len(table.blocks))
         shared = [i for i in range(first, min(last + 1, len(table.blocks))) if self.ref_counts[table.blocks[i]] > 1]
         if new_blocks + len(shared) > len(self._free):
@@ -208,6 +221,9 @@ class BlockAllocator:
         table = self._tables[seq_id]
         bs = self.block_size
         first, last = start // bs, (end - 1) // bs
+        if first < table.num_dropped:
+            raise ValueError(f"sequence {seq_id} cannot write position {start}: its block was released behind its "
+                             "sliding window")
         new_blocks = max(0, last + 1 - len(table.blocks))
         return new_blocks + sum(
             1 for i in range(first, min(last + 1, len(table.blocks))) if self.ref_counts[table.blocks[i]] > 1
@@ -218,14 +234,17 @@ class BlockAllocator:
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id} already has blocks")
         parent = self._tables[parent_id]
-        for block in parent.blocks:
+        for block in parent.blocks[parent.num_dropped :]:
             self._acquire(block)
-        self._tables[child_id] = _Table(list(parent.blocks), list(parent.hashes))
+        self._tables[child_id] = _Table(list(parent.blocks), list(parent.hashes), parent.num_dropped)
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the slots of the first `num_tokens` tokens (rollback); surplus blocks are released."""
         table = self._tables[seq_id]
         keep = self.blocks_needed(num_tokens)
+        if num_tokens < table.num_dropped * self.block_size:
+            raise ValueError(f"sequence {seq_id} cannot be cut to {num_tokens} tokens: its first "
+                             f"{table.num_dropped} blocks were released behind its sliding window")
         for block in table.blocks[keep:]:
             self._release(block)
         del table.blocks[keep:]
@@ -253,8 +272,22 @@ class BlockAllocator:
     def free(self, seq_id: int) -> None:
         """Release all of a sequence's blocks (cached prefixes stay reusable until their block is reused)."""
         table = self._tables.pop(seq_id)
-        for block in reversed(table.blocks):
+        for block in reversed(table.blocks[table.num_dropped :]):
             self._release(block)
+
+    def drop_behind(self, seq_id: int, position: int) -> int:
+        """Release the sequence's blocks that hold only positions before `position` (no later query of a
+        sliding-window model reaches them). Their hashes stay with the freed blocks, so the prefix stays cached until
+        they are reused. Returns how many blocks were released."""
+        table = self._tables[seq_id]
+        # never past a block that is not yet hashed: mark_computed reads the blocks behind its own frontier
+        last = min(max(0, position) // self.block_size, len(table.blocks), table.num_hashed)
+        released = last - table.num_dropped
+        for i in range(table.num_dropped, last):
+            self._release(table.blocks[i])
+            table.blocks[i] = self.dropped_block
+        table.num_dropped = max(table.num_dropped, last)
+        return max(0, released)
 
     def mark_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Publish the prefix hashes of the blocks whose tokens are now all computed."""

@@ -21,6 +21,7 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Request, RequestOutput, Sequence
 from decodekit.core.config import EngineConfig
 from decodekit.core.hooks import LifecycleHooks
+from decodekit.core.kv_cache import uniform_window
 from decodekit.core.logprobs import record_prompt_logprobs, trim_logprobs
 from decodekit.core.paged_model import PagedModel, kv_pool_blocks
 from decodekit.core.plan import Components
@@ -67,7 +68,7 @@ class Engine:
                                 release_sources=draft is None or draft.model is not loaded.model)
         self.allocator, self.kv_cache, self.runner = self.model.allocator, self.model.kv_cache, self.model.runner
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, window=uniform_window(loaded.model))
         self.eos_token_ids = _eos_token_ids(loaded)
         self.vocab_size = geometry.vocab_size
         self.draft = draft

@@ -50,6 +50,29 @@ def sliding_window(config: Any) -> int | None:
     return int(window)
 
 
+def uniform_window(model: Any) -> int | None:
+    """The sliding window when every attention layer of the model has one (Mistral v0.1, Phi-3, StarCoder2, Qwen2
+    with every layer windowed): the widest of them. None when some layer attends the whole context (Gemma 2/3,
+    gpt-oss, Qwen2's full layers) or none is windowed: then every key may be read again and all blocks are kept.
+
+    Read from the config as transformers' models do, and checked against each attention module's own
+    `sliding_window` where it keeps one (a module whose window is unset attends everything)."""
+    config = getattr(model, "config", None)
+    window = sliding_window(config) if config is not None else None
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
+        return None
+    windows = [window]
+    for module in model.modules():
+        if hasattr(module, "sliding_window") and hasattr(module, "layer_idx"):
+            if not module.sliding_window:
+                return None
+            windows.append(int(module.sliding_window))
+    return max(windows)
+
+
 def has_attention_sinks(model: Any) -> bool:
     """Whether the model's attention layers carry learned sink logits (gpt-oss's `sinks`, passed as `s_aux`)."""
     return any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules())

@@ -91,16 +91,19 @@ class Scheduler:
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: the per-step token budget (decodes + prefill chunks).
         policy: "fcfs" (arrival order) or "priority" (lower `priority` value first, then arrival).
+        window: where every layer of the model attends only its last `window` keys (`kv_cache.uniform_window`), the
+            blocks behind each running sequence's window are released as it advances; None keeps them all.
     """
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", window: int | None = None) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"`policy` must be 'fcfs' or 'priority', got {policy!r}")
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.window = window
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -208,7 +211,12 @@ class Scheduler:
         """After a forward: `num_tokens` more of the sequence's tokens are in the cache (full blocks get published
         for prefix caching; draft positions never are)."""
         seq.num_computed_tokens += num_tokens
-        self.allocator.mark_computed(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens, len(seq.token_ids)))
+        committed = min(seq.num_computed_tokens, len(seq.token_ids))
+        self.allocator.mark_computed(seq.seq_id, seq.token_ids, committed)
+        if self.window is not None:
+            # The next query sits at `committed` or later (a rollback never goes behind the committed tokens) and
+            # sees keys from `committed - window + 1` on; one key more is kept as a margin.
+            self.allocator.drop_behind(seq.seq_id, committed - self.window)
 
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """Only the first `num_valid` tokens' keys and values are right (the rest were rejected drafts)."""
