@@ -202,3 +202,21 @@ def test_the_head_cache_step_equals_the_whole_sequence_forward_for_both_draft_st
         cache.truncate(7)
         step2 = head.step(embeds[0, 7:8], whole[0, 6:7], torch.tensor([7]), cache)
         torch.testing.assert_close(step2[0], second[0, 7], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("inside", [0, 3], ids=["only ids outside the draft vocabulary", "a few inside it"])
+def test_a_processor_allowing_only_ids_outside_the_draft_vocabulary_stops_the_draft_not_the_request(
+        llama, tokenizer, head_file, inside):
+    """The head scores its draft vocabulary only; a constraint that allows no id in it leaves the draft row with
+    nothing to choose. That ends the draft there (the target still decodes), as plain decoding would go on."""
+    vocab = set(load_head(head_file)[0].draft_vocab.tolist())
+    outside = [t for t in range(3, 384) if t not in vocab][:12]
+    allowed = outside + sorted(vocab)[:inside]
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = random_prompts(3, 5, 30, seed=4)
+    processors = [{"allowed_token_ids": {"token_ids": allowed}}]
+    plain = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, processors=processors))
+    spec = llm.generate(prompts, _eagle(3, head_file, max_tokens=12, temperature=0, processors=processors))
+    assert [o.error for o in spec] == [None] * 3
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(set(o.token_ids) <= set(allowed) for o in spec)

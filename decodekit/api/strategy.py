@@ -75,9 +75,14 @@ class StepContext(Protocol):
         sequence, each position with its own history)."""
         ...
 
-    def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]]) -> torch.Tensor:
+    def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]],
+                      allow_empty_rows: bool = False) -> torch.Tensor:
         """Apply each request's processors to one row per sequence: the position after `seq.token_ids +
-        extra[i]` (a proposer scoring what it drafts; those tokens count as unverified drafts)."""
+        extra[i]` (a proposer scoring what it drafts; those tokens count as unverified drafts).
+
+        With `allow_empty_rows`, a row the processors leave with nothing to choose is the caller's to handle, not
+        a fault of the request: a proposer whose logits cover only part of the vocabulary (a draft head's) meets a
+        constraint that allows only tokens outside it, and stops drafting there."""
         ...
 
     def append_token(self, seq: Sequence, token_id: int) -> None:

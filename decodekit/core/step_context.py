@@ -113,9 +113,11 @@ class EngineStepContext:
         """Apply each request's processors, in order, to the rows of these sequences' scored positions."""
         return self.processing.process(logits, seqs)
 
-    def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]]) -> torch.Tensor:
-        """Apply each request's processors to one row per sequence, the position after `seq.token_ids + extra[i]`."""
-        return self.processing.process_after(logits, seqs, extra)
+    def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]],
+                      allow_empty_rows: bool = False) -> torch.Tensor:
+        """Apply each request's processors to one row per sequence, the position after `seq.token_ids + extra[i]`;
+        with `allow_empty_rows`, a row left with nothing to choose is the caller's to handle."""
+        return self.processing.process_after(logits, seqs, extra, allow_empty_rows)
 
     def append_token(self, seq: Sequence, token_id: int) -> None:
         """Append a generated token; stopping runs at the end of the step."""

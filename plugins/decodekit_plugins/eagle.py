@@ -217,7 +217,8 @@ class EagleProposer(Proposer):
                 seqs = [rows[n][1] for n in processed]
                 logits = torch.full((len(processed), vocab_size), float("-inf"), device=device)
                 logits[:, head.vocab] = scores[processed]
-                logits = ctx.process_after(logits, seqs, [drafts[rows[n][0]] for n in processed])
+                logits = ctx.process_after(logits, seqs, [drafts[rows[n][0]] for n in processed],
+                                           allow_empty_rows=True)
                 allowed = logits.amax(dim=-1) > float("-inf")  # a row whose processors allow no draft-vocabulary id
                 picked = select_tokens(logits[allowed], [s.greedy for s, a in zip(seqs, allowed.tolist()) if a],
                                        [s.generator for s, a in zip(seqs, allowed.tolist()) if a]).tolist()

@@ -77,17 +77,21 @@ class Processing:
             start += count
         return out
 
-    def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]]) -> torch.Tensor:
+    def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]],
+                      allow_empty_rows: bool = False) -> torch.Tensor:
         """Apply each request's processors to one row per sequence: the position after `seq.token_ids + extra[i]`
         (a proposer scoring its own draft: row i has `len(extra[i])` unverified tokens at the end). A row whose
-        processors fail keeps its raw logits and its request goes to `faults`."""
+        processors fail keeps its raw logits and its request goes to `faults`. With `allow_empty_rows`, a row left
+        with nothing to choose is not a failure: the proposer's logits cover part of the vocabulary only (a draft
+        head's), and a constraint may allow nothing in it."""
         view = BatchView([s.request.params for s in seqs], [s.token_ids + e for s, e in zip(seqs, extra)],
                          [s.num_prompt_tokens for s in seqs], self.eos_token_ids, logits.device,
                          draft_offsets=[len(e) for e in extra], generators=[s.generator for s in seqs])
         pipelines, greedy, states = _pipelines(seqs)
         try:
             out = apply_processors(logits, view, pipelines, greedy, states)
-            check_processed_rows(logits, out, view, pipelines, greedy, states)
+            if not allow_empty_rows:
+                check_processed_rows(logits, out, view, pipelines, greedy, states)
             return out
         except ProcessorError:
             pass
@@ -96,7 +100,8 @@ class Processing:
             one = view.select([r])
             try:
                 row = apply_processors(logits[r : r + 1], one, [pipelines[r]], [greedy[r]], [states[r]])
-                check_processed_rows(logits[r : r + 1], row, one, [pipelines[r]], [greedy[r]], [states[r]])
+                if not allow_empty_rows:
+                    check_processed_rows(logits[r : r + 1], row, one, [pipelines[r]], [greedy[r]], [states[r]])
             except ProcessorError as exc:
                 self.faults.setdefault(seq.request, str(exc))
                 row = logits[r : r + 1]
