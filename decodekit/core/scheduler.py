@@ -83,6 +83,12 @@ def wants_hidden_states(request: Request) -> bool:
     return bool(getattr(plan.strategy, "hidden_states", False))
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 class Scheduler:
     """FCFS or priority continuous batching over a `BlockAllocator`.
 
@@ -262,7 +268,11 @@ class Scheduler:
                     if request not in self.running:
                         break
                     continue
-                if seq.finished or seq.num_pending == 0 or budget == 0:
+                if seq.finished or budget == 0:
+                    continue
+                if not self.allocator.has(seq.seq_id) and not self._attach_follower(request, seq):
+                    continue
+                if seq.num_pending == 0:
                     continue
                 drafts.trim(seq, budget)
                 n = min(seq.num_pending, budget)
@@ -286,12 +296,41 @@ class Scheduler:
         self._admit(out, budget, running_seqs)
         return out
 
+    def _blocks_shared(self, seqs: list[Sequence]) -> int:
+        """The blocks `seqs` need with the full blocks of each one's common prefix with the first counted once."""
+        first = seqs[0].token_ids
+        total = self.allocator.blocks_needed(len(first))
+        for seq in seqs[1:]:
+            total += self.allocator.blocks_needed(len(seq.token_ids)) - _common_prefix(first, seq.token_ids) \
+                // self.allocator.block_size
+        return total
+
+    def _attach_follower(self, request: Request, seq: Sequence) -> bool:
+        """Give a follower of a re-admitted request (see `_admit`) its blocks, once a sibling that holds blocks has
+        computed their common prefix: it then starts from that sibling's published blocks. False while it waits
+        (the prefix is still being computed, or the pool has no room yet)."""
+        leader = next((s for s in request.sequences if s is not seq and not s.finished
+                       and self.allocator.has(s.seq_id)), None)
+        if leader is not None:
+            shared = min(_common_prefix(leader.token_ids, seq.token_ids), len(seq.token_ids) - 1)
+            if leader.num_computed_tokens < shared // self.allocator.block_size * self.allocator.block_size:
+                return False
+        if not self.allocator.can_allocate(seq.token_ids):
+            return False
+        seq.num_computed_tokens = self.allocator.allocate(seq.seq_id, seq.token_ids)
+        return True
+
     def _admit(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = [s for s in request.sequences if not s.finished]
             width = max(len(seqs), request.max_sequences)
-            needed = sum(self.allocator.blocks_needed(len(s.token_ids)) for s in seqs)
+            # One sequence may reuse cached prefix blocks. Several (a preempted `n` > 1 or beam request back for
+            # recompute) share their common prefix: the first is allocated now, the others once it has computed
+            # that prefix (`_attach_follower`), from the prefix cache, so the prefix is counted once.
+            reuse = not needs_prompt_logits(request) and not needs_every_hidden_state(request)
+            needed = (self._blocks_shared(seqs) if reuse
+                      else sum(self.allocator.blocks_needed(len(s.token_ids)) for s in seqs))
             error = None
             if width > self.max_num_seqs:
                 error = (f"request has {width} sequences but at most {self.max_num_seqs} run at once; "
@@ -308,9 +347,7 @@ class Scheduler:
                 continue
             if num_seqs + width > self.max_num_seqs:
                 break
-            # One sequence may reuse cached prefix blocks; several are checked conservatively (no reuse counted).
-            reuse = not needs_prompt_logits(request) and not needs_every_hidden_state(request)
-            fits = (self.allocator.can_allocate(seqs[0].token_ids, reuse_prefix=reuse) if len(seqs) == 1
+            fits = (self.allocator.can_allocate(seqs[0].token_ids, reuse_prefix=reuse) if len(seqs) == 1 or reuse
                     else needed <= self.allocator.num_free_blocks)
             if not fits:
                 break
@@ -321,9 +358,12 @@ class Scheduler:
             if first_admission:
                 request.metrics.first_scheduled_time = time.perf_counter()
             for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+                if reuse and seq is not seqs[0]:
+                    seq.num_computed_tokens = 0  # a follower: blocks once the first has computed their prefix
+                    continue
                 cached = self.allocator.allocate(seq.seq_id, seq.token_ids, reuse_prefix=reuse)
                 seq.num_computed_tokens = cached
-                seq.status = SequenceStatus.RUNNING
                 if seq is request.sequences[0] and first_admission:
                     request.metrics.num_cached_prompt_tokens = cached
                 n = min(seq.num_uncomputed, budget)
