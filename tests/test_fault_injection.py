@@ -79,7 +79,7 @@ BAD_PROMPTS: dict[str, tuple[object, str]] = {
     "None": (None, "the prompt must be a string or a list of token ids"),
     "out of vocabulary": ([5, 6, 100_000], "the prompt has token ids outside the vocabulary"),
     "empty": ([], "the prompt is empty"),
-    "too long": ([7] * 5000, "the prompt has 5000 tokens but the model's context is"),
+    "too long": ([7] * 5000, "the prompt has 5000 tokens but the "),
     "hooked (request_added raises)": ([13, 14, 15], "plugin 'faulty_hooks': its decodekit_request_added hook raised"),
 }
 """Malformed requests, refused at `add_request` or failed by a hook as they arrive."""

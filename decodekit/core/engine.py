@@ -67,8 +67,20 @@ class Engine:
         self.model = PagedModel(loaded, config, kv_pool_blocks(geometry, kv_cache_dtype(loaded, config), config),
                                 release_sources=draft is None or draft.model is not loaded.model)
         self.allocator, self.kv_cache, self.runner = self.model.allocator, self.model.kv_cache, self.model.runner
+        window = uniform_window(loaded.model)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, window=uniform_window(loaded.model))
+                                   config.scheduling_policy, window=window)
+        # One sequence must fit the pool, or it would fail mid-generation with its output lost: the context is
+        # capped to what the KV cache holds (vLLM refuses to start instead), unless the blocks behind a sliding window
+        # are released as it grows.
+        pool_tokens = self.allocator.num_blocks * config.block_size
+        self.context_limit: str | None = None
+        if self.max_model_len > pool_tokens and (window is None or window + 2 * config.block_size > pool_tokens):
+            log.warning("max_model_len %d capped to %d tokens, what the KV cache holds (kv_cache_memory %d bytes); "
+                        "raise kv_cache_memory for longer contexts", self.max_model_len, pool_tokens,
+                        config.kv_cache_memory)
+            self.max_model_len = pool_tokens
+            self.context_limit = "what the KV cache holds; raise kv_cache_memory for longer contexts"
         self.eos_token_ids = _eos_token_ids(loaded)
         self.vocab_size = geometry.vocab_size
         self.draft = draft
@@ -85,7 +97,7 @@ class Engine:
         self.stop = StopStage(self.scheduler, self.eos_token_ids, self.max_model_len)
         self.emitter = OutputEmitter(self.tokenizer, self._on_final)
         self.lifecycle = RequestLifecycle(self.tokenizer, self.components, self.scheduler, self.stop, self.emitter,
-                                          self.max_model_len, self.vocab_size, loaded.device)
+                                          self.max_model_len, self.vocab_size, loaded.device, self.context_limit)
         self.requests = self.lifecycle.requests
         self.step_count = 0
         # per sequence with candidates, the row they were chosen from (`StepContext.score_candidates`)

@@ -57,16 +57,20 @@ class RequestLifecycle:
         max_model_len: prompts must be shorter than this.
         vocab_size: prompt token ids must be below this.
         device: where seeded generators live.
+        context_limit: why `max_model_len` is below the model's context, if it is (for the message refusing a longer
+            prompt).
     """
 
     def __init__(self, tokenizer: Any, components: Components, scheduler: Scheduler, stop: StopStage,
-                 emitter: OutputEmitter, max_model_len: int, vocab_size: int, device: torch.device) -> None:
+                 emitter: OutputEmitter, max_model_len: int, vocab_size: int, device: torch.device,
+                 context_limit: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.components = components
         self.scheduler = scheduler
         self.stop = stop
         self.emitter = emitter
         self.max_model_len = max_model_len
+        self.context_limit = context_limit
         self.vocab_size = vocab_size
         self.device = device
         self.requests: dict[str, Request] = {}
@@ -137,6 +141,9 @@ class RequestLifecycle:
         if n == 0:
             return "the prompt is empty"
         if n >= self.max_model_len:
+            if self.context_limit is not None:
+                return (f"the prompt has {n} tokens but the context is {self.max_model_len} tokens "
+                        f"({self.context_limit})")
             return f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens"
         if any(t < 0 or t >= self.vocab_size for t in request.prompt_token_ids):
             return f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})"
