@@ -44,7 +44,14 @@ from decodekit.serve.convert import (
 )
 from decodekit.serve.errors import APIError, error_body, validation_error
 from decodekit.serve.metrics import ServerMetrics
-from decodekit.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from decodekit.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    lone_surrogate,
+    may_hold_surrogates,
+)
 from decodekit.serve.service import RequestGroup, ServingEngine
 from decodekit.serve.streaming import ClientGone, EventStream, unless_disconnected
 
@@ -130,14 +137,14 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
         body = await read_body(request, ChatCompletionRequest, options.max_body_bytes)
         model = service.check_model(body.model)
         prepared = prepare_chat(body, service.recipe, service.tokenizer)
-        return await _respond(request, service, prepared, model, chat=True, stream=body.stream)
+        return await _respond(request, service, prepared, model, chat=True, stream=bool(body.stream))
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, options.max_body_bytes)
         model = service.check_model(body.model)
-        prepared = prepare_completion(body, service.recipe)
-        return await _respond(request, service, prepared, model, chat=False, stream=body.stream)
+        prepared = prepare_completion(body, service.recipe, service.tokenizer)
+        return await _respond(request, service, prepared, model, chat=False, stream=bool(body.stream))
 
     app.include_router(v1)
 
@@ -156,8 +163,8 @@ async def read_body(request: Request, model: type[M], limit: int) -> M:
     """The JSON body, at most `limit` bytes, validated into `model`.
 
     Raises:
-        APIError: 413 over the limit; 400 for a body that is not a JSON object or that `model` refuses (naming the
-            field).
+        APIError: 413 over the limit; 400 for a body that is not a JSON object, that holds a text that is not
+            Unicode (a lone surrogate), or that `model` refuses (naming the field).
     """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -171,8 +178,14 @@ async def read_body(request: Request, model: type[M], limit: int) -> M:
         data = json.loads(body)
     except ValueError as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the body is not valid JSON: it nests too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    if may_hold_surrogates(body):
+        found = lone_surrogate(data)
+        if found is not None:  # no tokenizer takes such a text: refuse it here, naming the field
+            raise APIError(400, found[1], param=found[0])
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -5,6 +5,7 @@ chunks (with logprobs in chat's or the legacy completions' shape)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,8 @@ class PreparedRequest:
         prompt_field: `messages` or `prompt`.
         top_logprobs: how many alternatives each token's logprobs show (None: no logprobs).
         include_usage: streaming: end with a usage chunk.
+        tokenizer: the engine's tokenizer, which places the legacy logprobs' `text_offset` (None: every offset 0,
+            as the text is empty without one).
     """
 
     prompts: list[str | list[int]]
@@ -67,6 +70,7 @@ class PreparedRequest:
     prompt_field: str = "prompt"
     top_logprobs: int | None = None
     include_usage: bool = False
+    tokenizer: Any = None
 
     def refusal(self, output: RequestOutput) -> APIError | None:
         """A 400 for an output the engine refused before running it (an invalid prompt, or a plan that cannot
@@ -101,8 +105,8 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any)
                            _include_usage(request))
 
 
-def prepare_completion(request: CompletionRequest, recipe: Recipe) -> PreparedRequest:
-    """A completions request's prompts and parameters.
+def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None) -> PreparedRequest:
+    """A completions request's prompts and parameters (`tokenizer` places the logprobs' `text_offset`).
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -114,7 +118,7 @@ def prepare_completion(request: CompletionRequest, recipe: Recipe) -> PreparedRe
     if request.logprobs is not None:
         overrides["logprobs"] = request.logprobs
     return PreparedRequest(prompts, _params(recipe, overrides, origins, "prompt"), True, origins, "prompt",
-                           request.logprobs, _include_usage(request))
+                           request.logprobs, _include_usage(request), tokenizer)
 
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
@@ -205,15 +209,33 @@ def _specs(value: Any, key: str) -> list[ComponentSpec] | None:
         raise APIError(400, f"{key}{where}: {first['msg']}", param=key) from None
 
 
+_TOKEN_ID = re.compile(r"[0-9]+")
+"""A `logit_bias` key: a token id in ASCII decimal digits (`int` would also take " 5", "+5", "1_0" and "²")."""
+
+_MAX_ID_DIGITS = 12
+"""A longer id is past any vocabulary: it is refused before `int` reads it (`int` refuses over 4300 digits)."""
+
+
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    out = {}
+    """`logit_bias` as the `logit_bias` processor's `bias`: token id -> bias. Ids past the vocabulary are refused
+    by the processor (its error names `logit_bias`)."""
+    out: dict[int, float] = {}
+    keys: dict[int, str] = {}
     for key, value in bias.items():
-        if not key.strip().lstrip("-").isdigit():
-            raise APIError(400, f"logit_bias: keys are token ids, got {key!r}", param="logit_bias")
+        if not _TOKEN_ID.fullmatch(key):
+            raise APIError(400, f"logit_bias: keys are token ids in decimal digits, got {key!r}", param="logit_bias")
+        digits = key.lstrip("0") or "0"
+        if len(digits) > _MAX_ID_DIGITS:
+            raise APIError(400, f"logit_bias: token id {digits[:_MAX_ID_DIGITS]}... is not in the vocabulary",
+                           param="logit_bias")
         if not -100.0 <= value <= 100.0:
             raise APIError(400, f"logit_bias: biases are between -100 and 100, got {value} for {key}",
                            param="logit_bias")
-        out[int(key)] = value
+        token = int(digits)
+        if token in out:
+            raise APIError(400, f"logit_bias: token id {token} is given twice ({keys[token]!r} and {key!r})",
+                           param="logit_bias")
+        out[token], keys[token] = value, key
     return out
 
 
@@ -256,18 +278,74 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], to
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], offset: int = 0
+_REPLACEMENT = "\ufffd"
+"""What a decoder writes for bytes that are not (yet) a whole UTF-8 character."""
+
+
+class TextOffsets:
+    """Where each generated token starts in the choice's text, fed one token at a time (the legacy logprobs'
+    `text_offset`).
+
+    A token's own text (`decoded_token`) may be part of a character (`\ufffd`), so the offsets are not the sums of
+    those texts' lengths: they come from decoding the growing prefix of tokens, in a small window as the engine's
+    `IncrementalDetokenizer` builds the text, and a token that continues a character begun by earlier tokens starts
+    where that character starts. The same tokens give the same offsets streamed or not.
+
+    Args:
+        tokenizer: the engine's tokenizer (None: every offset is 0, as the text is empty).
+        skip_special_tokens: as the request's `SamplingParams` (special tokens add no text when skipped).
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._done = 0  # characters of the text of the tokens before `_read` (whole characters)
+        self._prefix = 0  # the window's context starts here ...
+        self._read = 0  # ... and its new tokens here
+        self._prefix_text = ""  # the text of the context
+        self._pending = ""  # the text of the tokens from `_read` on (it may end in an incomplete character)
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip))
+
+    def add(self, token: int) -> int:
+        """The offset of `token`, the next token of the sequence."""
+        if self._tokenizer is None:
+            return 0
+        before = self._pending
+        offset = self._done + len(before)
+        self._ids.append(token)
+        full = self._decode(self._ids[self._prefix:])
+        after = full[len(self._prefix_text):]
+        # an incomplete character absorbs the bytes that continue it: the text grows by less than the token's own
+        if before.endswith(_REPLACEMENT) and len(after) < len(before) + len(self._decode([token])):
+            offset -= 1
+        if full.endswith(_REPLACEMENT) or len(full) <= len(self._prefix_text):
+            self._pending = after  # wait for the character to complete, as the detokenizer does
+        else:
+            self._done += len(after)
+            self._prefix, self._read = self._read, len(self._ids)
+            self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+            self._pending = ""
+        return offset
+
+    def extend(self, tokens: Sequence[int]) -> list[int]:
+        """The offsets of the next tokens."""
+        return [self.add(token) for token in tokens]
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], text_offset: Sequence[int]
                         ) -> CompletionLogprobs:
     """The legacy completions logprobs for these tokens: texts, logprobs, the most likely tokens with the chosen one
-    (`{text: logprob}`), and each token's offset in the text (from `offset`)."""
+    (`{text: logprob}`), and each token's offset in the text (`text_offset`, from `TextOffsets`)."""
     out = CompletionLogprobs()
-    for token, entry in zip(token_ids, entries):
+    for token, entry, offset in zip(token_ids, entries, text_offset):
         text, logprob = _token_text(entry, token)
         out.tokens.append(text)
         out.token_logprobs.append(logprob)
         out.top_logprobs.append({lp.decoded_token or "": finite(lp.logprob) for _, lp in _ranked(entry)})
         out.text_offset.append(offset)
-        offset += len(text)
     return out
 
 
@@ -304,7 +382,8 @@ def completion_response(response_id: str, created: int, model: str, outputs: Seq
         for c in output.outputs:
             logprobs = None
             if prepared.top_logprobs is not None:
-                logprobs = completion_logprobs(c.token_ids, c.logprobs or [])
+                offsets = TextOffsets(prepared.tokenizer, prepared.params.skip_special_tokens).extend(c.token_ids)
+                logprobs = completion_logprobs(c.token_ids, c.logprobs or [], offsets)
             choices.append(CompletionChoice(index=base + c.index, text=c.text, logprobs=logprobs,
                                             finish_reason=c.finish_reason, **_extras(c)))
     return CompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=usage(outputs))
@@ -322,8 +401,8 @@ def choice_bases(first_outputs: Sequence[RequestOutput]) -> list[int]:
 # ---- streaming -------------------------------------------------------------------------------------------------------
 @dataclass
 class _Cursor:
+    offsets: TextOffsets  # the legacy logprobs' text_offset of the tokens whose logprobs were sent
     tokens: int = 0  # tokens whose logprobs were sent
-    text_offset: int = 0  # characters of the tokens whose logprobs were sent (legacy logprobs' text_offset)
     started: bool = False
     finished: bool = False
 
@@ -354,7 +433,10 @@ class ChunkStream:
         events = []
         for i, c in enumerate(output.outputs):
             index = self.bases[prompt_index] + c.index
-            cursor = self.cursors.setdefault(index, _Cursor())
+            cursor = self.cursors.get(index)
+            if cursor is None:
+                cursor = self.cursors[index] = _Cursor(TextOffsets(self.prepared.tokenizer,
+                                                                   self.prepared.params.skip_special_tokens))
             delta = output.delta_text[i] if i < len(output.delta_text) else ""
             new_tokens = c.token_ids[cursor.tokens:]
             new_entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
@@ -375,8 +457,8 @@ class ChunkStream:
             else:
                 legacy = None
                 if self.prepared.top_logprobs is not None:
-                    legacy = completion_logprobs(new_tokens, new_entries, cursor.text_offset)
-                    cursor.text_offset += sum(len(t) for t in legacy.tokens)
+                    offsets = cursor.offsets.extend(new_tokens)
+                    legacy = completion_logprobs(new_tokens, new_entries, offsets)
                 events.append(self._completion_chunk(CompletionChoice(index=index, text=delta, logprobs=legacy,
                                                                       finish_reason=finish, **extras)))
             cursor.tokens = len(c.token_ids)

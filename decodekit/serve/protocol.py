@@ -10,9 +10,11 @@ refused, with the closest known name suggested (`check_extra_fields`).
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+import json
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
 
 from decodekit.api.params import MAX_LOGPROBS
 
@@ -38,6 +40,16 @@ MESSAGE_IGNORED_FIELDS = frozenset({"name", "refusal", "annotations"})
 
 MESSAGE_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {"tool_calls": (), "function_call": (), "audio": ()}
 """Fields of a chat message that are refused unless empty."""
+
+Int = StrictInt
+"""A JSON integer: not a string (`"5"`), a boolean (`true`, which would count as 1) or a float (`5.0`)."""
+
+Bool = StrictBool
+"""A JSON boolean: not a string (`"yes"`) or a number."""
+
+Float = Annotated[float, Strict(), AllowInfNan(False)]
+"""A finite JSON number: an integer is taken (`"temperature": 1`); a string, a boolean, an infinity or NaN (which
+Python's JSON parser reads from `Infinity`, `1e999` and `NaN`) is not."""
 
 
 class WireModel(BaseModel):
@@ -65,13 +77,64 @@ def check_extra_fields(model: BaseModel, ignored: frozenset[str], unsupported: d
     return None
 
 
+def _readable(text: str) -> str:
+    """`text` with any lone surrogate written as `\\udXXX` (it cannot be sent as UTF-8)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
+"""What a lone surrogate can come from in a JSON body: a `\\uD800`-`\\uDFFF` escape, or the UTF-8-like bytes of one
+(Python's parser decodes a body with `surrogatepass`)."""
+
+
+def may_hold_surrogates(raw: bytes | bytearray) -> bool:
+    """Whether a JSON body's bytes may hold a surrogate (a cheap scan before `lone_surrogate`'s walk); a body in
+    UTF-16 or UTF-32 (which the parser also reads) always may."""
+    return not json.detect_encoding(raw).startswith("utf-8") or _SURROGATE_BYTES.search(raw) is not None
+
+
+def lone_surrogate(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The first text of a parsed JSON body (a value or a key, at any depth) that is not Unicode text, as
+    (the top-level field it is in, message), or None when every text is.
+
+    JSON may write half of a UTF-16 surrogate pair alone (`"hi \\ud800"`); Python's parser reads it into a string
+    that no tokenizer takes and no UTF-8 response can carry.
+    """
+    containers = (str, dict, list)
+    # (top-level field, path, value), depth first; iterative, as a body may nest as deep as the JSON parser allows
+    stack: list[tuple[str, str, Any]] = [(_readable(k), _readable(k), v) for k, v in reversed(body.items())]
+    texts: list[tuple[str, str, str]] = [(_readable(k), "a key of the body", k) for k in body]
+    while True:
+        for field, where, text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return field, (f"{where}: not valid Unicode text: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+                               f"character {exc.start}; JSON's \\uXXXX escapes must pair a high surrogate with a "
+                               f"low one")
+        if not stack:
+            return None
+        field, path, value = stack.pop()
+        if isinstance(value, str):
+            texts = [(field, path, value)]
+        elif isinstance(value, dict):
+            texts = [(field, f"a key of {path}", key) for key in value]
+            stack.extend((field, f"{path}.{_readable(k)}", v) for k, v in reversed(value.items())
+                         if isinstance(v, containers))
+        else:
+            texts = []
+            if isinstance(value, list):
+                stack.extend((field, f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value)))
+                             if isinstance(v, containers))
+
+
 # ---- requests ----------------------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     """`stream_options`: `include_usage` adds a last chunk with the usage (and `"usage": null` on the others)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: Bool | None = None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -79,11 +142,11 @@ class JsonSchemaFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("response", max_length=64)
+    name: str | None = Field("response", max_length=64)
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema.")
-    strict: bool | None = Field(None, description="True: objects may only have the keys they list (unless "
-                                                  "additionalProperties says otherwise); False: JSON Schema's rule.")
+    strict: Bool | None = Field(None, description="True: objects may only have the keys they list (unless "
+                                             "additionalProperties says otherwise); False: JSON Schema's rule.")
 
 
 class ResponseFormat(BaseModel):
@@ -100,29 +163,29 @@ class SamplingFields(WireModel):
     through `extra_body`). A field left out keeps the recipe's default."""
 
     model: str | None = Field(None, description="The served model's name (see GET /v1/models).")
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1, le=128)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    n: Int | None = Field(None, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(None, description="Token id (as text) -> bias in [-100, 100].")
+    seed: Int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Float] | None = Field(None, description="Token id (as text) -> bias in [-100, 100].")
     response_format: ResponseFormat | None = None
-    stream: bool = False
+    stream: Bool | None = Field(None, description="Server-sent events; null or left out: one JSON response.")
     stream_options: StreamOptions | None = None
     # decodekit's own
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int | None = Field(None, ge=0)
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0)
+    min_tokens: Int | None = Field(None, ge=0)
+    ignore_eos: Bool | None = None
+    stop_token_ids: list[Int] | None = None
     processors: list[Any] | None = Field(None, description="Processors merged over the recipe's, by name.")
     stopping: list[Any] | None = Field(None, description="Stopping criteria merged over the recipe's, by name.")
     strategy: Any = Field(None, description="A strategy replacing the recipe's, e.g. {\"beam_search\": {...}}.")
-    trace: int | None = Field(None, ge=1, le=MAX_LOGPROBS, description="Record the decoding trace (per choice).")
+    trace: Int | None = Field(None, ge=1, le=MAX_LOGPROBS, description="Record the decoding trace (per choice).")
     logprobs_mode: Literal["raw", "processed"] | None = Field(
         None, description="Logprobs of the model's distribution (raw) or of the one each token was drawn from.")
 
@@ -153,16 +216,16 @@ class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: `prompt` is a text, texts, token ids, or lists of token ids."""
 
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one engine request each."""
