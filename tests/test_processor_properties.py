@@ -332,3 +332,18 @@ def test_the_creative_recipe_names_valid_catalogue_processors(tokenizer):
                             ComponentInfo(tokenizer=tokenizer, vocab_size=len(tokenizer)))
     plan = components.resolve(SamplingParams(**recipe["sampling"], processors=recipe["processors"]))
     assert [s.processor.name for s in plan.stages] == ["dry", "xtc", "min_p", "temperature"]
+
+
+def test_a_seeded_greedy_xtc_request_decodes_the_same_tokens_with_and_without_speculation(llm):
+    """XTC's coin for a seeded row is keyed by the seed and the position it scores: verification scores draft rows
+    as well, and a coin per scored row drawn from the request's generator would shift the stream (other tokens with
+    speculation than without, even greedy ones)."""
+    prompts = [p * 3 for p in random_prompts(3, 4, 8, seed=41)]  # repeats give the n-gram proposer hits
+    params = dict(temperature=0.0, max_tokens=24, ignore_eos=True,
+                  processors=[{"xtc": {"threshold": 0.01, "probability": 0.5}}])
+    for seed in (3, 4):
+        plain = llm.generate(prompts, SamplingParams(seed=seed, **params))
+        spec = llm.generate(prompts, SamplingParams(seed=seed, strategy={"speculative": {
+            "proposer": "ngram", "num_speculative_tokens": 4}}, **params))
+        assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]

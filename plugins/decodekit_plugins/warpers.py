@@ -35,14 +35,32 @@ def _protect_top(logits: torch.Tensor, remove: torch.Tensor, batch: BatchView) -
 
 
 def _row_uniforms(batch: BatchView, device: torch.device) -> torch.Tensor:
-    """`[rows]` uniform draws in [0, 1): seeded rows from their own generator (in row order), the rest at once."""
+    """`[rows]` uniform draws in [0, 1): a seeded row's is keyed by its generator's seed and the position it scores
+    (`_keyed_uniform`), the rest drawn at once from the global RNG.
+
+    Keyed rather than drawn from the row's generator: speculative verification scores draft rows too, and a draw per
+    scored row would shift the stream, so a seeded request would get other coins (other tokens, even greedy ones)
+    with speculation than without."""
     rows = len(batch)
     shared = torch.rand(rows, device=device) if any(g is None for g in batch.generators) else None
     if shared is not None and all(g is None for g in batch.generators):
         return shared
-    parts = [torch.rand(1, generator=g, device=device) if g is not None else shared[i : i + 1]  # type: ignore[index]
+    parts = [torch.tensor([_keyed_uniform(g.initial_seed(), len(batch.histories[i]))], device=device)
+             if g is not None else shared[i : i + 1]  # type: ignore[index]
              for i, g in enumerate(batch.generators)]
     return torch.cat(parts)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _keyed_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) that depends only on (`seed`, `position`): SplitMix64 of the pair."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return (x >> 11) * 2.0**-53
 
 
 class TypicalPProcessor(LogitsProcessor):
