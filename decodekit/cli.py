@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -21,6 +21,9 @@ from decodekit.api.errors import DecodeKitError
 from decodekit.bench.workloads import MIXED_FULL_REPEATS, MIXED_FULL_REQUESTS, MIXED_REPEATS, MIXED_REQUESTS
 from decodekit.models import BUNDLED_MODEL_NAME
 from decodekit.tables import print_table
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 app = typer.Typer(help="decodekit: composable decoding strategies on a paged, continuously batched engine.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -49,11 +52,15 @@ def render_summary(summary: dict[str, Any]) -> None:
         return "-" if v is None else f"{v * 1000:.1f} ms"
 
     table.add_row("requests", str(summary["requests"]))
-    table.add_row("output tokens", str(summary["output_tokens"]))
+    several = summary.get("sequences", summary["requests"]) > summary["requests"]
+    if several:  # n > 1 or beam search's num_return_sequences: the token figures below count every sequence
+        table.add_row("returned sequences", str(summary["sequences"]))
+    table.add_row("output tokens" + (" (all sequences)" if several else ""), str(summary["output_tokens"]))
     table.add_row("wall time", f"{summary['wall_s']:.2f} s")
     table.add_row("tokens/s", f"{summary['tokens_per_s']:.1f}" if summary["tokens_per_s"] else "-")
     table.add_row("TTFT p50 / p90", f"{ms(summary['ttft_p50_s'])} / {ms(summary['ttft_p90_s'])}")
-    table.add_row("TPOT p50 / p90", f"{ms(summary['tpot_p50_s'])} / {ms(summary['tpot_p90_s'])}")
+    table.add_row("TPOT p50 / p90" + (" (per step)" if several else ""),
+                  f"{ms(summary['tpot_p50_s'])} / {ms(summary['tpot_p90_s'])}")
     table.add_row("finish reasons", ", ".join(f"{k}: {v}" for k, v in summary["finish_reasons"].items()))
     if summary.get("acceptance_rate") is not None:
         table.add_row("draft acceptance", f"{summary['acceptance_rate']:.1%} "
@@ -64,10 +71,12 @@ def render_summary(summary: dict[str, Any]) -> None:
                 rate = counts["accepted"] / counts["drafted"] if counts["drafted"] else 0.0
                 table.add_row(f"  by {name}", f"{rate:.1%} ({counts['accepted']} of {counts['drafted']} tokens)")
     if summary.get("speedup_vs_plain") is not None:
-        # the speedup and the two rates it is the ratio of (each strategy's mean over its runs of the comparison)
+        # the speedup and the two rates it is the ratio of (each strategy's mean over its runs of the comparison),
+        # both counted on each request's first answer, so several returned sequences do not inflate one side
         table.add_row("speedup vs plain sample", f"{summary['speedup_vs_plain']:.2f}x "
                                                  f"({summary['strategy_tokens_per_s']:.1f} vs "
-                                                 f"{summary['plain_tokens_per_s']:.1f} mean tokens/s)")
+                                                 f"{summary['plain_tokens_per_s']:.1f} mean tokens/s"
+                                                 + (" of each request's first answer)" if several else ")"))
     if summary.get("errors"):
         table.add_row("failed requests", str(len(summary["errors"])))
     if summary.get("bad_inputs"):
@@ -92,11 +101,15 @@ def generate(
 ) -> None:
     """Generate answers for prompts with the engine, then print them and a summary table."""
     _setup_logging(quiet or as_json)
+    from pydantic import ValidationError
+
     from decodekit import LLM, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                 stop=stop or [])
+    except ValidationError as exc:
+        _fail(_flag_errors(exc))
     except ValueError as exc:
         _fail(str(exc))
     try:
@@ -121,6 +134,26 @@ def generate(
     render_summary(summary)
 
 
+def _flag_errors(exc: ValidationError) -> str:
+    """`SamplingParams` errors as the command line's flags: `--temperature: must be greater than or equal to 0,
+    got -1.0` (one line per error)."""
+    import re
+
+    lines = []
+    for err in exc.errors():
+        message = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        field = next((str(part) for part in err["loc"] if isinstance(part, str)), "")
+        if not field:  # a check across fields names the field in backticks: "`stop` strings must be non-empty"
+            named = re.search(r"`(\w+)`", message)
+            field = named.group(1) if named else ""
+        flag = f"--{field.replace('_', '-')}" if field else "the sampling options"
+        got = err.get("input")
+        if not isinstance(got, (dict, list)) and f"got {got!r}" not in message:
+            message += f", got {got!r}"
+        lines.append(f"{flag}: {message}")
+    return "\n".join(lines)
+
+
 @app.command()
 def run(
     recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE", help="A recipe file (see docs/recipes.md).")],
@@ -140,14 +173,16 @@ def run(
 ) -> None:
     """Run a recipe over its prompts; print the answers and a summary table.
 
-    Exit status: 0 when every request ran; 1 when some input lines were bad or some requests failed (the others
-    still run and are written); 2 when nothing could run (an invalid recipe, a model that does not load).
+    Exit status: 0 when every request ran; 1 when some input lines were bad, some requests failed (the others
+    still run and are written) or an output file could not be written after all (its lines are printed instead);
+    2 when nothing could run (an invalid recipe, an output file that cannot be written, a model that does not
+    load).
     """
     _setup_logging(quiet or as_json)
     from decodekit.core.plan import Components
     from decodekit.core.plugin_manager import get_plugin_manager
     from decodekit.core.registry import Registry
-    from decodekit.recipe import load_recipe
+    from decodekit.recipe import check_machine, load_recipe
     from decodekit.recipe_runner import DEFAULT_TRACE, output_row, read_inputs, run_recipe, summarize, trace_row
 
     try:
@@ -157,10 +192,16 @@ def run(
         if trace is not None and recipe.sampling.trace is None:
             recipe = load_recipe(recipe_path, [*(overrides or []), f"sampling.trace={DEFAULT_TRACE}"],
                                  registry=registry)
+        target = output or (Path(recipe.outputs.file) if recipe.outputs.file else None)
+        # a file that cannot be written fails now, not after the whole run with its results lost
+        for flag, path in (("--output" if output else "outputs.file", target), ("--trace", trace)):
+            if path is not None:
+                _check_writable(path, flag)
         requests, bad = read_inputs(recipe, Components(registry), prompt or [], prompts)
         if not requests:
             _fail(f"{recipe.source}: no prompts to run: give --prompt, --prompts, or inputs.prompts / inputs.file"
                   + "".join(f"\n  {b}" for b in bad))
+        check_machine(recipe)  # the device, CUDA graphs and KV memory, before the model loads
         for b in bad:
             err_console.print(f"[yellow]skipped[/] {escape(str(b))}", soft_wrap=True)
         llm = recipe.build_llm(pm)
@@ -171,28 +212,56 @@ def run(
     summary = summarize(result.outputs, result.wall_s, bad, result.plain_outputs, result.plain_wall_s,
                         result.strategy_wall_s)
     rows = [output_row(r, o) for r, o in zip(result.requests, result.outputs)]
-    rows += [{"id": None, "input": b.where, "error": b.message} for b in bad]
-    target = output or (Path(recipe.outputs.file) if recipe.outputs.file else None)
-    if target is not None:
-        _write_lines(target, rows)
-    if trace is not None:
-        _write_lines(trace, [trace_row(r, o) for r, o in zip(result.requests, result.outputs)])
+    rows += [{"id": b.id, "input": b.where, "error": b.message} for b in bad]
     if as_json:
         print(json.dumps({"recipe": recipe.source, "model": recipe.model, "summary": summary, "outputs": rows}))
     else:
         for request, out in zip(result.requests, result.outputs):
             _print_answer(request.prompt, out)
         render_summary(summary)
-    if summary["errors"] or bad:
+    unwritten = False
+    if target is not None:  # with --json, the rows are in the object printed above
+        unwritten |= not _write_lines(target, rows, echo=None if as_json else sys.stdout)
+    if trace is not None:  # with --json, stdout holds one object: the trace lines go to stderr
+        unwritten |= not _write_lines(trace, [trace_row(r, o) for r, o in zip(result.requests, result.outputs)],
+                                      echo=sys.stderr if as_json else sys.stdout)
+    if summary["errors"] or bad or unwritten:
         raise typer.Exit(1)
 
 
-def _write_lines(target: Path, rows: list[dict[str, Any]]) -> None:
-    """Write one JSON object per line (a clear error, not a traceback, when the file cannot be written)."""
+def _check_writable(target: Path, flag: str) -> None:
+    """Fail now (exit 2, naming the option) when `target` cannot be written: a folder, a missing folder, no
+    permission. A file that did not exist is created to find out, then removed."""
+    if target.is_dir():
+        _fail(f"{flag} {target}: is a folder; give a file path, e.g. {target / 'out.jsonl'}")
+    existed = target.exists()
     try:
-        target.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+        with target.open("a", encoding="utf-8"):
+            pass
     except OSError as exc:
-        _fail(f"cannot write {target}: {exc}")
+        reason = exc.strerror or str(exc)
+        _fail(f"{flag} {target}: cannot be written ({reason}); nothing was run")
+    if not existed:
+        target.unlink(missing_ok=True)
+
+
+def _write_lines(target: Path, rows: list[dict[str, Any]], echo: Any) -> bool:
+    """Write one JSON object per line. When the file cannot be written after all (it was checked before the run),
+    say so and print the lines to `echo` (a stream; None: they are printed already) instead of losing them;
+    returns whether the file was written."""
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    try:
+        target.write_text(lines, encoding="utf-8")
+        return True
+    except OSError as exc:
+        where = (" (its rows are in the JSON printed above)" if echo is None
+                 else f"; its lines follow on {'stderr' if echo is sys.stderr else 'stdout'}")
+        err_console.print(f"[bold red]error:[/] cannot write {escape(str(target))}: {escape(str(exc))}{where}",
+                          soft_wrap=True)
+        if echo is not None:
+            echo.write(lines)
+            echo.flush()
+        return False
 
 
 @contextmanager
@@ -471,20 +540,26 @@ def recipe_check(
     """Validate a recipe without loading its model, and print it resolved (defaults filled in, the plan in order).
 
     The model (and draft) must resolve without loading: the bundled name, a .gguf file, a folder with a
-    config.json, a hub id in the local Hugging Face cache, or a spec a plugin's loader accepts."""
+    config.json, a hub id in the local Hugging Face cache, or a spec a plugin's loader accepts. The checks `run`
+    makes of this machine before loading the model run too: the device exists, `engine.cuda_graphs: true` has CUDA,
+    `engine.kv_cache_memory` holds two KV blocks of the model (read from its config.json; a note says when that is
+    not on disk yet)."""
     import yaml
 
     from decodekit.core.plugin_manager import get_plugin_manager
     from decodekit.core.registry import Registry
-    from decodekit.recipe import check_models, describe_recipe, load_recipe
+    from decodekit.recipe import check_machine, check_models, describe_recipe, load_recipe
 
     try:
         registry = Registry.from_plugin_manager(get_plugin_manager())
         recipe = load_recipe(recipe_path, overrides or [], registry=registry)
         check_models(recipe, registry)
+        notes = check_machine(recipe)  # what `run` checks before loading the model: device, CUDA graphs, KV memory
     except DecodeKitError as exc:
         _fail(str(exc))
     print(yaml.safe_dump(describe_recipe(recipe, registry), sort_keys=False, allow_unicode=True), end="")
+    for note in notes:
+        err_console.print(f"[yellow]note:[/] {escape(recipe.source)}: {escape(note)}", soft_wrap=True)
     err_console.print(f"[green]{recipe.source}: ok[/]")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import numbers
 import queue
 import threading
 import uuid
@@ -88,6 +89,24 @@ def _normalize_params(params: SamplingParams | Sequence[SamplingParams] | None, 
     return listed
 
 
+def _normalize_priorities(priorities: Sequence[int] | None, n: int) -> list[int]:
+    if priorities is None:
+        return [0] * n
+    try:
+        listed = list(priorities) if not isinstance(priorities, (str, bytes, Mapping)) else None
+    except TypeError:
+        listed = None
+    if listed is None:
+        raise ConfigError(f"priorities: give a list of {n} integers (one per prompt), got "
+                          f"{type(priorities).__name__}")
+    if len(listed) != n:
+        raise ConfigError(f"got {len(listed)} priorities for {n} prompts; give one per prompt")
+    bad = next((p for p in listed if isinstance(p, bool) or not isinstance(p, numbers.Integral)), None)
+    if bad is not None:
+        raise ConfigError(f"priorities: each is an integer, got {bad!r}")
+    return [int(p) for p in listed]
+
+
 class LLM:
     """Offline generation, vLLM-style: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
@@ -125,13 +144,19 @@ class LLM:
         and `.error` set; the others are unaffected.
         """
         prompt_list = _normalize_prompts(prompts)
+        # every per-prompt list is checked before any request is queued: a mismatch must not leave some queued
         param_list = _normalize_params(params, len(prompt_list))
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, param_list)):
-            rid = f"gen-{uuid.uuid4().hex[:12]}"
-            self.engine.add_request(prompt, p, request_id=rid, priority=priorities[i] if priorities else 0,
-                                    add_special_tokens=add_special_tokens)
-            ids.append(rid)
+        priority_list = _normalize_priorities(priorities, len(prompt_list))
+        ids: list[str] = []
+        try:
+            for prompt, p, priority in zip(prompt_list, param_list, priority_list):
+                rid = f"gen-{uuid.uuid4().hex[:12]}"
+                self.engine.add_request(prompt, p, request_id=rid, priority=priority,
+                                        add_special_tokens=add_special_tokens)
+                ids.append(rid)
+        except BaseException:
+            self._withdraw(ids)  # the requests queued before the failure would run in the next call
+            raise
         finals: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while len(finals) < len(ids):
@@ -141,6 +166,14 @@ class LLM:
                 if on_output is not None:
                     on_output(out)
         return [finals[rid] for rid in ids]
+
+    def _withdraw(self, ids: list[str]) -> None:
+        """Abort requests this call queued and step until their (aborted) outputs are out of the engine."""
+        pending = {rid for rid in ids if self.engine.abort(rid)}
+        while pending and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    pending.discard(out.request_id)
 
     def apply_chat_template(self, messages: list[Message]) -> str:
         """Render a conversation with the tokenizer's chat template, ready for the assistant's turn."""

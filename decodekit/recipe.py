@@ -127,6 +127,29 @@ class Recipe(_Section):
             raise ValueError(f"kv_cache_memory: expected a size like 1GiB or 512MB, got {memory!r}")
         return value
 
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        import torch
+
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"not a device torch knows; use cpu or cuda (cuda:N), got {value!r}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _target_draft_dtype(self) -> Recipe:
+        # `model: target` drafts with the target's own weights, loaded once in the target's dtype: a dtype of its
+        # own cannot apply (the Python API refuses `draft_dtype` there too), and dropping it silently would mislead
+        draft = self.draft
+        if draft is not None and draft.model == TARGET_DRAFT and draft.dtype not in ("auto", self.dtype):
+            raise ValueError(f"draft.dtype: `model: target` drafts with the target's own weights, in the target's "
+                             f"dtype ({self.dtype}); remove draft.dtype ({draft.dtype}) or set the top-level dtype")
+        return self
+
     @field_validator("sampling")
     @classmethod
     def _components_at_top_level(cls, value: SamplingParams) -> SamplingParams:
@@ -151,9 +174,10 @@ class Recipe(_Section):
         return SamplingParams.model_validate(
             {**fields, "processors": self.processors, "stopping": self.stopping, "strategy": self.strategy})
 
-    def params_for(self, override: Mapping[str, Any] | None = None) -> SamplingParams:
-        """A request's parameters: the recipe's defaults with `override` merged over them (see `merge_params`)."""
-        return merge_params(self.default_params(), override or {})
+    def params_for(self, override: Mapping[str, Any] | None = None, sampling_key: str = "") -> SamplingParams:
+        """A request's parameters: the recipe's defaults with `override` merged over them (see `merge_params`;
+        `sampling_key`: where the override's sampling fields sit in the input, for messages)."""
+        return merge_params(self.default_params(), override or {}, sampling_key)
 
     def engine_options(self) -> dict[str, Any]:
         """The `EngineConfig` fields the recipe sets (the engine's defaults apply to the rest)."""
@@ -176,13 +200,16 @@ def plain_params(params: SamplingParams) -> SamplingParams:
     return params.model_copy(update={"strategy": ComponentSpec(name="sample")})
 
 
-def merge_params(base: SamplingParams, override: Mapping[str, Any]) -> SamplingParams:
+def merge_params(base: SamplingParams, override: Mapping[str, Any], sampling_key: str = "") -> SamplingParams:
     """Merge a request's overrides over recipe defaults.
 
     `override` holds `SamplingParams` fields (or their transformers aliases, `SAMPLING_ALIASES`); each replaces the
     default (`max_new_tokens` replaces the recipe's `max_tokens`). `processors` and `stopping` entries
     named in both keep the recipe's position with their parameters merged (the override's win); new names are
     appended. `strategy` replaces the recipe's.
+
+    `sampling_key` is where the override's sampling fields sit in the input (`sampling` on a prompts-file line),
+    for the key paths of messages.
 
     Raises:
         RecipeError: an override is not a valid field or value (the message names the key).
@@ -202,18 +229,19 @@ def merge_params(base: SamplingParams, override: Mapping[str, Any]) -> SamplingP
         "strategy": base.strategy,
     }
     if "strategy" in override:
-        merged["strategy"] = _validate(_SPEC, override["strategy"], "strategy")
+        merged["strategy"] = _validate(_SPEC, override["strategy"], "strategy", ComponentSpec | None)
     try:
         return SamplingParams.model_validate({**fields, **merged})
     except ValidationError as exc:
-        raise RecipeError(format_validation_errors(exc, SamplingParams)) from None
+        prefix = (sampling_key,) if sampling_key else ()
+        raise RecipeError(format_validation_errors(exc, SamplingParams, prefix=prefix)) from None
 
 
 def _merge_specs(base: list[ComponentSpec], override: Any, key: str) -> list[ComponentSpec]:
     if override is None:
         return list(base)
     merged = list(base)
-    for spec in _validate(_SPECS, override, key):
+    for spec in _validate(_SPECS, override, key, list[ComponentSpec]):
         at = next((i for i, s in enumerate(merged) if s.name == spec.name), None)
         if at is None:
             merged.append(spec)
@@ -222,11 +250,11 @@ def _merge_specs(base: list[ComponentSpec], override: Any, key: str) -> list[Com
     return merged
 
 
-def _validate(adapter: TypeAdapter[Any], value: Any, key: str) -> Any:
+def _validate(adapter: TypeAdapter[Any], value: Any, key: str, root: Any) -> Any:
     try:
         return adapter.validate_python(value)
     except ValidationError as exc:
-        raise RecipeError(format_validation_errors(exc, None, prefix=(key,))) from None
+        raise RecipeError(format_validation_errors(exc, root, prefix=(key,))) from None
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
@@ -323,6 +351,86 @@ def check_models(recipe: Recipe, registry: Registry) -> dict[str, str]:
                               f"ids and the target {specs['model']!r} {target}; speculative decoding needs a draft "
                               "with the target's tokenizer")
     return found
+
+
+def check_machine(recipe: Recipe) -> list[str]:
+    """The checks `run` makes when it builds the engine that need no model loaded: the device exists on this
+    machine, `engine.cuda_graphs: true` has a CUDA device (and the fused decoder) to run on, and
+    `engine.kv_cache_memory` holds at least two KV blocks of the model (its geometry read from its config.json
+    where that is on disk). Returns notes on what could not be checked without loading the model.
+
+    Raises:
+        RecipeError: the recipe cannot run here; the message names the file and the key.
+    """
+    import torch
+
+    where = recipe.source
+    device = torch.device(recipe.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RecipeError(f"{where}: device: {recipe.device!r} was asked for, but this torch build sees no CUDA device "
+                          "(torch.cuda.is_available() is False); use device: cpu or leave it unset")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise RecipeError(f"{where}: device: 'mps' was asked for, but this machine has no MPS device; use device: "
+                          "cpu or leave it unset")
+    engine = recipe.engine
+    if engine.cuda_graphs:
+        reason = (f"they need the model on a CUDA device, not {device}" if device.type != "cuda"
+                  else "they capture the fused decoder, which engine.fused_decoder: false turns off"
+                  if engine.fused_decoder is False else None)
+        if reason is not None:
+            raise RecipeError(f"{where}: engine.cuda_graphs: {reason}; set cuda_graphs to false or leave it unset")
+    return _check_kv_memory(recipe, device)
+
+
+_MIN_KV_BYTES_PER_SLOT = 4
+"""The least one token slot of the KV pool can cost: one layer, one KV head of size 1, keys and values, 2 bytes."""
+
+
+def _check_kv_memory(recipe: Recipe, device: Any) -> list[str]:
+    import torch
+
+    from decodekit.core.kv_cache import PagedKVCache
+    from decodekit.models.loader import default_dtype
+
+    engine, where = recipe.engine, recipe.source
+    memory, block = engine.kv_cache_memory, engine.block_size
+    if memory < 2 * block * _MIN_KV_BYTES_PER_SLOT:  # too small for any model
+        raise RecipeError(f"{where}: engine.kv_cache_memory: {memory} bytes cannot hold 2 KV blocks of "
+                          f"{block} tokens for any model; raise it (e.g. 256MiB)")
+    geometry = _peek_kv_geometry(recipe.model)
+    if geometry is None:
+        return [f"engine.kv_cache_memory: not checked against the model's KV size ({recipe.model!r} has no "
+                "config.json on disk yet); `decodekit run` checks it when the model loads"]
+    layers, kv_heads, head_dim = geometry
+    if engine.kv_cache_dtype != "auto":
+        element = torch.bfloat16 if engine.kv_cache_dtype == "bfloat16" else torch.float32
+    else:  # the model's dtype (quantized weights keep the float32 model's cache); `auto` as the loader picks it
+        element = default_dtype(device) if recipe.dtype == "auto" else getattr(torch, recipe.dtype)
+    per_block = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, element) * block
+    if memory // per_block < 2:
+        raise RecipeError(f"{where}: engine.kv_cache_memory: {memory} bytes holds fewer than 2 KV blocks of "
+                          f"{per_block} bytes for {recipe.model!r} ({layers} layers x {kv_heads} KV heads x "
+                          f"{head_dim} x keys and values x {str(element).removeprefix('torch.')} x {block} "
+                          "tokens); raise it")
+    return []
+
+
+def _peek_kv_geometry(spec: str) -> tuple[int, int, int] | None:
+    """Layers, KV heads and head size from the config.json of the model `spec` names (`peek_config`), loading
+    nothing; None where there is none."""
+    from decodekit.models.loader import peek_config
+
+    config = peek_config(spec)
+    if config is None:
+        return None
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config
+    layers, heads = text.get("num_hidden_layers"), text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // heads if isinstance(heads, int) and heads
+                                        else None)
+    values = (layers, kv_heads, head_dim)
+    return values if all(isinstance(v, int) and v > 0 for v in values) else None  # type: ignore[return-value]
 
 
 def describe_recipe(recipe: Recipe, registry: Registry) -> dict[str, Any]:

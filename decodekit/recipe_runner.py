@@ -38,10 +38,12 @@ class RecipeRequest:
 
 @dataclass
 class BadInput:
-    """An input line that was not run: where it is (`prompts.jsonl line 3`) and why."""
+    """An input line that was not run: where it is (`prompts.jsonl line 3`), why, and the id its request would
+    have had (the line's own `id`, else its position), so an output row for it joins the input like the others."""
 
     where: str
     message: str
+    id: str | None = None
 
     def __str__(self) -> str:
         return f"{self.where}: {self.message}"
@@ -89,15 +91,26 @@ def read_inputs(recipe: Recipe, components: Components, prompts: Sequence[str] =
     requests = [RecipeRequest(str(i + 1), text, recipe.default_params()) for i, text in enumerate(texts)]
     bad: list[BadInput] = []
     if file is not None:
-        for where, line in _file_lines(file):
+        # a line's default id is its position among the file's lines (blank ones skipped, bad ones counted, as
+        # `decodekit batch` numbers its rows), after the prompts given before it: a bad line does not shift the
+        # ids of the lines after it, so outputs stay joinable to the input by id
+        for position, (where, line) in enumerate(_file_lines(file), len(texts) + 1):
             try:
-                requests.append(_request_from_line(recipe, components, line, str(len(requests) + 1)))
+                requests.append(_request_from_line(recipe, components, line, str(position)))
             except DecodeKitError as exc:
-                bad.append(BadInput(where, str(exc)))
+                bad.append(BadInput(where, str(exc), _line_id(line, str(position))))
     return requests, bad
 
 
+def _line_id(line: Any, default: str) -> str:
+    """The id a line asks for (a JSON object's scalar `id`), else `default`."""
+    own = line.get("id") if isinstance(line, dict) else None
+    return str(own) if isinstance(own, (str, int)) and not isinstance(own, bool) else default
+
+
 def _file_lines(file: Path) -> list[tuple[str, Any]]:
+    """The file's non-blank lines: where each is (`prompts.jsonl line 3`) and its value (a .txt line's text, a
+    .jsonl line's parsed JSON, or the `RecipeError` parsing it raised)."""
     if file.suffix not in (".jsonl", ".txt"):
         raise RecipeError(f"{file}: a prompts file is .jsonl (one JSON object per line) or .txt (one prompt per line)")
     text = read_text_capped(file, MAX_PROMPTS_FILE_BYTES, "prompts file")
@@ -133,7 +146,7 @@ def parse_line(recipe: Recipe, components: Components, line: Any, model: type[L]
         item = model.model_validate(line)
     except ValidationError as exc:
         raise RecipeError(format_validation_errors(exc, model).replace("\n", "; ")) from None
-    params = recipe.params_for(item.overrides())
+    params = recipe.params_for(item.overrides(), sampling_key="sampling")
     components.resolve(params)  # unknown names, bad plugin parameters and refused combinations fail here
     return item, params
 
@@ -234,14 +247,18 @@ def trace_row(request: RecipeRequest, output: RequestOutput) -> dict[str, Any]:
 def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequence[BadInput] = (),
               plain_outputs: Sequence[RequestOutput] | None = None, plain_wall: float | None = None,
               strategy_wall: float | None = None) -> dict[str, Any]:
-    """Summary figures: requests, tokens (every choice), tokens/s, TTFT/TPOT p50/p90, finish reasons, the
-    acceptance rate when draft tokens were proposed (and per proposer, `proposer_tokens`), the plain-strategy
-    comparison, and what failed.
+    """Summary figures: requests, returned sequences, tokens (every sequence), tokens/s, TTFT/TPOT p50/p90 (TPOT per
+    output position: `RequestMetrics.tpot`), finish reasons, the acceptance rate when draft tokens were proposed
+    (and per proposer, `proposer_tokens`), the plain-strategy comparison, and what failed.
 
-    `tokens_per_s` is this run's (`wall`). With a comparison (`plain_outputs`, `plain_wall`: the plain runs' mean
-    wall time), `strategy_tokens_per_s` is the recipe strategy's rate over its mean wall time in the comparison
-    (`strategy_wall`, default `wall`), `plain_tokens_per_s` the plain strategy's, and `speedup_vs_plain` exactly
-    their ratio: the figures the summary prints side by side are the ones the speedup is computed from."""
+    `output_tokens` counts every returned sequence's tokens and `tokens_per_s` is that over this run's `wall`.
+    With a comparison (`plain_outputs`, `plain_wall`: the plain runs' mean wall time) both sides are counted
+    alike, on each request's first returned sequence (the best one of beam search, the first of `n`):
+    `answer_tokens` and `plain_answer_tokens`; `strategy_tokens_per_s` is the recipe strategy's answer tokens over
+    its mean wall time in the comparison (`strategy_wall`, default `wall`), `plain_tokens_per_s` the plain
+    strategy's, and `speedup_vs_plain` exactly their ratio. A strategy that returns four beams where plain sampling
+    returns one answer is not credited with four times the tokens; the figures the summary prints side by side are
+    the ones the speedup is computed from."""
     from decodekit.bench.report import percentile
 
     tokens = _tokens(outputs)
@@ -259,7 +276,8 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
             total["drafted"] += counts["drafted"]
             total["accepted"] += counts["accepted"]
     summary: dict[str, Any] = {
-        "requests": len(outputs), "output_tokens": tokens, "wall_s": wall,
+        "requests": len(outputs), "sequences": sum(len(o.outputs) for o in outputs), "output_tokens": tokens,
+        "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else None,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
         "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90),
@@ -271,9 +289,12 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
         "bad_inputs": [str(b) for b in bad_inputs],
     }
     if plain_outputs is not None and plain_wall:
-        plain_rate = _tokens(plain_outputs) / plain_wall
+        answers, plain_answers = _answer_tokens(outputs), _answer_tokens(plain_outputs)
+        plain_rate = plain_answers / plain_wall
         own_wall = strategy_wall or wall
-        own_rate = tokens / own_wall if own_wall > 0 else None
+        own_rate = answers / own_wall if own_wall > 0 else None
+        summary["answer_tokens"] = answers
+        summary["plain_answer_tokens"] = plain_answers
         summary["strategy_tokens_per_s"] = own_rate
         summary["plain_tokens_per_s"] = plain_rate
         summary["speedup_vs_plain"] = own_rate / plain_rate if own_rate is not None and plain_rate else None
@@ -281,4 +302,11 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
 
 
 def _tokens(outputs: Sequence[RequestOutput]) -> int:
+    """Every returned sequence's tokens."""
     return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+
+def _answer_tokens(outputs: Sequence[RequestOutput]) -> int:
+    """The tokens of each request's first returned sequence (beam search's best): what a comparison of strategies
+    that return different numbers of sequences counts on both sides."""
+    return sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs)

@@ -184,9 +184,9 @@ def _copy(value: Any) -> Any:
 
 
 # ---- error messages ---------------------------------------------------------------------------------------------
-def format_validation_errors(exc: ValidationError, root: type[BaseModel] | None, label: str = "",
+def format_validation_errors(exc: ValidationError, root: type[BaseModel] | Any | None, label: str = "",
                              prefix: Sequence[Any] = ()) -> str:
     """One line per pydantic error: `label: key.path[i]: message, got value`; an unknown key lists the known ones
     (with a close match when there is one). `prefix` is where the validated value sits in the recipe; `root` is
-    the model it was validated against (None: no list of known keys)."""
+    the model (or type, `list[ComponentSpec]`) it was validated against (None: no list of known keys)."""
     return format_validation_error(dotted_path(prefix), exc, root, label=label, sep="\n")

@@ -121,13 +121,13 @@ def test_a_prompts_file_with_a_bad_line_runs_the_good_ones_reports_the_bad_one_a
     result = _invoke("run", str(ROOT / "recipes" / "quickstart.yaml"), *_tiny(tiny_dir), "--quiet",
                      "--prompts", str(tmp_path / "p.jsonl"), "--output", str(out))
     assert result.exit_code == 1
-    bad = "p.jsonl line 2: top_p: Input should be less than or equal to 1, got 7"
+    bad = "p.jsonl line 2: sampling.top_p: Input should be less than or equal to 1, got 7"
     assert f"skipped {bad}" in result.stderr and "Traceback" not in result.stderr
     assert "bad input lines" in result.stdout and "p.jsonl line 2" in result.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["id"], r.get("input"), r.get("error")) for r in rows] == [
-        ("a", None, None), (None, "p.jsonl line 2", bad.split(": ", 1)[1]),
-        (None, "p.jsonl line 3", "not valid JSON: Expecting value (column 1)")]
+        ("a", None, None), ("2", "p.jsonl line 2", bad.split(": ", 1)[1]),
+        ("3", "p.jsonl line 3", "not valid JSON: Expecting value (column 1)")]
     assert 1 <= len(rows[0]["token_ids"]) <= 2
 
 

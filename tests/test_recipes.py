@@ -262,13 +262,15 @@ def test_a_prompts_file_with_bad_lines_keeps_the_good_ones_and_names_each_bad_li
                                                 for line in lines) + "\n\n")
     recipe = _load(tmp_path, BASE + "inputs: {file: p.jsonl, prompts: [first]}\n")
     requests, bad = read_inputs(recipe, Components(REGISTRY))
-    assert [(r.id, r.prompt) for r in requests] == [("1", "first"), ("a", "Hello"), ("3", "just a prompt"),
-                                                    ("4", "z")]
+    # a line's default id is its position (after the recipe's one prompt), bad lines counted: ids do not shift
+    assert [(r.id, r.prompt) for r in requests] == [("1", "first"), ("a", "Hello"), ("7", "just a prompt"),
+                                                    ("8", "z")]
     assert requests[3].params.max_tokens == 3 and [s.name for s in requests[3].params.processors] == [
         "top_p", "top_k"]
     assert [b.where for b in bad] == [f"p.jsonl line {n}" for n in (2, 3, 4, 5, 8)]
     assert bad[0].message.startswith("not valid JSON: Expecting value")
-    assert bad[1].message == "temperature: Input should be greater than or equal to 0, got -1"
+    assert [b.id for b in bad] == ["3", "4", "5", "6", "9"]
+    assert bad[1].message == "sampling.temperature: Input should be greater than or equal to 0, got -1"
     assert bad[2].message == "processors[0].top_p.top_p: Input should be less than or equal to 1, got 2"
     assert bad[3].message.startswith("colour: unknown key 'colour'; known keys: prompt, id, sampling")
     assert "unknown" in bad[4].message and "'beem'" in bad[4].message

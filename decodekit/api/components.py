@@ -128,31 +128,79 @@ def _model_class(annotation: Any) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
-def format_validation_error(prefix: str, exc: ValidationError, model: type[BaseModel] | None = None, *,
+YAML_BOOLEAN_HINT = " (quote it if you meant text: YAML reads unquoted yes/no/on/off/true/false as booleans)"
+"""Added to "a valid string, got True" errors: the usual cause is an unquoted `yes`/`no`/`on` in a recipe."""
+
+_COMPONENT_KEYS = ["name", "params"]  # the fields of `ComponentSpec`: a component named in a recipe or request
+_COMPONENT_KINDS = {"processors": "processor", "stopping": "stopping criterion", "strategy": "strategy"}
+
+
+def _component_kind(path: str) -> str:
+    """What a component at `path` is (`processors[0]`: a processor), from the last list key the path goes through."""
+    found = [(path.rfind(key), kind) for key, kind in _COMPONENT_KINDS.items() if key in path]
+    return max(found)[1] if found else "component"
+
+
+def _component_shape_message(path: str, loc: Sequence[Any], given: Any) -> str:
+    """What to say about a component (`ComponentSpec`) written in a shape it cannot have, naming its kind."""
+    kind = _component_kind(path)
+    if isinstance(given, dict) and len(given) > 1:
+        names = ", ".join(str(k) for k in given)
+        if loc and isinstance(loc[-1], int):
+            return (f"one {kind} per list item: this item names {len(given)} ({names}); give each its own item "
+                    f"(`- {next(iter(given))}: {{...}}`)")
+        return f"one {kind} only: got {len(given)} ({names}); name one (`{{{next(iter(given))}: {{...}}}}`)"
+    got = "an empty mapping" if given == {} else f"a {type(given).__name__}"
+    example = "- top_k: {top_k: 40}" if kind == "processor" else "{name: {parameters}}"
+    return f"a {kind} is a name or a mapping of one name to its parameters (`{example}`), got {got}"
+
+
+def format_validation_error(prefix: str, exc: ValidationError, model: Any = None, *,
                             label: str = "", sep: str = "; ") -> str:
     """Every pydantic error as `label: key.path[i]: message, got value`, joined with `sep`.
 
     The path is the error's location under `prefix` (the key the validated mapping sits at in the recipe or
-    request, e.g. `processors[0].repetition_penalty`). An unknown key names the keys `model` (the model that was
-    validated) accepts at that place, with the closest one suggested (`unknown_key_message`). This is the one
-    formatter for recipes, requests and every plugin's `Params`, so all of them read the same.
+    request, e.g. `processors[0].repetition_penalty`). An unknown key names the keys `model` (the model, or type,
+    that was validated) accepts at that place, with the closest one suggested (`unknown_key_message`). A component
+    written in a shape it cannot have (two names in one list item, a list for a strategy) is told as such, once;
+    a boolean where text is expected gets a hint to quote it (YAML's `yes`/`no`/`on`). This is the one formatter
+    for recipes, requests and every plugin's `Params`, so all of them read the same.
     """
     errors = exc.errors()
+    # components (`ComponentSpec`) given as a mapping of several names: pydantic reports `name` missing and each
+    # name an unknown key; say it once, at the item
+    shapes = {tuple(err["loc"][:-1]): err.get("input") for err in errors
+              if err["type"] == "missing" and err["loc"] and err["loc"][-1] == "name"
+              and isinstance(err.get("input"), dict) and "name" not in err["input"]
+              and known_keys(model, err["loc"][:-1])[:2] == _COMPONENT_KEYS}
     known = {i: known_keys(model, err["loc"][:-1]) for i, err in enumerate(errors) if err["type"] == "extra_forbidden"}
     # a required key misspelt is also reported missing; the suggestion for the typo already names it, so the
     # "Field required" of the key it suggests is the same mistake told twice
     meant = {(*errors[i]["loc"][:-1], closest_key(str(errors[i]["loc"][-1]), keys)) for i, keys in known.items()}
     lines = []
     for i, err in enumerate(errors):
-        if err["type"] == "missing" and tuple(err["loc"]) in meant:
+        loc = tuple(err["loc"])
+        if loc[:-1] in shapes:
+            if err["type"] == "missing" and loc[-1] == "name":
+                path = dotted_path(loc[:-1], prefix)
+                lines.append(": ".join(p for p in (label, path, _component_shape_message(path, loc[:-1],
+                                                                                         shapes[loc[:-1]])) if p))
+            continue  # the unknown keys are the names themselves, told above
+        if err["type"] == "missing" and loc in meant:
             continue
         message = err["msg"].removeprefix("Value error, ")  # a validator's own message needs no pydantic preamble
         if i in known:
             message = unknown_key_message(str(err["loc"][-1]), known[i])
+        elif err["type"] == "model_type" and (err.get("ctx") or {}).get("class_name") == "ComponentSpec":
+            message = _component_shape_message(dotted_path(loc, prefix), (), err.get("input"))
+        elif err["type"] == "model_type":  # "a valid dictionary or instance of <a class the user never wrote>"
+            message = f"expected a mapping of keys, got a {type(err.get('input')).__name__}"
         elif err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)):
             # a scalar is short enough to echo back; a mapping or list would swamp the message
             got = f"got {err.get('input')!r}"
             message += "" if got in message else f", {got}"
+            if err["type"] == "string_type" and isinstance(err.get("input"), bool):
+                message += YAML_BOOLEAN_HINT
         path = dotted_path(err["loc"], prefix)
         lines.append(": ".join(p for p in (label, path, message) if p))
     return sep.join(lines)

@@ -33,7 +33,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
+    num_generated_tokens: int = 0  # every returned sequence's tokens, added up
+    # the longest returned sequence's tokens: the output positions the request decoded
+    num_output_positions: int = 0
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed
@@ -46,12 +48,21 @@ class RequestMetrics:
         """Time to first token: arrival to the first generated token."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    def count_outputs(self, lengths: list[int]) -> None:
+        """Record the token counts of the sequences a request returns (or holds so far)."""
+        self.num_generated_tokens = sum(lengths)
+        self.num_output_positions = max(lengths, default=0)
+
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first (None with fewer than two tokens)."""
-        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+        """Time per output token after the first, per output position: a request returning several sequences (`n`,
+        beam search) decodes them side by side, so this is the time after the first token over the longest returned
+        sequence's tokens minus one (vLLM's rule), not over every sequence's tokens added up. None with fewer than
+        two positions."""
+        positions = self.num_output_positions or self.num_generated_tokens
+        if self.finished_time is None or self.first_token_time is None or positions < 2:
             return None
-        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
+        return (self.finished_time - self.first_token_time) / (positions - 1)
 
     @property
     def e2e(self) -> float | None:
@@ -66,6 +77,7 @@ class RequestMetrics:
             "e2e_s": self.e2e,
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
+            "output_positions": self.num_output_positions or self.num_generated_tokens,
             "cached_prompt_tokens": self.num_cached_prompt_tokens,
             "preemptions": self.num_preemptions,
             "draft_tokens": self.num_draft_tokens,

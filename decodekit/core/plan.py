@@ -34,6 +34,10 @@ from decodekit.api.stopping import StopDecision, StoppingCriterion
 from decodekit.api.strategy import Strategy
 from decodekit.core.registry import Registry
 
+GREEDY_FIELD_PROCESSOR = "temperature"
+"""The default processor behind `SamplingParams.temperature`: at temperature 0 (greedy) it implies no stage, but
+the temperature is set all the same, so naming it in the processors list too is the same conflict as at 0.8."""
+
 
 @dataclass(frozen=True)
 class CriterionStage:
@@ -134,11 +138,18 @@ class Components:
             listed.add(spec.name)
         for proc in self.implied_processors():
             implied = proc.from_sampling_params(params)
-            if implied is None:
+            # temperature 0 implies no stage (greedy takes the argmax), yet it is a temperature set in the sampling
+            # parameters all the same: a listed temperature would be silently overridden by greedy decoding
+            greedy_conflict = proc.name == GREEDY_FIELD_PROCESSOR and params.greedy
+            if implied is None and not greedy_conflict:
                 continue
             if proc.name in listed:
+                hint = (" (sampling.temperature is 0: greedy decoding, which the listed temperature cannot change; "
+                        "give the temperature in one place)" if greedy_conflict else "")
                 raise PlanError(f"processors.{proc.name}",
-                                "set either in the sampling parameters or in the processors list, not both")
+                                "set either in the sampling parameters or in the processors list, not both" + hint)
+            if implied is None:
+                continue
             stages.append(Stage(proc, implied))
         criteria = [CriterionStage(crit, default=True) for crit in self.default_criteria() if crit.is_active(params)]
         for i, spec in enumerate(params.stopping):

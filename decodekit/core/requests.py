@@ -178,7 +178,7 @@ class RequestLifecycle:
         for seq in request.sequences:
             if not seq.finished:
                 self.stop.finish_sequence(seq, results[0].finish_reason if results else "stop", text=seq.text)
-        request.metrics.num_generated_tokens = sum(len(r.token_ids) for r in results)
+        request.metrics.count_outputs([len(r.token_ids) for r in results])
         self.complete(request)
 
     def complete(self, request: Request, finalize: bool = True) -> None:
@@ -211,7 +211,7 @@ class RequestLifecycle:
             return
         if results is not None:
             request.results = list(results)
-            request.metrics.num_generated_tokens = sum(len(r.token_ids) for r in results)
+            request.metrics.count_outputs([len(r.token_ids) for r in results])
 
 
 def _validated(params: object) -> tuple[SamplingParams, str | None]:

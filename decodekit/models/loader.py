@@ -183,7 +183,7 @@ def _load_gguf(spec: str, dtype: torch.dtype, device: torch.device) -> tuple[Any
     gguf = Path(spec).expanduser().resolve()
     if not gguf.exists():
         raise ModelLoadError(f"GGUF file not found: {gguf}")
-    folder = cache_dir() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
+    folder = gguf_folder(gguf)
     if not folder.exists():
         convert_gguf_to_folder(gguf, folder)
     return _from_pretrained(str(folder), dtype, device)
@@ -221,29 +221,32 @@ def _check_hub(spec: str) -> None:
                              f"; download it first (`hf download {spec}`), or give a local folder or .gguf file")
 
 
-def _config_vocab_size(config_file: Path) -> int | None:
+def gguf_folder(gguf: Path) -> Path:
+    """Where a GGUF file is converted to a transformers folder (once; keyed by its name and size)."""
+    return cache_dir() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
+
+
+def _read_config(config_file: Path) -> dict[str, Any] | None:
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return None
-    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
-    return size if isinstance(size, int) else None
+    return config if isinstance(config, dict) else None
 
 
-def peek_vocab_size(spec: str) -> int | None:
-    """The vocabulary size of the model `spec` names, read from its config.json without loading it (a folder, a
-    hub id in the local cache, a GGUF file or the bundled model once converted); None where that needs more than a
-    config file (a GGUF file not yet converted, a plugin's loader). `decodekit recipe check` compares the draft's."""
+def peek_config(spec: str) -> dict[str, Any] | None:
+    """The config.json of the model `spec` names, read without loading it (a folder, a hub id in the local cache, a
+    GGUF file or the bundled model once converted); None where that needs more than a config file (a GGUF file not
+    yet converted, a plugin's loader). `decodekit recipe check` reads the draft's vocabulary and the KV size."""
     path = Path(spec).expanduser()
     if spec.lower() == BUNDLED_MODEL_NAME or spec.lower().endswith(".gguf"):
         try:
-            gguf = bundled_gguf_path() if spec.lower() == BUNDLED_MODEL_NAME else path.resolve()
-            folder = cache_dir() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
+            folder = gguf_folder(bundled_gguf_path() if spec.lower() == BUNDLED_MODEL_NAME else path.resolve())
         except (OSError, ModelLoadError):
             return None
-        return _config_vocab_size(folder / "config.json")
+        return _read_config(folder / "config.json")
     if path.is_dir():
-        return _config_vocab_size(path / "config.json")
+        return _read_config(path / "config.json")
     if _looks_like_hub_id(spec):
         from huggingface_hub import try_to_load_from_cache
 
@@ -251,8 +254,17 @@ def peek_vocab_size(spec: str) -> int | None:
             cached = try_to_load_from_cache(spec, "config.json")
         except ValueError:
             return None
-        return _config_vocab_size(Path(cached)) if isinstance(cached, str) else None
+        return _read_config(Path(cached)) if isinstance(cached, str) else None
     return None
+
+
+def peek_vocab_size(spec: str) -> int | None:
+    """The vocabulary size of the model `spec` names, from `peek_config`; None where that has none."""
+    config = peek_config(spec)
+    if config is None:
+        return None
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return size if isinstance(size, int) else None
 
 
 def builtin_model_loaders() -> list[ModelLoader]:

@@ -61,9 +61,8 @@ class StopStage:
                     break
         done = []
         for request in record.requests():
-            request.metrics.num_generated_tokens = (
-                sum(len(r.token_ids) for r in request.results) if request.results is not None
-                else sum(s.num_generated for s in request.sequences))
+            request.metrics.count_outputs([len(r.token_ids) for r in request.results] if request.results is not None
+                                          else [s.num_generated for s in request.sequences])
             if request.finished and request.error is None:
                 done.append(request)
         return done, failures
