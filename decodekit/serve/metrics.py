@@ -49,7 +49,9 @@ class ServerMetrics:
                                        "tokens the target accepted.", registry=r)
         self.ttft = Histogram("decodekit_time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("decodekit_time_per_output_token_seconds", "Time per generated token after the first.",
+        self.tpot = Histogram("decodekit_time_per_output_token_seconds",
+                              "Time per output position after the first (several returned sequences decode side "
+                              "by side).",
                               buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("decodekit_e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS,
                              registry=r)
