@@ -93,7 +93,7 @@ def test_cli_generate_prints_paris_as_json_and_bad_input_exits_2():
     result = json.loads(done.stdout)
     assert "Paris" in result["outputs"][0]["text"] and result["summary"]["requests"] == 1
     bad = subprocess.run([*cmd[:4], "-p", "x", "--top-p", "1.5"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "--top-p" in bad.stderr and "Traceback" not in bad.stderr
     missing = subprocess.run([*cmd[:4], "-p", "x", "--model", "/nonexistent/model.gguf"], capture_output=True,
                              text=True, timeout=300)
     assert missing.returncode == 2 and "not found" in missing.stderr and "Traceback" not in missing.stderr
