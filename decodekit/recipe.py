@@ -399,6 +399,8 @@ def _check_kv_memory(recipe: Recipe, device: Any) -> list[str]:
                           f"{block} tokens for any model; raise it (e.g. 256MiB)")
     geometry = _peek_kv_geometry(recipe.model)
     if geometry is None:
+        if "://" in recipe.model:  # a plugin's model loader: its models have no config.json to read, nothing to say
+            return []
         return [f"engine.kv_cache_memory: not checked against the model's KV size ({recipe.model!r} has no "
                 "config.json on disk yet); `decodekit run` checks it when the model loads"]
     layers, kv_heads, head_dim = geometry

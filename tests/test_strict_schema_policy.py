@@ -291,3 +291,28 @@ def test_every_value_the_strict_schema_accepts_the_schema_as_written_accepts(sch
 def test_strict_never_refuses_a_generated_schema_llguidance_compiles_as_written(schema):
     if _check(schema, strict=False) is None:
         assert _check(schema) is None, json.dumps(forbid_additional_properties(schema))
+
+
+def test_a_property_named_on_both_sides_of_a_ref_stays_open_on_both_and_the_others_are_closed():
+    """`{"$ref": D, "properties": {"a": ...}}`: the object's `a` is intersected with D's `a`, so neither is closed
+    (D's `a` requires a key this side's `a` does not list); a property D does not name is closed as usual."""
+    schema = {"$ref": "#/$defs/d0", "properties": {"a": {"properties": {}}, "b": {"properties": {"x": {}}}},
+              "required": ["a"],
+              "$defs": {"d0": {"type": "object", "properties": {"a": {"type": "object", "properties": {"a": {}},
+                                                                       "required": ["a"]}}}}}
+    closed = forbid_additional_properties(schema)
+    assert "additionalProperties" not in closed["properties"]["a"]
+    assert "additionalProperties" not in closed["$defs"]["d0"]["properties"]["a"]
+    assert closed["properties"]["b"]["additionalProperties"] is False
+    assert _check(schema) is None and _check(schema, strict=False) is None
+
+
+def test_a_single_part_all_of_is_the_part_itself_and_is_closed_as_pydantic_writes_fields():
+    """pydantic writes a field with a default or description as `allOf: [{"$ref": ...}]` beside annotations only:
+    nothing is intersected there, so the referenced model is closed like any other object."""
+    schema = {"type": "object", "properties": {"inner": {"allOf": [{"$ref": "#/$defs/Inner"}], "description": "d"}},
+              "required": ["inner"],
+              "$defs": {"Inner": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    closed = forbid_additional_properties(schema)
+    assert closed["$defs"]["Inner"]["additionalProperties"] is False
+    assert closed["additionalProperties"] is False

@@ -377,18 +377,65 @@ class _Policy:
                    as_written: bool) -> Iterator[tuple[_Pointer, Any, bool, bool]]:
         """Each child position: its relative path, the child, whether it stays open and whether it stays as
         written."""
-        intersected = is_open or bool(set(node) & _INTERSECTING)
+        overlaid = bool(set(node) & _INTERSECTING)
+        # the property names the schemas laid over this object constrain (None: any name, or not known)
+        names = self._overlaid_names(path, node) if overlaid and not is_open else set()
         for sub, child in _children(node):
             key = sub[0]
-            child_open = intersected and key not in _DEFINITIONS  # definitions take their flags from their uses
+            if key in _DEFINITIONS:
+                child_open = False  # definitions take their flags from their uses
+            elif is_open:
+                child_open = True  # intersected from above: the other side's subschemas are not known here
+            elif key == "properties":
+                child_open = names is None or sub[1] in names
+            else:
+                child_open = overlaid and key not in _INTERSECTING and key not in _AS_WRITTEN_KEYS
             child_as_written = as_written or key in _AS_WRITTEN_KEYS or (key == "contains" and "maxContains" in node)
-            if key in _PART_KEYS:
+            if key == "allOf" and len(node["allOf"]) == 1 and not set(node) - _ANNOTATIONS - {"allOf"}:
+                child_open = is_open  # `allOf: [X]` with nothing else is X itself (pydantic writes fields so)
+            elif key in _PART_KEYS:
                 child_open = True
             elif key in ("anyOf", "oneOf"):
                 child_open = is_open or bool((set(node) - {key}) & _OBJECT_SIBLINGS)
                 if key == "oneOf" and not child_as_written:
                     child_as_written = not self._disjoint_one_of(path, node)
             yield sub, child, child_open, child_as_written
+
+    def _overlaid_names(self, path: _Pointer, node: dict[str, Any]) -> set[str] | None:
+        """The property names that the schemas laid over `node` (its `$ref` target, `allOf`/`anyOf`/`oneOf` parts,
+        `then`/`else`, dependent schemas, and theirs in turn) give subschemas of their own; None when they may
+        constrain any name (`patternProperties`, an `additionalProperties` schema, a reference not resolved here, or
+        deeper than `_MAX_DEPTH`)."""
+        names: set[str] = set()
+        todo: list[tuple[_Pointer, Any, int]] = []
+
+        def overlays(at: _Pointer, schema: dict[str, Any], depth: int) -> bool:
+            has_ref, target = self._ref_target(at, schema)
+            if has_ref:
+                if target is None:
+                    return False
+                todo.append((target, _resolve(self.root, target), depth + 1))
+            for sub, child in _children(schema):
+                if sub[0] in _INTERSECTING:
+                    todo.append((at + sub, child, depth + 1))
+            return True
+
+        if not overlays(path, node, 0):
+            return None
+        seen: set[_Pointer] = set()
+        while todo:
+            at, schema, depth = todo.pop()
+            if at in seen or not isinstance(schema, dict):
+                continue
+            seen.add(at)
+            if depth > _MAX_DEPTH or "patternProperties" in schema or isinstance(schema.get("additionalProperties"),
+                                                                                 dict):
+                return None
+            if isinstance(schema.get("properties"), dict):
+                names.update(schema["properties"])
+            if not overlays(at, schema, depth):
+                return None
+        return names
 
     def _mark(self, root_open: bool) -> None:
         """Set `flags` for every subschema reached from the root, through its children and local references: a
