@@ -165,3 +165,14 @@ def test_beam_search_refuses_a_named_stopping_criterion_instead_of_ignoring_it(l
                                                    stopping=[{"time_limit": {"seconds": 1e-6}}]))[0]
     assert out.finish_reason == "error"
     assert "stopping criteria (time_limit) are not applied by beam search" in out.error
+
+
+def test_a_text_prompt_the_tokenizer_cannot_take_fails_alone_and_the_engine_goes_on(llama, tokenizer):
+    """A lone surrogate (which JSON can carry) makes the tokenizer raise: that request fails with the reason, the
+    others in the batch decode, and the engine is left idle (it used to raise out of `add_request`)."""
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(["hello", "hi \ud800 there", "world"], params)
+    assert outs[1].finish_reason == "error" and outs[1].error.startswith("the prompt could not be tokenized: ")
+    assert [len(o.token_ids) for o in (outs[0], outs[2])] == [4, 4]
+    assert_idle(llm)

@@ -293,3 +293,16 @@ def test_the_bundled_models_chinese_text_offsets_stay_inside_its_text_streamed_a
         assert _streamed_offsets(served, body) == (text, offsets)
     finally:
         served.stop()
+
+
+@pytest.mark.parametrize("message", [
+    "request needs 88 KV blocks but the cache has only 22; raise the KV cache memory or shorten the prompt",
+    "the prompt has 6000 tokens but the context is 5824 tokens (what the KV cache holds; raise kv_cache_memory "
+    "for longer contexts)",
+    "the prompt could not be tokenized: TextEncodeInput must be Union[...]",
+])
+def test_refusals_about_the_prompts_size_or_text_name_the_prompt_field(message):
+    from decodekit.serve.errors import param_of
+
+    assert param_of(message, None, {}, "messages") == "messages"
+    assert param_of(message, None, {}, "prompt") == "prompt"

@@ -122,7 +122,10 @@ class RequestLifecycle:
         """The prompt's token ids, or an error when it is neither text nor a list of integer token ids (a float id
         would otherwise be truncated, or break prefix hashing inside the scheduler)."""
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), None
+            try:
+                return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), None
+            except Exception as exc:  # e.g. a lone surrogate, which no tokenizer takes: this request's fault only
+                return [], f"the prompt could not be tokenized: {exc}"
         if isinstance(prompt, Mapping):
             return [], (f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt and "
                         f"TokensPrompt) and nothing else; got keys {sorted(map(str, prompt))}")

@@ -98,7 +98,7 @@ def param_of(message: str, params: SamplingParams | None, origins: Mapping[str, 
         return kind
     if message.startswith("strategy"):
         return "strategy"
-    if message.startswith("the prompt"):
+    if message.startswith(("the prompt", "request needs")):  # too long, not tokenizable, too big for the KV cache
         return prompt_field
     field = _FIELD.match(message)
     if field and field[1] in SamplingParams.model_fields:
