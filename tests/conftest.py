@@ -75,6 +75,20 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     eos = model.generation_config.eos_token_id
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
+def assert_batch_and_ngram_steps_match_transformers(llm, model) -> None:
+    """Batch 6 with chunked prefill (3-50 token prompts), then n-gram verification steps on repeated prompts: greedy
+    tokens equal transformers' `generate` on `model`, and the n-gram proposer did draft."""
+    from decodekit import SamplingParams
+
+    prompts = random_prompts(6, 3, 50, seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 16) for p in prompts]
+    copies = [p * 3 for p in random_prompts(3, 4, 9, seed=3)]
+    spec = llm.generate(copies, SamplingParams(max_tokens=16, temperature=0, strategy={
+        "speculative": {"proposer": "ngram", "num_speculative_tokens": 4}}))
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+    assert [o.token_ids for o in spec] == [hf_greedy(model, p, 16) for p in copies]
+
 
 def assert_last_logits_and_hidden_match(llm, model, prompt: list[int], cap: float) -> None:
     """One engine step over `prompt` that also returns hidden states gives transformers' last-position logits (all

@@ -15,8 +15,13 @@ from decodekit import LLM, SamplingParams
 from decodekit.core.fused_blocks import fused_decoder_refusal
 from decodekit.core.fused_decoder import _rms_norm
 from decodekit.core.native_kernels import load_kernels
-from decodekit.models.tiny import tiny_tokenizer
-from tests.conftest import assert_last_logits_and_hidden_match, hf_greedy, hf_greedy_bf16_cache, random_prompts
+from tests.conftest import (
+    assert_batch_and_ngram_steps_match_transformers,
+    assert_last_logits_and_hidden_match,
+    hf_greedy,
+    hf_greedy_bf16_cache,
+    random_prompts,
+)
 from tests.unfused_models import as_quantized
 
 kernels = load_kernels()
@@ -56,11 +61,6 @@ def gemma(variant: str = "gemma3", **overrides) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["native kernels", "torch ops"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gemma_through_the_fused_decoder_generates_transformers_tokens(variant, native, tokenizer):
@@ -76,14 +76,7 @@ def test_gemma_through_the_fused_decoder_generates_transformers_tokens(variant, 
     assert [layer.rope for layer in fused.layers] == (LOCAL_GLOBAL if variant == "gemma3" else [None] * 3)
     assert [layer.window for layer in fused.layers] == ([None] * 3 if variant == "gemma" else [5, None, 5])
     assert [layer.softcap for layer in fused.layers] == ([5.0] * 3 if variant == "gemma2" else [None] * 3)
-    prompts = random_prompts(6, 3, 50, seed=7)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
-    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 16) for p in prompts]
-    copies = [p * 3 for p in random_prompts(3, 4, 9, seed=3)]
-    spec = llm.generate(copies, SamplingParams(max_tokens=16, temperature=0, strategy={
-        "speculative": {"proposer": "ngram", "num_speculative_tokens": 4}}))
-    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
-    assert [o.token_ids for o in spec] == [hf_greedy(model, p, 16) for p in copies]
+    assert_batch_and_ngram_steps_match_transformers(llm, model)
 
 
 def test_the_local_and_global_rope_tables_differ_so_each_layer_must_take_its_own():

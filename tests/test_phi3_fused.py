@@ -14,8 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from decodekit import LLM, SamplingParams
 from decodekit.core.fused_blocks import fused_decoder_refusal
 from decodekit.core.native_kernels import load_kernels
-from decodekit.models.tiny import tiny_tokenizer
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import assert_batch_and_ngram_steps_match_transformers, hf_greedy, random_prompts
 from tests.unfused_models import as_quantized
 
 kernels = load_kernels()
@@ -39,11 +38,6 @@ def phi3(**overrides) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["native kernels", "torch ops"])
 def test_phi3_through_the_fused_decoder_generates_transformers_tokens(native, tokenizer):
     """Batch 6 with chunked prefill (prompts longer than the window), then n-gram verification steps."""
@@ -56,14 +50,7 @@ def test_phi3_through_the_fused_decoder_generates_transformers_tokens(native, to
     assert fused is not None and (fused.native is not None) == native
     assert [(layer.q_heads, layer.kv_heads, layer.intermediate, layer.window) for layer in fused.layers] == [
         (4, 2, 128, 9)] * 2
-    prompts = random_prompts(6, 3, 50, seed=7)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
-    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 16) for p in prompts]
-    copies = [p * 3 for p in random_prompts(3, 4, 9, seed=3)]
-    spec = llm.generate(copies, SamplingParams(max_tokens=16, temperature=0, strategy={
-        "speculative": {"proposer": "ngram", "num_speculative_tokens": 4}}))
-    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
-    assert [o.token_ids for o in spec] == [hf_greedy(model, p, 16) for p in copies]
+    assert_batch_and_ngram_steps_match_transformers(llm, model)
 
 
 @needs_kernels
