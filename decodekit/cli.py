@@ -665,6 +665,18 @@ def bench(
                                                 "this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table (and no progress bar).")
                        ] = False,
+    peer: Annotated[list[str] | None, typer.Option("--peer", help="Run another engine beside decodekit on the same "
+                                                   "token ids (repeatable): vllm=/path/to/python (vLLM's CPU build "
+                                                   "in its own environment) or llama.cpp[=/path/to/python] "
+                                                   "(llama-cpp-python, one request at a time; default: this "
+                                                   "Python). See docs/peers.md.")] = None,
+    peer_gguf: Annotated[Path | None, typer.Option("--peer-gguf", help="llama.cpp peer: the GGUF file to read "
+                                                   "(default: one made from the bundled Q4_1 file in the precision "
+                                                   "paired with decodekit's: F32, BF16, or Q8_0 with int8).")] = None,
+    peer_url: Annotated[list[str] | None, typer.Option("--peer-url", help="serve: also send the workload to an "
+                                                       "OpenAI-compatible server already running at this URL "
+                                                       "(`vllm serve`, `llama-server`, ...), as [name=]URL "
+                                                       "(repeatable).")] = None,
 ) -> None:
     """Run decodekit and transformers side by side on one workload; print medians and ratios, and the machine."""
     _setup_logging(True)
@@ -674,11 +686,19 @@ def bench(
         _fail(f"{', '.join(misplaced)} {'is' if len(misplaced) == 1 else 'are'} for `decodekit bench matrix`")
     if full and workload != "mixed":
         _fail("--full is for `decodekit bench mixed`")
+    if peer_url and workload != "serve":
+        _fail("--peer-url is for `decodekit bench serve`; the other workloads take --peer")
+    if peer_gguf is not None and not any(p.split("=", 1)[0].strip().lower().startswith("llama")
+                                         for p in peer or []):
+        _fail("--peer-gguf is for a llama.cpp peer (--peer llama.cpp)")
     if workload == "serve":
+        if peer:
+            _fail("bench serve runs servers: give a running peer server with --peer-url URL")
         picked = [f"{key}={value}" for key, value in (("model", model), ("dtype", dtype)) if value]
         _bench_serve(recipe_path, [*(overrides or []), *picked], baseline or ["transformers-serve"], clients,
-                     num_requests, seed, threads, as_json)
+                     num_requests, seed, threads, as_json, peer_url or [])
         return
+    peer_specs = _peer_specs(peer or [], peer_gguf)
     from decodekit.bench import RichBenchProgress, render_table, result_json, run_benchmark
 
     engine_options: dict[str, Any] = {}
@@ -693,7 +713,7 @@ def bench(
         _fail(str(exc))
     if workload == "matrix":
         _bench_matrix(model, dtype, dtypes, batches, strategies, output_len, repeats, seed, threads, engine_options,
-                      recipe_path, overrides or [], output, as_json)
+                      recipe_path, overrides or [], output, as_json, peer_specs)
         return
     if workload == "mixed":  # a quick default size; --full: the long run (run_benchmark's own defaults)
         num_requests = num_requests if num_requests is not None else MIXED_FULL_REQUESTS if full else MIXED_REQUESTS
@@ -705,6 +725,8 @@ def bench(
         kwargs["baselines"] = tuple(baseline)
     if engine_options:
         kwargs["engine_options"] = engine_options
+    if peer_specs:
+        kwargs["peers"] = peer_specs
     try:
         with RichBenchProgress(err_console, disable=as_json) as progress:
             result = run_benchmark(workload, model=model or BUNDLED_MODEL_NAME, dtype=dtype or "auto",
@@ -715,6 +737,18 @@ def bench(
         print(result_json(result))
     else:
         render_table(result, console)
+
+
+def _peer_specs(peers: list[str], gguf: Path | None) -> list[Any]:
+    """The `--peer` values as `PeerSpec`s (an unknown name fails here, before anything loads)."""
+    if not peers:
+        return []
+    from decodekit.bench.peers import parse_peer
+
+    try:
+        return [parse_peer(text, gguf=str(gguf) if gguf is not None else None) for text in peers]
+    except DecodeKitError as exc:
+        _fail(str(exc))
 
 
 def _split(value: str | None, flag: str, kind: type[Any] = str) -> list[Any] | None:
@@ -731,8 +765,9 @@ def _split(value: str | None, flag: str, kind: type[Any] = str) -> list[Any] | N
 def _bench_matrix(model: str | None, dtype: str | None, dtypes: str | None, batches: str | None,
                   strategies: str | None, output_len: int, repeats: int | None, seed: int, threads: int | None,
                   engine_options: dict[str, Any], recipe_path: Path | None, overrides: list[str], output: Path | None,
-                  as_json: bool) -> None:
-    """`bench matrix`: every dtype x batch size x strategy cell, decodekit against its transformers baseline."""
+                  as_json: bool, peers: list[Any] | None = None) -> None:
+    """`bench matrix`: every dtype x batch size x strategy cell, decodekit against its transformers baseline (and
+    the peers in the greedy cells)."""
     from decodekit.bench import RichBenchProgress, matrix_json, matrix_markdown, render_matrix_table, run_matrix
     from decodekit.bench.matrix import DEFAULT_BATCHES, DEFAULT_DTYPES, STRATEGIES
 
@@ -746,12 +781,15 @@ def _bench_matrix(model: str | None, dtype: str | None, dtypes: str | None, batc
     command = " ".join(["decodekit bench matrix", *picked,
                         f"--dtypes {','.join(dtype_list)}", f"--batches {','.join(map(str, batch_list))}",
                         f"--strategies {','.join(strategy_list)}", f"--repeats {rounds}", f"--output-len {output_len}",
-                        *([f"--threads {threads}"] if threads is not None else [])])
+                        *([f"--threads {threads}"] if threads is not None else []),
+                        *(f"--peer {p.kind}{'=' + p.python if p.python else ''}" for p in peers or []),
+                        *sorted({f"--peer-gguf {p.gguf}" for p in peers or [] if p.gguf})])
     try:
         with RichBenchProgress(err_console, disable=as_json) as progress:
             result = run_matrix(model or BUNDLED_MODEL_NAME, dtypes=dtype_list, batches=batch_list,
                                 strategies=strategy_list, output_len=output_len, repeats=rounds, seed=seed,
-                                engine_options=engine_options, num_threads=threads, progress=progress)
+                                engine_options=engine_options, num_threads=threads, progress=progress,
+                                peers=peers or [])
     except (DecodeKitError, ValueError) as exc:
         _fail(str(exc))
     if output is not None:
@@ -768,8 +806,10 @@ def _bench_matrix(model: str | None, dtype: str | None, dtypes: str | None, batc
 
 
 def _bench_serve(recipe_path: Path | None, overrides: list[str], baseline: list[str], clients: int,
-                 num_requests: int | None, seed: int, threads: int | None, as_json: bool) -> None:
-    """`bench serve`: both servers as subprocesses, one after the other, the same streamed workload."""
+                 num_requests: int | None, seed: int, threads: int | None, as_json: bool,
+                 peer_urls: list[str] | None = None) -> None:
+    """`bench serve`: both servers as subprocesses, one after the other, the same streamed workload (then any
+    OpenAI-compatible server already running at a `--peer-url`)."""
     from decodekit.bench.serving import DEFAULT_RECIPE, render_serve_table, run_serve_benchmark, serve_result_json
 
     unknown = sorted(set(baseline) - {"transformers-serve", "none"})
@@ -778,7 +818,7 @@ def _bench_serve(recipe_path: Path | None, overrides: list[str], baseline: list[
     sizes: dict[str, Any] = {} if num_requests is None else {"num_requests": num_requests}
     try:
         result = run_serve_benchmark(recipe_path or DEFAULT_RECIPE, overrides, clients=clients, seed=seed,
-                                     threads=threads, baseline="none" not in baseline,
+                                     threads=threads, baseline="none" not in baseline, peer_urls=peer_urls or [],
                                      progress=lambda line: err_console.print(f"[dim]{escape(line)}[/dim]"), **sizes)
     except (DecodeKitError, ValueError, RuntimeError) as exc:
         _fail(str(exc))

@@ -135,6 +135,34 @@ def test_bench_serve_cli_reports_decodekit_and_why_transformers_did_not_run(tiny
     assert data["dtype"] == "float32" and "cpu_flags" in data["environment"]
 
 
+def test_bench_serve_sends_the_workload_to_a_running_server_by_url_and_compares_its_greedy_texts(server, tiny_recipe):
+    """`--peer-url`: any OpenAI-compatible server already running (here another `decodekit serve` of the same recipe,
+    so its greedy answers must be decodekit's own) gets the same warm-up and workload; one that does not answer is
+    reported as not run."""
+    nobody = f"http://127.0.0.1:{serving.free_port()}"
+    result = CliRunner().invoke(app, ["bench", "serve", "--recipe", str(tiny_recipe), "--num-requests", "6",
+                                      "--clients", "3", "--threads", "1", "--baseline", "none", "--json",
+                                      "--peer-url", f"twin={server.url}/v1/", "--peer-url", nobody])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    dk, twin, gone = data["servers"]["decodekit"], data["servers"]["peer:twin"], data["servers"][
+        f"peer:{nobody.split('://')[1]}"]
+    assert twin["unavailable"] is None and twin["command"] == [server.url]
+    assert (twin["requests"], twin["completed"], twin["errors"]) == (6, 6, 0)
+    assert twin["per_request"]["tokens"] == dk["per_request"]["tokens"]  # greedy and seeded: the same lengths
+    assert twin["greedy_same_text"] == 1.0
+    assert any(f"serving {_model(tiny_recipe)!r}" in note for note in twin["notes"])
+    assert gone["unavailable"].startswith(f"no OpenAI-compatible server answers {nobody}/v1/models")
+    assert data["peer_ratios"]["twin"]["tokens_per_s"] > 0 and nobody.split("://")[1] not in data["peer_ratios"]
+
+
+def test_peer_urls_are_parsed_with_an_optional_name():
+    assert serving.parse_peer_url("vllm=http://10.0.0.2:8000/v1/") == ("vllm", "http://10.0.0.2:8000")
+    assert serving.parse_peer_url("http://127.0.0.1:8080") == ("127.0.0.1:8080", "http://127.0.0.1:8080")
+    with pytest.raises(ValueError, match="takes \\[name=\\]http"):
+        serving.parse_peer_url("llama=127.0.0.1:8080")
+
+
 def test_bench_serve_cli_refuses_an_unknown_baseline(tiny_recipe):
     result = CliRunner().invoke(app, ["bench", "serve", "--recipe", str(tiny_recipe), "--baseline", "vllm"])
     assert result.exit_code == 2 and "unknown baseline(s) ['vllm'] for serve" in result.stderr

@@ -15,7 +15,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ import torch
 from decodekit.api.errors import ConfigError
 from decodekit.bench.baselines import SYSTEMS, RunRecord, System, build_system
 from decodekit.bench.machine import environment
+from decodekit.bench.peers import PeerSpec, build_peer, check_peers, parse_peer, peer_names
 from decodekit.bench.progress import BenchProgress
 from decodekit.bench.report import BenchResult, SystemFigures, median, summarize
 from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
@@ -101,7 +102,10 @@ def _run_rounds(systems: dict[str, System], figures: dict[str, SystemFigures],
             try:
                 with _RssSampler() as rss:
                     record = systems[name].run(requests, progress.requests_done)
-                record.peak_rss_bytes, record.round_index = rss.peak, round_index
+                # a peer in a subprocess measures its own processes; this process's RSS says nothing of it
+                if record.peak_rss_bytes is None:
+                    record.peak_rss_bytes = rss.peak
+                record.round_index = round_index
             except Exception as exc:
                 figures[name].error = f"round {round_index} failed: {exc!r}"
                 log.exception("%s failed in round %d", name, round_index)
@@ -178,6 +182,7 @@ def run_benchmark(
     time_limit_s: float = 600.0,
     num_threads: int | None = None,
     progress: BenchProgress | None = None,
+    peers: Sequence[str | PeerSpec] = (),
 ) -> BenchResult:
     """Benchmark decodekit against baselines on one workload; see the module docstring for the method.
 
@@ -198,6 +203,14 @@ def run_benchmark(
         num_threads: torch threads for the run (restored afterwards); default torch's current setting. On a
             shared 2-core machine, 1 thread is far steadier when a neighbour process is busy.
         progress: told of each stage, round and finished request (`RichBenchProgress` draws a bar).
+        peers: other engines run side by side on the same token ids (`decodekit.bench.peers`): "vllm=/path/to/python",
+            "llama.cpp" or "llama.cpp=/path/to/python", or `PeerSpec`s. They are checked before the model loads
+            (PeerUnavailable says what is missing and how to install it) and run in the precision paired with
+            decodekit's (its dtype; Q8_0 for llama.cpp beside `quantization: int8`), on as many cores as decodekit's
+            torch threads.
+
+    Raises:
+        PeerUnavailable: a peer cannot run (before anything loads).
     """
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
@@ -208,15 +221,18 @@ def run_benchmark(
     if unknown:
         raise ValueError(f"unknown baseline(s) {unknown}; choose from {', '.join(SYSTEMS[1:])}")
     options = checked_engine_options(engine_options)
+    specs = [p if isinstance(p, PeerSpec) else parse_peer(p) for p in peers]
+    if specs:  # before anything loads: a missing peer fails in seconds, not after the model and decodekit are up
+        check_peers(specs, model if hf_model is None else hf_model)
     with torch_threads(num_threads):
         return _benchmark(workload, chosen, model, dtype, hf_model, tokenizer, options, repeats, time_limit_s,
                           dict(num_requests=num_requests, batch_size=batch_size, output_len=output_len,
-                               prompt_len=prompt_len, seed=seed), progress or BenchProgress())
+                               prompt_len=prompt_len, seed=seed), progress or BenchProgress(), specs)
 
 
 def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_model: Any, tokenizer: Any,
                options: dict[str, Any], repeats: int, time_limit_s: float, sizes: dict[str, int],
-               progress: BenchProgress) -> BenchResult:
+               progress: BenchProgress, peers: list[PeerSpec] | None = None) -> BenchResult:
     env = environment()  # the code, the machine and the settings as the run starts
     env["dtype_requested"] = str(dtype).removeprefix("torch.")
     progress.stage(f"loading {model if hf_model is None else 'the model'}")
@@ -231,16 +247,33 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
     vocab = hf_model.config.get_text_config().vocab_size
     work = make_workload(workload, tokenizer, vocab_size=vocab, **sizes)
     names = ["decodekit", *[b for b in chosen if b != "decodekit"]]
-    builders = {name: functools.partial(build_system, name, hf_model, tokenizer, dtype=loaded.dtype,
-                                        batch_size=sizes["batch_size"], engine_options=options) for name in names}
+    builders: dict[str, Callable[[], System]] = {
+        name: functools.partial(build_system, name, hf_model, tokenizer, dtype=loaded.dtype,
+                                batch_size=sizes["batch_size"], engine_options=options) for name in names}
+    dtype_name = str(loaded.dtype).removeprefix("torch.")
+    for peer_name, spec in zip(peer_names(peers or []), peers or [], strict=True):
+        builders[peer_name] = functools.partial(_build_peer, spec, peer_name, model, dtype_name, options, env)
     figures, ratios, notes = measure(builders, work, repeats, time_limit_s=time_limit_s, progress=progress)
+    if peers:
+        notes.append("same tokens: the share of requests whose greedy tokens equal decodekit's; common prefix: the "
+                     "mean over requests of the share of decodekit's tokens matched before the first difference")
     notes.append("TTFT is measured from the round's start (all requests arrive at once); TPOT per request "
                  "is (last token - first token) / (tokens - 1); peak RSS is the whole process while that "
                  "system ran (the shared model and decodekit's KV pool stay resident throughout)")
     env["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    dtype_name = str(loaded.dtype).removeprefix("torch.")
     return BenchResult(work.describe(), model_name, dtype_name, str(loaded.device), repeats, figures, ratios,
                        options, env, notes)
+
+
+def _build_peer(spec: PeerSpec, name: str, model: Any, dtype: str, options: dict[str, Any],
+                env: dict[str, Any]) -> System:
+    """Start a peer on the run's model, dtype and threads; its version and binding go into the machine line."""
+    system = build_peer(spec, model=model, dtype=dtype, threads=torch.get_num_threads(),
+                        quantization=options.get("quantization"), name=name)
+    describe = getattr(system, "describe", None)
+    if callable(describe):
+        env.setdefault("peers", {})[name] = describe()
+    return system
 
 
 def checked_engine_options(engine_options: Mapping[str, Any] | None) -> dict[str, Any]:

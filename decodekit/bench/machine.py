@@ -82,6 +82,8 @@ def machine_line(env: dict[str, Any], dtype: str | None = None, *, device: str |
         device: the device the model ran on ("cpu", "cuda:0"); a GPU's name is added for a CUDA device.
         dtype_requested: what was asked for, shown when it differs (`auto`).
         threads: the torch threads to show, when not `env["torch_threads"]` (a server's, say).
+
+    `env["peers"]` (peer name -> its version and thread binding), when present, ends the line.
     """
     cpu = env.get("cpu") or "unknown CPU"
     if env.get("cpu_count"):
@@ -109,6 +111,8 @@ def machine_line(env: dict[str, Any], dtype: str | None = None, *, device: str |
         parts.append(versions)
     if env.get("git_commit"):
         parts.append(f"commit {env['git_commit']}")
+    if env.get("peers"):  # each peer's version and thread binding (`decodekit bench --peer`)
+        parts.append("peers: " + "; ".join(f"{name} ({text})" for name, text in env["peers"].items()))
     return " | ".join(parts)
 
 

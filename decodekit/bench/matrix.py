@@ -27,6 +27,7 @@ the largest cell unless the engine options say otherwise) and each cell runs its
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -38,14 +39,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from decodekit.bench.baselines import DecodekitSystem, HFGenerateSystem, System, kv_bytes_per_token
+from decodekit.bench.baselines import DecodekitSystem, HFGenerateSystem, OnDone, RunRecord, System, kv_bytes_per_token
 from decodekit.bench.harness import checked_engine_options, measure, torch_threads
 from decodekit.bench.machine import environment, machine_line
+from decodekit.bench.peers import PeerSpec, build_peer, check_peers, parse_peer, peer_names
 from decodekit.bench.progress import BenchProgress
 from decodekit.bench.report import MISSING, SystemFigures, jsonable
 from decodekit.bench.workloads import (
     COPY_PROMPTS,
     DEFAULT_PROMPT_LEN,
+    BenchRequest,
     Workload,
     make_text_workload,
     safe_token_pool,
@@ -94,6 +97,8 @@ class MatrixCell:
     workload: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    peers: dict[str, SystemFigures] = field(default_factory=dict)  # greedy cells: each peer's figures
+    peer_ratios: dict[str, float | None] = field(default_factory=dict)  # decodekit / peer, median per round
 
 
 @dataclass
@@ -111,6 +116,7 @@ class MatrixResult:
     engine_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per dtype, as decodekit ran
     environment: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)  # the peers' column names (`--peer`), in order
 
     @property
     def machine(self) -> str:
@@ -205,6 +211,7 @@ def run_matrix(
     num_threads: int | None = None,
     time_limit_s: float = 600.0,
     progress: BenchProgress | None = None,
+    peers: Sequence[str | PeerSpec] = (),
 ) -> MatrixResult:
     """Run every cell of dtype x batch size x strategy (see the module docstring for the method).
 
@@ -225,10 +232,14 @@ def run_matrix(
         num_threads: torch threads for the run (restored afterwards); default torch's current setting.
         time_limit_s: a system whose round takes longer is not run again in that cell.
         progress: told of each stage, cell, round and finished request.
+        peers: other engines (`decodekit.bench.peers`), checked before anything loads, started once per dtype and
+            run in the greedy cells beside decodekit and transformers (same token ids, same rounds): vLLM with a
+            cell's requests all at once, llama.cpp one after another.
 
     Raises:
         ValueError: an unknown strategy or dtype, or a size below 1.
         ConfigError: bad engine options.
+        PeerUnavailable: a peer cannot run.
     """
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -243,15 +254,19 @@ def run_matrix(
     if hf_model is not None and tokenizer is None:
         raise ValueError("`tokenizer` is needed with `hf_model`")
     options = checked_engine_options(engine_options)
+    specs = [p if isinstance(p, PeerSpec) else parse_peer(p) for p in peers]
+    if specs:  # before anything loads
+        check_peers(specs, model if hf_model is None else hf_model)
     with torch_threads(num_threads):
         return _matrix(model, list(dtypes), list(dict.fromkeys(batches)), list(dict.fromkeys(strategies)),
                        output_len, prompt_len, repeats, batch1_requests, seed, options, hf_model, tokenizer,
-                       time_limit_s, progress or BenchProgress())
+                       time_limit_s, progress or BenchProgress(), specs)
 
 
 def _matrix(model: Any, dtypes: list[str], batches: list[int], strategies: list[str], output_len: int,
             prompt_len: int, repeats: int, batch1_requests: int, seed: int, options: dict[str, Any], hf_model: Any,
-            tokenizer: Any, time_limit_s: float, progress: BenchProgress) -> MatrixResult:
+            tokenizer: Any, time_limit_s: float, progress: BenchProgress,
+            peers: list[PeerSpec] | None = None) -> MatrixResult:
     env = environment()
     if hf_model is not None:
         device = next(hf_model.parameters()).device
@@ -261,6 +276,8 @@ def _matrix(model: Any, dtypes: list[str], batches: list[int], strategies: list[
     env["dtype_requested"] = ", ".join(asked)
     result = MatrixResult(str(model if hf_model is None else ""), str(device), [_dtype_name(d) for d in resolved],
                           batches, strategies, repeats, output_len, [], {}, env)
+    names = peer_names(peers or [])
+    result.peers = names
     total, done = len(resolved) * len(batches) * len(strategies), 0
     for dtype in resolved:
         name = _dtype_name(dtype)
@@ -294,12 +311,19 @@ def _matrix(model: Any, dtypes: list[str], batches: list[int], strategies: list[
         except Exception as exc:
             result.notes.append(f"{name}: decodekit could not be set up: {exc!r}")
             log.exception("decodekit setup failed")
-        for batch in batches:
-            for strategy in strategies:
-                done += 1
-                progress.scope = f"[{done}/{total}] {name} · batch {batch} · {strategy} · "
-                result.cells.append(_run_cell(name, batch, strategy, works[batch, strategy], base, loaded, spec,
-                                              repeats, time_limit_s, progress))
+        started = _start_peers(names, peers or [], model, name, dk_options, env, result, progress) \
+            if "greedy" in strategies else {}
+        try:
+            for batch in batches:
+                for strategy in strategies:
+                    done += 1
+                    progress.scope = f"[{done}/{total}] {name} · batch {batch} · {strategy} · "
+                    result.cells.append(_run_cell(name, batch, strategy, works[batch, strategy], base, loaded, spec,
+                                                  repeats, time_limit_s, progress,
+                                                  started if strategy == "greedy" else {}))
+        finally:
+            for system in started.values():
+                system.close()
         del base, loaded
     progress.scope = ""
     result.notes.append("tok/s: useful output tokens per second of wall time, median over the rounds; decodekit x: "
@@ -308,9 +332,47 @@ def _matrix(model: Any, dtypes: list[str], batches: list[int], strategies: list[
     return result
 
 
+class _Borrowed(System):
+    """A peer started once per dtype, lent to each greedy cell: `measure` closes its systems after a cell, which
+    must not stop a peer that took a minute to start (vLLM compiles the model)."""
+
+    def __init__(self, system: System) -> None:
+        self.system = system
+        self.name = system.name
+        self.notes = system.notes
+
+    def prepare(self, workload: Workload) -> None:
+        """The peer's own warm-up."""
+        self.system.prepare(workload)
+
+    def run(self, requests: list[BenchRequest], on_done: OnDone | None = None) -> RunRecord:
+        """The peer's round."""
+        return self.system.run(requests, on_done)
+
+
+def _start_peers(names: list[str], peers: list[PeerSpec], model: Any, dtype: str, options: dict[str, Any],
+                 env: dict[str, Any], result: MatrixResult, progress: BenchProgress) -> dict[str, System]:
+    """Start every peer for one dtype; one that fails is noted and left out of that dtype's cells."""
+    started: dict[str, System] = {}
+    for peer_name, spec in zip(names, peers, strict=True):
+        progress.stage(f"{dtype}: starting {peer_name}")
+        try:
+            system = build_peer(spec, model=model, dtype=dtype, threads=torch.get_num_threads(),
+                                quantization=options.get("quantization"), name=peer_name)
+        except Exception as exc:
+            result.notes.append(f"{dtype}: {peer_name} could not be started: {exc}")
+            log.exception("%s setup failed", peer_name)
+            continue
+        started[peer_name] = system
+        describe = getattr(system, "describe", None)
+        if callable(describe):
+            env.setdefault("peers", {})[peer_name] = describe()
+    return started
+
+
 def _run_cell(dtype: str, batch: int, strategy: str, work: Workload | Exception, base: DecodekitSystem | None,
               loaded: Any, spec: dict[str, Any] | None, repeats: int, time_limit_s: float,
-              progress: BenchProgress) -> MatrixCell:
+              progress: BenchProgress, peers: dict[str, System] | None = None) -> MatrixCell:
     ours, theirs, hf_kwargs = _describe(strategy, batch, spec)
     cell = MatrixCell(dtype, batch, strategy, ours, theirs, SystemFigures("decodekit"), SystemFigures("transformers"))
     if isinstance(work, Exception):
@@ -327,6 +389,8 @@ def _run_cell(dtype: str, batch: int, strategy: str, work: Workload | Exception,
         return HFGenerateSystem(loaded.model, loaded.tokenizer, batch, name="transformers", generate_kwargs=hf_kwargs)
 
     builders: dict[str, Callable[[], System]] = {"decodekit": lambda: dk, "transformers": hf}
+    for peer_name, system in (peers or {}).items():
+        builders[peer_name] = functools.partial(_Borrowed, system)
     try:
         figures, ratios, notes = measure(builders, work, repeats, time_limit_s=time_limit_s, progress=progress)
     except Exception as exc:  # decodekit failed to warm up: the cell says why, the matrix goes on
@@ -335,7 +399,9 @@ def _run_cell(dtype: str, batch: int, strategy: str, work: Workload | Exception,
         return cell
     cell.decodekit, cell.transformers = figures["decodekit"], figures["transformers"]
     cell.ratio, cell.notes = ratios["transformers"], notes
-    for fig in (cell.decodekit, cell.transformers):
+    cell.peers = {n: figures[n] for n in peers or {}}
+    cell.peer_ratios = {n: ratios.get(n) for n in peers or {}}
+    for fig in (cell.decodekit, cell.transformers, *cell.peers.values()):
         if fig.error is not None:
             cell.notes.append(f"{fig.name}: {fig.error}")
     return cell
@@ -350,6 +416,22 @@ def _num(value: float | None) -> str:
     return MISSING if value is None else f"{value:.1f}"
 
 
+def _headers(result: MatrixResult) -> list[str]:
+    """`HEADERS`, then for each peer its tok/s, decodekit's ratio to it and how many requests have its tokens."""
+    extra = [h for n in result.peers for h in (f"{n} tok/s", f"decodekit × {n}", f"{n} same tokens / prefix")]
+    return [*HEADERS, *extra]
+
+
+def _peer_cells(c: MatrixCell, names: list[str], bold: Callable[[str], str]) -> list[str]:
+    out = []
+    for n in names:
+        fig, ratio = c.peers.get(n), c.peer_ratios.get(n)
+        agree = MISSING if fig is None or fig.match_decodekit is None else \
+            f"{fig.match_decodekit:.0%} / {fig.prefix_decodekit or 0:.0%}"
+        out += [_num(fig.tokens_per_s if fig else None), MISSING if ratio is None else bold(f"{ratio:.2f}"), agree]
+    return out
+
+
 def _rows(result: MatrixResult, bold: Callable[[str], str]) -> list[list[str]]:
     rows = []
     for c in result.cells:
@@ -359,7 +441,7 @@ def _rows(result: MatrixResult, bold: Callable[[str], str]) -> list[list[str]]:
         if c.error is not None:
             strategy += " (error)"
         rows.append([c.dtype, str(c.batch), strategy, _num(c.decodekit.tokens_per_s), c.baseline,
-                     _num(c.transformers.tokens_per_s), ratio, same])
+                     _num(c.transformers.tokens_per_s), ratio, same, *_peer_cells(c, result.peers, bold)])
     return rows
 
 
@@ -382,7 +464,7 @@ def render_matrix_table(result: MatrixResult, console: Console | None = None) ->
     """Print the matrix as a table (one row per cell), its notes and the machine line; returns the table."""
     console = console or Console()
     table = Table(title=escape(_title(result)), title_justify="left")
-    for header in HEADERS:
+    for header in _headers(result):
         right = header not in ("dtype", "strategy", "transformers baseline")
         table.add_column(header, justify="right" if right else "left", overflow="fold")
     for row in _rows(result, lambda text: f"[bold]{text}[/bold]"):
@@ -400,7 +482,7 @@ def matrix_markdown(result: MatrixResult, command: str | None = None) -> str:
              f"{result.environment.get('date', 'date unknown')}.", "",
              f"{_title(result)}; speculative and beam requests hold EOS off with `min_tokens` (transformers: "
              "`min_new_tokens`), greedy ones ignore it.", "",
-             "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+             "| " + " | ".join(_headers(result)) + " |", "|" + "---|" * len(_headers(result))]
     lines.extend("| " + " | ".join(row) + " |" for row in _rows(result, lambda text: f"**{text}**"))
     problems = _problems(result)
     if problems:

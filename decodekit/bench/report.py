@@ -35,6 +35,7 @@ class SystemFigures:
     tpot_p90_s: float | None = None
     peak_rss_mb: float | None = None
     match_decodekit: float | None = None  # share of requests with decodekit's exact tokens (sanity check)
+    prefix_decodekit: float | None = None  # mean share of decodekit's tokens matched before the first difference
     round_tokens_per_s: list[float] = field(default_factory=list)
     error: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -103,9 +104,32 @@ def summarize(fig: SystemFigures, records: list[RunRecord], reference: dict[int,
     peaks = [r.peak_rss_bytes for r in records if r.peak_rss_bytes is not None]
     fig.peak_rss_mb = max(peaks) / 2**20 if peaks else None
     if reference is not None:
-        pairs = [(a, b) for rec in records if rec.round_index in reference
-                 for a, b in zip(rec.outputs, reference[rec.round_index], strict=True)]
-        fig.match_decodekit = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+        ours = [out for rec in records if rec.round_index in reference for out in rec.outputs]
+        theirs = [out for rec in records if rec.round_index in reference for out in reference[rec.round_index]]
+        fig.match_decodekit, fig.prefix_decodekit = token_agreement(ours, theirs)
+
+
+def token_agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[float | None, float | None]:
+    """How far a system's greedy tokens agree with the reference's (decodekit's), request by request.
+
+    Returns:
+        The share of requests whose tokens are identical, and the mean over requests of the common prefix's length
+        over the reference's length (1.0 for an identical request, 0.5 when they part halfway); None, None for no
+        requests.
+    """
+    pairs = list(zip(outputs, reference, strict=True))
+    if not pairs:
+        return None, None
+    same = sum(a == b for a, b in pairs) / len(pairs)
+    fractions = []
+    for a, b in pairs:
+        common = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            common += 1
+        fractions.append(common / len(b) if b else float(a == b))
+    return same, sum(fractions) / len(fractions)
 
 
 def _ms(value: float | None) -> str:
@@ -135,17 +159,18 @@ def render_table(result: BenchResult, console: Console | None = None) -> Table:
     console = console or Console()
     table = Table(title=_title(result), title_justify="left")
     for header in ("system", "useful tok/s", "decodekit x", "wall s", "TTFT p50 ms", "TTFT p90 ms",
-                   "TPOT p50 ms", "TPOT p90 ms", "peak RSS MiB", "computed/useful", "same tokens"):
+                   "TPOT p50 ms", "TPOT p90 ms", "peak RSS MiB", "computed/useful", "same tokens", "common prefix"):
         # fold rather than cut (a system's name, a figure): in a terminal too narrow nothing ends in an ellipsis
         table.add_column(header, justify="left" if header == "system" else "right", overflow="fold")
     for name, fig in result.systems.items():
         ratio = MISSING if name == "decodekit" else _num(result.ratios.get(name), "{:.2f}")
         waste = _num(fig.computed_tokens / fig.useful_tokens, "{:.2f}") if fig.useful_tokens else MISSING
         match = MISSING if fig.match_decodekit is None else f"{fig.match_decodekit:.0%}"
+        prefix = MISSING if fig.prefix_decodekit is None else f"{fig.prefix_decodekit:.1%}"
         label = name if fig.error is None else f"{name} [red](error)[/red]"
         table.add_row(label, _num(fig.tokens_per_s), ratio, _num(fig.wall_s, "{:.2f}"),
                       _ms(fig.ttft_p50_s), _ms(fig.ttft_p90_s), _ms(fig.tpot_p50_s), _ms(fig.tpot_p90_s),
-                      _num(fig.peak_rss_mb, "{:.0f}"), waste, match)
+                      _num(fig.peak_rss_mb, "{:.0f}"), waste, match, prefix)
     print_table(console, table)  # piped or redirected: as wide as the names need
     for name, fig in result.systems.items():
         if fig.error:

@@ -495,7 +495,7 @@ class ServerFigures:
     tpot_p50_s: float | None = None
     tpot_p99_s: float | None = None
     rss_mb_end: float | None = None
-    greedy_same_text: float | None = None  # share of greedy requests with decodekit's text (transformers only)
+    greedy_same_text: float | None = None  # share of greedy requests with decodekit's text (not decodekit)
     per_request: dict[str, list[Any]] = field(default_factory=dict)
     unavailable: str | None = None  # why the server did not run
     notes: list[str] = field(default_factory=list)
@@ -513,6 +513,7 @@ class ServeBenchResult:
     ratios: dict[str, float | None]
     environment: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    peer_ratios: dict[str, dict[str, float | None]] = field(default_factory=dict)  # peer key -> decodekit / peer
 
     @property
     def machine(self) -> str:
@@ -586,6 +587,64 @@ def _run_server(fig: ServerFigures, server: ServerProcess, model: str, requests:
             fig.notes.append(f"exited with status {status} after SIGTERM")
 
 
+def parse_peer_url(text: str) -> tuple[str, str]:
+    """`[name=]URL` as (name, base URL without a trailing `/v1` or `/`); the name defaults to the URL's host:port."""
+    name, sep, url = text.partition("=")
+    if not sep or "://" in name:  # no name given (a URL's query may hold '=' too)
+        name, url = "", text
+    url = url.strip().rstrip("/").removesuffix("/v1")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--peer-url takes [name=]http://host:port, got {text!r}")
+    return name.strip() or url.split("://", 1)[1], url
+
+
+def served_model(base_url: str, timeout_s: float = 10.0) -> str:
+    """The first model an OpenAI-compatible server lists at `/v1/models` (the name requests must give).
+
+    Raises:
+        ServerStartError: nothing answers there, or it lists no model.
+    """
+    try:
+        response = httpx.get(f"{base_url}/v1/models", timeout=timeout_s)
+        data = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise ServerStartError(f"no OpenAI-compatible server answers {base_url}/v1/models: {exc}") from None
+    if not data or not data[0].get("id"):
+        raise ServerStartError(f"{base_url}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+def _run_peer_url(fig: ServerFigures, base_url: str, requests: Sequence[ChatRequest], clients: int,
+                  say: Callable[[str], None]) -> list[StreamResult]:
+    """Warm up and time an already-running server (not started or stopped here); fills `fig` or its
+    `unavailable`."""
+    fig.command = [base_url]
+    try:
+        model = served_model(base_url)
+    except ServerStartError as exc:
+        fig.unavailable = str(exc)
+        say(f"{fig.name}: not reachable")
+        return []
+    fig.notes.append(f"already running at {base_url}, serving {model!r} (its settings are its own; RSS not measured)")
+    warm = asyncio.run(warm_up(base_url, model, clients))
+    failed = [w.error for w in warm if w.error is not None]
+    if failed:
+        fig.notes.append(f"warm-up: {len(failed)} request(s) failed, first: {failed[0]}")
+    say(f"{fig.name}: warm; timing {len(requests)} requests from {clients} clients")
+    results, wall = asyncio.run(run_clients(base_url, model, requests, clients))
+    say(f"{fig.name}: done in {wall:.1f}s")
+    summarize_run(fig, results, wall)
+    return results
+
+
+def _same_greedy_text(work: Sequence[ChatRequest], ours: Sequence[StreamResult],
+                      theirs: Sequence[StreamResult]) -> float | None:
+    """The share of greedy requests both servers answered whose texts are identical."""
+    greedy = [(a, b) for req, a, b in zip(work, ours, theirs, strict=False)
+              if req.greedy and a.error is None and b.error is None]
+    return sum(a.text == b.text for a, b in greedy) / len(greedy) if greedy else None
+
+
 def run_serve_benchmark(
     recipe: Path | str = DEFAULT_RECIPE,
     overrides: Sequence[str] = (),
@@ -599,6 +658,7 @@ def run_serve_benchmark(
     transformers_command: str | None = None,
     startup_timeout_s: float = 300.0,
     progress: Callable[[str], None] | None = None,
+    peer_urls: Sequence[str] = (),
 ) -> ServeBenchResult:
     """Serve the recipe with `decodekit serve`, then its model with `transformers serve --continuous-batching`, and
     send each the same workload through `clients` streaming clients (see the module docstring for the method).
@@ -613,6 +673,9 @@ def run_serve_benchmark(
         transformers_command: the `transformers` executable (default: the one beside this Python).
         startup_timeout_s: how long a server may take to answer `/health`.
         progress: called with a line at each stage (starting, warm, done).
+        peer_urls: OpenAI-compatible servers already running (`vllm serve`, `llama-server`, another
+            `decodekit serve`), as `[name=]URL`: each gets the same warm-up and workload after the others (one
+            that does not answer is reported as not run).
 
     Raises:
         DecodeKitError: the recipe does not load.
@@ -627,6 +690,7 @@ def run_serve_benchmark(
     if clients < 1:
         raise ValueError(f"`clients` must be >= 1, got {clients}")
     say = progress or (lambda line: None)
+    peers = [parse_peer_url(text) for text in peer_urls]  # a malformed URL fails before any server starts
     loaded = load_recipe(recipe, list(overrides))
     dtype = str(resolve_dtype(loaded.dtype, torch.device(loaded.device or "cpu"))).removeprefix("torch.")
     work = list(requests) if requests is not None else make_chat_workload(num_requests, seed)
@@ -659,19 +723,24 @@ def run_serve_benchmark(
                             "greedy warm-up) and ignores later requests' temperature, top_p and seed (transformers "
                             "5.x CBGenerateManager), so its sampled requests decode greedily")
             tf_results = _run_server(tf, server, str(folder), work, clients, startup_timeout_s, say)
-            greedy = [(a, b) for req, a, b in zip(work, dk_results, tf_results, strict=False)
-                      if req.greedy and a.error is None and b.error is None]
-            if greedy:
-                tf.greedy_same_text = sum(a.text == b.text for a, b in greedy) / len(greedy)
+            tf.greedy_same_text = _same_greedy_text(work, dk_results, tf_results)
     else:
         notes.append("transformers serve was not run (--baseline none)")
+    peer_ratios: dict[str, dict[str, float | None]] = {}
+    for name, url in peers:
+        key = f"peer:{name}"
+        fig = figures[key] = ServerFigures(name)
+        peer_results = _run_peer_url(fig, url, work, clients, say)
+        fig.greedy_same_text = _same_greedy_text(work, dk_results, peer_results)
+        if fig.unavailable is None:
+            peer_ratios[name] = _ratios(figures["decodekit"], fig)
     sampled = sum(not r.greedy for r in work)
     workload = {"name": "serve", "num_requests": len(work), "clients": clients, "seed": seed,
                 "greedy": len(work) - sampled, "sampled": sampled,
                 "max_tokens_min": min(r.max_tokens for r in work), "max_tokens_max": max(r.max_tokens for r in work),
                 "max_tokens_total": sum(r.max_tokens for r in work)}
     return ServeBenchResult(workload, loaded.model, dtype, clients, figures, _ratios(figures["decodekit"], tf),
-                            env, notes)
+                            env, notes, peer_ratios)
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------------
@@ -703,10 +772,11 @@ def render_serve_table(result: ServeBenchResult, console: Console | None = None)
         table.add_row(fig.name, f"{fig.completed}/{fig.requests}", str(fig.errors), str(fig.generated_tokens),
                       _num(fig.wall_s), _num(fig.tokens_per_s), _ms(fig.ttft_p50_s), _ms(fig.ttft_p99_s),
                       _ms(fig.tpot_p50_s), _ms(fig.tpot_p99_s), _num(fig.rss_mb_end, "{:.0f}"), same)
-    r = result.ratios
-    if any(v is not None for v in r.values()):
-        table.add_row("[bold]decodekit / transformers[/bold]", "", "", "", "", _num(r["tokens_per_s"], "{:.2f}x"),
-                      *(_num(r[k], "{:.2f}x") for k in RATIO_FIELDS[1:]), "", "")
+    for label, r in [("transformers", result.ratios), *result.peer_ratios.items()]:
+        if any(v is not None for v in r.values()):
+            table.add_row(f"[bold]decodekit / {escape(label)}[/bold]", "", "", "", "",
+                          _num(r["tokens_per_s"], "{:.2f}x"), *(_num(r[k], "{:.2f}x") for k in RATIO_FIELDS[1:]),
+                          "", "")
     print_table(console, table)  # piped or redirected: as wide as the names need
     for fig in result.servers.values():
         if fig.unavailable is not None:
@@ -729,5 +799,5 @@ def serve_result_json(result: ServeBenchResult) -> str:
 
 
 __all__ = ["ChatRequest", "ServeBenchResult", "ServerFigures", "ServerProcess", "StreamResult", "make_chat_workload",
-           "post_chat", "render_serve_table", "run_clients", "run_serve_benchmark", "serve_result_json",
-           "stream_chat"]
+           "parse_peer_url", "post_chat", "render_serve_table", "run_clients", "run_serve_benchmark",
+           "serve_result_json", "served_model", "stream_chat"]
