@@ -106,14 +106,15 @@ def _reference_attention(queries, keys, values, scale, softcap=None):
        dim=st.sampled_from([8, 64, 72, 128]), query_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4),
        contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), max_query=st.sampled_from([2, 16]),
        kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=st.sampled_from([None, 1, 3, 17]),
-       softcap=st.sampled_from([None, 0.5, 5.0]), seed=st.integers(0, 2**16))
+       softcap=st.sampled_from([None, 0.5, 5.0]), tiled=st.booleans(), seed=st.integers(0, 2**16))
 def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native, block_size, kv_heads, group, dim,
                                                                           query_lens, contexts, max_query, kv_dtype,
-                                                                          window, softcap, seed):
+                                                                          window, softcap, tiled, seed):
     # Sequences with more than `max_query` new tokens stand for prefill chunks: rotated and stored, not attended.
     # A bfloat16 pool (`kv_cache_dtype`) must hold exactly torch's rounding of the keys and values, and attention
     # must be the float32 attention over those stored values; with a sliding `window`, over the last `window` keys;
-    # with a `softcap` (Gemma 2), of capped scores.
+    # with a `softcap` (Gemma 2), of capped scores. Both attention paths: the tiles of 16 keys (AVX-512, head sizes
+    # that are a multiple of 16) and key by key (every CPU; the only one where the library has no tiles).
     heads = kv_heads * group
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -142,7 +143,7 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native
     assert plan.has_chunks == any(q > max_query for q in query_lens)
     plan.set_rope(cos, sin)
     rotated = qkv.clone()
-    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3, window, softcap)
+    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3, window, softcap, tiled)
 
     assert torch.equal(key_pool, want_keys), "rotated keys must land bit-exactly at their slots"
     assert torch.equal(value_pool, want_values)
@@ -234,9 +235,9 @@ def test_a_bf16_pool_stores_ties_infinities_and_nans_as_torch_rounds_them(native
 @settings(max_examples=15, deadline=None)
 @given(contexts=st.lists(st.integers(0, 300), min_size=1, max_size=9), query_len=st.sampled_from([1, 2, 4]),
        threads=st.sampled_from([2, 3]), kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**16))
+       tiled=st.booleans(), seed=st.integers(0, 2**16))
 def test_attention_split_over_threads_is_bit_identical_to_one_thread(native, contexts, query_len, threads, kv_dtype,
-                                                                     seed):
+                                                                     tiled, seed):
     """Whatever the split of (token, kv head) items over threads, every output bit is what one thread computes."""
     block_size, kv_heads, group, dim = 16, 3, 3, 64
     heads = kv_heads * group
@@ -259,7 +260,8 @@ def test_attention_split_over_threads_is_bit_identical_to_one_thread(native, con
         torch.set_num_threads(torch_threads)
         native_kernels.PARALLEL_MIN_KEYS = min_keys
         try:
-            return native.rope_cache_attend(qkv.clone(), heads, kv_heads, *(p.clone() for p in pools), plan, 0.125)
+            return native.rope_cache_attend(qkv.clone(), heads, kv_heads, *(p.clone() for p in pools), plan, 0.125,
+                                            tiled=tiled)
         finally:
             torch.set_num_threads(previous[0])
             native_kernels.PARALLEL_MIN_KEYS = previous[1]
@@ -377,8 +379,8 @@ def test_a_cache_folder_others_own_or_can_write_is_refused_and_nothing_in_it_is_
 def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, tokenizer, tmp_path, monkeypatch,
                                                                          fresh_load):
     partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
-    missing = ("lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_linear_i8, "
-               "dk_linear_bf16, dk_gemv")
+    missing = ("lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_tiled_attention, "
+               "dk_linear_i8, dk_linear_bf16, dk_gemv")
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)

@@ -64,8 +64,8 @@ log = logging.getLogger("decodekit.runner")
 
 # The entry points `NativeKernels` binds; all are looked up when a library is loaded, so one lacking any is refused
 # there (a reason for the torch fallback) rather than failing later.
-SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_linear_i8",
-           "dk_linear_bf16", "dk_gemv")
+SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
+           "dk_linear_i8", "dk_linear_bf16", "dk_gemv")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -202,7 +202,7 @@ class NativeKernels:
         self._silu_mul.argtypes = [_p, _p, _i, _i]
         self._silu_mul.restype = None
         self._attend = lib.dk_rope_cache_attend
-        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _i, _f, _i, _p]
+        self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _i, _f, _i, _i, _p]
         self._attend.restype = ctypes.c_int
         self._linear_i8 = lib.dk_linear_i8
         self._linear_i8.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p, _i]
@@ -214,6 +214,8 @@ class NativeKernels:
         self._gemv.argtypes = [_p, _i, _p, _i, _i, _i, _p, _p, _p]
         self._gemv.restype = ctypes.c_int
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
+        # attention in tiles of 16 keys (built for a CPU with AVX-512), for head sizes that are a multiple of 16
+        self.tiled_attention = bool(lib.dk_tiled_attention())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' RMSNorm of float32 rows `x` `[rows, dim]` with `weight` `[dim]`."""
@@ -299,7 +301,8 @@ class NativeKernels:
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,
                           value_slots: torch.Tensor, plan: DecodeAttentionPlan, scaling: float,
-                          window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                          window: int | None = None, softcap: float | None = None, tiled: bool = True
+                          ) -> torch.Tensor:
         """RoPE on `qkv`'s query and key heads (in place), KV write to the pool, attention; returns `[T, H * D]`.
 
         `qkv` is `[T, (heads + 2 * kv_heads) * D]` float32, contiguous; `key_slots`/`value_slots` are one layer's
@@ -311,6 +314,9 @@ class NativeKernels:
         rows of tokens the plan leaves out (key length 0) are not written: the caller attends them. From
         `PARALLEL_MIN_KEYS` keys read, the attention is split over torch's threads (when built with OpenMP); every
         (token, kv head) item is computed as on one thread, so the result does not depend on the split.
+
+        Where the library has `tiled_attention` (AVX-512) and the head size is a multiple of 16, keys are attended
+        16 at a time; `tiled=False` takes the key-by-key path every CPU has (the two agree to float32 rounding).
         """
         dim = key_slots.shape[-1]
         if qkv.shape != (plan.tokens, (heads + 2 * kv_heads) * dim) or not qkv.is_contiguous():
@@ -323,7 +329,7 @@ class NativeKernels:
         status = self._attend(qkv.data_ptr(), plan.tokens, heads, kv_heads, dim, cos, sin, key_slots.data_ptr(),
                               value_slots.data_ptr(), slots, tables, table_start, key_len, plan.block_size, scaling,
                               PARALLEL_MIN_KEYS, window or 0, softcap or 0.0, int(key_slots.dtype == torch.bfloat16),
-                              out.data_ptr())
+                              int(tiled), out.data_ptr())
         if status != 0:
             raise MemoryError("native attention could not allocate its scratch memory")
         return out

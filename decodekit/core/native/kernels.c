@@ -18,7 +18,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -283,6 +283,176 @@ KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_en
     return 0;
 }
 
+#if defined(__AVX512F__)
+/* ---- attention in tiles of 16 keys, on AVX-512 --------------------------------------------------------------
+ * attend_items' work for a head size that is a multiple of 16, shaped for the memory and the vector width:
+ *   - keys are taken 16 at a time: the 16 rows of a tile are read once from memory (and software-prefetched one
+ *     tile ahead: a paged pool's rows are 1-4 KB apart, and a block of them sits anywhere in the pool, which the
+ *     hardware prefetchers do not follow; without it a batched step at context 256 read its keys at ~3 GB/s);
+ *   - each query head of the group multiplies the tile from L1, 16 key dot products at once: the products are
+ *     accumulated as vectors (fused multiply-add) and the 16 horizontal sums done together by one shuffle tree
+ *     (`sum16`), instead of one horizontal sum per key and head;
+ *   - the values likewise: a tile's 16 value rows are read once and each head's output accumulates them with
+ *     its 16 probabilities.
+ * The softmax is attend_items' (same exp, same order). The sums are ordered differently from the portable path
+ * (and fused), so the two agree to float32 rounding, not bit for bit; within this path the result is the same
+ * on any number of threads (each item is computed whole by one). */
+#define KEY_TILE 16
+
+KV_INLINE __m512 load16_kv(const void* base, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float*)base + i);
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The 16 horizontal sums of v[0..15] as one vector: lane 4i + m holds the sum of v[i + 4m] (so a caller that
+ * wants key k's sum in lane k stores key k's vector at index k / 4 + 4 * (k % 4): `SUM16_SLOT`). Four levels of
+ * pairwise shuffles and adds: 15 combines for 16 sums, instead of 16 separate reductions. */
+#define SUM16_SLOT(k) (((k) >> 2) + (((k) & 3) << 2))
+static inline __m512 sum16(const __m512* v) {
+    __m512 w[8], x[4], y[2];
+    for (int k = 0; k < 8; ++k)  /* per 128-bit quarter: (q0 + q2, q1 + q3) of v[2k], then of v[2k + 1] */
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 4; ++k)  /* quarter i: four partial sums of v[4k + i] */
+        x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int k = 0; k < 2; ++k)  /* quarter i: two partial sums of v[8k + i], then two of v[8k + 4 + i] */
+        y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Prefetch `span` elements from `offset` on at each of the `count` pool rows (row offsets in elements); nothing
+ * for a count of 0 or less. */
+KV_INLINE void prefetch_rows(const void* pool, const int64_t* rows, int64_t count, int64_t offset, int64_t span,
+                             int bf16) {
+    int64_t size = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < count; ++j) {
+        const char* row = (const char*)pool + (rows[j] + offset) * size;
+        for (int64_t b = 0; b < span * size; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
+}
+
+/* Attention of query token t's heads over kv heads [g0, g1): scores, softmax, values, 16 keys at a time (rows[j]
+ * is key j's pool offset for kv head 0; `scores` has room for (g1 - g0) * group rows of `padded` floats). */
+KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64_t g1, int64_t n, const int64_t* rows,
+                                  int64_t heads, int64_t kv_heads, int64_t dim, const void* kpool, const void* vpool,
+                                  float scale, float softcap, float* scores, int64_t padded, float* out, int kv_bf16) {
+    int64_t width = (heads + 2 * kv_heads) * dim;
+    int64_t group = heads / kv_heads, chunks = dim / 16, span = (g1 - g0) * dim;
+    __m512 vscale = _mm512_set1_ps(scale);
+    /* scores[(g - g0) * group + h][j] = scale * q_{g, h} . k_{j, g} */
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
+        int64_t count = n - j0 < KEY_TILE ? n - j0 : KEY_TILE;
+        prefetch_rows(kpool, rows + j0 + KEY_TILE, j0 + 2 * KEY_TILE <= n ? KEY_TILE : n - j0 - KEY_TILE,
+                      g0 * dim, span, kv_bf16);
+        for (int64_t g = g0; g < g1; ++g)
+            for (int64_t h = 0; h < group; ++h) {
+                const float* q = qkv + t * width + (g * group + h) * dim;
+                __m512 acc[KEY_TILE];
+                for (int k = 0; k < KEY_TILE; ++k) {
+                    __m512 s = _mm512_setzero_ps();
+                    if (k < count)
+                        for (int64_t c = 0; c < chunks; ++c)
+                            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c),
+                                                load16_kv(kpool, rows[j0 + k] + g * dim + 16 * c, kv_bf16), s);
+                    acc[SUM16_SLOT(k)] = s;
+                }
+                _mm512_storeu_ps(scores + ((g - g0) * group + h) * padded + j0, _mm512_mul_ps(sum16(acc), vscale));
+            }
+    }
+    for (int64_t r = 0; r < (g1 - g0) * group; ++r) {
+        float* sc = scores + r * padded;
+        if (softcap > 0)  /* Gemma 2's soft-capped scores, as transformers computes them: cap * tanh(score / cap) */
+            for (int64_t j = 0; j < n; ++j) sc[j] = tanhf(sc[j] / softcap) * softcap;
+        float m = sc[0];
+        for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
+        v8f sums = {0};
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            v8f e = exp8(load8(sc + j) - splat8(m));
+            store8(sc + j, e);
+            sums += e;
+        }
+        float sum = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
+        for (; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+        float inv = 1.0f / sum;
+        for (j = 0; j < n; ++j) sc[j] *= inv;
+    }
+    memset(out + (t * heads + g0 * group) * dim, 0, (size_t)((g1 - g0) * group * dim) * sizeof(float));
+    /* out_{g, h} += sum_j p[g, h][j] * v_{j, g} */
+    prefetch_rows(vpool, rows, n < KEY_TILE ? n : KEY_TILE, g0 * dim, span, kv_bf16);
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
+        int64_t count = n - j0 < KEY_TILE ? n - j0 : KEY_TILE;
+        prefetch_rows(vpool, rows + j0 + KEY_TILE, j0 + 2 * KEY_TILE <= n ? KEY_TILE : n - j0 - KEY_TILE,
+                      g0 * dim, span, kv_bf16);
+        for (int64_t g = g0; g < g1; ++g)
+            for (int64_t h = 0; h < group; ++h) {
+                const float* p = scores + ((g - g0) * group + h) * padded + j0;
+                float* o = out + (t * heads + g * group + h) * dim;
+                for (int64_t c = 0; c < chunks; ++c) {
+                    __m512 acc = _mm512_loadu_ps(o + 16 * c);
+                    for (int64_t k = 0; k < count; ++k)
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(p[k]),
+                                              load16_kv(vpool, rows[j0 + k] + g * dim + 16 * c, kv_bf16), acc);
+                    _mm512_storeu_ps(o + 16 * c, acc);
+                }
+            }
+    }
+}
+
+/* attend_items' contract on the tiled path. A unit of work is a whole query token (all its kv heads: a key's row
+ * of every head is read in one pass, so a tile of a 16-slot block is one contiguous run of memory), or with
+ * `per_head` one (token, kv head) item as attend_items has it (a step of one token still splits over threads). */
+KV_INLINE int attend_items_tiled(const float* qkv, int64_t unit_begin, int64_t unit_end, int per_head, int64_t heads,
+                                 int64_t kv_heads, int64_t dim, const void* kpool, const void* vpool,
+                                 const int64_t* tables, const int64_t* table_start, const int64_t* key_len,
+                                 int64_t block_size, float scale, int64_t window, float softcap, float* out,
+                                 int kv_bf16) {
+    if (unit_begin >= unit_end) return 0;
+    int64_t per_unit = per_head ? kv_heads : 1;
+    int64_t max_keys = 1;
+    for (int64_t u = unit_begin; u < unit_end; ++u) {
+        int64_t n = key_len[u / per_unit];
+        max_keys = n > max_keys ? n : max_keys;
+    }
+    int64_t padded = (max_keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    float* scores = malloc((size_t)(heads * padded) * sizeof(float));
+    int64_t* rows = malloc((size_t)max_keys * sizeof(int64_t));
+    if (scores == NULL || rows == NULL) {
+        free(scores);
+        free(rows);
+        return -1;
+    }
+    int64_t rows_of = -1;
+    for (int64_t u = unit_begin; u < unit_end; ++u) {
+        int64_t t = u / per_unit;
+        int64_t g0 = per_head ? u % kv_heads : 0, g1 = per_head ? g0 + 1 : kv_heads;
+        int64_t n = key_len[t];
+        if (n == 0) continue;
+        if (rows_of != t) {
+            const int64_t* table = tables + table_start[t];
+            for (int64_t j = 0, b = 0; j < n; ++b)
+                for (int64_t i = 0; i < block_size && j < n; ++i, ++j)
+                    rows[j] = (table[b] * block_size + i) * kv_heads * dim;
+            rows_of = t;
+        }
+        const int64_t* seen = rows;
+        if (window > 0 && n > window) {  /* the last `window` keys */
+            seen = rows + (n - window);
+            n = window;
+        }
+        attend_token_tiled(qkv, t, g0, g1, n, seen, heads, kv_heads, dim, kpool, vpool, scale, softcap, scores,
+                           padded, out, kv_bf16);
+    }
+    free(scores);
+    free(rows);
+    return 0;
+}
+#endif
+
 /* The first item of the `part`-th of `parts` consecutive ranges of about equal work (keys read). */
 static int64_t range_start(const int64_t* key_len, int64_t tokens, int64_t kv_heads, int64_t total, int64_t part,
                            int64_t parts) {
@@ -306,6 +476,16 @@ int dk_parallel(void) {
 #endif
 }
 
+/* Whether this library has the tiled attention (built for a CPU with AVX-512: attend_items_tiled), which
+ * dk_rope_cache_attend runs for head sizes that are a multiple of 16 unless its `tiled` argument is 0. */
+int dk_tiled_attention(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* One decoder layer's attention for the tokens of a step that belong to sequences scoring a few new tokens
  * (decode, speculative verification, beams): RoPE and KV write for all T tokens (rope_store), then attention
  * (attend_items) for all of them: every write happens before any read, so queries of one sequence see each
@@ -313,29 +493,54 @@ int dk_parallel(void) {
  * caps each score to softcap * tanh(score / softcap)). The pools
  * hold float32, or bfloat16 where `kv_bf16` is non-zero
  * (written rounded to nearest even, read widened: float32 arithmetic either way). With OpenMP and at least
- * `parallel_min_keys` keys to read, the attention is cut into one range of about equal work per thread. Returns 0,
- * or -1 if scratch memory could not be allocated. */
+ * `parallel_min_keys` keys to read, the attention is cut into one range of about equal work per thread. With
+ * `tiled` non-zero, a library built for AVX-512 attends in tiles of 16 keys (attend_items_tiled) where the head
+ * size is a multiple of 16; otherwise, and on other CPUs, key by key (attend_items). Returns 0, or -1 if scratch
+ * memory could not be allocated. */
 int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
                          const float* cos, const float* signed_sin, void* kpool, void* vpool,
                          const int64_t* slots, const int64_t* tables, const int64_t* table_start,
                          const int64_t* key_len, int64_t block_size, float scale, int64_t parallel_min_keys,
-                         int64_t window, float softcap, int64_t kv_bf16, float* out) {
+                         int64_t window, float softcap, int64_t kv_bf16, int64_t tiled, float* out) {
     if (rope_store(qkv, tokens, heads, kv_heads, dim, cos, signed_sin, kpool, vpool, slots, kv_bf16 != 0) != 0)
         return -1;
+    int use_tiled = 0;
+#if defined(__AVX512F__)
+    use_tiled = tiled != 0 && dim % 16 == 0;
+#endif
+    int64_t threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    /* the units split over threads: whole tokens on the tiled path, unless there are fewer than threads; else
+     * (token, kv head) items */
+    int per_head = !use_tiled || tokens < threads;
+    int64_t per_unit = per_head ? kv_heads : 1;
     int64_t total = 0;
-    for (int64_t t = 0; t < tokens; ++t) total += key_len[t] * kv_heads;
+    for (int64_t t = 0; t < tokens; ++t) total += key_len[t] * per_unit;
     int failed = 0;
 #ifdef _OPENMP
-#pragma omp parallel if (total >= parallel_min_keys && tokens * kv_heads > 1) reduction(|| : failed)
+#pragma omp parallel if (total * (kv_heads / per_unit) >= parallel_min_keys && tokens * per_unit > 1) \
+    reduction(|| : failed)
     {
         int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
 #else
     {
         int64_t parts = 1, part = 0;
 #endif
-        int64_t begin = range_start(key_len, tokens, kv_heads, total, part, parts);
-        int64_t end = range_start(key_len, tokens, kv_heads, total, part + 1, parts);
-        /* two inlined copies of attend_items, one per pool element (its flag a constant in each) */
+        int64_t begin = range_start(key_len, tokens, per_unit, total, part, parts);
+        int64_t end = range_start(key_len, tokens, per_unit, total, part + 1, parts);
+        /* two inlined copies of each path, one per pool element (its flag a constant in each) */
+#if defined(__AVX512F__)
+        if (use_tiled)
+            failed = (kv_bf16 ? attend_items_tiled(qkv, begin, end, per_head, heads, kv_heads, dim, kpool, vpool,
+                                                   tables, table_start, key_len, block_size, scale, window, softcap,
+                                                   out, 1)
+                              : attend_items_tiled(qkv, begin, end, per_head, heads, kv_heads, dim, kpool, vpool,
+                                                   tables, table_start, key_len, block_size, scale, window, softcap,
+                                                   out, 0)) != 0;
+        else
+#endif
         if (kv_bf16)
             failed = attend_items(qkv, begin, end, heads, kv_heads, dim, kpool, vpool, tables, table_start, key_len,
                                   block_size, scale, window, softcap, out, 1) != 0;

@@ -1,0 +1,99 @@
+"""The native paged attention of a batched decode step against the KV-read bound, by context length.
+
+One layer of SmolLM2's shape (9 query heads on 3 KV heads of 64; `--heads/--kv-heads/--head-dim` for others):
+`--rows` sequences of `context` cached tokens each score one new token; `dk_rope_cache_attend` (RoPE, KV write,
+attention) is timed alone, and the bytes of keys and values it must read (`rows * context * kv_heads * head_dim *
+2 * element size`) are divided by its median time: the KV-read rate, to set against the machine's read bandwidth
+(`--bandwidth`, measured here by a large `torch.sum` when not given). Pools are laid out block by block in a
+shuffled order, as a long-running server's are.
+
+Usage: python benchmarks/attention_bound.py [--rows 32] [--contexts 64 256 1024 4096] [--kv-dtype float32|bfloat16]
+       [--threads 2] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from decodekit.bench.machine import environment, machine_line
+from decodekit.core.native_kernels import DecodeAttentionPlan, load_kernels
+
+
+def read_bandwidth() -> float:
+    """Bytes per second a `torch.sum` over 512 MB reads (median of 5)."""
+    data = torch.ones(128 << 20)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times)
+
+
+def time_attention(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                   repeats: int, block_size: int = 16) -> dict[str, float]:
+    """Median seconds of one layer's `rope_cache_attend` for `rows` sequences at `context` cached tokens, by path
+    (`tiled`: 16 keys at a time, where the library has it; `keywise`: key by key), the two interleaved call by
+    call."""
+    kernels = load_kernels()
+    assert not isinstance(kernels, str), kernels
+    per_seq = -(-(context + 1) // block_size)
+    order = torch.arange(rows * per_seq) if os.environ.get("SEQUENTIAL") else torch.randperm(rows * per_seq)
+    blocks = order.view(rows, per_seq) + 1
+    pool_blocks = rows * per_seq + 2
+    keys = torch.randn(pool_blocks * block_size, kv_heads, head_dim).to(kv_dtype)
+    values = torch.randn(pool_blocks * block_size, kv_heads, head_dim).to(kv_dtype)
+    tables = [blocks[r].tolist() for r in range(rows)]
+    slots = torch.tensor([tables[r][context // block_size] * block_size + context % block_size for r in range(rows)])
+    plan = DecodeAttentionPlan(slots, [1] * rows, [context] * rows, tables, block_size)
+    positions = torch.full((rows,), context, dtype=torch.float32)
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.cat([positions[:, None] * inv, positions[:, None] * inv], dim=-1)
+    plan.set_rope(angles.cos(), angles.sin())
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim)
+    paths = {"tiled": True, "keywise": False} if kernels.tiled_attention else {"keywise": False}
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    for i in range(repeats + 3):
+        for path, tiled in paths.items():
+            work = qkv.clone()
+            start = time.perf_counter()
+            kernels.rope_cache_attend(work, heads, kv_heads, keys, values, plan, head_dim ** -0.5, tiled=tiled)
+            if i >= 3:
+                times[path].append(time.perf_counter() - start)
+    return {path: statistics.median(values) for path, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--bandwidth", type=float, default=0.0, help="read bandwidth in GB/s (0: measure it)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kv_dtype = getattr(torch, args.kv_dtype)
+    bandwidth = args.bandwidth * 1e9 or read_bandwidth()
+    print(machine_line(environment(), args.kv_dtype), f"| read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    print(f"{'context':>7} {'rows':>4} {'path':>8} {'ms/layer':>9} {'KV MB':>7} {'GB/s':>6} {'of bound':>8}")
+    for context in args.contexts:
+        by_path = time_attention(args.rows, context, args.heads, args.kv_heads, args.head_dim, kv_dtype,
+                                 args.repeats)
+        kv_bytes = args.rows * (context + 1) * args.kv_heads * args.head_dim * 2 * kv_dtype.itemsize
+        for path, seconds in by_path.items():
+            rate = kv_bytes / seconds
+            print(f"{context:7} {args.rows:4} {path:>8} {seconds * 1e3:9.3f} {kv_bytes / 1e6:7.2f} {rate / 1e9:6.1f} "
+                  f"{rate / bandwidth:8.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
