@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.core.native_kernels import PANEL, DecodeAttentionPlan, load_kernels, pack_bf16_panels, pack_int8_panels
-from decodekit.core.weight_matrices import BF16_NATIVE_MAX_ROWS, Bf16Matrix
+from decodekit.core.weight_matrices import BF16_GEMM_MIN_ROWS, BF16_NATIVE_MAX_ROWS, Bf16Matrix, onednn_bf16_available
 from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
@@ -89,15 +89,17 @@ def test_a_bf16_target_generates_what_transformers_generates_on_the_bf16_rounded
 @pytest.mark.parametrize("batch", [1, 5])
 def test_a_bfloat16_model_on_a_cpu_runs_as_bf16_weights_in_float32_and_matches_transformers_float32(batch,
                                                                                                    tokenizer):
-    """`dtype="bfloat16"` on a CPU: the weights and the KV cache stay bf16, the activations are float32, so the
-    tokens are transformers' float32 greedy tokens on the same (bf16-valued) weights with a cache that rounds to
-    bf16; with `kv_cache_dtype="float32"`, its plain float32 tokens. torch's bf16 path is one option away."""
+    """`dtype="bfloat16"` on a CPU in float32 arithmetic: the weights and the KV cache stay bf16, the activations are
+    float32, so the tokens are transformers' float32 greedy tokens on the same (bf16-valued) weights with a cache
+    that rounds to bf16; with `kv_cache_dtype="float32"`, its plain float32 tokens. torch's bf16 path is one option
+    away. (On a CPU with bf16 dot products `bf16_arithmetic: auto` rounds the activations of products of several
+    rows to bf16 instead: see the tests of `bf16_arithmetic` below.)"""
     model = tiny_model("llama").to(torch.bfloat16)
     reference = copy.deepcopy(model).to(torch.float32)  # widening is exact: the same weights
     prompts = random_prompts(batch, 3, 40, seed=7 + batch)
     for kv, want in (("auto", hf_greedy_bf16_cache), ("float32", hf_greedy)):
         llm = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
-                  block_size=4, kv_cache_dtype=kv)
+                  block_size=4, kv_cache_dtype=kv, bf16_arithmetic="float32")
         assert llm.engine.model.forward_name == "fused (bf16 weights)" and llm.engine.config.quantization == "bf16"
         assert llm.engine.kv_cache.pool.dtype == (torch.bfloat16 if kv == "auto" else torch.float32)
         outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
@@ -184,14 +186,14 @@ def test_the_portable_build_without_avx2_gives_the_same_products_and_bf16_cache_
 @needs_kernels
 def test_bfloat16_on_a_cpu_is_closer_to_float32_than_transformers_own_bf16_forward(tokenizer):
     """The stated tolerance against transformers' bf16: on the same bf16 weights, decodekit's prompt log-probabilities
-    are closer to transformers' float32 forward than transformers' bf16 forward (which rounds every activation to
-    bf16) is, and within float32 rounding (1e-4) of it with a float32 KV cache."""
+    in float32 arithmetic are closer to transformers' float32 forward than transformers' bf16 forward (which rounds
+    every activation to bf16) is, and within float32 rounding (1e-4) of it with a float32 KV cache."""
     model = tiny_model("llama").to(torch.bfloat16)
     prompt = random_prompts(1, 40, 41, seed=4)[0]
     logprobs = {}
     for kv in ("auto", "float32"):
         llm = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
-                  kv_cache_dtype=kv)
+                  kv_cache_dtype=kv, bf16_arithmetic="float32")
         out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         rows = (out.prompt_logprobs or [])[1:]
         logprobs[kv] = torch.tensor([row[token].logprob for token, row in zip(prompt[1:], rows)])
@@ -218,3 +220,78 @@ def test_a_bfloat16_draft_runs_as_bf16_weights_unless_the_engine_turns_the_fused
                 kv_cache_memory="16MiB", fused_decoder=False)
     assert plain.engine.config.quantization is None
     assert plain.engine.draft_config is not None and plain.engine.draft_config.quantization is None
+
+
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_available(), reason="torch's oneDNN has no bf16 products here")
+
+
+@needs_kernels
+@needs_onednn_bf16
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), width=st.integers(1, 90), out=st.integers(1, 70), bias=st.booleans(),
+       residual=st.booleans(), seed=st.integers(0, 2**16))
+def test_bf16_products_round_the_activations_to_bf16_from_eight_rows_and_keep_float32_below(rows, width, out, bias,
+                                                                                           residual, seed):
+    """`Bf16Matrix(bf16_gemm=True)`: from `BF16_GEMM_MIN_ROWS` rows, the product of the bf16-rounded activations and
+    weights (float32 sums), rounded to bf16 once, then bias and residual added in float32; below, exactly the panels'
+    float32-arithmetic product."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, width, generator=g)
+    x = torch.randn(rows, width, generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    res = torch.randn(rows, out, generator=g) if residual else None
+    assert not isinstance(kernels, str)
+    got = Bf16Matrix(weight, b, kernels, bf16_gemm=True)(x, res)
+    if rows < BF16_GEMM_MIN_ROWS:
+        assert torch.equal(got, Bf16Matrix(weight, b, kernels)(x, res))
+        return
+    exact = _rounded(x).double() @ _rounded(weight).double().t()
+    rounding = exact.abs() * 2**-8 + (x.abs().double() @ weight.abs().double().t()) * (width + 2) * 2**-24
+    extra = (b.double() if bias else 0.0) + (res.double() if residual else 0.0)
+    assert torch.all((got.double() - extra - exact).abs() <= rounding + 1e-6)
+
+
+@needs_kernels
+@needs_onednn_bf16
+@pytest.mark.parametrize("cpu_has_bf16", [True, False])
+def test_bf16_arithmetic_auto_is_bf16_only_for_a_bfloat16_model_on_a_cpu_with_bf16_dot_products(cpu_has_bf16,
+                                                                                               monkeypatch, tokenizer):
+    """The one choice (`runner.wants_bf16_gemm`), on either kind of CPU (the flag is what /proc/cpuinfo says):
+    `auto` follows the model's dtype and the CPU, `float32` never, `bf16` always, with a warning where emulated."""
+    from decodekit.core import runner
+
+    monkeypatch.setattr(runner, "cpu_has_bf16_dot_products", lambda: cpu_has_bf16)
+    bf16_model = tiny_model("llama").to(torch.bfloat16)
+
+    def products(model: torch.nn.Module, **options: object) -> str:
+        llm = LLM(copy.deepcopy(model), tokenizer, device="cpu", kv_cache_memory="16MiB", **options)
+        return llm.engine.model.forward_name
+
+    with_gemm, without = "fused (bf16 weights, bf16 products)", "fused (bf16 weights)"
+    assert products(bf16_model, dtype="bfloat16") == (with_gemm if cpu_has_bf16 else without)
+    assert products(bf16_model, dtype="bfloat16", bf16_arithmetic="float32") == without
+    assert products(tiny_model("llama"), quantization="bf16") == without  # weight-only bf16 of a float32 model
+    assert products(tiny_model("llama"), quantization="bf16", bf16_arithmetic="bf16") == with_gemm
+
+
+@needs_kernels
+@needs_onednn_bf16
+def test_bf16_arithmetic_is_closer_to_float32_than_transformers_own_bf16_forward(tokenizer):
+    """The stated tolerance of bf16 products: rounding only the products' inputs and outputs to bf16 (norms, the
+    residual stream, attention and softmax stay float32) keeps prompt log-probabilities closer to transformers'
+    float32 forward on the same weights than transformers' own bf16 forward, which rounds every activation."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    prompt = random_prompts(1, 40, 41, seed=4)[0]
+    llm = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
+              bf16_arithmetic="bf16")
+    assert llm.engine.model.forward_name == "fused (bf16 weights, bf16 products)"
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    rows = (out.prompt_logprobs or [])[1:]
+    ours = torch.tensor([row[token].logprob for token, row in zip(prompt[1:], rows)])
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        targets = torch.tensor(prompt[1:])[:, None]
+        float32 = torch.log_softmax(model.float()(ids).logits[0, :-1].float(), -1).gather(1, targets)[:, 0]
+        bf16 = torch.log_softmax(model.to(torch.bfloat16)(ids).logits[0, :-1].float(), -1).gather(1, targets)[:, 0]
+    error, bf16_error = float((ours - float32).abs().max()), float((bf16 - float32).abs().max())
+    assert 0 < error < bf16_error, (error, bf16_error)

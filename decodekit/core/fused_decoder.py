@@ -59,7 +59,7 @@ from decodekit.core.fused_blocks import (
 from decodekit.core.gpu_attention import attend_tokens, kernel_available
 from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels
-from decodekit.core.weight_matrices import QUANTIZATIONS, QUANTIZED_MATRICES, AnyMatrix, Bf16Matrix, Int8Matrix, Matrix
+from decodekit.core.weight_matrices import QUANTIZATIONS, AnyMatrix, Matrix, MatrixMaker, quantized_matrix
 
 # SiLU-gating of more rows than this stays in torch: its `exp` is vectorized (and threaded), the native one is a
 # scalar `expf` per element, which only wins while dispatch dominates.
@@ -193,7 +193,7 @@ class FusedDecoder:
     """
 
     def __init__(self, model: Any, prepack: bool = False, native: NativeKernels | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, bf16_gemm: bool = False) -> None:
         reason = fused_decoder_refusal(model)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
@@ -207,6 +207,8 @@ class FusedDecoder:
                              "on its native kernels (float32 on a CPU with a C compiler)")
         self.native = native
         self.quantization = quantization
+        # bf16 copies multiply several rows on the CPU's bf16 dot products (`runner.wants_bf16_gemm`)
+        self.bf16_gemm = bf16_gemm and quantization == "bf16"
         head_dim = model.model.layers[0].self_attn.head_dim
         gemma = type(model).__name__ in GEMMA_ARCHITECTURES
         # the GPU path: steps attended by token table run their small ops as Triton kernels (`gpu_ops`), written for
@@ -229,7 +231,7 @@ class FusedDecoder:
         self.prepacked = prepack and quantization is None
         if quantization is not None:
             assert native is not None
-            matrix = QUANTIZED_MATRICES[quantization]
+            matrix = quantized_matrix(quantization, self.bf16_gemm)
             with torch.no_grad():
                 self.layers = [self._quantize(layer, matrix, native, gemma, by_type) for layer in base.layers]
                 self.lm_head: AnyMatrix = matrix(model.lm_head.weight, None, native)
@@ -242,7 +244,7 @@ class FusedDecoder:
             self.lm_head = Matrix(relay_column_major(head, self.embed_tokens), None, prepack, native)
 
     @staticmethod
-    def _quantize(layer: Any, matrix: type[Int8Matrix] | type[Bf16Matrix], native: NativeKernels, gemma: bool,
+    def _quantize(layer: Any, matrix: MatrixMaker, native: NativeKernels, gemma: bool,
                   rope_by_type: bool) -> _FusedLayer:
         """The layer's products as compressed copies (`matrix`: q/k/v and gate/up fused by rows); the module is not
         touched."""

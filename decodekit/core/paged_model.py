@@ -70,7 +70,8 @@ class PagedModel:
     def forward_name(self) -> str:
         """How the model runs, for logs: "transformers" (with how many linear layers were re-laid or quantized, if any),
         "fused",
-        "fused (prepacked weights)" or "fused (int8 weights)"."""
+        "fused (prepacked weights)", "fused (int8 weights)", "fused (bf16 weights)" or, with several rows on the CPU's
+        bf16 dot products, "fused (bf16 weights, bf16 products)"."""
         fused = self.runner.fused
         if fused is None:
             relaid, quantization = getattr(self.runner.model, "decodekit_relaid_linears", (0, None))
@@ -78,7 +79,7 @@ class PagedModel:
                 return f"transformers ({relaid} linear layers in {quantization})"
             return f"transformers ({relaid} linear layers re-laid)" if relaid else "transformers"
         if fused.quantization is not None:
-            return f"fused ({fused.quantization} weights)"
+            return f"fused ({fused.quantization} weights{', bf16 products' if fused.bf16_gemm else ''})"
         return "fused (prepacked weights)" if fused.prepacked else "fused"
 
     # ---- driven by sequence (decodekit.api.proposer.ProposerModel) -----------------------------------------

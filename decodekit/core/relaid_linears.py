@@ -33,11 +33,11 @@ from torch import nn
 
 from decodekit.core.fused_decoder import _trim_heap, relay_column_major
 from decodekit.core.native_kernels import NativeKernels
-from decodekit.core.weight_matrices import QUANTIZED_MATRICES, Matrix
+from decodekit.core.weight_matrices import Matrix, quantized_matrix
 
 
 def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quantization: str | None = None,
-                  release: bool = False) -> int:
+                  release: bool = False, bf16_gemm: bool = False) -> int:
     """Re-lay every plain float32 `nn.Linear` of `model` on the CPU and route its forward through a `Matrix` (or,
     with a `quantization`, through a compressed copy of its weight; `native` is then required).
 
@@ -60,7 +60,7 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
                 _route(module, prepack, native, embeddings)
             else:
                 assert native is not None, "quantized products run on the native kernels"
-                matrix = QUANTIZED_MATRICES[quantization](module.weight, module.bias, native)
+                matrix = quantized_matrix(quantization, bf16_gemm)(module.weight, module.bias, native)
                 _set_forward(module, matrix)
                 if release and module is not head and module.weight is not embeddings.weight:
                     module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,

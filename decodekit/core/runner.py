@@ -27,7 +27,12 @@ from decodekit.core.kv_cache import (
 )
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
 from decodekit.core.relaid_linears import relay_linears
-from decodekit.core.weight_matrices import prepacking_available
+from decodekit.core.weight_matrices import (
+    BF16_GEMM_MIN_ROWS,
+    cpu_has_bf16_dot_products,
+    onednn_bf16_available,
+    prepacking_available,
+)
 
 log = logging.getLogger("decodekit.runner")
 
@@ -186,6 +191,39 @@ def bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, key: str = "q
     return config.model_copy(update={key: "bf16"})
 
 
+def wants_bf16_gemm(loaded: LoadedModel, config: EngineConfig) -> bool:
+    """Whether `loaded`'s bf16 copies (`quantization: bf16`, which a bfloat16 model on a CPU gets by default:
+    `bf16_weights_on_cpu`) multiply steps of several rows on the CPU's bf16 dot products (oneDNN's bf16 GEMM,
+    activations rounded to bf16 at each product's input: `Bf16Matrix`) rather than in float32 arithmetic.
+
+    `bf16_arithmetic` decides: "float32" never; "bf16" wherever torch's oneDNN has bf16 products (emulated, and
+    slower than float32, on a CPU without bf16 dot products: a warning says so); "auto" where the model itself is
+    bfloat16 (the user asked for bf16 arithmetic, as vLLM's and transformers' bf16 run it) and the CPU has bf16 dot
+    products (AVX512-BF16 or AMX) for oneDNN to use. `quantization: bf16` on a float32 model stays weight-only
+    (float32 activations) under "auto".
+
+    Raises:
+        ConfigError: "bf16" is asked where torch's oneDNN has no bf16 products.
+    """
+    setting = config.bf16_arithmetic
+    if config.quantization != "bf16" or setting == "float32" or loaded.device.type != "cpu":
+        return False
+    native = cpu_has_bf16_dot_products()
+    if setting == "bf16":
+        if not onednn_bf16_available():
+            raise ConfigError("bf16_arithmetic: bf16 runs oneDNN's bf16 products, which this torch build lacks; "
+                              "set bf16_arithmetic to float32 or auto")
+        if not native:
+            log.warning("bf16_arithmetic: bf16 on a CPU without bf16 dot products (AVX512-BF16, AMX): oneDNN "
+                        "emulates them, slower than float32 arithmetic")
+        return True
+    chosen = loaded.dtype == torch.bfloat16 and native and onednn_bf16_available()
+    if chosen:
+        log.info("%s: steps of %d rows or more multiply on the CPU's bf16 dot products (oneDNN; bf16_arithmetic: "
+                 "auto, a bfloat16 model on a CPU with AVX512-BF16 or AMX)", loaded.name, BF16_GEMM_MIN_ROWS)
+    return chosen
+
+
 def compute_dtype(loaded: LoadedModel, config: EngineConfig) -> torch.dtype:
     """The dtype of the activations (and of the KV cache unless `kv_cache_dtype` says otherwise): the model's, except
     for quantized weights on a CPU, which are multiplied in float32."""
@@ -284,7 +322,7 @@ def build_runner(loaded: LoadedModel, kv_cache: PagedKVCache, config: EngineConf
     graphs = wants_cuda_graphs(loaded, config.cuda_graphs, fused, max_model_len)
     return ModelRunner(loaded.model, kv_cache, fused=fused, prepack_weights=config.prepack_weights, native=native,
                        quantization=quantization, cuda_graphs=graphs, max_num_seqs=config.max_num_seqs,
-                       max_model_len=max_model_len)
+                       max_model_len=max_model_len, bf16_gemm=wants_bf16_gemm(loaded, config))
 
 
 def _quantization_refusal(quantization: str, loaded: LoadedModel) -> str:
@@ -337,7 +375,8 @@ def relay_unfused_linears(loaded: LoadedModel, config: EngineConfig) -> int:
                               f"{routed[1] or 'float32'} products for another engine; load a fresh copy")
         return routed[0]
     prepack = quantization is None and wants_prepacking(model, config.prepack_weights)
-    count = relay_linears(model, prepack, kernels, quantization, release=loaded.owned)
+    count = relay_linears(model, prepack, kernels, quantization, release=loaded.owned,
+                          bf16_gemm=wants_bf16_gemm(loaded, config))
     if widen:
         model.float()
     model.decodekit_relaid_linears = (count, quantization)
@@ -397,13 +436,13 @@ class ModelRunner:
     def __init__(self, model: Any, kv_cache: PagedKVCache, fused: bool = False,
                  prepack_weights: bool | None = None, native: NativeKernels | None = None,
                  quantization: str | None = None, cuda_graphs: bool = False, max_num_seqs: int = 128,
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, bf16_gemm: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.pool.device
         self._config = model.config
         prepack = quantization is None and wants_prepacking(model, prepack_weights)
-        self.fused = FusedDecoder(model, prepack, native, quantization) if fused else None
+        self.fused = FusedDecoder(model, prepack, native, quantization, bf16_gemm) if fused else None
         # the GPU path: short queries attended in place by the token-table kernel, uniform steps from CUDA graphs
         capped = needs_capped_attention(_text_config(model), max_model_len) or has_attention_sinks(model)
         self.by_token = kernel_available(self.device) and not capped

@@ -1,6 +1,7 @@
 """The weight products of the fused decoder and of other architectures' re-laid linear layers: one weight, multiplied
 the fastest way for the number of rows at hand (`Matrix`: column-major float32, `dk_gemv`, oneDNN-prepacked copies),
-or as compressed copies multiplied in float32 on the native kernels (`Int8Matrix`, `Bf16Matrix`).
+or as compressed copies multiplied in float32 on the native kernels (`Int8Matrix`, `Bf16Matrix`); bf16 copies of
+several rows optionally on the CPU's own bf16 dot products (`Bf16Matrix(bf16_gemm=True)`, oneDNN).
 
 Shared by `fused_decoder` (fused q/k/v and gate/up products of the architectures it takes) and `relaid_linears`
 (each `nn.Linear` of the others).
@@ -8,7 +9,9 @@ Shared by `fused_decoder` (fused q/k/v and gate/up products of the architectures
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -135,17 +138,35 @@ class Bf16Matrix:
     Round-to-nearest-even to bf16 (8 significant bits: a relative error of at most 2^-9 per weight, none for
     weights bf16 represents). Up to `BF16_NATIVE_MAX_ROWS` rows run `dk_linear_bf16`, which reads the panels front
     to back; more rows take `_dequantized_mm`.
+
+    With `bf16_gemm` (`runner.wants_bf16_gemm`: a bfloat16 model on a CPU with bf16 dot products), products of
+    `BF16_GEMM_MIN_ROWS` rows or more run oneDNN's bf16 GEMM on a prepacked copy of the weight instead: the
+    activations are rounded to bf16 at the product's input (as vLLM's and transformers' bf16 arithmetic rounds
+    them), accumulated in float32 and rounded to bf16 at its output, then widened; bias and residual are added in
+    float32. On AVX512-BF16 that is 2-4x float32's rate from 8 rows up (`vdpbf16ps`), where the panel kernel
+    (float32 arithmetic) is bound by its multiplies. Single rows keep the panels: float32 activations, and faster
+    for one row of the small matrices.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels,
+                 bf16_gemm: bool = False) -> None:
         self.out_dim, self.in_dim = weight.shape
         self.panels = pack_bf16_panels(weight)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.native = native
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(),
+                                                               _PACK_ROWS_HINT) if bf16_gemm else None)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T (+ bias) (+ residual)` with `W` the bf16-rounded weight."""
-        if x.shape[0] <= BF16_NATIVE_MAX_ROWS:
+        rows = x.shape[0]
+        if self.packed is not None and rows >= BF16_GEMM_MIN_ROWS:
+            out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [],
+                                                     "").to(torch.float32)
+            if self.bias is not None:
+                out.add_(self.bias)
+            return out if residual is None else out.add_(residual)
+        if rows <= BF16_NATIVE_MAX_ROWS:
             return self.native.linear_bf16(x, self.panels, self.out_dim, self.bias, residual)
         step = _DEQUANTIZE_BLOCK // PANEL
         blocks = ((first * PANEL, self.panels[first:first + step].to(x.dtype).permute(1, 0, 2)
@@ -153,6 +174,36 @@ class Bf16Matrix:
                   for first in range(0, self.panels.shape[0], step))
         out = _dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)
+
+
+def cpu_has_bf16_dot_products() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16's `vdpbf16ps` or AMX's bf16 tiles), read from
+    /proc/cpuinfo's flags (elsewhere: no). Without them oneDNN emulates bf16 products, slower than float32's."""
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
+                          []))
+
+
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether torch's oneDNN runs prepacked bf16 products here (the private ops `Bf16Matrix(bf16_gemm=True)` uses;
+    refused quietly if they ever change)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 8, dtype=torch.bfloat16), _PACK_ROWS_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=torch.bfloat16), packed, None, "none", [], "")
+        return bool(torch.equal(out.to(torch.float32), torch.full((2, 4), 8.0)))
+    except (RuntimeError, AttributeError):
+        return False
 
 
 # Rows up to which the int8 kernel beats dequantizing to float32 BLAS. Measured on SmolLM2 (2-core AVX2, whole
@@ -164,9 +215,24 @@ INT8_NATIVE_MAX_ROWS = 128
 # prepacked oneDNN at 64-128 rows, where it is bound by arithmetic (AVX2 has no bf16 multiply), and 2-3.5x less at
 # 1-8 rows; BLAS on dequantized blocks (29 ms against float32's 15 at 32 rows) is slower than both up to 128 rows.
 BF16_NATIVE_MAX_ROWS = 128
+# Rows from which a bf16 weight with a oneDNN copy (`bf16_gemm`) multiplies on the CPU's bf16 dot products. Measured
+# on SmolLM2's shapes (2-core Zen 5, AVX512-BF16, 2 threads, benchmarks/bf16_products.py; a layer's four products):
+# at 4 rows the two tie (152 vs 151 us), at 8 the GEMM takes 0.68x the panels' time, at 32 0.41x, at 64 0.32x. Below
+# 8 rows (batch-1 decode, one sequence's speculative verification) the panels keep float32 activations.
+BF16_GEMM_MIN_ROWS = 8
 # Output rows dequantized at once on the BLAS path: a few MB of float32, not a vocabulary-sized matrix.
 _DEQUANTIZE_BLOCK = 2048
 
 QUANTIZATIONS = ("int8", "bf16")
 QUANTIZED_MATRICES: dict[str, type[Int8Matrix] | type[Bf16Matrix]] = {"int8": Int8Matrix, "bf16": Bf16Matrix}
 AnyMatrix = Matrix | Int8Matrix | Bf16Matrix
+MatrixMaker = Callable[[torch.Tensor, "torch.Tensor | None", NativeKernels], "Int8Matrix | Bf16Matrix"]
+"""Makes a compressed copy of a weight `[out, in]` (with its bias) that multiplies on the native kernels."""
+
+
+def quantized_matrix(quantization: str, bf16_gemm: bool = False) -> MatrixMaker:
+    """What makes the `quantization`'s copy of each weight; with `bf16_gemm`, bf16 copies that multiply several rows
+    on the CPU's bf16 dot products (`Bf16Matrix`)."""
+    if quantization == "bf16" and bf16_gemm:
+        return functools.partial(Bf16Matrix, bf16_gemm=True)
+    return QUANTIZED_MATRICES[quantization]
