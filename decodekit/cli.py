@@ -648,7 +648,8 @@ def bench(
                                        f"{MIXED_FULL_REPEATS} rounds; about 45 minutes on a 2-core CPU) instead of "
                                        f"the quick default ({MIXED_REQUESTS} requests, {MIXED_REPEATS} rounds).")
                     ] = False,
-    baseline: Annotated[list[str] | None, typer.Option(help="hf-sequential, hf-static, hf-cb (repeatable); serve: "
+    baseline: Annotated[list[str] | None, typer.Option(help="hf-sequential, hf-static, hf-cb (repeatable), or none "
+                                                       "(decodekit and its --peer engines only); serve: "
                                                        "transformers-serve (default) or none.")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     threads: Annotated[int | None, typer.Option(help="torch threads (default: torch's); serve: the servers'.")
@@ -721,8 +722,8 @@ def bench(
     kwargs: dict[str, Any] = {"batch_size": batch_size, "output_len": output_len, "seed": seed,
                               "num_threads": threads}
     kwargs.update({k: v for k, v in (("num_requests", num_requests), ("repeats", repeats)) if v is not None})
-    if baseline:
-        kwargs["baselines"] = tuple(baseline)
+    if baseline:  # "none": no transformers baseline (decodekit against its --peer engines only)
+        kwargs["baselines"] = () if baseline == ["none"] else tuple(baseline)
     if engine_options:
         kwargs["engine_options"] = engine_options
     if peer_specs:

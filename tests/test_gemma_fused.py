@@ -153,12 +153,14 @@ def test_norms_round_as_gemma_and_llama_do_in_narrower_dtypes():
 @needs_kernels
 def test_a_bfloat16_gemma3_on_a_cpu_runs_fused_bf16_copies_in_float32(tokenizer, tmp_path):
     """`dtype="bfloat16"` on a CPU: the fused decoder's bf16 copies, float32 activations, a bf16 KV cache; the
-    tokens are transformers' float32 tokens on the same bf16-valued weights with a cache rounding to bf16."""
+    tokens are transformers' float32 tokens on the same bf16-valued weights with a cache rounding to bf16 (in float32
+    arithmetic: `bf16_arithmetic: auto` rounds several rows' activations to bf16 on a CPU with bf16 dot products)."""
     model = gemma("gemma3")
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     reference = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
-    llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", block_size=4)
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", block_size=4,
+              bf16_arithmetic="float32")
     assert llm.engine.model.forward_name == "fused (bf16 weights)"
     assert llm.engine.kv_cache.pool.dtype == torch.bfloat16
     prompts = random_prompts(4, 3, 40, seed=13)

@@ -109,11 +109,12 @@ def test_a_bfloat16_model_decodekit_loads_runs_bf16_copies_in_float32_and_matche
     """`dtype="bfloat16"` on a CPU for an architecture the fused decoder cannot take: the linear layers multiply bf16
     copies of its own weights, the rest is widened to float32, the KV cache stays bf16. The tokens are transformers'
     float32 greedy tokens on the same (bf16-valued) weights with a cache rounding to bf16. A model object passed in
-    keeps its dtype and torch's bf16 forward."""
+    keeps its dtype and torch's bf16 forward. (Pinned to float32 arithmetic: `bf16_arithmetic: auto` rounds the
+    activations of products of several rows to bf16 on a CPU with bf16 dot products.)"""
     folder, model = saved
     reference = copy.deepcopy(model).to(torch.bfloat16).to(torch.float32)
     llm = LLM(str(folder), dtype="bfloat16", device="cpu", kv_cache_memory="16MiB", block_size=4,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, bf16_arithmetic="float32")
     assert llm.engine.config.quantization == "bf16" and llm.engine.model.forward_name.endswith("in bf16)")
     assert llm.engine.kv_cache.pool.dtype == torch.bfloat16
     assert llm.engine.runner.model.get_input_embeddings().weight.dtype == torch.float32

@@ -10,6 +10,7 @@ Shared by `fused_decoder` (fused q/k/v and gate/up products of the architectures
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class Matrix:
         """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
         if self.native is not None and (x.shape[0] == 1 or (self.col_major and 0 < x.shape[0] <= GEMV_MAX_ROWS)):
             return self.native.gemv(x, self.col, self.bias, residual)
-        if self.packed is not None and 1 < x.shape[0] <= _PACKED_MAX_ROWS:
+        if self.packed is not None and 1 < x.shape[0] <= packed_max_rows():
             if residual is None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
@@ -61,10 +62,19 @@ class Matrix:
 
 
 # Rows the oneDNN weight blocking is tuned for: measured here, 64 serves 2-128 rows well (2-8 rows 1.4-1.8x
-# faster than BLAS on either layout), while a hint of 1 made 2-row products slower than BLAS. From 256 rows up
-# (prefill) BLAS on the column-major layout is as fast or faster, so it keeps those.
+# faster than BLAS on either layout), while a hint of 1 made 2-row products slower than BLAS.
 _PACK_ROWS_HINT = 64
-_PACKED_MAX_ROWS = 128
+# On an AVX2-only CPU (2-core EPYC), from 256 rows up (prefill) BLAS on the column-major layout was as fast or
+# faster, so it keeps those. On an AVX-512 one (2-core Zen 5) oneDNN's blocked products were 2.4-3x BLAS's at every
+# row count from 128 to 1024 (a SmolLM2 layer's four products at 256 rows: 3.9 vs 10.6 ms; at 1024: 15.9 vs 37.4):
+# torch's BLAS there does not use the wider vectors, oneDNN does.
+_PACKED_MAX_ROWS_AVX2 = 128
+
+
+def packed_max_rows() -> int:
+    """The most rows a float32 product runs on the oneDNN-blocked copy (more take BLAS on the column-major weight):
+    every row count on a CPU with AVX-512, 128 elsewhere."""
+    return sys.maxsize if "avx512f" in _cpu_flags() else _PACKED_MAX_ROWS_AVX2
 
 def prepacking_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN-blocked weights can serve multi-row products here (CPU, float32, oneDNN built in)."""

@@ -286,14 +286,15 @@ KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_en
 #if defined(__AVX512F__)
 /* ---- attention in tiles of 16 keys, on AVX-512 --------------------------------------------------------------
  * attend_items' work for a head size that is a multiple of 16, shaped for the memory and the vector width:
- *   - keys are taken 16 at a time: the 16 rows of a tile are read once from memory (and software-prefetched one
- *     tile ahead: a paged pool's rows are 1-4 KB apart, and a block of them sits anywhere in the pool, which the
- *     hardware prefetchers do not follow; without it a batched step at context 256 read its keys at ~3 GB/s);
+ *   - keys are taken 16 at a time, a token's whole rows (every kv head) at once: a tile of a 16-slot block is one
+ *     contiguous run of memory, read once (the key-by-key path reads each kv head's slice of a row in its own
+ *     pass, and at 1,024 keys of context read 5 GB/s where this reads 15; software prefetch measured no faster);
  *   - each query head of the group multiplies the tile from L1, 16 key dot products at once: the products are
  *     accumulated as vectors (fused multiply-add) and the 16 horizontal sums done together by one shuffle tree
  *     (`sum16`), instead of one horizontal sum per key and head;
  *   - the values likewise: a tile's 16 value rows are read once and each head's output accumulates them with
- *     its 16 probabilities.
+ *     its 16 probabilities, four 16-float chunks and even and odd keys apart (eight independent multiply-add
+ *     chains: one chain per chunk waited on its previous key, 1.2x slower at 1,024 keys).
  * The softmax is attend_items' (same exp, same order). The sums are ordered differently from the portable path
  * (and fused), so the two agree to float32 rounding, not bit for bit; within this path the result is the same
  * on any number of threads (each item is computed whole by one). */
@@ -324,16 +325,6 @@ static inline __m512 sum16(const __m512* v) {
                          _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Prefetch `span` elements from `offset` on at each of the `count` pool rows (row offsets in elements); nothing
- * for a count of 0 or less. */
-KV_INLINE void prefetch_rows(const void* pool, const int64_t* rows, int64_t count, int64_t offset, int64_t span,
-                             int bf16) {
-    int64_t size = bf16 ? 2 : 4;
-    for (int64_t j = 0; j < count; ++j) {
-        const char* row = (const char*)pool + (rows[j] + offset) * size;
-        for (int64_t b = 0; b < span * size; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    }
-}
 
 /* Attention of query token t's heads over kv heads [g0, g1): scores, softmax, values, 16 keys at a time (rows[j]
  * is key j's pool offset for kv head 0; `scores` has room for (g1 - g0) * group rows of `padded` floats). */
@@ -341,24 +332,26 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
                                   int64_t heads, int64_t kv_heads, int64_t dim, const void* kpool, const void* vpool,
                                   float scale, float softcap, float* scores, int64_t padded, float* out, int kv_bf16) {
     int64_t width = (heads + 2 * kv_heads) * dim;
-    int64_t group = heads / kv_heads, chunks = dim / 16, span = (g1 - g0) * dim;
+    int64_t group = heads / kv_heads, chunks = dim / 16;
     __m512 vscale = _mm512_set1_ps(scale);
     /* scores[(g - g0) * group + h][j] = scale * q_{g, h} . k_{j, g} */
     for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
         int64_t count = n - j0 < KEY_TILE ? n - j0 : KEY_TILE;
-        prefetch_rows(kpool, rows + j0 + KEY_TILE, j0 + 2 * KEY_TILE <= n ? KEY_TILE : n - j0 - KEY_TILE,
-                      g0 * dim, span, kv_bf16);
+        /* the tile's rows (a short last tile repeats its first key: those lanes are computed and never read) */
+        int64_t tile[KEY_TILE];
+        for (int k = 0; k < KEY_TILE; ++k) tile[k] = rows[j0 + (k < count ? k : 0)];
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t h = 0; h < group; ++h) {
                 const float* q = qkv + t * width + (g * group + h) * dim;
+                /* 16 independent sums (one per key), each over the head's chunks: the adds never wait on each
+                 * other, unlike one key's chain of chunks */
                 __m512 acc[KEY_TILE];
-                for (int k = 0; k < KEY_TILE; ++k) {
-                    __m512 s = _mm512_setzero_ps();
-                    if (k < count)
-                        for (int64_t c = 0; c < chunks; ++c)
-                            s = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c),
-                                                load16_kv(kpool, rows[j0 + k] + g * dim + 16 * c, kv_bf16), s);
-                    acc[SUM16_SLOT(k)] = s;
+                for (int k = 0; k < KEY_TILE; ++k) acc[k] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; ++c) {
+                    __m512 qc = _mm512_loadu_ps(q + 16 * c);
+                    for (int k = 0; k < KEY_TILE; ++k)
+                        acc[SUM16_SLOT(k)] = _mm512_fmadd_ps(qc, load16_kv(kpool, tile[k] + g * dim + 16 * c, kv_bf16),
+                                                             acc[SUM16_SLOT(k)]);
                 }
                 _mm512_storeu_ps(scores + ((g - g0) * group + h) * padded + j0, _mm512_mul_ps(sum16(acc), vscale));
             }
@@ -383,21 +376,54 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
     }
     memset(out + (t * heads + g0 * group) * dim, 0, (size_t)((g1 - g0) * group * dim) * sizeof(float));
     /* out_{g, h} += sum_j p[g, h][j] * v_{j, g} */
-    prefetch_rows(vpool, rows, n < KEY_TILE ? n : KEY_TILE, g0 * dim, span, kv_bf16);
     for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
         int64_t count = n - j0 < KEY_TILE ? n - j0 : KEY_TILE;
-        prefetch_rows(vpool, rows + j0 + KEY_TILE, j0 + 2 * KEY_TILE <= n ? KEY_TILE : n - j0 - KEY_TILE,
-                      g0 * dim, span, kv_bf16);
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t h = 0; h < group; ++h) {
                 const float* p = scores + ((g - g0) * group + h) * padded + j0;
                 float* o = out + (t * heads + g * group + h) * dim;
-                for (int64_t c = 0; c < chunks; ++c) {
-                    __m512 acc = _mm512_loadu_ps(o + 16 * c);
-                    for (int64_t k = 0; k < count; ++k)
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(p[k]),
-                                              load16_kv(vpool, rows[j0 + k] + g * dim + 16 * c, kv_bf16), acc);
-                    _mm512_storeu_ps(o + 16 * c, acc);
+                const void* v = vpool;
+                int64_t base = g * dim;
+                /* four chunks of the output at a time, even and odd keys in separate sums: eight independent
+                 * multiply-add chains instead of one per chunk waiting on its previous key */
+                int64_t c0 = 0;
+                for (; c0 + 4 <= chunks; c0 += 4) {
+                    __m512 even[4], odd[4];
+                    for (int c = 0; c < 4; ++c) {
+                        even[c] = _mm512_loadu_ps(o + 16 * (c0 + c));
+                        odd[c] = _mm512_setzero_ps();
+                    }
+                    int64_t k = 0;
+                    for (; k + 2 <= count; k += 2) {
+                        __m512 p0 = _mm512_set1_ps(p[k]), p1 = _mm512_set1_ps(p[k + 1]);
+                        for (int c = 0; c < 4; ++c) {
+                            even[c] = _mm512_fmadd_ps(p0, load16_kv(v, rows[j0 + k] + base + 16 * (c0 + c), kv_bf16),
+                                                      even[c]);
+                            odd[c] = _mm512_fmadd_ps(p1, load16_kv(v, rows[j0 + k + 1] + base + 16 * (c0 + c),
+                                                                    kv_bf16), odd[c]);
+                        }
+                    }
+                    if (k < count) {
+                        __m512 p0 = _mm512_set1_ps(p[k]);
+                        for (int c = 0; c < 4; ++c)
+                            even[c] = _mm512_fmadd_ps(p0, load16_kv(v, rows[j0 + k] + base + 16 * (c0 + c), kv_bf16),
+                                                      even[c]);
+                    }
+                    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * (c0 + c), _mm512_add_ps(even[c], odd[c]));
+                }
+                for (; c0 < chunks; ++c0) {  /* the chunks past a multiple of four (head sizes 80, 96, ...) */
+                    __m512 even = _mm512_loadu_ps(o + 16 * c0), odd = _mm512_setzero_ps();
+                    int64_t k = 0;
+                    for (; k + 2 <= count; k += 2) {
+                        even = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), load16_kv(v, rows[j0 + k] + base + 16 * c0, kv_bf16),
+                                               even);
+                        odd = _mm512_fmadd_ps(_mm512_set1_ps(p[k + 1]),
+                                              load16_kv(v, rows[j0 + k + 1] + base + 16 * c0, kv_bf16), odd);
+                    }
+                    if (k < count)
+                        even = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), load16_kv(v, rows[j0 + k] + base + 16 * c0, kv_bf16),
+                                               even);
+                    _mm512_storeu_ps(o + 16 * c0, _mm512_add_ps(even, odd));
                 }
             }
     }
