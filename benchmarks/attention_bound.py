@@ -7,8 +7,11 @@ attention) is timed alone, and the bytes of keys and values it must read (`rows 
 (`--bandwidth`, measured here by a large `torch.sum` when not given). Pools are laid out block by block in a
 shuffled order, as a long-running server's are.
 
+`--build avx2` (on an AVX-512 CPU) compiles and times the library as an AVX2 + FMA CPU builds it (8-key tiles), to
+compare that kind's paths on this machine.
+
 Usage: python benchmarks/attention_bound.py [--rows 32] [--contexts 64 256 1024 4096] [--kv-dtype float32|bfloat16]
-       [--threads 2] [--repeats 20]
+       [--threads 2] [--repeats 20] [--build native|avx2]
 """
 
 from __future__ import annotations
@@ -17,11 +20,25 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from decodekit.bench.machine import environment, machine_line
-from decodekit.core.native_kernels import DecodeAttentionPlan, load_kernels
+from decodekit.core.native_kernels import SOURCE, DecodeAttentionPlan, NativeKernels, find_compiler, load_kernels
+
+
+def avx2_build() -> NativeKernels:
+    """The kernels compiled as for an AVX2 + FMA CPU (`-march=native -mno-avx512f`), in a temporary folder."""
+    import subprocess
+    import tempfile
+
+    compiler = find_compiler()
+    assert compiler is not None, "no C compiler"
+    library = Path(tempfile.mkdtemp()) / "avx2.so"
+    subprocess.run([compiler, "-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fPIC", "-shared",
+                    "-std=c11", "-fopenmp", "-o", str(library), str(SOURCE), "-lm"], check=True)
+    return NativeKernels(library)
 
 
 def read_bandwidth() -> float:
@@ -36,12 +53,14 @@ def read_bandwidth() -> float:
 
 
 def time_attention(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
-                   repeats: int, block_size: int = 16) -> dict[str, float]:
+                   repeats: int, block_size: int = 16, kernels: NativeKernels | None = None) -> dict[str, float]:
     """Median seconds of one layer's `rope_cache_attend` for `rows` sequences at `context` cached tokens, by path
     (`tiled`: 16 keys at a time, where the library has it; `keywise`: key by key), the two interleaved call by
     call."""
-    kernels = load_kernels()
-    assert not isinstance(kernels, str), kernels
+    if kernels is None:
+        loaded = load_kernels()
+        assert not isinstance(loaded, str), loaded
+        kernels = loaded
     per_seq = -(-(context + 1) // block_size)
     order = torch.arange(rows * per_seq) if os.environ.get("SEQUENTIAL") else torch.randperm(rows * per_seq)
     blocks = order.view(rows, per_seq) + 1
@@ -79,15 +98,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--bandwidth", type=float, default=0.0, help="read bandwidth in GB/s (0: measure it)")
+    parser.add_argument("--build", choices=["native", "avx2"], default="native",
+                        help="this CPU's build, or the AVX2 + FMA one (on an AVX-512 CPU)")
     args = parser.parse_args()
+    kernels = avx2_build() if args.build == "avx2" else None
     torch.set_num_threads(args.threads)
     kv_dtype = getattr(torch, args.kv_dtype)
     bandwidth = args.bandwidth * 1e9 or read_bandwidth()
-    print(machine_line(environment(), args.kv_dtype), f"| read bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    print(machine_line(environment(), args.kv_dtype), f"| read bandwidth {bandwidth / 1e9:.1f} GB/s | "
+          f"{args.build} build", flush=True)
     print(f"{'context':>7} {'rows':>4} {'path':>8} {'ms/layer':>9} {'KV MB':>7} {'GB/s':>6} {'of bound':>8}")
     for context in args.contexts:
         by_path = time_attention(args.rows, context, args.heads, args.kv_heads, args.head_dim, kv_dtype,
-                                 args.repeats)
+                                 args.repeats, kernels=kernels)
         kv_bytes = args.rows * (context + 1) * args.kv_heads * args.head_dim * 2 * kv_dtype.itemsize
         for path, seconds in by_path.items():
             rate = kv_bytes / seconds

@@ -101,20 +101,44 @@ def _reference_attention(queries, keys, values, scale, softcap=None):
     return (torch.softmax(scores, dim=-1) @ values.double()).float()
 
 
+@pytest.fixture(scope="module")
+def attention_builds(native, tmp_path_factory):
+    """The library as each kind of CPU this one can stand for compiles it: this CPU's build, and on an x86-64 CPU with
+    AVX-512 also the AVX2 + FMA build (8-key tiles) and the build without either (key by key only), so every
+    attention path is tested on whichever machine runs the suite."""
+    import platform
+
+    builds = [native]
+    compiler = find_compiler()
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64") or native.attention_tile != 16:
+        return builds
+    folder = tmp_path_factory.mktemp("builds")
+    for name, flags in (("avx2", ["-march=native", "-mno-avx512f"]), ("scalar", ["-mno-avx2", "-mno-fma"])):
+        library = folder / f"{name}.so"
+        subprocess.run([compiler, "-O2", *flags, "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-fopenmp",
+                        "-o", str(library), str(native_kernels.SOURCE), "-lm"], check=True, capture_output=True)
+        builds.append(NativeKernels(library))
+    assert [b.attention_tile for b in builds] == [16, 8, 0]
+    return builds
+
+
 @settings(max_examples=40, deadline=None)
 @given(block_size=st.sampled_from([1, 4, 16]), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
        dim=st.sampled_from([8, 64, 72, 128]), query_lens=st.lists(st.integers(1, 5), min_size=1, max_size=4),
        contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), max_query=st.sampled_from([2, 16]),
        kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=st.sampled_from([None, 1, 3, 17]),
-       softcap=st.sampled_from([None, 0.5, 5.0]), tiled=st.booleans(), seed=st.integers(0, 2**16))
-def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(native, block_size, kv_heads, group, dim,
-                                                                          query_lens, contexts, max_query, kv_dtype,
-                                                                          window, softcap, tiled, seed):
+       softcap=st.sampled_from([None, 0.5, 5.0]), tiled=st.booleans(), build=st.integers(0, 2),
+       seed=st.integers(0, 2**16))
+def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(attention_builds, block_size, kv_heads, group,
+                                                                          dim, query_lens, contexts, max_query,
+                                                                          kv_dtype, window, softcap, tiled, build,
+                                                                          seed):
     # Sequences with more than `max_query` new tokens stand for prefill chunks: rotated and stored, not attended.
     # A bfloat16 pool (`kv_cache_dtype`) must hold exactly torch's rounding of the keys and values, and attention
     # must be the float32 attention over those stored values; with a sliding `window`, over the last `window` keys;
-    # with a `softcap` (Gemma 2), of capped scores. Both attention paths: the tiles of 16 keys (AVX-512, head sizes
-    # that are a multiple of 16) and key by key (every CPU; the only one where the library has no tiles).
+    # with a `softcap` (Gemma 2), of capped scores. Every attention path: tiles of 16 keys (AVX-512) or 8 (AVX2 + FMA)
+    # for head sizes that are a multiple of the tile, and key by key (every CPU), in each build this CPU can run.
+    native = attention_builds[build % len(attention_builds)]
     heads = kv_heads * group
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)

@@ -53,7 +53,7 @@ SERIAL_FLAGS = ["-Wno-unknown-pragmas"]
 # A layer's attention is split over threads from this many keys read (summed over query tokens and kv heads): below
 # it a layer's attention takes a few tens of microseconds and the fork and join (a few each, on torch's hot pool)
 # are a visible share. On SmolLM2, 2 cores, splitting measured no slower from 300 keys up (batch 1 to 8, within the
-# noise) and 1.5-2x faster attention at batch 16, context 250 (docs/benchmarks.md, "Serving").
+# noise) and 1.5-2x faster attention at batch 16, context 250 (docs/history/benchmarks-2026-11.md, "Serving").
 PARALLEL_MIN_KEYS = 512
 # Rows `dk_gemv` multiplies with a column-major weight (GEMV_MAX_ROWS in kernels.c).
 GEMV_MAX_ROWS = 8
@@ -214,8 +214,10 @@ class NativeKernels:
         self._gemv.argtypes = [_p, _i, _p, _i, _i, _i, _p, _p, _p]
         self._gemv.restype = ctypes.c_int
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
-        # attention in tiles of 16 keys (built for a CPU with AVX-512), for head sizes that are a multiple of 16
-        self.tiled_attention = bool(lib.dk_tiled_attention())
+        # keys per tile of the tiled attention (16 built for AVX-512, 8 for AVX2 + FMA; 0: key by key only), for head
+        # sizes that are a multiple of it
+        self.attention_tile = int(lib.dk_tiled_attention())
+        self.tiled_attention = self.attention_tile > 0
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' RMSNorm of float32 rows `x` `[rows, dim]` with `weight` `[dim]`."""
@@ -315,8 +317,9 @@ class NativeKernels:
         `PARALLEL_MIN_KEYS` keys read, the attention is split over torch's threads (when built with OpenMP); every
         (token, kv head) item is computed as on one thread, so the result does not depend on the split.
 
-        Where the library has `tiled_attention` (AVX-512) and the head size is a multiple of 16, keys are attended
-        16 at a time; `tiled=False` takes the key-by-key path every CPU has (the two agree to float32 rounding).
+        Where the library has `tiled_attention` (built for AVX-512: 16 keys a tile; AVX2 + FMA: 8) and the head size
+        is a multiple of its `attention_tile`, keys are attended a tile at a time; `tiled=False` takes the key-by-key
+        path every CPU has (the two agree to float32 rounding).
         """
         dim = key_slots.shape[-1]
         if qkv.shape != (plan.tokens, (heads + 2 * kv_heads) * dim) or not qkv.is_contiguous():

@@ -283,34 +283,47 @@ KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_en
     return 0;
 }
 
-#if defined(__AVX512F__)
-/* ---- attention in tiles of 16 keys, on AVX-512 --------------------------------------------------------------
- * attend_items' work for a head size that is a multiple of 16, shaped for the memory and the vector width:
- *   - keys are taken 16 at a time, a token's whole rows (every kv head) at once: a tile of a 16-slot block is one
- *     contiguous run of memory, read once (the key-by-key path reads each kv head's slice of a row in its own
- *     pass, and at 1,024 keys of context read 5 GB/s where this reads 15; software prefetch measured no faster);
- *   - each query head of the group multiplies the tile from L1, 16 key dot products at once: the products are
- *     accumulated as vectors (fused multiply-add) and the 16 horizontal sums done together by one shuffle tree
- *     (`sum16`), instead of one horizontal sum per key and head;
- *   - the values likewise: a tile's 16 value rows are read once and each head's output accumulates them with
- *     its 16 probabilities, four 16-float chunks and even and odd keys apart (eight independent multiply-add
- *     chains: one chain per chunk waited on its previous key, 1.2x slower at 1,024 keys).
- * The softmax is attend_items' (same exp, same order). The sums are ordered differently from the portable path
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* ---- attention in tiles of keys, on AVX-512 (16 keys) or AVX2 + FMA (8) -------------------------------------
+ * attend_items' work for a head size that is a multiple of the vector width (TILE floats), shaped for the memory
+ * and the vector unit:
+ *   - keys are taken TILE at a time, a token's whole rows (every kv head) at once: a tile's rows within one block
+ *     are one contiguous run of memory, read once (the key-by-key path reads each kv head's slice of a row in its own
+ *     pass, and at 1,024 keys of context read 5 GB/s where this reads 15-20 on AVX-512; software prefetch
+ *     measured no faster);
+ *   - each query head of the group multiplies the tile from L1, TILE key dot products at once: the products are
+ *     accumulated as vectors (fused multiply-add), one independent sum per key, and the TILE horizontal sums done
+ *     together by one shuffle tree (`tv_sums`), instead of one horizontal sum per key and head;
+ *   - the values likewise: a tile's value rows are read once and each head's output accumulates them with its
+ *     probabilities, four TILE-float chunks and even and odd keys apart (eight independent multiply-add chains:
+ *     one chain per chunk waited on its previous key, 1.2x slower at 1,024 keys).
+ * The softmax is attend_items' (same exp, same order). The sums are ordered differently from the key-by-key path
  * (and fused), so the two agree to float32 rounding, not bit for bit; within this path the result is the same
- * on any number of threads (each item is computed whole by one). */
-#define KEY_TILE 16
+ * on any number of threads (each item is computed whole by one). Which width a library has is fixed when it is
+ * compiled for its CPU (-march=native): `dk_tiled_attention` says. */
+#if defined(__AVX512F__)
+#define TILE 16
+typedef __m512 tvec;
+#define tv_zero() _mm512_setzero_ps()
+#define tv_load(p) _mm512_loadu_ps(p)
+#define tv_store(p, v) _mm512_storeu_ps(p, v)
+#define tv_set1(x) _mm512_set1_ps(x)
+#define tv_fma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define tv_add(a, b) _mm512_add_ps(a, b)
+#define tv_mul(a, b) _mm512_mul_ps(a, b)
 
-KV_INLINE __m512 load16_kv(const void* base, int64_t i, int bf16) {
+/* 16 floats of a pool row, float32 or bf16 (widened: a shift). */
+KV_INLINE tvec tv_load_kv(const void* base, int64_t i, int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float*)base + i);
     __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* The 16 horizontal sums of v[0..15] as one vector: lane 4i + m holds the sum of v[i + 4m] (so a caller that
- * wants key k's sum in lane k stores key k's vector at index k / 4 + 4 * (k % 4): `SUM16_SLOT`). Four levels of
+ * wants key k's sum in lane k keeps key k's vector at index `TILE_SLOT(k)` = k / 4 + 4 * (k % 4)). Four levels of
  * pairwise shuffles and adds: 15 combines for 16 sums, instead of 16 separate reductions. */
-#define SUM16_SLOT(k) (((k) >> 2) + (((k) & 3) << 2))
-static inline __m512 sum16(const __m512* v) {
+#define TILE_SLOT(k) (((k) >> 2) + (((k) & 3) << 2))
+static inline tvec tv_sums(const tvec* v) {
     __m512 w[8], x[4], y[2];
     for (int k = 0; k < 8; ++k)  /* per 128-bit quarter: (q0 + q2, q1 + q3) of v[2k], then of v[2k + 1] */
         w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -324,36 +337,68 @@ static inline __m512 sum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+#else
+#define TILE 8
+typedef __m256 tvec;
+#define tv_zero() _mm256_setzero_ps()
+#define tv_load(p) _mm256_loadu_ps(p)
+#define tv_store(p, v) _mm256_storeu_ps(p, v)
+#define tv_set1(x) _mm256_set1_ps(x)
+#define tv_fma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define tv_add(a, b) _mm256_add_ps(a, b)
+#define tv_mul(a, b) _mm256_mul_ps(a, b)
 
+/* 8 floats of a pool row, float32 or bf16 (widened: a shift). */
+KV_INLINE tvec tv_load_kv(const void* base, int64_t i, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float*)base + i);
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 
-/* Attention of query token t's heads over kv heads [g0, g1): scores, softmax, values, 16 keys at a time (rows[j]
+/* The 8 horizontal sums of v[0..7] as one vector: lane p holds the sum of v[2p] (p < 4) or v[2(p - 4) + 1], so key
+ * k's vector goes at index `TILE_SLOT(k)`. Three levels of shuffles and adds: 7 combines for 8 sums. */
+#define TILE_SLOT(k) ((k) < 4 ? 2 * (k) : 2 * ((k) - 4) + 1)
+static inline tvec tv_sums(const tvec* v) {
+    __m256 w[4], x[2];
+    for (int k = 0; k < 4; ++k)  /* low half: v[2k]'s two halves added; high half: v[2k + 1]'s */
+        w[k] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x31));
+    for (int k = 0; k < 2; ++k)  /* per half: two partial sums of each of two vectors */
+        x[k] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+/* Attention of query token t's heads over kv heads [g0, g1): scores, softmax, values, TILE keys at a time (rows[j]
  * is key j's pool offset for kv head 0; `scores` has room for (g1 - g0) * group rows of `padded` floats). */
 KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64_t g1, int64_t n, const int64_t* rows,
                                   int64_t heads, int64_t kv_heads, int64_t dim, const void* kpool, const void* vpool,
                                   float scale, float softcap, float* scores, int64_t padded, float* out, int kv_bf16) {
     int64_t width = (heads + 2 * kv_heads) * dim;
-    int64_t group = heads / kv_heads, chunks = dim / 16;
-    __m512 vscale = _mm512_set1_ps(scale);
+    int64_t group = heads / kv_heads, chunks = dim / TILE;
+    tvec vscale = tv_set1(scale);
     /* scores[(g - g0) * group + h][j] = scale * q_{g, h} . k_{j, g} */
-    for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
-        int64_t count = n - j0 < KEY_TILE ? n - j0 : KEY_TILE;
+    for (int64_t j0 = 0; j0 < n; j0 += TILE) {
+        int64_t count = n - j0 < TILE ? n - j0 : TILE;
         /* the tile's rows (a short last tile repeats its first key: those lanes are computed and never read) */
-        int64_t tile[KEY_TILE];
-        for (int k = 0; k < KEY_TILE; ++k) tile[k] = rows[j0 + (k < count ? k : 0)];
+        int64_t tile[TILE];
+        for (int k = 0; k < TILE; ++k) tile[k] = rows[j0 + (k < count ? k : 0)];
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t h = 0; h < group; ++h) {
                 const float* q = qkv + t * width + (g * group + h) * dim;
-                /* 16 independent sums (one per key), each over the head's chunks: the adds never wait on each
+                /* TILE independent sums (one per key), each over the head's chunks: the adds never wait on each
                  * other, unlike one key's chain of chunks */
-                __m512 acc[KEY_TILE];
-                for (int k = 0; k < KEY_TILE; ++k) acc[k] = _mm512_setzero_ps();
+                tvec acc[TILE];
+                for (int k = 0; k < TILE; ++k) acc[k] = tv_zero();
                 for (int64_t c = 0; c < chunks; ++c) {
-                    __m512 qc = _mm512_loadu_ps(q + 16 * c);
-                    for (int k = 0; k < KEY_TILE; ++k)
-                        acc[SUM16_SLOT(k)] = _mm512_fmadd_ps(qc, load16_kv(kpool, tile[k] + g * dim + 16 * c, kv_bf16),
-                                                             acc[SUM16_SLOT(k)]);
+                    tvec qc = tv_load(q + TILE * c);
+                    for (int k = 0; k < TILE; ++k)
+                        acc[TILE_SLOT(k)] = tv_fma(qc, tv_load_kv(kpool, tile[k] + g * dim + TILE * c, kv_bf16),
+                                                    acc[TILE_SLOT(k)]);
                 }
-                _mm512_storeu_ps(scores + ((g - g0) * group + h) * padded + j0, _mm512_mul_ps(sum16(acc), vscale));
+                tv_store(scores + ((g - g0) * group + h) * padded + j0, tv_mul(tv_sums(acc), vscale));
             }
     }
     for (int64_t r = 0; r < (g1 - g0) * group; ++r) {
@@ -376,8 +421,8 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
     }
     memset(out + (t * heads + g0 * group) * dim, 0, (size_t)((g1 - g0) * group * dim) * sizeof(float));
     /* out_{g, h} += sum_j p[g, h][j] * v_{j, g} */
-    for (int64_t j0 = 0; j0 < n; j0 += KEY_TILE) {
-        int64_t count = n - j0 < KEY_TILE ? n - j0 : KEY_TILE;
+    for (int64_t j0 = 0; j0 < n; j0 += TILE) {
+        int64_t count = n - j0 < TILE ? n - j0 : TILE;
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t h = 0; h < group; ++h) {
                 const float* p = scores + ((g - g0) * group + h) * padded + j0;
@@ -388,49 +433,49 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
                  * multiply-add chains instead of one per chunk waiting on its previous key */
                 int64_t c0 = 0;
                 for (; c0 + 4 <= chunks; c0 += 4) {
-                    __m512 even[4], odd[4];
+                    tvec even[4], odd[4];
                     for (int c = 0; c < 4; ++c) {
-                        even[c] = _mm512_loadu_ps(o + 16 * (c0 + c));
-                        odd[c] = _mm512_setzero_ps();
+                        even[c] = tv_load(o + TILE * (c0 + c));
+                        odd[c] = tv_zero();
                     }
                     int64_t k = 0;
                     for (; k + 2 <= count; k += 2) {
-                        __m512 p0 = _mm512_set1_ps(p[k]), p1 = _mm512_set1_ps(p[k + 1]);
+                        tvec p0 = tv_set1(p[k]), p1 = tv_set1(p[k + 1]);
                         for (int c = 0; c < 4; ++c) {
-                            even[c] = _mm512_fmadd_ps(p0, load16_kv(v, rows[j0 + k] + base + 16 * (c0 + c), kv_bf16),
+                            even[c] = tv_fma(p0, tv_load_kv(v, rows[j0 + k] + base + TILE * (c0 + c), kv_bf16),
                                                       even[c]);
-                            odd[c] = _mm512_fmadd_ps(p1, load16_kv(v, rows[j0 + k + 1] + base + 16 * (c0 + c),
+                            odd[c] = tv_fma(p1, tv_load_kv(v, rows[j0 + k + 1] + base + TILE * (c0 + c),
                                                                     kv_bf16), odd[c]);
                         }
                     }
                     if (k < count) {
-                        __m512 p0 = _mm512_set1_ps(p[k]);
+                        tvec p0 = tv_set1(p[k]);
                         for (int c = 0; c < 4; ++c)
-                            even[c] = _mm512_fmadd_ps(p0, load16_kv(v, rows[j0 + k] + base + 16 * (c0 + c), kv_bf16),
+                            even[c] = tv_fma(p0, tv_load_kv(v, rows[j0 + k] + base + TILE * (c0 + c), kv_bf16),
                                                       even[c]);
                     }
-                    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * (c0 + c), _mm512_add_ps(even[c], odd[c]));
+                    for (int c = 0; c < 4; ++c) tv_store(o + TILE * (c0 + c), tv_add(even[c], odd[c]));
                 }
                 for (; c0 < chunks; ++c0) {  /* the chunks past a multiple of four (head sizes 80, 96, ...) */
-                    __m512 even = _mm512_loadu_ps(o + 16 * c0), odd = _mm512_setzero_ps();
+                    tvec even = tv_load(o + TILE * c0), odd = tv_zero();
                     int64_t k = 0;
                     for (; k + 2 <= count; k += 2) {
-                        even = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), load16_kv(v, rows[j0 + k] + base + 16 * c0, kv_bf16),
+                        even = tv_fma(tv_set1(p[k]), tv_load_kv(v, rows[j0 + k] + base + TILE * c0, kv_bf16),
                                                even);
-                        odd = _mm512_fmadd_ps(_mm512_set1_ps(p[k + 1]),
-                                              load16_kv(v, rows[j0 + k + 1] + base + 16 * c0, kv_bf16), odd);
+                        odd = tv_fma(tv_set1(p[k + 1]),
+                                              tv_load_kv(v, rows[j0 + k + 1] + base + TILE * c0, kv_bf16), odd);
                     }
                     if (k < count)
-                        even = _mm512_fmadd_ps(_mm512_set1_ps(p[k]), load16_kv(v, rows[j0 + k] + base + 16 * c0, kv_bf16),
+                        even = tv_fma(tv_set1(p[k]), tv_load_kv(v, rows[j0 + k] + base + TILE * c0, kv_bf16),
                                                even);
-                    _mm512_storeu_ps(o + 16 * c0, _mm512_add_ps(even, odd));
+                    tv_store(o + TILE * c0, tv_add(even, odd));
                 }
             }
     }
 }
 
 /* attend_items' contract on the tiled path. A unit of work is a whole query token (all its kv heads: a key's row
- * of every head is read in one pass, so a tile of a 16-slot block is one contiguous run of memory), or with
+ * of every head is read in one pass, so a tile of a block is one contiguous run of memory), or with
  * `per_head` one (token, kv head) item as attend_items has it (a step of one token still splits over threads). */
 KV_INLINE int attend_items_tiled(const float* qkv, int64_t unit_begin, int64_t unit_end, int per_head, int64_t heads,
                                  int64_t kv_heads, int64_t dim, const void* kpool, const void* vpool,
@@ -444,7 +489,7 @@ KV_INLINE int attend_items_tiled(const float* qkv, int64_t unit_begin, int64_t u
         int64_t n = key_len[u / per_unit];
         max_keys = n > max_keys ? n : max_keys;
     }
-    int64_t padded = (max_keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    int64_t padded = (max_keys + TILE - 1) / TILE * TILE;
     float* scores = malloc((size_t)(heads * padded) * sizeof(float));
     int64_t* rows = malloc((size_t)max_keys * sizeof(int64_t));
     if (scores == NULL || rows == NULL) {
@@ -502,11 +547,12 @@ int dk_parallel(void) {
 #endif
 }
 
-/* Whether this library has the tiled attention (built for a CPU with AVX-512: attend_items_tiled), which
- * dk_rope_cache_attend runs for head sizes that are a multiple of 16 unless its `tiled` argument is 0. */
+/* The keys per tile of this library's tiled attention (attend_items_tiled: 16 built for AVX-512, 8 for AVX2 + FMA),
+ * which dk_rope_cache_attend runs for head sizes that are a multiple of it unless its `tiled` argument is 0; 0
+ * where the CPU has neither (key by key only). */
 int dk_tiled_attention(void) {
-#if defined(__AVX512F__)
-    return 1;
+#ifdef TILE
+    return TILE;
 #else
     return 0;
 #endif
@@ -520,8 +566,8 @@ int dk_tiled_attention(void) {
  * hold float32, or bfloat16 where `kv_bf16` is non-zero
  * (written rounded to nearest even, read widened: float32 arithmetic either way). With OpenMP and at least
  * `parallel_min_keys` keys to read, the attention is cut into one range of about equal work per thread. With
- * `tiled` non-zero, a library built for AVX-512 attends in tiles of 16 keys (attend_items_tiled) where the head
- * size is a multiple of 16; otherwise, and on other CPUs, key by key (attend_items). Returns 0, or -1 if scratch
+ * `tiled` non-zero, a library built for AVX-512 or AVX2 + FMA attends in tiles of keys (attend_items_tiled) where
+ * the head size is a multiple of the tile; otherwise, and on other CPUs, key by key (attend_items). Returns 0, or -1 if scratch
  * memory could not be allocated. */
 int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
                          const float* cos, const float* signed_sin, void* kpool, void* vpool,
@@ -531,8 +577,8 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
     if (rope_store(qkv, tokens, heads, kv_heads, dim, cos, signed_sin, kpool, vpool, slots, kv_bf16 != 0) != 0)
         return -1;
     int use_tiled = 0;
-#if defined(__AVX512F__)
-    use_tiled = tiled != 0 && dim % 16 == 0;
+#ifdef TILE
+    use_tiled = tiled != 0 && dim % TILE == 0;
 #endif
     int64_t threads = 1;
 #ifdef _OPENMP
@@ -557,7 +603,7 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
         int64_t begin = range_start(key_len, tokens, per_unit, total, part, parts);
         int64_t end = range_start(key_len, tokens, per_unit, total, part + 1, parts);
         /* two inlined copies of each path, one per pool element (its flag a constant in each) */
-#if defined(__AVX512F__)
+#ifdef TILE
         if (use_tiled)
             failed = (kv_bf16 ? attend_items_tiled(qkv, begin, end, per_head, heads, kv_heads, dim, kpool, vpool,
                                                    tables, table_start, key_len, block_size, scale, window, softcap,
