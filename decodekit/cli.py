@@ -543,12 +543,12 @@ def recipe_check(
     config.json, a hub id in the local Hugging Face cache, or a spec a plugin's loader accepts. The checks `run`
     makes of this machine before loading the model run too: the device exists, `engine.cuda_graphs: true` has CUDA,
     `engine.kv_cache_memory` holds two KV blocks of the model (read from its config.json; a note says when that is
-    not on disk yet)."""
+    not on disk yet). The dtype the model will load in is printed, with the reason where `dtype: auto` chose it."""
     import yaml
 
     from decodekit.core.plugin_manager import get_plugin_manager
     from decodekit.core.registry import Registry
-    from decodekit.recipe import check_machine, check_models, describe_recipe, load_recipe
+    from decodekit.recipe import check_machine, check_models, describe_recipe, dtype_choice, load_recipe
 
     try:
         registry = Registry.from_plugin_manager(get_plugin_manager())
@@ -558,6 +558,7 @@ def recipe_check(
     except DecodeKitError as exc:
         _fail(str(exc))
     print(yaml.safe_dump(describe_recipe(recipe, registry), sort_keys=False, allow_unicode=True), end="")
+    err_console.print(f"{escape(recipe.source)}: {escape(dtype_choice(recipe))}", soft_wrap=True)
     for note in notes:
         err_console.print(f"[yellow]note:[/] {escape(recipe.source)}: {escape(note)}", soft_wrap=True)
     err_console.print(f"[green]{recipe.source}: ok[/]")
@@ -656,8 +657,9 @@ def bench(
                        ] = None,
     clients: Annotated[int, typer.Option(min=1, help="serve: concurrent streaming clients.")] = 16,
     dtypes: Annotated[str | None, typer.Option("--dtypes", help="matrix: comma-separated dtypes (default "
-                                               "float32,auto; auto is float32 on a CPU, bfloat16 on CUDA; a dtype "
-                                               "runs once however often it is named).")] = None,
+                                               "float32,auto; auto is bfloat16 on CUDA and on a CPU with bf16 dot "
+                                               "products, else float32; a dtype runs once however often it is "
+                                               "named).")] = None,
     batches: Annotated[str | None, typer.Option("--batches", help="matrix: comma-separated batch sizes (default "
                                                 "1,8,64).")] = None,
     strategies: Annotated[str | None, typer.Option("--strategies", help="matrix: comma-separated strategies "

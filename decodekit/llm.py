@@ -113,8 +113,8 @@ class LLM:
     Args:
         model: "smollm2-135m-instruct" (bundled), a local HF folder, a .gguf file, a hub id, or a HF model object.
         tokenizer: the tokenizer, when `model` is a model object.
-        dtype: "auto" (float32 on a CPU, where decodekit's fast paths are; bf16 on CUDA), "float32", "bfloat16",
-            "float16".
+        dtype: "auto" (bf16 on CUDA and on a CPU with bf16 dot products, AVX512-BF16 or AMX; float32 on other
+            CPUs), "float32", "bfloat16", "float16".
         device: "cpu" or "cuda" (default: CUDA when available).
         draft: a draft model for speculative decoding (same forms as `model`; same tokenizer as the target), or
             "target" for a quantized copy of the target itself (with `draft_quantization="int8"`).

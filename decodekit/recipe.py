@@ -104,7 +104,9 @@ class Recipe(_Section):
 
     description: str | None = Field(None, description="What the recipe shows (one line).")
     model: str = Field(description="Model: bundled name, local folder, .gguf file or hub id.")
-    dtype: Dtype = Field("auto", description="auto (float32 on a CPU, bf16 on CUDA), float32, bfloat16, float16.")
+    dtype: Dtype = Field("auto", description=(
+        "auto (bf16 on CUDA and on a CPU with bf16 dot products: AVX512-BF16 or AMX; float32 on other CPUs), "
+        "float32, bfloat16, float16."))
     device: str | None = Field(None, description="cpu or cuda (default: cuda when available).")
     draft: DraftConfig | None = Field(None, description="A draft model for speculative decoding.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine limits and memory.")
@@ -351,6 +353,20 @@ def check_models(recipe: Recipe, registry: Registry) -> dict[str, str]:
                               f"ids and the target {specs['model']!r} {target}; speculative decoding needs a draft "
                               "with the target's tokenizer")
     return found
+
+
+def dtype_choice(recipe: Recipe) -> str:
+    """The dtype the recipe's model will load in on this machine, and why when `dtype: auto` chose it (what `run`
+    logs as it loads: `models.loader.auto_dtype`), e.g. "dtype: auto -> bfloat16 on cpu (this CPU has bf16 ...)"."""
+    import torch
+
+    from decodekit.models.loader import auto_dtype
+
+    if recipe.dtype != "auto":
+        return f"dtype: {recipe.dtype}"
+    device = torch.device(recipe.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    chosen, why = auto_dtype(device)
+    return f"dtype: auto -> {str(chosen).removeprefix('torch.')} on {device.type} ({why})"
 
 
 def check_machine(recipe: Recipe) -> list[str]:

@@ -144,6 +144,22 @@ def test_recipe_check_prints_the_resolved_recipe_and_its_plan_in_order():
     assert "sampling.yaml: ok" in result.stderr
 
 
+@pytest.mark.parametrize("bf16_cpu", [True, False])
+def test_recipe_check_says_which_dtype_auto_chooses_on_this_cpu_and_why(bf16_cpu, monkeypatch):
+    from decodekit.models import loader
+
+    monkeypatch.setattr(loader, "_cpu_supports_bf16", lambda: bf16_cpu)
+    result = _invoke("recipe", "check", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "device=cpu")
+    assert result.exit_code == 0, result.stderr
+    said = " ".join(result.stderr.split())
+    if bf16_cpu:
+        assert "dtype: auto -> bfloat16 on cpu (this CPU has bf16 dot products" in said
+    else:
+        assert "dtype: auto -> float32 on cpu (this CPU has no bf16 dot products" in said
+    pinned = _invoke("recipe", "check", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "dtype=float32")
+    assert "dtype: float32" in " ".join(pinned.stderr.split()) and "auto ->" not in pinned.stderr
+
+
 def test_plugins_json_lists_what_each_plugin_registers_with_parameter_schemas():
     result = _invoke("plugins", "--json")
     assert result.exit_code == 0

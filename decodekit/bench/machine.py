@@ -18,8 +18,8 @@ from typing import Any
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 """The /proc/cpuinfo flags that matter for these figures: fp32 vector width and fused multiply-add (avx2, fma,
 avx512f), native bf16 and int8 dot products (avx512_bf16, avx512_vnni), and the AMX tile units (amx_bf16,
-amx_tile). (`dtype=auto` is float32 on every CPU; bfloat16, asked for, runs natively only with avx512_bf16 or
-amx_bf16.)"""
+amx_tile). (`dtype=auto` is bfloat16 on a CPU with avx512_bf16 or amx_bf16, float32 elsewhere; bfloat16 runs
+natively only with avx512_bf16 or amx_bf16.)"""
 
 
 def cpu_description() -> dict[str, Any]:

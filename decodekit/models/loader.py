@@ -51,21 +51,45 @@ def _cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-CPU_AUTO_REASON = ("float32 gives transformers' float32 tokens exactly; dtype='bfloat16' runs bf16 weights in "
-                   "float32 arithmetic on the native kernels, faster (1.9x at batch 1, 1.2-1.35x on the mixed workload "
-                   "on a 2-core AVX2 CPU) and close (99% greedy top-1 agreement): pass it to choose speed")
-"""Why `auto` is float32 on every CPU: exactness is the default, and the faster bf16 weights are one option away
-(`runner.bf16_weights_on_cpu`; figures in docs/benchmarks.md, "bf16 weights on a CPU")."""
+CPU_AUTO_FLOAT32_REASON = ("this CPU has no bf16 dot products (AVX512-BF16 or AMX), so bf16 would be multiplied in "
+                           "float32 arithmetic: float32, which gives transformers' float32 tokens exactly; "
+                           "dtype='bfloat16' halves the bytes read (1.9x at batch 1 on a 2-core AVX2 CPU, 99% greedy "
+                           "top-1 agreement): pass it to choose speed")
+"""Why `auto` is float32 on a CPU without bf16 dot products (`runner.bf16_weights_on_cpu`; figures in
+docs/benchmarks.md)."""
+
+CPU_AUTO_BF16_REASON = ("this CPU has bf16 dot products (AVX512-BF16 or AMX): bfloat16, as vLLM's CPU default, "
+                        "measured 1.5x float32 on batched steps and 1.8x at batch 1 on the bundled model (bf16 "
+                        "weights; batched products on the CPU's bf16 GEMM, single rows and the residual stream in "
+                        "float32); dtype='float32' gives transformers' float32 tokens exactly")
+"""Why `auto` is bfloat16 on a CPU with bf16 dot products (`runner.wants_bf16_gemm`; figures in docs/benchmarks.md)."""
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """What `auto` picks: on CUDA, bfloat16 (float16 where bf16 is not supported); on a CPU, float32 whatever its
-    flags, the exact choice (`CPU_AUTO_REASON`); a user who wants the faster bf16 weights there asks for them."""
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """What `auto` picks on `device`, and why: on CUDA, bfloat16 (float16 where bf16 is not supported); on a CPU,
+    bfloat16 where it has bf16 dot products (AVX512-BF16 or AMX: faster there on every workload measured) and
+    oneDNN can use them, float32 elsewhere (the exact choice, and the faster one without them)."""
     import torch
 
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "bf16 supported"
+        return torch.float16, "no bf16 support: float16"
+    if device.type == "cpu" and _cpu_supports_bf16() and _onednn_bf16():
+        return torch.bfloat16, CPU_AUTO_BF16_REASON
+    return torch.float32, CPU_AUTO_FLOAT32_REASON
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """What `auto` picks on `device` (`auto_dtype`, without the reason)."""
+    return auto_dtype(device)[0]
+
+
+def _onednn_bf16() -> bool:
+    """Whether torch's oneDNN is built in (it runs the bf16 products of batched steps)."""
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available())
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -75,11 +99,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        chosen = default_dtype(device)
-        if device.type == "cuda":
-            why = "bf16 supported" if chosen == torch.bfloat16 else "no bf16 support: float16"
-        else:
-            why = CPU_AUTO_REASON + (" (this CPU has native bf16)" if _cpu_supports_bf16() else "")
+        chosen, why = auto_dtype(device)
         log.info("dtype auto -> %s on %s (%s)", str(chosen).removeprefix("torch."), device, why)
         return chosen
     if dtype not in _DTYPES:
@@ -328,7 +348,8 @@ def load_model(
     Args:
         model: `"smollm2-135m-instruct"`, a local HF folder, a `.gguf` file, a hub id, or a `PreTrainedModel`.
         tokenizer: the tokenizer to use with a model object (loaded with the model otherwise).
-        dtype: "auto" (float32 on a CPU, bf16 on CUDA), "float32", "bfloat16", "float16" or a torch dtype.
+        dtype: "auto" (`auto_dtype`: bf16 on CUDA and on a CPU with bf16 dot products, else float32), "float32",
+            "bfloat16", "float16" or a torch dtype.
         device: "cpu", "cuda", ...; default CUDA when available, else CPU.
         loaders: the loaders to try (default: the built-ins).
 
