@@ -1,8 +1,8 @@
 """Write a Llama-family model folder with seeded random weights, for benchmarks where real weights are not at hand.
 
 The GPU machine has no copy of the bundled weights and can download nothing, so the GPU figures of
-`docs/benchmarks.md` run on random weights in a real model's shape, with the bundled model's tokenizer. Speed does
-not depend on the values (every request decodes to its exact length, `ignore_eos`). The shapes:
+`docs/history/benchmarks-2026-11.md` run on random weights in a real model's shape, with the bundled model's
+tokenizer. Speed does not depend on the values (every request decodes to its exact length, `ignore_eos`). The shapes:
 
 - `smollm2-135m`: the bundled model's own config (30 layers, hidden 576, 9 query / 3 KV heads, vocabulary 49,152).
 - `llama-1b`: Llama 3.2 1B's shape (16 layers, hidden 2048, MLP 8192, 32 query / 8 KV heads, head size 64), with the

@@ -543,7 +543,8 @@ def recipe_check(
     config.json, a hub id in the local Hugging Face cache, or a spec a plugin's loader accepts. The checks `run`
     makes of this machine before loading the model run too: the device exists, `engine.cuda_graphs: true` has CUDA,
     `engine.kv_cache_memory` holds two KV blocks of the model (read from its config.json; a note says when that is
-    not on disk yet). The dtype the model will load in is printed, with the reason where `dtype: auto` chose it."""
+    not on disk yet). Where the recipe leaves the dtype to `auto`, the dtype it chooses on this machine is printed
+    with the reason."""
     import yaml
 
     from decodekit.core.plugin_manager import get_plugin_manager
@@ -558,7 +559,9 @@ def recipe_check(
     except DecodeKitError as exc:
         _fail(str(exc))
     print(yaml.safe_dump(describe_recipe(recipe, registry), sort_keys=False, allow_unicode=True), end="")
-    err_console.print(f"{escape(recipe.source)}: {escape(dtype_choice(recipe))}", soft_wrap=True)
+    choice = dtype_choice(recipe)
+    if choice is not None:  # `dtype: auto` depends on this machine: say what it chose and why
+        err_console.print(f"{escape(recipe.source)}: {escape(choice)}", soft_wrap=True)
     for note in notes:
         err_console.print(f"[yellow]note:[/] {escape(recipe.source)}: {escape(note)}", soft_wrap=True)
     err_console.print(f"[green]{recipe.source}: ok[/]")

@@ -355,15 +355,16 @@ def check_models(recipe: Recipe, registry: Registry) -> dict[str, str]:
     return found
 
 
-def dtype_choice(recipe: Recipe) -> str:
-    """The dtype the recipe's model will load in on this machine, and why when `dtype: auto` chose it (what `run`
-    logs as it loads: `models.loader.auto_dtype`), e.g. "dtype: auto -> bfloat16 on cpu (this CPU has bf16 ...)"."""
+def dtype_choice(recipe: Recipe) -> str | None:
+    """Where the recipe leaves the dtype to `auto`: the dtype its model will load in on this machine and why (what
+    `run` logs as it loads: `models.loader.auto_dtype`), e.g. "dtype: auto -> bfloat16 on cpu (this CPU has bf16
+    ..."; None for a dtype the recipe names."""
     import torch
 
     from decodekit.models.loader import auto_dtype
 
     if recipe.dtype != "auto":
-        return f"dtype: {recipe.dtype}"
+        return None
     device = torch.device(recipe.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     chosen, why = auto_dtype(device)
     return f"dtype: auto -> {str(chosen).removeprefix('torch.')} on {device.type} ({why})"

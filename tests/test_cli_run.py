@@ -157,7 +157,7 @@ def test_recipe_check_says_which_dtype_auto_chooses_on_this_cpu_and_why(bf16_cpu
     else:
         assert "dtype: auto -> float32 on cpu (this CPU has no bf16 dot products" in said
     pinned = _invoke("recipe", "check", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "dtype=float32")
-    assert "dtype: float32" in " ".join(pinned.stderr.split()) and "auto ->" not in pinned.stderr
+    assert pinned.exit_code == 0 and "dtype" not in pinned.stderr  # a dtype the recipe names needs no reason
 
 
 def test_plugins_json_lists_what_each_plugin_registers_with_parameter_schemas():

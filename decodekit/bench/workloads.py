@@ -24,7 +24,8 @@ MIXED_REQUESTS, MIXED_REPEATS = 16, 2
 """`decodekit bench mixed`'s default size: 16 requests, 2 rounds (a few minutes for the three systems on a
 2-core CPU with the bundled model). The same generator as the full size, so the same kind of figures."""
 MIXED_FULL_REQUESTS, MIXED_FULL_REPEATS = 64, 3
-"""`decodekit bench mixed --full`: the size of the figures in docs/benchmarks.md (~45 minutes on that CPU)."""
+"""`decodekit bench mixed --full`: the size of the figures in docs/history/benchmarks-2026-11.md (~45 minutes on
+that CPU)."""
 
 COPY_PROMPTS = (
     "Repeat the following text exactly, word for word:\n\nThe Great Barrier Reef is the world's largest "
