@@ -54,7 +54,7 @@ def main() -> None:
     tokens[f"decodekit bfloat16 ({products})"] = outputs(dk, requests, work)
     tokens["transformers bfloat16"] = outputs(HFGenerateSystem(bf16.model, bf16.tokenizer, 1), requests, work)
     if args.vllm:
-        peer = VllmPeer(args.vllm, vllm_model_folder(float32.model), "bfloat16", threads=args.threads)
+        peer = VllmPeer(args.vllm, vllm_model_folder("smollm2-135m-instruct"), "bfloat16", threads=args.threads)
         tokens["vLLM bfloat16"] = outputs(peer, requests, work)
     reference, hf_bf16 = tokens["decodekit float32"], tokens["transformers bfloat16"]
     print(f"{args.num_requests} requests, {sum(r.output_len for r in requests)} greedy tokens")

@@ -155,13 +155,24 @@ void dk_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64
     }
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the SiLU-gated MLP's activation. */
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the SiLU-gated MLP's activation, 8 at a time with exp8
+ * (within 2 ulp of expf; -g is capped at 88, past which g / (1 + e^-g) is 0 to float32 anyway, so exp8 never
+ * overflows). Rows are split over torch's threads from 64K elements (a prefill chunk's gating). */
 void dk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {
+#ifdef _OPENMP
+#pragma omp parallel for if (rows > 1 && rows * inter >= 65536)
+#endif
     for (int64_t r = 0; r < rows; ++r) {
         const float* g = gate_up + r * 2 * inter;
         const float* u = g + inter;
         float* o = out + r * inter;
-        for (int64_t i = 0; i < inter; ++i) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            v8f gi = load8(g + i), neg = -gi;
+            neg = (v8f)(((v8i)neg & (v8i)(neg < splat8(88.0f))) | ((v8i)splat8(88.0f) & ~(v8i)(neg < splat8(88.0f))));
+            store8(o + i, (gi / (splat8(1.0f) + exp8(neg))) * load8(u + i));
+        }
+        for (; i < inter; ++i) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     }
 }
 
