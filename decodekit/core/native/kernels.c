@@ -218,6 +218,24 @@ static int rope_store(float* qkv, int64_t tokens, int64_t heads, int64_t kv_head
     return 0;
 }
 
+/* softmax of n scores in place: the largest subtracted, exp8 8 at a time, the sum's pairwise order fixed (both
+ * attention paths share it). */
+static void softmax_in_place(float* sc, int64_t n) {
+    float m = sc[0];
+    for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
+    v8f sums = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8f e = exp8(load8(sc + j) - splat8(m));
+        store8(sc + j, e);
+        sums += e;
+    }
+    float sum = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
+    for (; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
+    float inv = 1.0f / sum;
+    for (j = 0; j < n; ++j) sc[j] *= inv;
+}
+
 /* Attention for the work items [item_begin, item_end), item = t * KVH + g being query token t's `group` query
  * heads that share kv head g. Each query t with key_len[t] > 0 attends the first key_len[t] keys of its sequence
  * (with a `window` > 0, only the last `window` of them: transformers' sliding window), whose blocks are
@@ -273,19 +291,7 @@ KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_en
             for (int64_t j = 0; j < group * n; ++j) scores[j] = tanhf(scores[j] / softcap) * softcap;
         for (int64_t h = 0; h < group; ++h) {
             float* sc = scores + h * n;
-            float m = sc[0];
-            for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
-            v8f sums = {0};
-            int64_t j = 0;
-            for (; j + 8 <= n; j += 8) {
-                v8f e = exp8(load8(sc + j) - splat8(m));
-                store8(sc + j, e);
-                sums += e;
-            }
-            float sum = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
-            for (; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
-            float inv = 1.0f / sum;
-            for (int64_t j = 0; j < n; ++j) sc[j] *= inv;
+            softmax_in_place(sc, n);
             weighted_rows_kv(out + (t * heads + g * group + h) * dim, sc, vpool, g * dim, seen, n, dim, kv_bf16);
         }
     }
@@ -416,19 +422,7 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
         float* sc = scores + r * padded;
         if (softcap > 0)  /* Gemma 2's soft-capped scores, as transformers computes them: cap * tanh(score / cap) */
             for (int64_t j = 0; j < n; ++j) sc[j] = tanhf(sc[j] / softcap) * softcap;
-        float m = sc[0];
-        for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
-        v8f sums = {0};
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            v8f e = exp8(load8(sc + j) - splat8(m));
-            store8(sc + j, e);
-            sums += e;
-        }
-        float sum = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
-        for (; j < n; ++j) { sc[j] = expf(sc[j] - m); sum += sc[j]; }
-        float inv = 1.0f / sum;
-        for (j = 0; j < n; ++j) sc[j] *= inv;
+        softmax_in_place(sc, n);
     }
     memset(out + (t * heads + g0 * group) * dim, 0, (size_t)((g1 - g0) * group * dim) * sizeof(float));
     /* out_{g, h} += sum_j p[g, h][j] * v_{j, g} */
