@@ -320,6 +320,38 @@ def test_the_worker_answers_each_command_and_reports_errors_without_dying():
     assert "unknown command 'dance'" in answers[2]["error"] and "JSONDecodeError" in answers[3]["error"]
 
 
+def _process_state(pid: int, wanted: str = "T", within_s: float = 10.0) -> str:
+    """The one-letter state /proc gives a process (R, S, T for stopped, Z ...), polled until it is `wanted` or
+    `within_s` passes (a signal is delivered asynchronously)."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == wanted or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_peer_worker_is_stopped_between_calls_and_runs_again_for_the_next_one():
+    """A peer takes no CPU while other systems run (vLLM's engine busy-polls when idle): its session is stopped once
+    it answers, resumed for the next command, and `close` ends it even while stopped."""
+    from decodekit.bench.peers import PeerError, WorkerProcess
+
+    worker = WorkerProcess(sys.executable, name="probe")
+    try:
+        with pytest.raises(PeerError, match="before a successful `load`"):
+            worker.call({"cmd": "generate", "requests": []}, 60)
+        assert worker.stopped and _process_state(worker.process.pid) == "T"
+        with pytest.raises(PeerError, match="unknown command 'dance'"):
+            worker.call({"cmd": "dance"}, 60)  # answered: it ran again
+        assert _process_state(worker.process.pid) == "T"
+    finally:
+        worker.close(30)
+    assert worker.process.returncode == 0 and not worker.stopped
+
+
 def test_bench_runs_a_peer_beside_decodekit_and_compares_its_tokens(fake_vllm_python, tmp_path, monkeypatch):
     """`run_benchmark` with the (fake) vLLM peer on a tiny model folder: the peer is a column of the same rounds, its
     tokens are compared with decodekit's, and the machine line names it with its binding."""

@@ -18,6 +18,7 @@ a warm-up are not timed. `check_peers` runs before any model loads and says what
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -325,6 +326,15 @@ class WorkerProcess:
                                         name=f"{name}-reader")
         self._reader.start()
         self.stopped = False
+        # a run that ends without `close` (an exception, Ctrl-C) must not leave a stopped session behind
+        atexit.register(self._end_session)
+
+    def _end_session(self) -> None:
+        """Kill the worker's session if it is still there (resumed first: a stopped process takes no signal but
+        SIGKILL and SIGCONT, and its children would stay stopped)."""
+        if self.process.poll() is None:
+            self._signal(signal.SIGCONT)
+            self._signal(signal.SIGKILL)
 
     def _signal(self, signum: int) -> None:
         """Send `signum` to the worker's whole session (it and the engine processes it started)."""
@@ -418,6 +428,7 @@ class WorkerProcess:
                 self.process.wait()
         with contextlib.suppress(OSError):
             self._log.close()
+        atexit.unregister(self._end_session)
 
 
 def _warm_up_requests(workload: Workload) -> list[BenchRequest]:
