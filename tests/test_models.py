@@ -74,6 +74,8 @@ def test_auto_dtype_is_bfloat16_only_on_a_cpu_with_bf16_dot_products_and_says_wh
 
     from decodekit.models import loader
 
+    kernels_possible = loader._native_kernels_possible
+    monkeypatch.setattr(loader, "_native_kernels_possible", lambda: True)  # a compiler is on PATH
     for native in (False, True):
         monkeypatch.setattr(loader, "_cpu_supports_bf16", lambda native=native: native)
         with caplog.at_level(logging.INFO, logger=loader.log.name):
@@ -86,4 +88,11 @@ def test_auto_dtype_is_bfloat16_only_on_a_cpu_with_bf16_dot_products_and_says_wh
         assert ("dtype='bfloat16'" in caplog.text) is not native
     monkeypatch.setattr(loader, "_cpu_supports_bf16", lambda: True)
     assert loader.resolve_dtype("float32", torch.device("cpu")) == torch.float32  # asked for, it is given
+    # without the native kernels a bf16 model would keep transformers' slower bf16 forward: auto stays float32
+    monkeypatch.setattr(loader, "_native_kernels_possible", kernels_possible)
+    monkeypatch.setenv("DECODEKIT_NATIVE_KERNELS", "0")
+    with caplog.at_level(logging.INFO, logger=loader.log.name):
+        caplog.clear()
+        assert loader.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert "no C compiler is on PATH (or DECODEKIT_NATIVE_KERNELS=0)" in caplog.text
     assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16  # asked for, it is given

@@ -76,8 +76,27 @@ def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
             return torch.bfloat16, "bf16 supported"
         return torch.float16, "no bf16 support: float16"
     if device.type == "cpu" and _cpu_supports_bf16() and _onednn_bf16():
+        if not _native_kernels_possible():
+            return torch.float32, CPU_AUTO_NO_KERNELS_REASON
         return torch.bfloat16, CPU_AUTO_BF16_REASON
     return torch.float32, CPU_AUTO_FLOAT32_REASON
+
+
+CPU_AUTO_NO_KERNELS_REASON = ("this CPU has bf16 dot products, but no C compiler is on PATH (or "
+                              "DECODEKIT_NATIVE_KERNELS=0) for the native kernels that multiply bf16 weights: a bf16 "
+                              "model would run transformers' own bf16 forward, slower than float32; float32")
+"""Why `auto` stays float32 on a bf16 CPU where the native kernels cannot be built."""
+
+
+def _native_kernels_possible() -> bool:
+    """Whether decodekit's native kernels can be built here, as far as the loader can tell without building them
+    (`core.native_kernels.load_kernels` decides for good): not switched off by `DECODEKIT_NATIVE_KERNELS`, and a C
+    compiler (`$CC`, cc, gcc or clang) on PATH."""
+    import shutil
+
+    if os.environ.get("DECODEKIT_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    return any(name and shutil.which(name) for name in (os.environ.get("CC"), "cc", "gcc", "clang"))
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
