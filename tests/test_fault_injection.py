@@ -186,7 +186,10 @@ class FaultInjection(RuleBasedStateMachine):
             error = "strategy.beam_search: stopping criteria (explodes) are not applied by beam search"
         if ("n" in extra or "strategy" in extra) and strategy not in ("greedy", "seeded"):
             return  # n > 1 is parallel sampling's; a faulty strategy replaces the strategy
-        self._add(prompt, SamplingParams(max_tokens=6, **{**_FAULTY_STRATEGIES[strategy], **extra}), error)
+        fields = {**_FAULTY_STRATEGIES[strategy], **extra}
+        if strategy == "beam":  # beam search stops at EOS (no ignore_eos): a fault after 3 tokens must get to fire
+            fields.setdefault("min_tokens", 6)
+        self._add(prompt, SamplingParams(max_tokens=6, **fields), error)
 
     @rule(kind=st.sampled_from(sorted(BAD_PROMPTS)))
     def add_bad_prompt(self, kind: str) -> None:
