@@ -148,7 +148,7 @@ def test_recipe_check_prints_the_resolved_recipe_and_its_plan_in_order():
 def test_recipe_check_says_which_dtype_auto_chooses_on_this_cpu_and_why(bf16_cpu, monkeypatch):
     from decodekit.models import loader
 
-    monkeypatch.setattr(loader, "_cpu_supports_bf16", lambda: bf16_cpu)
+    monkeypatch.setattr(loader, "cpu_has_bf16_dot_products", lambda: bf16_cpu)
     monkeypatch.setattr(loader, "_native_kernels_possible", lambda: True)
     result = _invoke("recipe", "check", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "device=cpu")
     assert result.exit_code == 0, result.stderr

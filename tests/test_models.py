@@ -77,7 +77,7 @@ def test_auto_dtype_is_bfloat16_only_on_a_cpu_with_bf16_dot_products_and_says_wh
     kernels_possible = loader._native_kernels_possible
     monkeypatch.setattr(loader, "_native_kernels_possible", lambda: True)  # a compiler is on PATH
     for native in (False, True):
-        monkeypatch.setattr(loader, "_cpu_supports_bf16", lambda native=native: native)
+        monkeypatch.setattr(loader, "cpu_has_bf16_dot_products", lambda native=native: native)
         with caplog.at_level(logging.INFO, logger=loader.log.name):
             caplog.clear()
             chosen = loader.resolve_dtype("auto", torch.device("cpu"))
@@ -86,7 +86,7 @@ def test_auto_dtype_is_bfloat16_only_on_a_cpu_with_bf16_dot_products_and_says_wh
         assert ("this CPU has bf16 dot products" in caplog.text) is native
         assert ("dtype='float32' gives transformers' float32 tokens exactly" in caplog.text) is native
         assert ("dtype='bfloat16'" in caplog.text) is not native
-    monkeypatch.setattr(loader, "_cpu_supports_bf16", lambda: True)
+    monkeypatch.setattr(loader, "cpu_has_bf16_dot_products", lambda: True)
     assert loader.resolve_dtype("float32", torch.device("cpu")) == torch.float32  # asked for, it is given
     # without the native kernels a bf16 model would keep transformers' slower bf16 forward: auto stays float32
     monkeypatch.setattr(loader, "_native_kernels_possible", kernels_possible)

@@ -27,12 +27,8 @@ from decodekit.core.kv_cache import (
 )
 from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels, load_kernels
 from decodekit.core.relaid_linears import relay_linears
-from decodekit.core.weight_matrices import (
-    BF16_GEMM_MIN_ROWS,
-    cpu_has_bf16_dot_products,
-    onednn_bf16_available,
-    prepacking_available,
-)
+from decodekit.core.weight_matrices import BF16_GEMM_MIN_ROWS, onednn_bf16_available, prepacking_available
+from decodekit.models.loader import cpu_has_bf16_dot_products
 
 log = logging.getLogger("decodekit.runner")
 

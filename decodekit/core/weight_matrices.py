@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import torch
 
@@ -24,6 +23,7 @@ from decodekit.core.native_kernels import (
     pack_int8_panels,
     unpack_int8_panels,
 )
+from decodekit.models.loader import cpu_flags
 
 
 class Matrix:
@@ -42,6 +42,7 @@ class Matrix:
         self.col = col
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(col.t(), _PACK_ROWS_HINT) if pack else None
+        self.packed_max_rows = packed_max_rows()  # read once: the product below runs on every step
         # `dk_gemv` reads either layout from memory as it lies (several rows only column-major); a weight strided
         # both ways keeps torch's product
         self.col_major = col.is_contiguous()
@@ -51,7 +52,7 @@ class Matrix:
         """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
         if self.native is not None and (x.shape[0] == 1 or (self.col_major and 0 < x.shape[0] <= GEMV_MAX_ROWS)):
             return self.native.gemv(x, self.col, self.bias, residual)
-        if self.packed is not None and 1 < x.shape[0] <= packed_max_rows():
+        if self.packed is not None and 1 < x.shape[0] <= self.packed_max_rows:
             if residual is None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
@@ -74,7 +75,7 @@ _PACKED_MAX_ROWS_AVX2 = 128
 def packed_max_rows() -> int:
     """The most rows a float32 product runs on the oneDNN-blocked copy (more take BLAS on the column-major weight):
     every row count on a CPU with AVX-512, 128 elsewhere."""
-    return sys.maxsize if "avx512f" in _cpu_flags() else _PACKED_MAX_ROWS_AVX2
+    return sys.maxsize if "avx512f" in cpu_flags() else _PACKED_MAX_ROWS_AVX2
 
 def prepacking_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether oneDNN-blocked weights can serve multi-row products here (CPU, float32, oneDNN built in)."""
@@ -184,22 +185,6 @@ class Bf16Matrix:
                   for first in range(0, self.panels.shape[0], step))
         out = _dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)
-
-
-def cpu_has_bf16_dot_products() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16's `vdpbf16ps` or AMX's bf16 tiles), read from
-    /proc/cpuinfo's flags (elsewhere: no). Without them oneDNN emulates bf16 products, slower than float32's."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
-                          []))
 
 
 @functools.cache

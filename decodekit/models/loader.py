@@ -12,6 +12,7 @@ converted once to safetensors in the cache directory and loaded from there after
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -43,12 +44,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DECODEKIT_CACHE", Path.home() / ".cache" / "decodekit"))
 
 
-def _cpu_supports_bf16() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none, or it has no x86 flags)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
+                          []))
+
+
+def cpu_has_bf16_dot_products() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16's `vdpbf16ps` or AMX's bf16 tiles). Without them oneDNN
+    emulates bf16 products, slower than float32's."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 CPU_AUTO_FLOAT32_REASON = ("this CPU has no bf16 dot products (AVX512-BF16 or AMX), so bf16 would be multiplied in "
@@ -75,7 +85,7 @@ def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, "bf16 supported"
         return torch.float16, "no bf16 support: float16"
-    if device.type == "cpu" and _cpu_supports_bf16() and _onednn_bf16():
+    if device.type == "cpu" and cpu_has_bf16_dot_products() and _onednn_bf16():
         if not _native_kernels_possible():
             return torch.float32, CPU_AUTO_NO_KERNELS_REASON
         return torch.bfloat16, CPU_AUTO_BF16_REASON
@@ -92,8 +102,6 @@ def _native_kernels_possible() -> bool:
     """Whether decodekit's native kernels can be built here, as far as the loader can tell without building them
     (`core.native_kernels.load_kernels` decides for good): not switched off by `DECODEKIT_NATIVE_KERNELS`, and a C
     compiler (`$CC`, cc, gcc or clang) on PATH."""
-    import shutil
-
     if os.environ.get("DECODEKIT_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         return False
     return any(name and shutil.which(name) for name in (os.environ.get("CC"), "cc", "gcc", "clang"))
