@@ -228,6 +228,9 @@ _ANNOTATIONS = frozenset(("$ref", "description", "title", "$comment", "default",
                           "deprecated", "readOnly", "writeOnly", "definitions", "$defs", "$anchor", "$dynamicAnchor",
                           "$vocabulary"))
 _REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
+# Keys that constrain nothing about the value: `allOf: [X]` beside these alone is X itself (a `$ref` beside it lays
+# another schema over the same value, so it is not among them).
+_NOT_CONSTRAINING = _ANNOTATIONS - frozenset(_REF_KEYS)
 # Keywords that lay another schema over the same value: a property's subschema is then intersected with the same
 # property's subschema there (`{"$ref": ..., "properties": {"a": ...}}`), so the subschemas of an intersected
 # object stay open all the way down (closing one side's `a` would forbid keys the other side's `a` requires).
@@ -391,7 +394,7 @@ class _Policy:
             else:
                 child_open = overlaid and key not in _INTERSECTING and key not in _AS_WRITTEN_KEYS
             child_as_written = as_written or key in _AS_WRITTEN_KEYS or (key == "contains" and "maxContains" in node)
-            if key == "allOf" and len(node["allOf"]) == 1 and not set(node) - _ANNOTATIONS - {"allOf"}:
+            if key == "allOf" and len(node["allOf"]) == 1 and not set(node) - _NOT_CONSTRAINING - {"allOf"}:
                 child_open = is_open  # `allOf: [X]` with nothing else is X itself (pydantic writes fields so)
             elif key in _PART_KEYS:
                 child_open = True
