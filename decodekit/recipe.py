@@ -3,7 +3,7 @@ logits processors, stopping criteria, a search strategy, the inputs and the outp
 
 A recipe is validated completely when it loads, before any model is loaded: its shape by pydantic
 (`extra="forbid"` everywhere, so typos are refused), then every named plugin and its parameters by resolving the
-default `SamplingParams` against the registry (`decodekit.plan.Components.resolve`), which also refuses
+default `SamplingParams` against the registry (`decodekit.core.plan.Components.resolve`), which also refuses
 incompatible combinations. Every failure is a `RecipeError` whose message starts with the file and the key:
 `recipes/x.yaml: processors[1].repetition_penalty.penalty: Input should be greater than 0, got -1`.
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from decodekit.plugins import get_plugin_manager
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from decodekit import LLM, AsyncLLM, SamplingParams, hookimpl
-from decodekit.errors import PluginError
+from decodekit.api.errors import PluginError
+from decodekit.core.plugin_manager import DEFAULT_PLUGINS, get_plugin_manager
+from decodekit.core.registry import Registry
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from decodekit.plugins import DEFAULT_PLUGINS, get_plugin_manager
-from decodekit.registry import Registry
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ class _Recorder:
 
     @hookimpl
     def decodekit_register_processors(self, register):
-        from decodekit.processors import LogitsProcessor
+        from decodekit.api.processors import LogitsProcessor
 
         class BanSeven(LogitsProcessor):
             name = "ban_seven"

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.errors import UnsupportedModelError
 from decodekit.core.attention_probe import AttentionProbe, probe_attention
 from decodekit.core.runner import model_geometry
-from decodekit.errors import UnsupportedModelError
 from tests.conftest import hf_greedy, random_prompts
 
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

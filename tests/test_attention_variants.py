@@ -13,9 +13,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.errors import UnsupportedModelError
 from decodekit.core.kv_cache import has_attention_sinks, needs_capped_attention, sliding_window
 from decodekit.core.runner import model_geometry
-from decodekit.errors import UnsupportedModelError
 from decodekit.models.tiny import tiny_model
 from tests.conftest import assert_last_logits_and_hidden_match, hf_greedy, random_prompts
 

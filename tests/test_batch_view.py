@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import SamplingParams
-from decodekit.processors import BatchView
+from decodekit.api.processors import BatchView
 
 
 @settings(max_examples=50, deadline=None)

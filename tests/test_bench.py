@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
+from decodekit.api.errors import ConfigError
 from decodekit.bench import (
     SYSTEMS,
     WORKLOADS,
@@ -34,7 +35,6 @@ from decodekit.bench.baselines import _StepTimes
 from decodekit.bench.machine import CPU_FLAGS
 from decodekit.bench.workloads import MIXED_FULL_REPEATS, MIXED_FULL_REQUESTS, MIXED_REPEATS, MIXED_REQUESTS
 from decodekit.cli import app
-from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 
 SIZES = dict(num_requests=3, batch_size=2, output_len=5, repeats=1, seed=13)  # seed 13: short mixed outputs

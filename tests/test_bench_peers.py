@@ -15,6 +15,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from decodekit.api.errors import ConfigError
 from decodekit.bench import harness, run_benchmark
 from decodekit.bench.matrix import MatrixCell, MatrixResult, matrix_markdown
 from decodekit.bench.peers import (
@@ -30,7 +31,6 @@ from decodekit.bench.peers import (
 from decodekit.bench.report import SystemFigures, render_table, token_agreement
 from decodekit.bench.workloads import BenchRequest, Workload
 from decodekit.cli import app
-from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from tests.conftest import save_tiny_llama
 

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.errors import ConfigError
 from decodekit.core.native_kernels import PANEL, DecodeAttentionPlan, load_kernels, pack_bf16_panels, pack_int8_panels
 from decodekit.core.weight_matrices import BF16_GEMM_MIN_ROWS, BF16_NATIVE_MAX_ROWS, Bf16Matrix, onednn_bf16_available
-from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
 

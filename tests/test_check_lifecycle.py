@@ -16,15 +16,15 @@ from pydantic import Field
 from typer.testing import CliRunner
 
 from decodekit import SamplingParams, StopDecision, StoppingCriterion, hookimpl
-from decodekit.api.components import ComponentInfo
+from decodekit.api.components import ComponentInfo, PlanError
+from decodekit.api.errors import RecipeError
 from decodekit.api.params import StrictParams
 from decodekit.api.processors import BatchView, LogitsProcessor
 from decodekit.api.proposer import PROPOSER_OPTIONS_PATH, Proposer
 from decodekit.cli import app
-from decodekit.errors import RecipeError
-from decodekit.plan import Components, PlanError
+from decodekit.core.plan import Components
+from decodekit.core.registry import Registry
 from decodekit.recipe import load_recipe
-from decodekit.registry import Registry
 from decodekit.testing import TINY_VOCAB_SIZE, apply_processors, plugin_manager, tiny_llm
 from decodekit_plugins.strategies import SampleStrategy
 

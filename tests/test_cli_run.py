@@ -12,8 +12,8 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
+from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from decodekit.cli import app, render_summary
-from decodekit.core.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from decodekit.recipe_runner import summarize
 from tests.conftest import tiny_overrides as _tiny
 

@@ -10,11 +10,11 @@ import torch
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 
-from decodekit.params import SamplingParams
-from decodekit.plan import ComponentInfo
-from decodekit.plugins import get_plugin_manager
-from decodekit.processors import LogitsProcessor
-from decodekit.registry import Registry
+from decodekit.api.components import ComponentInfo
+from decodekit.api.params import SamplingParams
+from decodekit.api.processors import LogitsProcessor
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.core.registry import Registry
 from decodekit.testing import (
     ALL_CHECKS,
     Case,
@@ -126,7 +126,7 @@ def test_top_p_keeps_the_argmax_when_the_top_tokens_tie(vocab):
 
 
 def test_top_p_candidate_fast_path_equals_the_full_sort():
-    from decodekit.processors import BatchView
+    from decodekit.api.processors import BatchView
 
     proc = sampling.TopPProcessor()
     gen = torch.Generator().manual_seed(0)

@@ -22,8 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from decodekit import LLM, AsyncLLM, SamplingParams
 from decodekit.api.sequence import RequestOutput
+from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from decodekit.plugins import get_plugin_manager
 from tests.conftest import assert_idle
 from tests.faulty_plugins import FaultyHooks, FaultyProcessors
 

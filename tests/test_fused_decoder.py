@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.errors import ConfigError
 from decodekit.core.fused_blocks import fused_decoder_refusal
 from decodekit.core.fused_decoder import FusedDecoder, _rms_norm
-from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, random_prompts
 

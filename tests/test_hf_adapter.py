@@ -22,9 +22,9 @@ import decodekit
 from decodekit import BatchView, SamplingParams, hf_logits_processor, hf_processor, hookimpl
 from decodekit.api.components import ComponentInfo
 from decodekit.api.errors import RecipeError
+from decodekit.api.processors import apply_processors as run_pipelines
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
-from decodekit.processors import apply_processors as run_pipelines
 from decodekit.recipe import describe_recipe, recipe_from_data
 from decodekit.testing import (
     TINY_EOS_TOKEN_ID,

@@ -16,7 +16,7 @@ import torch
 from decodekit import SamplingParams, StopDecision, StoppingCriterion, hookimpl
 from decodekit.api.sequence import Sequence
 from decodekit.api.strategy import StepContext
-from decodekit.registry import Registry
+from decodekit.core.registry import Registry
 from decodekit.testing import (
     ConformanceError,
     KitReport,

@@ -44,21 +44,34 @@ def test_imports_down_the_layers_and_plugin_api_imports_are_allowed():
 
 
 @pytest.mark.parametrize("name", [
-    # what README.md and docs/writing-plugins.md teach, at the paths they teach it
+    # what README.md, docs/writing-plugins.md and docs/plugins/ teach, at the paths they teach it
     "decodekit:LLM", "decodekit:AsyncLLM", "decodekit:SamplingParams", "decodekit:hookimpl",
     "decodekit:LogitsProcessor", "decodekit:BatchView", "decodekit:StoppingCriterion", "decodekit:StopDecision",
-    "decodekit:Strategy", "decodekit:select_tokens", "decodekit.strategy:Strategy", "decodekit.strategy:StrategyResult",
-    "decodekit.strategy:StepContext", "decodekit.strategy:Proposer", "decodekit.processors:BatchView",
-    "decodekit.processors:LogitsProcessor", "decodekit.processors:apply_processors", "decodekit.plan:ComponentInfo",
+    "decodekit:Strategy", "decodekit:select_tokens", "decodekit.api.strategy:Strategy",
+    "decodekit.api.strategy:StrategyResult", "decodekit.api.strategy:StepContext", "decodekit.api.proposer:Proposer",
+    "decodekit.api.processors:BatchView", "decodekit.api.processors:LogitsProcessor",
+    "decodekit.api.processors:apply_processors", "decodekit.api.components:ComponentInfo",
     "decodekit.testing:check_processor", "decodekit.testing:ConformanceError", "decodekit.testing:cases",
     "decodekit.testing:batch_views", "decodekit.testing:logits_tensors", "decodekit.testing:histories",
-    "decodekit.constraints:ConstraintBackend", "decodekit.constraints:Matcher", "decodekit.constraints:lazy_backend",
-    "decodekit.constraints:get_backend", "decodekit.constraints:ConstraintSpec", "decodekit.models:ModelLoader",
-    "decodekit.core.engine:Engine", "decodekit.core.sequence:Request", "decodekit.core.sequence:RequestOutput",
-    "decodekit.hookspecs:decodekit_register_processors", "decodekit.stopping:StoppingCriterion",
-    "decodekit.params:SamplingParams", "decodekit.errors:DecodeKitError", "decodekit.config:EngineConfig",
-    "decodekit.plugins:get_plugin_manager", "decodekit.registry:Registry",
+    "decodekit.api.constraints:ConstraintBackend", "decodekit.api.constraints:Matcher",
+    "decodekit.api.constraints:lazy_backend", "decodekit.api.constraints:get_backend",
+    "decodekit.api.constraints:ConstraintSpec", "decodekit.models:ModelLoader", "decodekit.core.engine:Engine",
+    "decodekit.api.sequence:Request", "decodekit.api.sequence:RequestOutput",
+    "decodekit.api.hookspecs:decodekit_register_processors", "decodekit.api.stopping:StoppingCriterion",
+    "decodekit.api.params:SamplingParams", "decodekit.api.errors:DecodeKitError", "decodekit.core.config:EngineConfig",
+    "decodekit.core.plugin_manager:get_plugin_manager", "decodekit.core.registry:Registry",
 ])
 def test_every_taught_name_stays_importable_where_the_docs_teach_it(name):
     module, _, attr = name.partition(":")
     assert getattr(importlib.import_module(module), attr) is not None
+
+
+@pytest.mark.parametrize("module", [
+    "decodekit.plan", "decodekit.plugins", "decodekit.config", "decodekit.registry", "decodekit.hookspecs",
+    "decodekit.errors", "decodekit.strategy", "decodekit.processors", "decodekit.params", "decodekit.stopping",
+    "decodekit.constraints", "decodekit.core.sampler", "decodekit.core.sequence",
+])
+def test_the_old_re_export_paths_are_gone(module):
+    # one path per name: the docs teach `decodekit`, `decodekit.api.*` and `decodekit.testing`
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(module)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decodekit import LLM, SamplingParams
-from decodekit.errors import ModelLoadError, UnsupportedModelError
+from decodekit.api.errors import ModelLoadError, UnsupportedModelError
 from decodekit.models import load_model, resolve_dtype
 from tests.conftest import hf_greedy, random_prompts
 

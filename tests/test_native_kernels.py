@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.errors import ConfigError
 from decodekit.core import native_kernels
 from decodekit.core.fused_decoder import _rms_norm, _rotate
 from decodekit.core.native_kernels import (
@@ -29,7 +30,6 @@ from decodekit.core.native_kernels import (
     library_path,
     load_kernels,
 )
-from decodekit.errors import ConfigError
 from tests.conftest import hf_greedy, random_prompts
 
 needs_compiler = pytest.mark.skipif(find_compiler() is None, reason="no C compiler (cc, gcc or clang) on PATH")

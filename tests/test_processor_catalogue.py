@@ -12,8 +12,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers.generation import logits_process as hf
 
-from decodekit.params import SamplingParams
-from decodekit.processors import BatchView
+from decodekit.api.params import SamplingParams
+from decodekit.api.processors import BatchView
 from decodekit.testing import histories, logits_tensors
 from decodekit_plugins import biases, penalties, sampling, warpers
 
@@ -325,7 +325,7 @@ def test_dry_penalty_grows_with_the_repeat_and_stops_at_sequence_breakers():
 
 
 def test_dry_string_breakers_come_from_the_tokenizer(tokenizer):
-    from decodekit.plan import ComponentInfo
+    from decodekit.api.components import ComponentInfo
 
     dry = penalties.DryProcessor()
     info = ComponentInfo(tokenizer=tokenizer, vocab_size=len(tokenizer))

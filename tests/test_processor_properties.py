@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
-from decodekit.params import ComponentSpec
-from decodekit.plan import Components
-from decodekit.plugins import get_plugin_manager
-from decodekit.processors import BatchView, apply_processors
-from decodekit.registry import Registry
+from decodekit.api.params import ComponentSpec
+from decodekit.api.processors import BatchView, apply_processors
+from decodekit.core.plan import Components
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.core.registry import Registry
 from decodekit.testing import histories, logits_tensors
 from decodekit_plugins import biases, penalties, sampling
 from tests.conftest import random_prompts
@@ -157,7 +157,7 @@ STAGES = {
 @FAST
 @given(logits=logits_tensors(rows=st.integers(1, 8)), data=st.data())
 def test_per_request_pipelines_applied_to_a_batch_equal_each_row_alone(logits, data):
-    from decodekit.processors import Stage
+    from decodekit.api.processors import Stage
 
     n, vocab = logits.shape
     pipelines, greedy = [], []
@@ -299,7 +299,7 @@ def test_seeded_mirostat_v1_and_v2_requests_sample_the_same_alone_and_batched_to
 
 
 def test_every_catalogue_name_and_bad_value_is_checked_when_a_request_is_planned(tokenizer):
-    from decodekit.plan import ComponentInfo, PlanError
+    from decodekit.api.components import ComponentInfo, PlanError
 
     components = Components(Registry.from_plugin_manager(get_plugin_manager(load_entry_points=False)),
                             ComponentInfo(tokenizer=tokenizer, vocab_size=len(tokenizer)))
@@ -325,7 +325,7 @@ def test_every_catalogue_name_and_bad_value_is_checked_when_a_request_is_planned
 
 
 def test_the_creative_recipe_names_valid_catalogue_processors(tokenizer):
-    from decodekit.plan import ComponentInfo
+    from decodekit.api.components import ComponentInfo
 
     recipe = yaml.safe_load((Path(__file__).parent.parent / "recipes" / "creative.yaml").read_text())
     components = Components(Registry.from_plugin_manager(get_plugin_manager(load_entry_points=False)),

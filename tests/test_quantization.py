@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.errors import ConfigError, RecipeError
 from decodekit.core.native_kernels import load_kernels
 from decodekit.core.weight_matrices import INT8_NATIVE_MAX_ROWS, Bf16Matrix, Int8Matrix
-from decodekit.errors import ConfigError, RecipeError
 from decodekit.models.tiny import tiny_model
 from decodekit.recipe import recipe_from_data
 from tests.conftest import hf_greedy, random_prompts

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.errors import ConfigError
 from decodekit.core.native_kernels import load_kernels
-from decodekit.errors import ConfigError
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
 from tests.unfused_models import UNFUSED_ARCHS, as_quantized, save_unfused, unfused_model

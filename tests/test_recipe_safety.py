@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from decodekit.api.errors import RecipeError
 from decodekit.cli import app
-from decodekit.errors import RecipeError
-from decodekit.plan import Components
-from decodekit.plugins import get_plugin_manager
+from decodekit.core.plan import Components
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.core.registry import Registry
 from decodekit.recipe import MAX_RECIPE_BYTES, load_recipe
 from decodekit.recipe_runner import read_inputs
 from decodekit.recipe_syntax import MAX_ALIAS_NODES, parse_value, parse_yaml
-from decodekit.registry import Registry
 
 REGISTRY = Registry.from_plugin_manager(get_plugin_manager(load_entry_points=False))
 # The classic "billion laughs": nine levels of nine aliases, 9**9 strings once expanded.

@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict, Field
 
 from decodekit import LLM, StopDecision, StoppingCriterion, hookimpl
-from decodekit.errors import RecipeError
+from decodekit.api.errors import RecipeError
+from decodekit.api.strategy import Strategy
+from decodekit.core.plan import Components
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.core.registry import Registry
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from decodekit.plan import Components
-from decodekit.plugins import get_plugin_manager
 from decodekit.recipe import Recipe, describe_recipe, load_recipe, recipe_from_data
 from decodekit.recipe_runner import read_inputs
 from decodekit.recipe_syntax import apply_override, parse_value, parse_yaml
-from decodekit.registry import Registry
-from decodekit.strategy import Strategy
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 REGISTRY = Registry.from_plugin_manager(get_plugin_manager(load_entry_points=False))

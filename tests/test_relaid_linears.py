@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decodekit import LLM, SamplingParams
-from decodekit.errors import ConfigError
+from decodekit.api.errors import ConfigError
 from decodekit.models.tiny import tiny_tokenizer
 from tests.conftest import hf_greedy, random_prompts
 from tests.unfused_models import UNFUSED_ARCHS, save_unfused, unfused_model

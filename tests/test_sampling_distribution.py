@@ -9,13 +9,12 @@ import math
 import pytest
 import torch
 
-from decodekit.api.sampling import exponential_noise
-from decodekit.core.sampler import select_tokens
-from decodekit.params import SamplingParams
-from decodekit.plan import Components
-from decodekit.plugins import get_plugin_manager
-from decodekit.processors import BatchView, apply_processors
-from decodekit.registry import Registry
+from decodekit.api.params import SamplingParams
+from decodekit.api.processors import BatchView, apply_processors
+from decodekit.api.sampling import exponential_noise, select_tokens
+from decodekit.core.plan import Components
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.core.registry import Registry
 
 DRAWS = 20_000
 ALPHA = 1e-3

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
+from decodekit.api.params import SamplingParams
+from decodekit.api.sequence import Request, Sequence, SequenceStatus
 from decodekit.core.blocks import BlockAllocator
 from decodekit.core.scheduler import ScheduledSequence, Scheduler
-from decodekit.core.sequence import Request, Sequence, SequenceStatus
-from decodekit.params import SamplingParams
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, priority: int = 0,

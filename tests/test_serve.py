@@ -28,9 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from decodekit import hookimpl
+from decodekit.api.processors import LogitsProcessor
 from decodekit.cli import app
-from decodekit.plugins import get_plugin_manager
-from decodekit.processors import LogitsProcessor
+from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.recipe import Recipe, load_recipe
 from decodekit.serve import ServeOptions, create_app
 from tests.batch_cases import write_tiny_recipe

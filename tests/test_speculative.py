@@ -95,7 +95,7 @@ def test_ngram_chained_to_a_draft_model_is_lossless_and_counts_each_proposer(lla
 
 
 def test_a_fallback_is_checked_like_the_proposer(llama, tokenizer):
-    from decodekit.errors import RecipeError
+    from decodekit.api.errors import RecipeError
     from decodekit.recipe import recipe_from_data
 
     base = {"model": "smollm2-135m-instruct"}
@@ -218,7 +218,7 @@ def test_speculative_with_repetition_penalty_equals_plain_greedy_with_it(llama, 
 def _with_proposer(proposer: type) -> Any:
     """A plugin manager with the built-in plugins and one more registering `proposer` under its name."""
     from decodekit import hookimpl
-    from decodekit.plugins import get_plugin_manager
+    from decodekit.core.plugin_manager import get_plugin_manager
 
     class Plugin:
         @hookimpl
@@ -232,7 +232,7 @@ def _with_proposer(proposer: type) -> Any:
 
 def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
     """Proposers register through the same public hook as everything else; a wrong option names its key."""
-    from decodekit.strategy import Proposer
+    from decodekit.api.proposer import Proposer
 
     class RepeatLast(Proposer):
         name = "repeat_last"
@@ -268,7 +268,7 @@ def test_a_proposer_that_reads_hidden_states_sees_every_final_position_once_as_t
     """`Proposer.hidden_states`: the target's last hidden states of every verified position reach `observe`, once
     each, equal to transformers' (final norm's output), on both forwards; the requests skip the prefix cache while
     others keep it."""
-    from decodekit.strategy import Proposer
+    from decodekit.api.proposer import Proposer
 
     seen: dict[int, dict[int, torch.Tensor]] = {}
 

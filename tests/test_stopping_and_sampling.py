@@ -87,8 +87,8 @@ def test_prompt_longer_than_context_fails_alone(llm):
 
 
 def test_a_raising_processor_fails_only_its_request(llm):
-    from decodekit.processors import LogitsProcessor
-    from decodekit.registry import Entry
+    from decodekit.api.processors import LogitsProcessor
+    from decodekit.core.registry import Entry
 
     class Exploding(LogitsProcessor):
         name = "exploding"

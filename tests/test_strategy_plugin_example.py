@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from decodekit import LLM, SamplingParams
-from decodekit.plugins import get_plugin_manager
+from decodekit.core.plugin_manager import get_plugin_manager
 from tests.conftest import random_prompts
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "writing-plugins.md"
@@ -45,7 +45,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from decodekit import hookimpl
-from decodekit.strategy import Strategy
+from decodekit.api.strategy import Strategy
 
 
 class TopStartsParams(BaseModel):

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
-from decodekit.constraints import ConstraintError, ConstraintSpec, backend_class, forbid_additional_properties
+from decodekit.api.constraints import ConstraintError, ConstraintSpec, backend_class, forbid_additional_properties
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 
 BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}

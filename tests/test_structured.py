@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict
 from structured_cases import CHOICES, REGEXES, SCHEMAS
 
 from decodekit import LLM, SamplingParams, hookimpl
-from decodekit.constraints import (
+from decodekit.api.components import ComponentInfo, PlanError
+from decodekit.api.constraints import (
     ConstraintError,
     ConstraintSpec,
     allocate_bitmask,
@@ -29,11 +30,11 @@ from decodekit.constraints import (
     get_backend,
     token_bitmask,
 )
+from decodekit.api.processors import BatchView, LogitsProcessor
+from decodekit.core.plan import Components
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.core.registry import Registry
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from decodekit.plan import ComponentInfo, Components, PlanError
-from decodekit.plugins import get_plugin_manager
-from decodekit.processors import BatchView, LogitsProcessor
-from decodekit.registry import Registry
 from decodekit_plugins.structured import ChoiceProcessor, JsonSchemaProcessor, RegexProcessor
 
 EOS = 2
@@ -687,7 +688,7 @@ def test_the_options_are_part_of_the_spec_so_compiled_grammars_are_not_shared_ac
 
 
 def test_a_backend_that_cannot_honour_a_json_option_refuses_it_by_name():
-    from decodekit.constraints import BUILTIN_BACKENDS, ConstraintBackend, JsonOptions
+    from decodekit.api.constraints import BUILTIN_BACKENDS, ConstraintBackend, JsonOptions
 
     llguidance_cls = backend_class("llguidance")
 

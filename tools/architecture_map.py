@@ -10,7 +10,7 @@ Layers, lowest first; a module may import its own layer and those below it, neve
 1. `decodekit.models`: model loading;
 2. `decodekit.core`: the engine;
 3. the front-ends: every other module of `decodekit` (`LLM`/`AsyncLLM`, recipes, the CLI, the benchmarks, the
-   package's re-exports and the old import paths kept for existing code).
+   package's re-exports).
 
 decodekit's own plugins (`decodekit_plugins`) are written like a third party's: they may import `decodekit` (the
 package's re-exports), `decodekit.api`, `decodekit.models` and each other, never `decodekit.core`.

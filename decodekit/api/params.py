@@ -20,7 +20,7 @@ class ComponentSpec(BaseModel):
     """A named plugin component and its parameters, as a recipe or request names it.
 
     Accepted shapes: `"top_k"`, `{"top_k": {"k": 40}}`, or `{"name": "top_k", "params": {"k": 40}}`. The
-    parameters are validated later against the component's own pydantic model (see `decodekit.plan`).
+    parameters are validated later against the component's own pydantic model (see `decodekit.core.plan`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

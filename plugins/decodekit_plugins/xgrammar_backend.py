@@ -129,7 +129,7 @@ class XGrammarBackend(ConstraintBackend):
     def _compile(self, spec: ConstraintSpec) -> xgrammar.CompiledGrammar:
         try:
             if spec.kind in ("json_schema", "json"):
-                # the additionalProperties policy is already in the spec's schema (decodekit.constraints)
+                # the additionalProperties policy is already in the spec's schema (decodekit.api.constraints)
                 return self.compiler.compile_json_schema(
                     spec.text, any_whitespace=spec.flexible_whitespace,
                     separators=None if spec.flexible_whitespace else _SEPARATORS, strict_mode=False)
