@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from decodekit.bench.machine import environment, machine_line
-from decodekit.core.native_kernels import SOURCE, DecodeAttentionPlan, NativeKernels, find_compiler, load_kernels
+from decodekit.execution.kernels.native import SOURCE, DecodeAttentionPlan, NativeKernels, find_compiler, load_kernels
 
 
 def avx2_build() -> NativeKernels:

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from decodekit.bench.machine import environment, machine_line
-from decodekit.core.native_kernels import load_kernels
-from decodekit.core.weight_matrices import Bf16Matrix, Matrix, onednn_bf16_available
+from decodekit.execution.fused.weight_matrices import Bf16Matrix, Matrix, onednn_bf16_available
+from decodekit.execution.kernels.native import load_kernels
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 WAYS = ("float32", "bf16 panels", "bf16 gemm")

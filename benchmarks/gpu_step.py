@@ -62,7 +62,7 @@ def main() -> None:
     tpot = statistics.median(per_token)
 
     replay = None
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.model.runner.graphs
     if graphs is not None and (1, 1) in graphs._graphs:
         graph = graphs._graphs[(1, 1)].graph
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

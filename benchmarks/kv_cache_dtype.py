@@ -21,8 +21,9 @@ import torch
 
 from decodekit import LLM
 from decodekit.bench.machine import environment, machine_line
-from decodekit.core.kv_cache import PagedKVCache
-from decodekit.core.runner import model_geometry
+from decodekit.execution.attention.kv_cache import PagedKVCache
+from decodekit.execution.fused.blocks import fused_decoder_refusal
+from decodekit.execution.geometry import model_geometry
 from decodekit.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,7 +45,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     # room for every sequence in float32, from the model's geometry
-    geometry = model_geometry(load_model(MODEL, dtype="float32").model)
+    model = load_model(MODEL, dtype="float32").model
+    geometry = model_geometry(model, fused_decoder_refusal(model))
     per_token = PagedKVCache.bytes_per_token(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
                                              torch.float32)
     memory = max(args.rows) * (max(args.contexts) + 2) * per_token + (64 << 20)

@@ -24,10 +24,10 @@ import torch
 
 from decodekit import LLM
 from decodekit.bench.machine import environment, machine_line
-from decodekit.core.paged_model import PagedModel
+from decodekit.execution import ModelExecutor
 
 
-def step_costs(model: PagedModel, max_rows: int, context: int, repeats: int, seed: int = 0,
+def step_costs(model: ModelExecutor, max_rows: int, context: int, repeats: int, seed: int = 0,
                row_counts: list[int] | None = None) -> dict[int, float]:
     """Median seconds of a `rows`-row decode step for every rows in 1..max_rows, or in `row_counts` (sequences keyed
     0..max_rows-1, each holding `context` tokens; each timed step is rolled back, so every step sees the same

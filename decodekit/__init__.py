@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from decodekit.api.lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from decodekit.api.config import EngineConfig
     from decodekit.api.errors import DecodeKitError
     from decodekit.api.hf_adapter import HFProcessorAdapter, hf_logits_processor, hf_processor
     from decodekit.api.hookspecs import hookimpl
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
     from decodekit.api.stopping import StopDecision, StoppingCriterion
     from decodekit.api.strategy import StepContext, Strategy, StrategyResult
-    from decodekit.core.config import EngineConfig
     from decodekit.llm import LLM, AsyncLLM
 
 _EXPORTS = {
@@ -47,7 +47,7 @@ _EXPORTS = {
     "StepContext": "decodekit.api.strategy",
     "Strategy": "decodekit.api.strategy",
     "StrategyResult": "decodekit.api.strategy",
-    "EngineConfig": "decodekit.core.config",
+    "EngineConfig": "decodekit.api.config",
     "LLM": "decodekit.llm",
     "AsyncLLM": "decodekit.llm",
 }

@@ -13,10 +13,10 @@ from typing import Any
 
 import pluggy
 
+from decodekit.api.config import TARGET_DRAFT, EngineConfig
 from decodekit.api.errors import ConfigError, DecodeKitError, RequestError
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import RequestOutput
-from decodekit.core.config import TARGET_DRAFT, EngineConfig
 from decodekit.core.engine import Engine
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry

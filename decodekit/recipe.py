@@ -35,9 +35,9 @@ from pydantic import (
     model_validator,
 )
 
+from decodekit.api.config import TARGET_DRAFT, EngineConfig
 from decodekit.api.errors import DecodeKitError, RecipeError
 from decodekit.api.params import SAMPLING_ALIASES, ComponentSpec, SamplingParams
-from decodekit.core.config import TARGET_DRAFT, EngineConfig
 from decodekit.core.plan import Components, Plan
 from decodekit.core.registry import Registry
 from decodekit.recipe_syntax import apply_override, format_validation_errors, parse_yaml, read_text_capped
@@ -406,7 +406,7 @@ _MIN_KV_BYTES_PER_SLOT = 4
 def _check_kv_memory(recipe: Recipe, device: Any) -> list[str]:
     import torch
 
-    from decodekit.core.kv_cache import PagedKVCache
+    from decodekit.execution.attention.kv_cache import PagedKVCache
     from decodekit.models.loader import default_dtype
 
     engine, where = recipe.engine, recipe.source

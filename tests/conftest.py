@@ -93,13 +93,13 @@ def assert_batch_and_ngram_steps_match_transformers(llm, model) -> None:
 def assert_last_logits_and_hidden_match(llm, model, prompt: list[int], cap: float) -> None:
     """One engine step over `prompt` that also returns hidden states gives transformers' last-position logits (all
     within the model's logit `cap`) and its last hidden state (after the final norm: the LM head's input)."""
-    from decodekit.core.runner import ForwardItem
+    from decodekit.execution.runner import ForwardItem
 
     engine = llm.engine
     engine.allocator.allocate(0, [])
     engine.allocator.ensure_slots(0, 0, len(prompt))
     item = ForwardItem(prompt, 0, engine.allocator.block_table(0), 1, 1)
-    logits, hidden = engine.runner.forward_with_hidden([item], [])
+    logits, hidden = engine.model.runner.forward_with_hidden([item], [])
     engine.allocator.free(0)
     with torch.no_grad():
         reference = model(torch.tensor([prompt]), output_hidden_states=True)

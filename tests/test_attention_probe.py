@@ -1,4 +1,4 @@
-"""Each model runs once through a recording attention function when it is loaded (`core/attention_probe.py`): an
+"""Each model runs once through a recording attention function when it is loaded (`execution/attention/probe.py`): an
 attention keyword the paged attention does not implement refuses the model by name instead of serving it wrong
 tokens, and the KV pool gets the width the layers' keys really have."""
 
@@ -13,8 +13,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import UnsupportedModelError
-from decodekit.core.attention_probe import AttentionProbe, probe_attention
-from decodekit.core.runner import model_geometry
+from decodekit.execution.attention.probe import AttentionProbe, probe_attention
+from decodekit.execution.fused.blocks import fused_decoder_refusal
+from decodekit.execution.geometry import model_geometry
 from tests.conftest import hf_greedy, random_prompts
 
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -72,7 +73,7 @@ def test_the_kv_pool_takes_the_width_the_layers_write_when_the_config_misstates_
     as wide as its keys, and every request failed."""
     model = _model("gpt_neox", num_key_value_heads=None)
     model.config.num_key_value_heads = 2
-    assert model_geometry(model).num_kv_heads == 4
+    assert model_geometry(model, fused_decoder_refusal(model)).num_kv_heads == 4
     llm = LLM(model, tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24)
     prompts = random_prompts(4, 3, 30, seed=5)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
@@ -84,8 +85,8 @@ def test_the_probe_runs_once_and_leaves_the_model_as_it_found_it():
     calls: list[int] = []
     model.register_forward_hook(lambda *_: calls.append(1))
     implementation = model.config._attn_implementation
-    first = model_geometry(model)
-    assert model_geometry(model) == first and calls == [1]
+    first = model_geometry(model, fused_decoder_refusal(model))
+    assert model_geometry(model, fused_decoder_refusal(model)) == first and calls == [1]
     assert model.config._attn_implementation == implementation
     assert (first.num_kv_heads, first.head_dim) == (2, 16)
     out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)  # still plain transformers

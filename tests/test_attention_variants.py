@@ -14,8 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import UnsupportedModelError
-from decodekit.core.kv_cache import has_attention_sinks, needs_capped_attention, sliding_window
-from decodekit.core.runner import model_geometry
+from decodekit.execution.attention.kv_cache import has_attention_sinks, needs_capped_attention, sliding_window
+from decodekit.execution.fused.blocks import fused_decoder_refusal
+from decodekit.execution.geometry import model_geometry
 from decodekit.models.tiny import tiny_model
 from tests.conftest import assert_last_logits_and_hidden_match, hf_greedy, random_prompts
 
@@ -155,7 +156,7 @@ def test_the_fused_decoder_attends_each_layers_window(name, native, tokenizer):
     model = variant_model(name)
     llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24,
               fused_decoder=True, native_kernels=native)
-    fused = llm.engine.runner.fused
+    fused = llm.engine.model.runner.fused
     assert fused is not None and (fused.native is not None) == native
     assert any(layer.window for layer in fused.layers)
     prompts = random_prompts(6, 3, 50, seed=7)
@@ -182,4 +183,4 @@ def test_layer_types_the_paged_attention_cannot_serve_are_refused_by_name():
     model = tiny_model("llama")
     model.config.layer_types = ["chunked_attention", "full_attention"]
     with pytest.raises(UnsupportedModelError, match=r"\['chunked_attention'\].*full_attention.*sliding_attention"):
-        model_geometry(model)
+        model_geometry(model, fused_decoder_refusal(model))

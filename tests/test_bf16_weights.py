@@ -13,8 +13,19 @@ from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
-from decodekit.core.native_kernels import PANEL, DecodeAttentionPlan, load_kernels, pack_bf16_panels, pack_int8_panels
-from decodekit.core.weight_matrices import BF16_GEMM_MIN_ROWS, BF16_NATIVE_MAX_ROWS, Bf16Matrix, onednn_bf16_available
+from decodekit.execution.fused.weight_matrices import (
+    BF16_GEMM_MIN_ROWS,
+    BF16_NATIVE_MAX_ROWS,
+    Bf16Matrix,
+    onednn_bf16_available,
+)
+from decodekit.execution.kernels.native import (
+    PANEL,
+    DecodeAttentionPlan,
+    load_kernels,
+    pack_bf16_panels,
+    pack_int8_panels,
+)
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
 
@@ -145,7 +156,7 @@ def test_the_portable_build_without_avx2_gives_the_same_products_and_bf16_cache_
     import platform
     import subprocess
 
-    from decodekit.core.native_kernels import SOURCE, NativeKernels, find_compiler
+    from decodekit.execution.kernels.native import SOURCE, NativeKernels, find_compiler
 
     compiler = find_compiler()
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
@@ -256,11 +267,11 @@ def test_bf16_products_round_the_activations_to_bf16_from_eight_rows_and_keep_fl
 @pytest.mark.parametrize("cpu_has_bf16", [True, False])
 def test_bf16_arithmetic_auto_is_bf16_only_for_a_bfloat16_model_on_a_cpu_with_bf16_dot_products(cpu_has_bf16,
                                                                                                monkeypatch, tokenizer):
-    """The one choice (`runner.wants_bf16_gemm`), on either kind of CPU (the flag is what /proc/cpuinfo says):
+    """The one choice (`execution.plan`), on either kind of CPU (the flag is what /proc/cpuinfo says):
     `auto` follows the model's dtype and the CPU, `float32` never, `bf16` always, with a warning where emulated."""
-    from decodekit.core import runner
+    from decodekit.execution import plan
 
-    monkeypatch.setattr(runner, "cpu_has_bf16_dot_products", lambda: cpu_has_bf16)
+    monkeypatch.setattr(plan, "cpu_has_bf16_dot_products", lambda: cpu_has_bf16)
     bf16_model = tiny_model("llama").to(torch.bfloat16)
 
     def products(model: torch.nn.Module, **options: object) -> str:

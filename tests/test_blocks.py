@@ -1,4 +1,4 @@
-"""Property and unit tests for the pure-Python KV block allocator (`decodekit.core.blocks.BlockAllocator`).
+"""Property and unit tests for the pure-Python KV block allocator (`decodekit.execution.blocks.BlockAllocator`).
 
 `ShadowPool` runs an allocator next to a model of its sequences and of the pool's contents: every slot holds what a
 real model would have written there, namely the token prefix up to and including that position (the K/V at position
@@ -25,7 +25,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from decodekit.core.blocks import BlockAllocator, OutOfBlocksError
+from decodekit.execution.blocks import BlockAllocator, OutOfBlocksError
 
 # A tiny alphabet so random prompts share prefixes (and hit the prefix cache) often.
 TOKENS = st.lists(st.integers(0, 2), max_size=10)

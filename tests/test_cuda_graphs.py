@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
-from decodekit.core.cuda_graphs import MAX_GRAPH_QUERY, DecodeGraphs, batch_buckets
-from decodekit.core.kv_cache import PagedKVCache, build_layout, paged_attention
+from decodekit.execution.attention.kv_cache import PagedKVCache, build_layout, paged_attention
+from decodekit.execution.cuda_graphs import MAX_GRAPH_QUERY, DecodeGraphs, batch_buckets
 from decodekit.models.tiny import tiny_model
 from tests.conftest import random_prompts
 
@@ -59,7 +59,7 @@ def test_token_table_attention_equals_the_padded_group_attention(seqs, seed):
 
 
 def _with_static_buffers(llm: LLM, max_batch: int = 8) -> DecodeGraphs:
-    runner = llm.engine.runner
+    runner = llm.engine.model.runner
     assert runner.fused is not None
     runner.graphs = DecodeGraphs(runner.fused, llm.engine.kv_cache, max_batch, llm.engine.max_model_len,
                                  capture=False)
@@ -123,7 +123,7 @@ def test_hidden_states_from_static_buffer_steps_drive_eagle_like_the_eager_path(
 def test_steps_with_long_chunks_or_too_many_sequences_run_eagerly(tokenizer):
     llm = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB")
     graphs = _with_static_buffers(llm, max_batch=2)
-    from decodekit.core.runner import ForwardItem
+    from decodekit.execution.runner import ForwardItem
 
     assert graphs.accepts([ForwardItem([5], 3, [0], 1), ForwardItem([6], 9, [1], 1)])
     assert graphs.accepts([ForwardItem([5], 3, [0], 1), ForwardItem([6, 7, 8], 9, [1], 3)])  # padded to 3 rows each

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.gpu_attention import TokenTable, attend_tokens, attend_tokens_reference, kernel_available
+from decodekit.execution.attention.gpu import TokenTable, attend_tokens, attend_tokens_reference, kernel_available
 from decodekit.models.tiny import tiny_model
 from tests.conftest import random_prompts
 
@@ -55,8 +55,8 @@ def _engine(model, tokenizer, **options) -> LLM:
 def test_greedy_equals_transformers_generate_batched_and_alone(tokenizer, fused):
     llm = _engine(tiny_model("llama"), tokenizer, fused_decoder=fused, block_size=4)
     reference = tiny_model("llama").cuda()
-    graphs = llm.engine.runner.graphs
-    assert (graphs is not None) == fused and llm.engine.runner.by_token
+    graphs = llm.engine.model.runner.graphs
+    assert (graphs is not None) == fused and llm.engine.model.runner.by_token
     prompts = random_prompts(7, 3, 60, seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     alone = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -109,7 +109,7 @@ def test_beams_and_speculation_with_graphs_equal_transformers_and_plain(tokenize
             "speculative": {"proposer": proposer, "adaptive": True}}))
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
         assert sum(o.metrics.num_accepted_tokens for o in spec) > 0
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_captured >= 3
+    assert llm.engine.model.runner.graphs is not None and llm.engine.model.runner.graphs.num_captured >= 3
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
 
 
@@ -134,4 +134,4 @@ def test_regex_constraints_hold_under_graphs(tokenizer):
     outs = llm.generate(["The quick brown fox"] * len(params), params)
     for out, pattern in zip(outs, patterns):
         assert out.outputs[0].finish_reason == "stop" and re.fullmatch(pattern, out.text), (pattern, out.text)
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_captured > 0
+    assert llm.engine.model.runner.graphs is not None and llm.engine.model.runner.graphs.num_captured > 0

@@ -29,12 +29,12 @@ def fused(request) -> str:
 def _llm(model, tokenizer, fused: str, **options) -> LLM:
     if fused == "transformers":
         llm = LLM(model, tokenizer, dtype="float32", device="cpu", fused_decoder=False, **options)
-        assert llm.engine.runner.fused is None
+        assert llm.engine.model.runner.fused is None
         return llm
     llm = LLM(copy.deepcopy(model), tokenizer, dtype="float32", device="cpu", fused_decoder=True,
               native_kernels=fused == "native", **options)
-    assert llm.engine.runner.fused is not None
-    assert (llm.engine.runner.fused.native is not None) == (fused == "native")
+    assert llm.engine.model.runner.fused is not None
+    assert (llm.engine.model.runner.fused.native is not None) == (fused == "native")
     return llm
 
 

@@ -12,8 +12,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
-from decodekit.core.fused_blocks import fused_decoder_refusal
-from decodekit.core.fused_decoder import FusedDecoder, _rms_norm
+from decodekit.execution.fused.blocks import fused_decoder_refusal
+from decodekit.execution.fused.decoder import FusedDecoder, _rms_norm
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, random_prompts
 
@@ -62,7 +62,7 @@ def test_models_that_cannot_be_fused_say_why_and_still_run_unfused(tokenizer):
     with pytest.raises(ConfigError, match="fused_decoder: GPT2LMHeadModel is not one of"):
         LLM(model, tokenizer, device="cpu", fused_decoder=True)
     llm = LLM(model, tokenizer, device="cpu")
-    assert llm.engine.runner.fused is None
+    assert llm.engine.model.runner.fused is None
     assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
                .token_ids) == 3
     odd_norms = tiny_model("llama")
@@ -74,7 +74,7 @@ def test_models_that_cannot_be_fused_say_why_and_still_run_unfused(tokenizer):
 def test_model_objects_passed_in_keep_their_weights_unless_asked(llama, tokenizer):
     weight = llama.model.layers[0].self_attn.q_proj.weight
     llm = LLM(llama, tokenizer, device="cpu")
-    assert llm.engine.runner.fused is None
+    assert llm.engine.model.runner.fused is None
     assert llama.model.layers[0].self_attn.q_proj.weight is weight and weight.is_contiguous()
 
 
@@ -109,7 +109,7 @@ def test_prepacked_and_blas_weights_give_hf_greedy_tokens_at_every_row_count(mod
     # 12 prompts with a 40-token budget: steps of 1 to 40 rows, so both weight forms serve some products.
     llm = LLM(copy.deepcopy(model), tokenizer, device="cpu", fused_decoder=True, prepack_weights=prepack,
               max_num_batched_tokens=40, block_size=8)
-    assert llm.engine.runner.fused.prepacked is prepack
+    assert llm.engine.model.runner.fused.prepacked is prepack
     prompts = random_prompts(12, 3, 50, seed=11)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     for prompt, out in zip(prompts, outs):
@@ -119,7 +119,7 @@ def test_prepacked_and_blas_weights_give_hf_greedy_tokens_at_every_row_count(mod
 def test_prepacking_is_refused_where_onednn_cannot_serve_it(llama, tokenizer):
     llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="bfloat16", fused_decoder=True,
               prepack_weights=True, native_kernels=False)  # torch's bf16 path (not the native bf16 weights)
-    assert llm.engine.runner.fused.prepacked is False  # bf16 products stay on BLAS
+    assert llm.engine.model.runner.fused.prepacked is False  # bf16 products stay on BLAS
     assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
                .token_ids) == 4
 
@@ -131,7 +131,7 @@ def test_steps_of_mid_prompt_chunks_alone_ask_no_logits_and_run_on_the_native_ke
     model = tiny_model("llama")
     llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=32,
               fused_decoder=True, quantization=quantization)
-    assert llm.engine.runner.fused is not None and llm.engine.runner.fused.native is not None
+    assert llm.engine.model.runner.fused is not None and llm.engine.model.runner.fused.native is not None
     prompt = random_prompts(1, 100, 101, seed=4)[0]
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, logprobs=1))[0]
     assert out.error is None and len(out.token_ids) == 8
@@ -147,7 +147,7 @@ def test_qwen3_runs_fused_with_its_query_and_key_norms_and_equals_transformers(o
     model = tiny_model("qwen3")
     llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=32,
               fused_decoder=True, **options)
-    fused = llm.engine.runner.fused
+    fused = llm.engine.model.runner.fused
     assert fused is not None and all(layer.q_norm is not None for layer in fused.layers)
     if options.get("quantization"):  # bf16 weights: the reference is the same model with bf16-rounded weights
         with torch.no_grad():

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_blocks import fused_decoder_refusal
-from decodekit.core.fused_decoder import _rms_norm
-from decodekit.core.native_kernels import load_kernels
+from decodekit.execution.fused.blocks import fused_decoder_refusal
+from decodekit.execution.fused.decoder import _rms_norm
+from decodekit.execution.kernels.native import load_kernels
 from tests.conftest import (
     assert_batch_and_ngram_steps_match_transformers,
     assert_last_logits_and_hidden_match,
@@ -71,7 +71,7 @@ def test_gemma_through_the_fused_decoder_generates_transformers_tokens(variant, 
     assert fused_decoder_refusal(model) is None
     llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24,
               fused_decoder=True, native_kernels=native)
-    fused = llm.engine.runner.fused
+    fused = llm.engine.model.runner.fused
     assert fused is not None and (fused.native is not None) == native
     assert [layer.rope for layer in fused.layers] == (LOCAL_GLOBAL if variant == "gemma3" else [None] * 3)
     assert [layer.window for layer in fused.layers] == ([None] * 3 if variant == "gemma" else [5, None, 5])
@@ -96,7 +96,7 @@ def test_logits_and_hidden_states_equal_transformers_including_the_logit_cap(var
     model = gemma(variant)
     llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="4MiB", block_size=4, fused_decoder=True,
               native_kernels=native)
-    assert llm.engine.runner.fused is not None
+    assert llm.engine.model.runner.fused is not None
     cap = 6.0 if variant != "gemma" else float("inf")
     assert_last_logits_and_hidden_match(llm, model, random_prompts(1, 12, 13, seed=2)[0], cap=cap)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodekit.core.kv_cache import PagedKVCache, build_layout, paged_attention_forward
+from decodekit.execution.attention.kv_cache import PagedKVCache, build_layout, paged_attention_forward
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 

@@ -13,7 +13,7 @@ import torch
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
-from decodekit.core.runner import kv_cache_dtype
+from decodekit.execution.plan import kv_cache_dtype
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy_bf16_cache, random_prompts
 

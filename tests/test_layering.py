@@ -26,19 +26,28 @@ def test_the_module_map_in_the_architecture_doc_matches_the_code():
 
 @pytest.mark.parametrize(("module", "target", "why"), [
     ("decodekit.api.strategy", "decodekit.core.engine", "layer 0"),
-    ("decodekit.core.engine", "decodekit.llm", "layer 2"),
-    ("decodekit.models.loader", "decodekit.core.runner", "layer 1"),
+    ("decodekit.core.engine", "decodekit.llm", "layer 3"),
+    ("decodekit.models.loader", "decodekit.execution.runner", "layer 1"),
     ("decodekit.core.engine", "decodekit_plugins.speculative", "plugin module"),
-    ("decodekit_plugins.speculative", "decodekit.core.blocks", "public API only"),
+    ("decodekit_plugins.speculative", "decodekit.execution.blocks", "public API only"),
 ])
 def test_an_import_up_the_layers_is_reported(module, target, why):
     found = architecture_map.violations({module: {target}})
     assert len(found) == 1 and why in found[0]
 
 
+def test_an_import_cycle_is_reported_with_its_path():
+    graph = {"decodekit.execution.runner": {"decodekit.execution.cuda_graphs"},
+             "decodekit.execution.cuda_graphs": {"decodekit.execution.items", "decodekit.execution.runner"},
+             "decodekit.execution.items": set()}
+    assert architecture_map.violations(graph) == [
+        "import cycle: decodekit.execution.cuda_graphs -> decodekit.execution.runner -> decodekit.execution.cuda_graphs"]
+
+
 def test_imports_down_the_layers_and_plugin_api_imports_are_allowed():
-    graph = {"decodekit.llm": {"decodekit.core.engine", "decodekit.api.params"},
-             "decodekit.core.engine": {"decodekit.models", "decodekit.api.sequence"},
+    graph = {"decodekit.llm": {"decodekit.core.engine", "decodekit.api.params", "decodekit.execution.plan"},
+             "decodekit.core.engine": {"decodekit.models", "decodekit.api.sequence", "decodekit.execution"},
+             "decodekit.execution.plan": {"decodekit.models.loader", "decodekit.api.config"},
              "decodekit_plugins.beam_search": {"decodekit", "decodekit.api.strategy", "decodekit.models"}}
     assert architecture_map.violations(graph) == []
 
@@ -58,7 +67,7 @@ def test_imports_down_the_layers_and_plugin_api_imports_are_allowed():
     "decodekit.api.constraints:ConstraintSpec", "decodekit.models:ModelLoader", "decodekit.core.engine:Engine",
     "decodekit.api.sequence:Request", "decodekit.api.sequence:RequestOutput",
     "decodekit.api.hookspecs:decodekit_register_processors", "decodekit.api.stopping:StoppingCriterion",
-    "decodekit.api.params:SamplingParams", "decodekit.api.errors:DecodeKitError", "decodekit.core.config:EngineConfig",
+    "decodekit.api.params:SamplingParams", "decodekit.api.errors:DecodeKitError", "decodekit.api.config:EngineConfig",
     "decodekit.core.plugin_manager:get_plugin_manager", "decodekit.core.registry:Registry",
 ])
 def test_every_taught_name_stays_importable_where_the_docs_teach_it(name):

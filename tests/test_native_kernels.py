@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
-from decodekit.core import native_kernels
-from decodekit.core.fused_decoder import _rms_norm, _rotate
-from decodekit.core.native_kernels import (
+from decodekit.execution.kernels import native as native_kernels
+from decodekit.execution.fused.decoder import _rms_norm, _rotate
+from decodekit.execution.kernels.native import (
     DecodeAttentionPlan,
     NativeKernels,
     build_library,
@@ -412,7 +412,7 @@ def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, t
     with pytest.raises(ConfigError, match=r"native_kernels: partial\.so lacks the kernel entry points"):
         LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True, native_kernels=True)
     llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True)
-    assert llm.engine.runner.fused.native is None
+    assert llm.engine.model.runner.fused.native is None
     prompt = random_prompts(1, 5, 20, seed=6)[0]
     assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].token_ids == hf_greedy(llama,
                                                                                                          prompt, 8)
@@ -431,7 +431,7 @@ def test_a_failing_compiler_is_reported_and_the_engine_keeps_torch_ops(llama, to
         with pytest.raises(ConfigError, match=r"(?s)native_kernels: .*failed to build kernels\.c.*compiler is broken"):
             LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True, native_kernels=True)
         llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True)
-        assert llm.engine.runner.fused.native is None
+        assert llm.engine.model.runner.fused.native is None
         prompt = random_prompts(1, 5, 20, seed=5)[0]
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0]
         assert out.token_ids == hf_greedy(llama, prompt, 10)
@@ -445,7 +445,7 @@ def test_native_kernels_can_be_switched_off_by_environment(llama, tokenizer, mon
     try:
         assert load_kernels() == "DECODEKIT_NATIVE_KERNELS=0"
         llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", fused_decoder=True)
-        assert llm.engine.runner.fused.native is None
+        assert llm.engine.model.runner.fused.native is None
     finally:
         native_kernels.load_kernels.cache_clear()
 
@@ -460,7 +460,7 @@ def test_native_kernels_without_the_fused_decoder_run_the_models_own_re_laid_lin
     (tests/test_relaid_linears.py) rather than refusing."""
     model = copy.deepcopy(llama)
     llm = LLM(model, tokenizer, device="cpu", native_kernels=True, kv_cache_memory="4MiB")
-    assert llm.engine.runner.fused is None and "linear layers re-laid" in llm.engine.model.forward_name
+    assert llm.engine.model.runner.fused is None and "linear layers re-laid" in llm.engine.model.forward_name
     prompt = [5, 9, 13, 21]
     assert llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0))[0].token_ids == \
         hf_greedy(llama, prompt, 6)
@@ -472,4 +472,4 @@ def test_native_kernels_refuse_float16_with_a_reason(llama, tokenizer):
         LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="float16", fused_decoder=True,
             native_kernels=True)
     llm = LLM(copy.deepcopy(llama), tokenizer, device="cpu", dtype="float16", fused_decoder=True)
-    assert llm.engine.runner.fused.native is None
+    assert llm.engine.model.runner.fused.native is None

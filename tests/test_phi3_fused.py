@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.fused_blocks import fused_decoder_refusal
-from decodekit.core.native_kernels import load_kernels
+from decodekit.execution.fused.blocks import fused_decoder_refusal
+from decodekit.execution.kernels.native import load_kernels
 from tests.conftest import assert_batch_and_ngram_steps_match_transformers, hf_greedy, random_prompts
 from tests.unfused_models import as_quantized
 
@@ -46,7 +46,7 @@ def test_phi3_through_the_fused_decoder_generates_transformers_tokens(native, to
     model = phi3()
     llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=4, max_num_batched_tokens=24,
               fused_decoder=True, native_kernels=native)
-    fused = llm.engine.runner.fused
+    fused = llm.engine.model.runner.fused
     assert fused is not None and (fused.native is not None) == native
     assert [(layer.q_heads, layer.kv_heads, layer.intermediate, layer.window) for layer in fused.layers] == [
         (4, 2, 128, 9)] * 2
@@ -78,7 +78,7 @@ def test_a_partial_rotary_is_refused_by_the_fused_decoder_and_served_by_transfor
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", block_size=4)
-    assert llm.engine.runner.fused is None
+    assert llm.engine.model.runner.fused is None
     prompts = random_prompts(3, 3, 30, seed=4)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError, RecipeError
-from decodekit.core.native_kernels import load_kernels
-from decodekit.core.weight_matrices import INT8_NATIVE_MAX_ROWS, Bf16Matrix, Int8Matrix
+from decodekit.execution.fused.weight_matrices import INT8_NATIVE_MAX_ROWS, Bf16Matrix, Int8Matrix
+from decodekit.execution.kernels.native import load_kernels
 from decodekit.models.tiny import tiny_model
 from decodekit.recipe import recipe_from_data
 from tests.conftest import hf_greedy, random_prompts
@@ -236,7 +236,7 @@ def test_a_recipe_drafting_with_the_target_must_say_how_to_quantize_it():
 
 
 def test_int8_panels_unpack_to_the_weight_they_packed():
-    from decodekit.core.native_kernels import pack_int8_panels, unpack_int8_panels
+    from decodekit.execution.kernels.native import pack_int8_panels, unpack_int8_panels
 
     for out, width in ((16, 2), (37, 11), (5, 70)):
         weight = torch.randint(-127, 128, (out, width), dtype=torch.int8)

@@ -11,7 +11,7 @@ import torch
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
-from decodekit.core.native_kernels import load_kernels
+from decodekit.execution.kernels.native import load_kernels
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, hf_greedy_bf16_cache, random_prompts
 from tests.unfused_models import UNFUSED_ARCHS, as_quantized, save_unfused, unfused_model
@@ -48,7 +48,7 @@ def test_a_model_the_fused_decoder_cannot_take_generates_transformers_tokens_on_
 def test_a_loaded_model_frees_its_layer_weights_and_keeps_its_embeddings_and_head(saved):
     folder, model = saved
     llm = LLM(str(folder), dtype="float32", quantization="int8", kv_cache_memory="4MiB")
-    loaded = llm.engine.runner.model
+    loaded = llm.engine.model.runner.model
     head, embeddings = loaded.get_output_embeddings(), loaded.get_input_embeddings()
     linears = [m for m in loaded.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     assert linears and all(m.weight.is_meta for m in linears)
@@ -76,7 +76,7 @@ def test_fused_decoder_false_quantizes_a_llama_models_own_linear_layers(quantiza
     reference = as_quantized(model, quantization)
     llm = LLM(model, tokenizer, quantization=quantization, fused_decoder=False, kv_cache_memory="16MiB",
               block_size=4, max_num_batched_tokens=24)
-    assert llm.engine.runner.fused is None and f"in {quantization}" in llm.engine.model.forward_name
+    assert llm.engine.model.runner.fused is None and f"in {quantization}" in llm.engine.model.forward_name
     prompts = random_prompts(5, 3, 40, seed=8)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
     assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 12) for p in prompts]
@@ -117,7 +117,7 @@ def test_a_bfloat16_model_decodekit_loads_runs_bf16_copies_in_float32_and_matche
               max_num_batched_tokens=32, bf16_arithmetic="float32")
     assert llm.engine.config.quantization == "bf16" and llm.engine.model.forward_name.endswith("in bf16)")
     assert llm.engine.kv_cache.pool.dtype == torch.bfloat16
-    assert llm.engine.runner.model.get_input_embeddings().weight.dtype == torch.float32
+    assert llm.engine.model.runner.model.get_input_embeddings().weight.dtype == torch.float32
     prompts = random_prompts(5, 3, 50, seed=12)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
     assert [o.token_ids for o in outs] == [hf_greedy_bf16_cache(reference, p, 12) for p in prompts]

@@ -19,10 +19,10 @@ from decodekit.api.errors import ConfigError, RecipeError
 from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from decodekit.batch.rows import read_rows
 from decodekit.cli import app, render_summary
-from decodekit.core.kv_cache import PagedKVCache
 from decodekit.core.plan import Components
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
+from decodekit.execution.attention.kv_cache import PagedKVCache
 from decodekit.recipe import load_recipe
 from decodekit.recipe_runner import read_inputs, summarize
 from tests.conftest import assert_idle

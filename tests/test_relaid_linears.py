@@ -46,7 +46,7 @@ def test_speculative_verification_on_re_laid_linears_is_lossless(saved):
 def test_re_laying_keeps_every_weight_value_and_a_tied_head_tied(saved):
     folder, reference = saved
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB")
-    model = llm.engine.runner.model
+    model = llm.engine.model.runner.model
     for (name, want), got in zip(reference.state_dict().items(), model.state_dict().values()):
         assert torch.equal(want, got), name
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Request, Sequence, SequenceStatus
-from decodekit.core.blocks import BlockAllocator
 from decodekit.core.scheduler import ScheduledSequence, Scheduler
+from decodekit.execution.blocks import BlockAllocator
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, priority: int = 0,

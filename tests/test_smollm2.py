@@ -19,8 +19,8 @@ TOPICS = ["the ocean", "a violin", "Mount Everest", "bread", "the Moon", "a bicy
 @pytest.fixture(scope="module")
 def smol() -> LLM:
     llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_num_batched_tokens=96)
-    assert llm.engine.runner.fused is not None, "the bundled model should run the fused decoder"
-    assert llm.engine.runner.fused.native is not None, "and its native kernels (float32 on a CPU with a compiler)"
+    assert llm.engine.model.runner.fused is not None, "the bundled model should run the fused decoder"
+    assert llm.engine.model.runner.fused.native is not None, "and its native kernels (float32 on a CPU with a compiler)"
     return llm
 
 

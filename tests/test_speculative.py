@@ -339,7 +339,7 @@ def test_an_unfusable_draft_beside_a_fused_target_runs_unfused_and_stays_lossles
         assert [o.error for o in spec] == [None] * len(prompts)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     proposer = llm.engine.components.get("proposers", "draft")
-    assert llm.engine.runner.fused is not None and proposer.model.runner.fused is None
+    assert llm.engine.model.runner.fused is not None and proposer.model.runner.fused is None
 
 
 def test_a_draft_model_object_is_fused_when_asked_and_says_how_when_not(tokenizer, caplog):

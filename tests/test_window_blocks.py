@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
-from decodekit.core.kv_cache import uniform_window
+from decodekit.execution.attention.kv_cache import uniform_window
 from decodekit.models.tiny import tiny_model
 from tests.conftest import hf_greedy, random_prompts
 from tests.test_attention_variants import variant_model

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from decodekit.core.native_kernels import load_kernels
-from decodekit.core.weight_matrices import Int8Matrix
+from decodekit.execution.fused.weight_matrices import Int8Matrix
+from decodekit.execution.kernels.native import load_kernels
 
 SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -34,7 +34,7 @@ def unfused_model(arch: str) -> Any:
 def save_unfused(arch: str, folder: Any) -> Any:
     """Save `unfused_model(arch)` and the tiny tokenizer as a local HF folder (a model decodekit loads is its own to
     re-lay and quantize); returns the model as saved."""
-    from decodekit.core.fused_blocks import fused_decoder_refusal
+    from decodekit.execution.fused.blocks import fused_decoder_refusal
     from decodekit.models.tiny import tiny_tokenizer
 
     model = unfused_model(arch)

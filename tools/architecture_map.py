@@ -6,11 +6,15 @@
 
 Layers, lowest first; a module may import its own layer and those below it, never above:
 
-0. `decodekit.api`: the public plugin API (contracts, parameters, errors, the testing kit);
+0. `decodekit.api`: the public plugin API (contracts, parameters, errors, the engine's options);
 1. `decodekit.models`: model loading;
-2. `decodekit.core`: the engine;
-3. the front-ends: every other module of `decodekit` (`LLM`/`AsyncLLM`, recipes, the CLI, the benchmarks, the
+2. `decodekit.execution`: model execution (how a model runs, its paged KV pool, the fused decoder, the kernels);
+3. `decodekit.core`: the engine (the step loop, its stages, the scheduler, plans of requests, the registry);
+4. the front-ends: every other module of `decodekit` (`LLM`/`AsyncLLM`, recipes, the CLI, the benchmarks, the
    package's re-exports).
+
+Two more rules: the engine imports model execution through its face only (`decodekit.execution` itself, never a
+module inside it), and no module imports itself back through others (no import cycles, lazy imports included).
 
 decodekit's own plugins (`decodekit_plugins`) are written like a third party's: they may import `decodekit` (the
 package's re-exports), `decodekit.api`, `decodekit.models` and each other, never `decodekit.core`.
@@ -26,8 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
 SOURCES = (ROOT / "decodekit", ROOT / "plugins" / "decodekit_plugins")
-LAYERS = {"api": 0, "models": 1, "core": 2}
-FRONT_END = 3
+LAYERS = {"api": 0, "models": 1, "execution": 2, "core": 3}
+FRONT_END = 4
+FACES = {"decodekit.execution": "decodekit.core"}
+"""Packages that a layer above imports through their face only (the package itself): face -> that layer."""
 PLUGIN_MAY_IMPORT = ("decodekit.api", "decodekit.models", "decodekit_plugins")  # and `decodekit` itself
 _ROW = re.compile(r"^\| `([^`]+)` \| (.*) \| (.*) \|$")
 
@@ -95,7 +101,70 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                 out.append(f"{module} imports the plugin module {target}")
             elif (layer(target) or 0) > own:
                 out.append(f"{module} (layer {own}) imports {target} (layer {layer(target)})")
-    return out
+            else:
+                out.extend(f"{module} imports {target}: {user} imports {face} through its face only ({face})"
+                           for face, user in FACES.items()
+                           if module.startswith(user + ".") and target.startswith(face + "."))
+    return out + [f"import cycle: {' -> '.join(cycle)}" for cycle in cycles(graph)]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph`: one per strongly connected group of modules, each as a path that returns to
+    its start (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(_cycle_path(sorted(group), graph))
+    return groups
+
+
+def _cycle_path(group: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """A path through `group` (a strongly connected set) from its first module back to it."""
+    members, start = set(group), group[0]
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for target in sorted(graph.get(node, ()) & members):
+            if target == start:
+                return [*paths[node], start]
+            if target not in paths:
+                paths[target] = [*paths[node], target]
+                queue.append(target)
+    return group
 
 
 def graph() -> dict[str, set[str]]:

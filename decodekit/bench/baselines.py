@@ -78,7 +78,7 @@ class System:
 def _linears_relayable(model: Any) -> bool:
     """Whether decodekit would re-lay this (unfused) model's linear layers had it loaded the model itself: float32
     on a CPU where the native kernels build."""
-    from decodekit.core.native_kernels import load_kernels
+    from decodekit.execution.kernels.native import load_kernels
 
     head = model.get_output_embeddings()
     return (head is not None and head.weight.dtype == torch.float32 and head.weight.device.type == "cpu"
@@ -98,7 +98,7 @@ class DecodekitSystem(System):
     batch_size: int | None = None  # None: every request at once; else groups of this many, one after another
 
     def __init__(self, model: Any, tokenizer: Any, dtype: Any, engine_options: dict[str, Any]) -> None:
-        from decodekit.core.fused_blocks import fused_decoder_refusal
+        from decodekit.execution.fused.blocks import fused_decoder_refusal
         from decodekit.llm import LLM
 
         notes: list[str] = []
@@ -114,7 +114,7 @@ class DecodekitSystem(System):
             engine_options = {**engine_options, "native_kernels": True}
             notes.append("linear layers re-laid on its own copy of the weights (the process holds the model twice)")
         self.llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, **engine_options)
-        fused = self.llm.engine.runner.fused
+        fused = self.llm.engine.model.runner.fused
         if fused is not None:
             notes.append("native kernels for small ops: " + ("on" if fused.native is not None else "off"))
         self.notes = tuple(notes)
@@ -263,7 +263,7 @@ class HFContinuousBatchingSystem(System):
     def __init__(self, model: Any, engine_options: dict[str, Any], page_size: int = 256) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        from decodekit.core.config import EngineConfig
+        from decodekit.api.config import EngineConfig
 
         self.model = model
         config = EngineConfig(**engine_options)

@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from decodekit.api.config import EngineConfig
 from decodekit.bench.baselines import DecodekitSystem, HFGenerateSystem, OnDone, RunRecord, System, kv_bytes_per_token
 from decodekit.bench.harness import checked_engine_options, measure, torch_threads
 from decodekit.bench.machine import environment, machine_line
@@ -54,7 +55,6 @@ from decodekit.bench.workloads import (
     safe_token_pool,
     summary_texts,
 )
-from decodekit.core.config import EngineConfig
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
 from decodekit.models.loader import resolve_dtype
 from decodekit.tables import print_table

@@ -683,7 +683,7 @@ def run_serve_benchmark(
     """
     import torch
 
-    from decodekit.core.config import EngineConfig
+    from decodekit.api.config import EngineConfig
     from decodekit.models.loader import resolve_dtype
     from decodekit.recipe import load_recipe
 

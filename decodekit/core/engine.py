@@ -16,18 +16,15 @@ import pluggy
 import torch
 
 from decodekit.api.components import ComponentInfo
+from decodekit.api.config import EngineConfig
 from decodekit.api.models import LoadedModel
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Request, RequestOutput, Sequence
-from decodekit.core.config import EngineConfig
 from decodekit.core.hooks import LifecycleHooks
-from decodekit.core.kv_cache import uniform_window
 from decodekit.core.logprobs import record_prompt_logprobs, trim_logprobs
-from decodekit.core.paged_model import PagedModel, kv_pool_blocks
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
 from decodekit.core.requests import RequestLifecycle
-from decodekit.core.runner import bf16_weights_on_cpu, draft_config, kv_cache_dtype, model_geometry
 from decodekit.core.scheduler import Scheduler
 from decodekit.core.stages import Failure
 from decodekit.core.stages.emit import OutputEmitter
@@ -38,6 +35,7 @@ from decodekit.core.stages.select import select
 from decodekit.core.stages.stop import StopStage
 from decodekit.core.step_context import CandidateOrigin, EngineStepContext, StepRecord
 from decodekit.core.trace import record_stops
+from decodekit.execution import ExecutionPlan, ModelExecutor, plan_execution
 
 log = logging.getLogger("decodekit.engine")
 
@@ -55,19 +53,21 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, registry: Registry,
                  plugin_manager: pluggy.PluginManager, draft: LoadedModel | None = None) -> None:
-        config = bf16_weights_on_cpu(loaded, config)
+        # how the model (and its draft) runs, decided once: everything below reads this plan
+        self.plan: ExecutionPlan = plan_execution(loaded, config, draft)
+        config = self.plan.config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = config
         self.registry = registry
         self.hooks = LifecycleHooks(plugin_manager, self)
-        geometry = model_geometry(loaded.model)
-        self.max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
+        geometry = self.plan.geometry
+        self.max_model_len = self.plan.max_model_len
         # a self-draft (the same module) still reads the module's weights when it is built
-        self.model = PagedModel(loaded, config, kv_pool_blocks(geometry, kv_cache_dtype(loaded, config), config),
-                                release_sources=draft is None or draft.model is not loaded.model)
-        self.allocator, self.kv_cache, self.runner = self.model.allocator, self.model.kv_cache, self.model.runner
-        window = uniform_window(loaded.model)
+        self.model = ModelExecutor(loaded, self.plan, self.plan.kv_pool_blocks(),
+                                   release_sources=draft is None or draft.model is not loaded.model)
+        self.allocator, self.kv_cache = self.model.allocator, self.model.kv_cache
+        window = self.plan.window
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, window=window)
         # One sequence must fit the pool, or it would fail mid-generation with its output lost: the context is
@@ -84,14 +84,12 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(loaded)
         self.vocab_size = geometry.vocab_size
         self.draft = draft
-        # the draft's options, checked now: a draft the fused decoder cannot take is refused here, not at the
-        # first speculative request
-        self.draft_config = draft_config(config, draft, loaded) if draft is not None else None
+        self.draft_config = self.plan.draft.config if self.plan.draft is not None else None
         self.components = Components(registry, ComponentInfo(
             loaded.tokenizer, self.vocab_size, self.eos_token_ids, loaded.device, loaded.name, draft,
             open_model=self._open_model, target=loaded))
         self.processing = Processing(self.eos_token_ids, loaded.device, loaded.tokenizer)
-        self.forward = ForwardStage(self.runner, self.allocator, self.scheduler,
+        self.forward = ForwardStage(self.model, self.scheduler,
                                     lambda request, start, rows: record_prompt_logprobs(request, start, rows,
                                                                                         self.tokenizer))
         self.stop = StopStage(self.scheduler, self.eos_token_ids, self.max_model_len)
@@ -109,12 +107,13 @@ class Engine:
                  self.max_model_len, self.model.forward_name)
         self.hooks.engine_started()
 
-    def _open_model(self, loaded: LoadedModel) -> PagedModel:
-        # A proposer's own model: a KV pool with as many blocks as the engine's, under the engine's options (the
-        # draft's own fused-decoder choice for the draft).
-        config = self.draft_config if loaded is self.draft and self.draft_config is not None else self.config
-        return PagedModel(loaded, config, self.allocator.num_blocks,
-                          release_sources=loaded.model is not self.loaded.model)
+    def _open_model(self, loaded: LoadedModel) -> ModelExecutor:
+        # A proposer's own model: a KV pool with as many blocks as the engine's, run as its plan says (the draft's
+        # own, made with the engine's; another model's under the engine's options).
+        plan = self.plan.draft if loaded is self.draft and self.plan.draft is not None else \
+            self.plan.for_model(loaded)
+        return ModelExecutor(loaded, plan, self.allocator.num_blocks,
+                             release_sources=loaded.model is not self.loaded.model)
 
     def _on_final(self, request: Request, output: RequestOutput) -> None:
         self.hooks.request_finished(request, output)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from decodekit.api.sequence import Request, Sequence, SequenceStatus
 from decodekit.core import drafts
-from decodekit.core.blocks import BlockAllocator
+from decodekit.execution import BlockAllocator
 
 
 @dataclass

@@ -65,14 +65,14 @@ CPU_AUTO_FLOAT32_REASON = ("this CPU has no bf16 dot products (AVX512-BF16 or AM
                            "float32 arithmetic: float32, which gives transformers' float32 tokens exactly; "
                            "dtype='bfloat16' halves the bytes read (1.9x at batch 1 on a 2-core AVX2 CPU, 99% greedy "
                            "top-1 agreement): pass it to choose speed")
-"""Why `auto` is float32 on a CPU without bf16 dot products (`runner.bf16_weights_on_cpu`; figures in
+"""Why `auto` is float32 on a CPU without bf16 dot products (`execution.plan`; figures in
 docs/benchmarks.md)."""
 
 CPU_AUTO_BF16_REASON = ("this CPU has bf16 dot products (AVX512-BF16 or AMX): bfloat16, as vLLM's CPU default, "
                         "measured 1.5x float32 on batched steps and 1.8x at batch 1 on the bundled model (bf16 "
                         "weights; batched products on the CPU's bf16 GEMM, single rows and the residual stream in "
                         "float32); dtype='float32' gives transformers' float32 tokens exactly")
-"""Why `auto` is bfloat16 on a CPU with bf16 dot products (`runner.wants_bf16_gemm`; figures in docs/benchmarks.md)."""
+"""Why `auto` is bfloat16 on a CPU with bf16 dot products (`execution.plan`; figures in docs/benchmarks.md)."""
 
 
 def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
@@ -100,7 +100,7 @@ CPU_AUTO_NO_KERNELS_REASON = ("this CPU has bf16 dot products, but no C compiler
 
 def _native_kernels_possible() -> bool:
     """Whether decodekit's native kernels can be built here, as far as the loader can tell without building them
-    (`core.native_kernels.load_kernels` decides for good): not switched off by `DECODEKIT_NATIVE_KERNELS`, and a C
+    (`execution.kernels.native.load_kernels` decides for good): not switched off by `DECODEKIT_NATIVE_KERNELS`, and a C
     compiler (`$CC`, cc, gcc or clang) on PATH."""
     if os.environ.get("DECODEKIT_NATIVE_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         return False

@@ -17,8 +17,6 @@ import torch
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import HiddenStates
 from decodekit.core import drafts
-from decodekit.core.blocks import BlockAllocator
-from decodekit.core.runner import ForwardItem, ModelRunner
 from decodekit.core.scheduler import (
     ScheduledSequence,
     Scheduler,
@@ -27,6 +25,7 @@ from decodekit.core.scheduler import (
     wants_hidden_states,
 )
 from decodekit.core.stages import Failure
+from decodekit.execution import ForwardItem, ModelExecutor
 
 log = logging.getLogger("decodekit.engine")
 
@@ -75,15 +74,15 @@ class ForwardStage:
     """Turns a `SchedulerOutput` into model inputs, runs the model, and reports progress to the scheduler.
 
     Args:
-        runner: the model runner (fused or transformers forward over the paged KV cache).
-        allocator: read for block tables and pending copy-on-write copies.
+        model: the model and its paged KV pool; its allocator is read for block tables and pending copy-on-write
+            copies.
         scheduler: told how far each sequence got.
     """
 
-    def __init__(self, runner: ModelRunner, allocator: BlockAllocator, scheduler: Scheduler,
+    def __init__(self, model: ModelExecutor, scheduler: Scheduler,
                  on_prompt_rows: Callable[[Request, int, torch.Tensor], None] | None = None) -> None:
-        self.runner = runner
-        self.allocator = allocator
+        self.model = model
+        self.allocator = model.allocator
         self.scheduler = scheduler
         self.on_prompt_rows = on_prompt_rows
         # hidden states of a chunked prompt's earlier chunks, until its last chunk completes: (start, [rows])
@@ -104,7 +103,7 @@ class ForwardStage:
             for s, rows in zip(sched.scheduled, prompt_rows)
         ]
         try:
-            logits, hidden = self.runner.forward_with_hidden(items, self.allocator.take_pending_copies())
+            logits, hidden = self.model.run(items, self.allocator.take_pending_copies())
         except Exception as exc:
             log.exception("forward pass failed")
             requests = {s.seq.request.request_id: s.seq.request for s in sched.scheduled}.values()

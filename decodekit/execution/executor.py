@@ -1,7 +1,8 @@
-"""A model with its own paged KV cache: the engine's target model, or a proposer's draft model.
+"""Model execution's face to the engine: a model with its own paged KV cache, run the way its plan says.
 
-`PagedModel` bundles a `BlockAllocator`, a `PagedKVCache` and the `ModelRunner` that decides how the model runs
-(fused decoder or transformers forward). The engine's scheduler drives the target's blocks itself; a proposer
+`ModelExecutor` bundles a `BlockAllocator`, a `PagedKVCache` and the `ModelRunner`, all built from the model's
+`ExecutionPlan` (`plan.py`: fused decoder or transformers forward, kernels, weight format, KV dtype); it is the
+engine's target model, or a proposer's draft model. The engine's scheduler drives the target's blocks itself; a proposer
 drives its own model by sequence (`decodekit.api.proposer.ProposerModel`: `reserve`, `forward`, `truncate`,
 `release`), opening it through `ComponentInfo.open_model`.
 """
@@ -15,49 +16,39 @@ import torch
 
 from decodekit.api.errors import ConfigError
 from decodekit.api.models import LoadedModel
-from decodekit.core.blocks import BlockAllocator
-from decodekit.core.config import EngineConfig
-from decodekit.core.fused_decoder import release_layer_weights
-from decodekit.core.kv_cache import PagedKVCache
-from decodekit.core.runner import ForwardItem, ModelGeometry, build_runner, kv_cache_dtype, model_geometry
+from decodekit.execution.attention.kv_cache import PagedKVCache
+from decodekit.execution.blocks import BlockAllocator
+from decodekit.execution.fused.decoder import release_layer_weights
+from decodekit.execution.fused.relaid_linears import relay_linears
+from decodekit.execution.items import ForwardItem
+from decodekit.execution.plan import ExecutionPlan, RelayPlan
+from decodekit.execution.runner import ModelRunner
 
 log = logging.getLogger("decodekit.engine")
 
 
-def kv_pool_blocks(geometry: ModelGeometry, dtype: torch.dtype, config: EngineConfig) -> int:
-    """How many KV blocks `config.kv_cache_memory` holds for a model of this geometry.
-
-    Raises:
-        ConfigError: fewer than two blocks fit.
-    """
-    per_block = PagedKVCache.bytes_per_token(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
-                                             dtype) * config.block_size
-    num_blocks = config.kv_cache_memory // per_block
-    if num_blocks < 2:
-        raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes holds fewer than 2 blocks of "
-                          f"{per_block} bytes; raise it")
-    return num_blocks
-
-
-class PagedModel:
-    """A model, its KV pool of `num_blocks` blocks, the allocator of those blocks, and its runner.
+class ModelExecutor:
+    """A model, its KV pool of `num_blocks` blocks, the allocator of those blocks, and its runner, as `plan` says.
 
     Args:
         loaded: the model.
-        config: the engine's options (block size, fused decoder, prepacking, native kernels).
+        plan: how it runs (`plan_execution`).
         num_blocks: KV blocks in the pool.
         release_sources: free the module's layer weights once quantized copies serve them
             (`fused_decoder.release_layer_weights`), where decodekit loaded the model itself; False where another
             part still reads them (a self-draft of the same module).
     """
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, num_blocks: int,
+    def __init__(self, loaded: LoadedModel, plan: ExecutionPlan, num_blocks: int,
                  release_sources: bool = False) -> None:
-        geometry = model_geometry(loaded.model)
+        geometry, config = plan.geometry, plan.config
+        self.plan = plan
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.kv_cache = PagedKVCache(geometry.num_layers, num_blocks, config.block_size, geometry.num_kv_heads,
-                                     geometry.head_dim, kv_cache_dtype(loaded, config), loaded.device)
-        self.runner = build_runner(loaded, self.kv_cache, config)
+                                     geometry.head_dim, plan.kv_dtype, loaded.device)
+        if plan.relay is not None:
+            _relay_unfused_linears(loaded, plan.relay)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, plan)
         fused = self.runner.fused
         if release_sources and loaded.owned and fused is not None and fused.quantization is not None:
             freed = release_layer_weights(loaded.model)
@@ -65,6 +56,13 @@ class PagedModel:
                      loaded.name, freed / 2**20, fused.quantization)
         self._cached: dict[int, int] = {}  # a proposer's sequences: tokens whose keys/values are stored
         self._tokens: dict[int, list[int]] = {}  # ... and those tokens, for the prefix cache's block hashes
+
+    def run(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One packed forward of the engine's scheduled items over this pool (after the pending copy-on-write
+        `block_copies`): float32 logits of the positions the items ask for, and the last hidden states where an
+        item asks for them (None when none does)."""
+        return self.runner.forward_with_hidden(items, block_copies)
 
     @property
     def forward_name(self) -> str:
@@ -137,3 +135,28 @@ class PagedModel:
         self._tokens.pop(key, None)
         if self.allocator.has(key):
             self.allocator.free(key)
+
+
+def _relay_unfused_linears(loaded: LoadedModel, relay: RelayPlan) -> int:
+    """Re-lay the linear layers of a model that runs its own forward, as `relay` says (`relaid_linears`); returns how
+    many layers now run this way.
+
+    Raises:
+        ConfigError: the same model object already multiplies another weight format for another engine.
+    """
+    model = loaded.model
+    quantization = relay.quantization
+    routed: tuple[int, str | None] | None = getattr(model, "decodekit_relaid_linears", None)
+    if routed is not None:  # the same model object in a second engine: its layers already run their products
+        if routed[1] != quantization:
+            raise ConfigError(f"quantization {quantization!r}: this model object's linear layers already multiply "
+                              f"{routed[1] or 'float32'} products for another engine; load a fresh copy")
+        return routed[0]
+    count = relay_linears(model, relay.prepack, relay.kernels, quantization, release=loaded.owned,
+                          bf16_gemm=relay.bf16_gemm)
+    if relay.widen:
+        model.float()
+    model.decodekit_relaid_linears = (count, quantization)
+    log.info("%s runs its own forward; %d linear layers %s", loaded.name, count,
+             f"multiply {quantization} copies" if quantization else "re-laid for the native single-row products")
+    return count

@@ -5,7 +5,7 @@
  * in four calls per layer (two RMSNorms, RoPE + KV write + attention, SiLU-gating). The float32 products of
  * several rows stay with torch's BLAS / oneDNN; single rows (dk_gemv) and the bf16 and int8 products are here.
  *
- * Built at first use by decodekit/core/native_kernels.py with the system C compiler (-O3 -march=native
+ * Built at first use by decodekit/execution/kernels/native.py with the system C compiler (-O3 -march=native
  * -ffp-contract=off) and loaded through ctypes: no Python or torch headers, so a compile takes well under a
  * second. -ffp-contract=off keeps `a*b + c*d` as two roundings, so RoPE is bit-identical to transformers'; the
  * reductions (RMSNorm's mean, attention's dots and softmax) are summed in another order than torch's and may

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from decodekit.core.fused_decoder import _trim_heap, relay_column_major
-from decodekit.core.native_kernels import NativeKernels
-from decodekit.core.weight_matrices import Matrix, quantized_matrix
+from decodekit.execution.fused.decoder import _trim_heap, relay_column_major
+from decodekit.execution.fused.weight_matrices import Matrix, quantized_matrix
+from decodekit.execution.kernels.native import NativeKernels
 
 
 def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quantization: str | None = None,

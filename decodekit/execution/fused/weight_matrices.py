@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from decodekit.core.native_kernels import (
+from decodekit.execution.kernels.native import (
     GEMV_MAX_ROWS,
     PANEL,
     NativeKernels,
@@ -150,7 +150,7 @@ class Bf16Matrix:
     weights bf16 represents). Up to `BF16_NATIVE_MAX_ROWS` rows run `dk_linear_bf16`, which reads the panels front
     to back; more rows take `_dequantized_mm`.
 
-    With `bf16_gemm` (`runner.wants_bf16_gemm`: a bfloat16 model on a CPU with bf16 dot products), products of
+    With `bf16_gemm` (`execution.plan`: a bfloat16 model on a CPU with bf16 dot products), products of
     `BF16_GEMM_MIN_ROWS` rows or more run oneDNN's bf16 GEMM on a prepacked copy of the weight instead: the
     activations are rounded to bf16 at the product's input (as vLLM's and transformers' bf16 arithmetic rounds
     them), accumulated in float32 and rounded to bf16 at its output, then widened; bias and residual are added in

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decodekit.core.gpu_attention import TokenTable
-from decodekit.core.kv_cache import AttentionLayout, PagedKVCache
+from decodekit.execution.attention.gpu import TokenTable
+from decodekit.execution.attention.kv_cache import AttentionLayout, PagedKVCache
 
 if TYPE_CHECKING:
-    from decodekit.core.fused_decoder import FusedDecoder
-    from decodekit.core.runner import ForwardItem
+    from decodekit.execution.fused.decoder import FusedDecoder
+    from decodekit.execution.items import ForwardItem
 
 log = logging.getLogger("decodekit.cuda_graphs")
 

@@ -43,8 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodekit.core import gpu_ops
-from decodekit.core.fused_blocks import (
+from decodekit.execution.attention.gpu import attend_tokens, kernel_available
+from decodekit.execution.attention.kv_cache import PagedKVCache, attend_chunks, paged_attention
+from decodekit.execution.fused.blocks import (
     GEMMA3_BLOCK_ARCHITECTURES,
     GEMMA_ARCHITECTURES,
     block_fields,
@@ -56,10 +57,9 @@ from decodekit.core.fused_blocks import (
     projections,
     qkv_bias_of,
 )
-from decodekit.core.gpu_attention import attend_tokens, kernel_available
-from decodekit.core.kv_cache import PagedKVCache, attend_chunks, paged_attention
-from decodekit.core.native_kernels import DecodeAttentionPlan, NativeKernels
-from decodekit.core.weight_matrices import QUANTIZATIONS, AnyMatrix, Matrix, MatrixMaker, quantized_matrix
+from decodekit.execution.fused.weight_matrices import QUANTIZATIONS, AnyMatrix, Matrix, MatrixMaker, quantized_matrix
+from decodekit.execution.kernels import gpu_ops
+from decodekit.execution.kernels.native import DecodeAttentionPlan, NativeKernels
 
 # SiLU-gating of more rows than this stays in torch: its `exp` is vectorized (and threaded), the native one is a
 # scalar `expf` per element, which only wins while dispatch dominates.
@@ -207,7 +207,7 @@ class FusedDecoder:
                              "on its native kernels (float32 on a CPU with a C compiler)")
         self.native = native
         self.quantization = quantization
-        # bf16 copies multiply several rows on the CPU's bf16 dot products (`runner.wants_bf16_gemm`)
+        # bf16 copies multiply several rows on the CPU's bf16 dot products (`execution.plan`)
         self.bf16_gemm = bf16_gemm and quantization == "bf16"
         head_dim = model.model.layers[0].self_attn.head_dim
         gemma = type(model).__name__ in GEMMA_ARCHITECTURES
@@ -222,7 +222,7 @@ class FusedDecoder:
         self.rope_types: list[str] | None = sorted(set(model.config.layer_types)) if by_type else None
         self.final_softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         # quantized copies are multiplied in float32 whatever the model's dtype (a bf16 model on a CPU: see
-        # `runner.bf16_weights_on_cpu`), so the embeddings and norms they meet are float32 too
+        # `execution.plan`), so the embeddings and norms they meet are float32 too
         self.dtype = torch.float32 if quantization is not None else weight.dtype
         # Gemma's (1 + w) stays float32: `_rms_norm` then multiplies before rounding to the activations' dtype
         self.final_norm = norm_weight(base.norm, gemma) if gemma else base.norm.weight.to(self.dtype)

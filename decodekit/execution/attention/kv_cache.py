@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from decodekit.core.gpu_attention import TokenTable, attend_tokens
+from decodekit.execution.attention.gpu import TokenTable, attend_tokens
 
 ATTENTION_NAME = "decodekit_paged"
 # transformers' `config.layer_types` values the paged attention serves
@@ -122,7 +122,7 @@ class AttentionLayout:
     # or output scatter is needed.
     in_order: bool = False
     # The GPU path: every short-query token attended in place by the token-table kernel
-    # (`decodekit.core.gpu_attention`) instead of `groups`; chunk tokens have limit 0 there and `chunks` fills them.
+    # (`execution.attention.gpu`) instead of `groups`; chunk tokens have limit 0 there and `chunks` fills them.
     token_table: TokenTable | None = None
 
 
@@ -346,7 +346,7 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
     `sliding_window`); with a `softcap`, scores are capped to `softcap * tanh(score / softcap)`; with `sinks`
     (`[heads]`), each head's softmax has one more logit, whose weight is dropped (gpt-oss). Returns
     `[T, heads, head_dim]`. Shared by the transformers attention function above and the fused decoder
-    (`decodekit/core/fused_decoder.py`).
+    (`decodekit/execution/fused/decoder.py`).
     """
     layout = cache.layout
     assert layout is not None, "paged_attention called outside an engine forward"

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from decodekit.core.gpu_attention import next_power_of_2 as _next_power_of_2
+from decodekit.execution.attention.gpu import next_power_of_2 as _next_power_of_2
 
 
 @functools.cache

@@ -17,7 +17,7 @@ and the products of int8 and bf16 weights (`quantization: int8 | bf16`), packed 
 They take raw pointers: every tensor passed must be float32 (int64 for the index arrays, int8 or bf16 for packed
 weights), contiguous, and on the CPU. The wrappers below make inputs contiguous and check the attention's and the
 panels' shapes; dtype and device are checked once, when the fused decoder is built with them (`FusedDecoder`,
-`runner.wants_native_kernels`).
+`execution.plan`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from decodekit.core.kv_cache import BATCHED_MAX_QUERY
+from decodekit.execution.attention.kv_cache import BATCHED_MAX_QUERY
 from decodekit.models.loader import cache_dir
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"

@@ -1,11 +1,11 @@
 """Paged attention by token table: each packed query token reads its own sequence's keys through the block table.
 
 This is the GPU path's attention (issue 19). The CPU path pads each group of sequences and attends with SDPA over
-gathered blocks (`decodekit.core.kv_cache`). The GPU path uses a Triton kernel instead. Each program takes one query
+gathered blocks (`attention.kv_cache`). The GPU path uses a Triton kernel instead. Each program takes one query
 token and one KV head: it walks the token's block-table row, reads the keys and values in place from the pool, and
 runs an online softmax. Nothing is gathered or padded, and no mask is built. Every input is a tensor of fixed shape
 (`TokenTable`), so the same launch can be captured once in a CUDA graph and replayed for any contexts
-(`decodekit.core.cuda_graphs`).
+(`decodekit.execution.cuda_graphs`).
 
 A token with `key_limits[t] == 0` is padding: it attends to nothing and its output is zeros. The graphs' padded rows
 rely on this. Long prefill chunks still go through SDPA (`attend_chunks`), which tiles queries; this kernel runs

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from decodekit.core.kv_cache import sliding_window
+from decodekit.execution.attention.kv_cache import sliding_window
 
 # Causal LMs whose decoder layers are exactly the Llama block (checked again module by module below).
 LLAMA_BLOCK_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
