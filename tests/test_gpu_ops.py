@@ -17,8 +17,8 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from decodekit.execution.kernels import gpu_ops
 from decodekit.execution.fused.decoder import _rms_norm, _rotate, _silu_gate
+from decodekit.execution.kernels import gpu_ops
 
 # marked `cuda`: run with `pytest -m cuda` on a GPU, or `TRITON_INTERPRET=1 pytest -m cuda` on a CPU with Triton
 pytestmark = pytest.mark.cuda

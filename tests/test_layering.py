@@ -40,8 +40,8 @@ def test_an_import_cycle_is_reported_with_its_path():
     graph = {"decodekit.execution.runner": {"decodekit.execution.cuda_graphs"},
              "decodekit.execution.cuda_graphs": {"decodekit.execution.items", "decodekit.execution.runner"},
              "decodekit.execution.items": set()}
-    assert architecture_map.violations(graph) == [
-        "import cycle: decodekit.execution.cuda_graphs -> decodekit.execution.runner -> decodekit.execution.cuda_graphs"]
+    assert architecture_map.violations(graph) == ["import cycle: decodekit.execution.cuda_graphs -> "
+                                                  "decodekit.execution.runner -> decodekit.execution.cuda_graphs"]
 
 
 def test_imports_down_the_layers_and_plugin_api_imports_are_allowed():

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
-from decodekit.execution.kernels import native as native_kernels
 from decodekit.execution.fused.decoder import _rms_norm, _rotate
+from decodekit.execution.kernels import native as native_kernels
 from decodekit.execution.kernels.native import (
     DecodeAttentionPlan,
     NativeKernels,

@@ -1,6 +1,6 @@
 """The engine: the step loop over its stages, and the requests' entry points (add, abort, step).
 
-One step: propose -> schedule -> forward -> (process -> select) -> stop -> emit. Each stage lives in its own module
+One step: propose -> schedule -> forward -> process -> select -> stop -> emit. Each stage lives in its own module
 (`decodekit.core.stages`, the scheduler in `decodekit.core.scheduler`) and hands its output to the next; the
 engine only wires them up and runs them in order.
 """
@@ -21,7 +21,7 @@ from decodekit.api.models import LoadedModel
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Request, RequestOutput, Sequence
 from decodekit.core.hooks import LifecycleHooks
-from decodekit.core.logprobs import record_prompt_logprobs, trim_logprobs
+from decodekit.core.logprobs import record_prompt_logprobs
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
 from decodekit.core.requests import RequestLifecycle
@@ -34,7 +34,6 @@ from decodekit.core.stages.propose import propose
 from decodekit.core.stages.select import select
 from decodekit.core.stages.stop import StopStage
 from decodekit.core.step_context import CandidateOrigin, EngineStepContext, StepRecord
-from decodekit.core.trace import record_stops
 from decodekit.execution import ExecutionPlan, ModelExecutor, plan_execution
 
 log = logging.getLogger("decodekit.engine")
@@ -146,8 +145,6 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs (deltas and finished requests) it produced."""
         record = StepRecord()
-        self.processing.kept.clear()
-        self.processing.trace_rows.clear()
         ctx = EngineStepContext(self.scheduler, self.processing, record, self.stop.finish_sequence,
                                 self.lifecycle.set_results, self.eos_token_ids, self.max_model_len, self.vocab_size,
                                 self.candidate_origins)  # type: ignore[arg-type]
@@ -158,10 +155,9 @@ class Engine:
         scored, failures = self.forward.run(sched)
         self._fail(failures)
         if scored is not None:
-            self._fail(select(scored, ctx, self.tokenizer))
+            processed = self.processing.run(scored)
+            self._fail(select(scored, processed, ctx, self.tokenizer))
             done, failures = self.stop.run(record)
-            trim_logprobs(record.appended)
-            record_stops(record.appended, record.finished_by)
             self._fail(failures)
             for request in done:
                 self.lifecycle.complete(request)

@@ -21,7 +21,7 @@ from decodekit.api.strategy import HiddenStates, StrategyResult
 from decodekit.core import drafts
 from decodekit.core.scheduler import Scheduler
 from decodekit.core.stages.forward import ScoredRows
-from decodekit.core.stages.process import Processing
+from decodekit.core.stages.process import ProcessedRows, Processing
 
 
 @dataclass
@@ -97,6 +97,8 @@ class EngineStepContext:
         self.vocab_size = vocab_size
         self.scored: ScoredRows | None = None
         """This step's scored rows (set by the select stage before the strategies run)."""
+        self.processed: ProcessedRows | None = None
+        """This step's process-stage output (set by the select stage with `scored`); `process` adds to it."""
         self.origins: dict[Sequence, CandidateOrigin] = origins if origins is not None else {}
         """Per sequence with candidates, the row they were chosen from (lives across steps: the engine's)."""
 
@@ -111,7 +113,8 @@ class EngineStepContext:
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Apply each request's processors, in order, to the rows of these sequences' scored positions."""
-        return self.processing.process(logits, seqs)
+        # outside the select stage (a strategy's propose), the rows it keeps for logprobs and the trace go nowhere
+        return self.processing.process(logits, seqs, self.processed if self.processed is not None else ProcessedRows())
 
     def process_after(self, logits: torch.Tensor, seqs: list[Sequence], extra: list[list[int]],
                       allow_empty_rows: bool = False) -> torch.Tensor:
@@ -157,8 +160,9 @@ class EngineStepContext:
         if rows is None:
             return None
         row = self.record.accepted_index.get(seq, 0)
-        kept = self.processing.kept.get(seq)
-        traced = self.processing.trace_rows.get(seq)
+        processed = self.processed if self.processed is not None else ProcessedRows()
+        kept = processed.kept.get(seq)
+        traced = processed.trace_rows.get(seq)
         return CandidateOrigin(rows[row : row + 1], None if kept is None else kept[row : row + 1],
                                None if traced is None or row >= len(traced) else traced[row])
 

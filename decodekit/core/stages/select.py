@@ -1,12 +1,11 @@
 """The select stage: each strategy turns its sequences' scores into actions on the step context.
 
-Sequences are grouped by strategy (one call per strategy per step). A strategy gets the scores it declares in
-`Strategy.scores`: the rows after each request's processors (`"logits"`, the process stage runs here), the
-processors applied to log-probabilities (`"logprobs"`, beam search), or the raw logits (`"raw"`, the strategy
-calls `ctx.process` itself). When a strategy raises, its requests are retried one by one, so only the culprits
-fail; requests that already got their tokens before the error keep them (seeded generators are restored for the
-retried ones). A processor state hook that fails while a strategy appends or forks never raises into the strategy:
-the step record keeps the fault and the request fails here, after the strategies ran.
+The process stage grouped the sequences by strategy (one call per strategy per step) and made each group's scores
+(`ProcessedRows.inputs`: what `Strategy.scores` declares). When a strategy raises, its requests are retried one by
+one on their own rows, so only the culprits fail; requests that already got their tokens before the error keep them
+(seeded generators are restored for the retried ones). A processor state hook that fails while a strategy appends or
+forks never raises into the strategy: the step record keeps the fault and the request fails here, after the
+strategies ran.
 """
 
 from __future__ import annotations
@@ -15,16 +14,13 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-import torch
-
 from decodekit.api.processors import ProcessorError
-from decodekit.api.sequence import Request, Sequence
-from decodekit.api.strategy import Strategy
+from decodekit.api.sequence import Request
 from decodekit.core import drafts
 from decodekit.core.logprobs import record_logprobs, wants_logprobs
 from decodekit.core.stages import Failure
 from decodekit.core.stages.forward import ScoredRows
-from decodekit.core.stages.process import Processing
+from decodekit.core.stages.process import ProcessedRows
 from decodekit.core.step_context import EngineStepContext
 from decodekit.core.trace import record_tokens, wants_trace
 
@@ -32,33 +28,21 @@ log = logging.getLogger("decodekit.engine")
 
 
 
-def strategy_input(strategy: Strategy, logits: torch.Tensor, seqs: list[Sequence], processing: Processing
-                   ) -> torch.Tensor:
-    """The scores `strategy.select` receives for these sequences' rows."""
-    if strategy.scores == "logits":
-        return processing.process(logits, seqs)
-    if strategy.scores == "logprobs":
-        return processing.process(torch.log_softmax(logits.float(), dim=-1), seqs)
-    return logits
-
-
-def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) -> list[Failure]:
-    """Run every strategy on its rows, record the logprobs of what they chose (requests that ask); return the
-    requests that failed."""
+def select(scored: ScoredRows, processed: ProcessedRows, ctx: EngineStepContext, tokenizer: Any = None
+           ) -> list[Failure]:
+    """Run every strategy on its scores, record the logprobs and trace events of what they chose (requests that
+    ask); return the requests that failed (those whose processors failed in the process stage first)."""
     rows = scored.seqs
-    ctx.scored = scored
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, seq in enumerate(rows):
-        groups[id(seq.request.plan.strategy)].append(i)
-    failures: list[Failure] = []
+    ctx.scored, ctx.processed = scored, processed
+    failures: list[Failure] = list(processed.failures)
     proposed = {seq: list(seq.draft_token_ids) for seq in rows if wants_trace(seq)}
-    for indices in groups.values():
-        strategy: Strategy = rows[indices[0]].request.plan.strategy
+    for group in processed.inputs:
+        strategy, indices = group.strategy, group.indices
         # seeded generators, so that a request retried after the batch's failure draws what it would have drawn
         generators = [(seq.request, seq.generator, seq.generator.get_state()) for i in indices
                       if (seq := rows[i]).generator is not None]
         try:
-            _run(strategy, scored, indices, ctx)
+            strategy.select(ctx, [rows[i] for i in indices], group.scores)
         except Exception:
             by_request: dict[int, list[int]] = defaultdict(list)
             for i in indices:
@@ -78,7 +62,7 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
                 if id(request) not in retried:
                     continue
                 try:
-                    _run(strategy, scored, part, ctx)
+                    strategy.select(ctx, [rows[i] for i in part], group.part(scored, part))
                 except ProcessorError as exc:  # the message names the processor
                     log.warning("request %s failed: %s", request.request_id, exc)
                     failures.append((request, str(exc)))
@@ -94,15 +78,15 @@ def select(scored: ScoredRows, ctx: EngineStepContext, tokenizer: Any = None) ->
         if origin.raw is not None and seq in raw_rows:
             raw_rows[seq] = origin.raw
         if origin.processed is not None:
-            ctx.processing.kept[seq] = origin.processed
+            processed.kept[seq] = origin.processed
         if origin.trace is not None:
-            ctx.processing.trace_rows[seq] = [origin.trace]
+            processed.trace_rows[seq] = [origin.trace]
         if wants_trace(seq):
             proposed[seq] = []
     if raw_rows:
-        record_logprobs(raw_rows, ctx.processing.kept, ctx.record.appended, ctx.record.parents, tokenizer)
+        record_logprobs(raw_rows, processed.kept, ctx.record.appended, ctx.record.parents, tokenizer)
     if proposed:
-        record_tokens(ctx.processing.trace_rows, proposed, ctx.record.appended, ctx.record.parents, tokenizer,
+        record_tokens(processed.trace_rows, proposed, ctx.record.appended, ctx.record.parents, tokenizer,
                       ctx.record.notes)
     failures.extend(ctx.record.faults.items())
     failed = {id(request) for request, _ in failures}
@@ -121,8 +105,3 @@ def _drop_tokenless_forks(request: Request, ctx: EngineStepContext) -> None:
     for child in list(ctx.record.parents):
         if child.request is request and child not in ctx.record.appended and child in request.sequences:
             ctx.free(child)
-
-
-def _run(strategy: Strategy, scored: ScoredRows, indices: list[int], ctx: EngineStepContext) -> None:
-    seqs = [scored.seqs[i] for i in indices]
-    strategy.select(ctx, seqs, strategy_input(strategy, scored.rows_of(indices), seqs, ctx.processing))

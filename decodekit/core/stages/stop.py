@@ -15,9 +15,11 @@ import time
 
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stopping import StopDecision
+from decodekit.core.logprobs import trim_logprobs
 from decodekit.core.scheduler import Scheduler
 from decodekit.core.stages import Failure
 from decodekit.core.step_context import StepRecord
+from decodekit.core.trace import record_stops
 
 
 class _CriterionFailed(Exception):
@@ -40,7 +42,9 @@ class StopStage:
 
     def run(self, record: StepRecord) -> tuple[list[Request], list[Failure]]:
         """Check every token this step appended; return the requests that are now complete, and those whose
-        stopping criterion failed (it raised, or returned something that is not a decision)."""
+        stopping criterion failed (it raised, or returned something that is not a decision). The logprobs and trace
+        events of tokens a stop removed again go with them, and each traced sequence that finished gets its stop
+        event."""
         now = time.perf_counter()
         failures: list[Failure] = []
         for seq, count in record.appended.items():
@@ -59,6 +63,8 @@ class StopStage:
                 except _CriterionFailed as exc:
                     failures.append((request, str(exc)))
                     break
+        trim_logprobs(record.appended)
+        record_stops(record.appended, record.finished_by)
         done = []
         for request in record.requests():
             request.metrics.count_outputs([len(r.token_ids) for r in request.results] if request.results is not None
