@@ -9,7 +9,7 @@ The app is assembled here from one module per command:
     batch.py        decodekit batch RECIPE -i ROWS -o OUT offline batch inference (and `--ray`)
     recipe.py       decodekit recipe check RECIPE         a recipe validated and printed resolved
     plugins.py      decodekit plugins                     what the loaded plugins register
-    bench.py        decodekit bench [WORKLOAD]            benchmarks
+    bench.py        decodekit bench [WORKLOAD]            benchmarks; its modes are in bench_modes.py
 
 and what they share: `terminal` (the consoles, `fail`, logging), `context` (plugin manager -> registry -> recipe,
 the set-up of every recipe command) and `summary` (the table `run` and `generate` print).
