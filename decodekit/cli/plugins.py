@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
+from typer.models import CommandInfo
 
 from decodekit.api.errors import DecodeKitError
 from decodekit.cli import terminal
@@ -15,6 +16,8 @@ from decodekit.cli.context import load_context
 from decodekit.tables import print_table
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import pluggy
 
 
@@ -53,22 +56,52 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
 
 
 def _loaders_and_commands(pm: pluggy.PluginManager) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Each plugin's model loaders and CLI commands, by calling its own registration hooks alone (the registry keeps
-    loaders without their plugin, and commands live on the typer app)."""
+    """Each plugin's model loaders and CLI commands (the registry keeps loaders without their plugin, and commands
+    live on the typer app). Each hook is called once through pluggy, as the registry and `decodekit.cli.main` call
+    it, so its order, `tryfirst`/`trylast` and wrappers hold here too; what is registered is credited to the plugin
+    whose hook implementation is registering it (`plugin_finder`: the implementation on the call stack)."""
+    from decodekit.core.registry import plugin_finder
+
     out: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for impl in pm.hook.decodekit_register_model_loaders.get_hookimpls():
-        loaders: list[Any] = []
-        impl.function(register=loaders.append)
-        out.setdefault(impl.plugin_name, {"model_loaders": [], "commands": []})["model_loaders"] = [
-            {"name": getattr(loader, "name", type(loader).__name__),
-             "description": (getattr(getattr(loader, "load", None), "__doc__", None) or "").strip().split("\n")[0]}
-            for loader in loaders]
-    for impl in pm.hook.decodekit_register_commands.get_hookimpls():
-        scratch = typer.Typer()
-        impl.function(cli=scratch)
-        out.setdefault(impl.plugin_name, {"model_loaders": [], "commands": []})["commands"] = [
-            {"name": command.name or (command.callback.__name__.replace("_", "-") if command.callback else "?"),
-             "description": (command.help or (command.callback.__doc__ if command.callback else "") or "")
-             .strip().split("\n")[0]}
-            for command in scratch.registered_commands]
+    for caller in (pm.hook.decodekit_register_model_loaders, pm.hook.decodekit_register_commands):
+        for impl in caller.get_hookimpls():  # a plugin that implements either hook is listed, even with nothing
+            out.setdefault(impl.plugin_name, {"model_loaders": [], "commands": []})
+
+    def extras(plugin_name: str) -> dict[str, list[dict[str, Any]]]:
+        return out.setdefault(plugin_name, {"model_loaders": [], "commands": []})
+
+    loaders_caller = pm.hook.decodekit_register_model_loaders
+    loader_plugin = plugin_finder(loaders_caller)
+
+    def register(loader: Any) -> None:
+        extras(loader_plugin())["model_loaders"].append({
+            "name": getattr(loader, "name", type(loader).__name__),
+            "description": (getattr(getattr(loader, "load", None), "__doc__", None) or "").strip().split("\n")[0]})
+
+    loaders_caller(register=register)
+    commands_caller = pm.hook.decodekit_register_commands
+    scratch = typer.Typer()
+    scratch.registered_commands = credited = _CreditedCommands(plugin_finder(commands_caller))
+    commands_caller(cli=scratch)
+    for plugin_name, command in zip(credited.plugins, credited, strict=True):
+        extras(plugin_name)["commands"].append({
+            "name": command.name or (command.callback.__name__.replace("_", "-") if command.callback else "?"),
+            "description": (command.help or (command.callback.__doc__ if command.callback else "") or "")
+            .strip().split("\n")[0]})
     return out
+
+
+class _CreditedCommands(list[CommandInfo]):
+    """A typer app's `registered_commands` that also notes which plugin added each command: typer's `command`
+    decorator appends its `CommandInfo` here from inside the plugin's hook implementation, where `find_plugin` can
+    see it on the call stack."""
+
+    def __init__(self, find_plugin: Callable[[], str]) -> None:
+        super().__init__()
+        self.find_plugin = find_plugin
+        self.plugins: list[str] = []
+
+    def append(self, command: CommandInfo) -> None:
+        """Add a command, crediting the plugin that is registering it."""
+        super().append(command)
+        self.plugins.append(self.find_plugin())
