@@ -13,7 +13,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
-from decodekit.cli import app, render_summary
+from decodekit.cli import app, terminal
+from decodekit.cli.summary import render_summary
 from decodekit.recipe_runner import summarize
 from tests.conftest import tiny_overrides as _tiny
 
@@ -177,12 +178,11 @@ def test_plugins_json_lists_what_each_plugin_registers_with_parameter_schemas():
 def test_piped_plugins_table_shows_every_plugin_and_component_name_in_full(monkeypatch):
     """Piped output has no terminal width: rich's default of 80 columns cut names to 'decodekit…'. The console here
     is 60 columns and not a terminal (CliRunner captures stdout), as in CI or `decodekit plugins | grep`."""
-    import decodekit.cli as cli
     from decodekit.core.plugin_manager import get_plugin_manager
     from decodekit.core.registry import Registry
 
     monkeypatch.delenv("COLUMNS", raising=False)
-    monkeypatch.setattr(cli, "console", Console(width=60))  # no file: it writes to CliRunner's stdout
+    monkeypatch.setattr(terminal, "console", Console(width=60))  # no file: it writes to CliRunner's stdout
     result = _invoke("plugins")
     assert result.exit_code == 0 and "…" not in result.stdout
     registry = Registry.from_plugin_manager(get_plugin_manager())
@@ -194,10 +194,8 @@ def test_piped_plugins_table_shows_every_plugin_and_component_name_in_full(monke
 
 
 def test_plugins_table_keeps_an_explicit_columns_width_and_folds_names_instead_of_cutting_them(monkeypatch):
-    import decodekit.cli as cli
-
     monkeypatch.setenv("COLUMNS", "60")
-    monkeypatch.setattr(cli, "console", Console(width=60))
+    monkeypatch.setattr(terminal, "console", Console(width=60))
     result = _invoke("plugins")
     lines = result.stdout.splitlines()
     assert result.exit_code == 0 and "…" not in result.stdout and max(len(line) for line in lines) <= 60

@@ -23,9 +23,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import decodekit.cli as cli
 from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
-from decodekit.cli import app, render_summary
+from decodekit.cli import app, terminal
+from decodekit.cli.summary import render_summary
 from decodekit.models import BUNDLED_MODEL_NAME, resolve_model
 from decodekit.recipe_runner import summarize
 from tests.conftest import save_tiny_llama
@@ -70,7 +70,7 @@ def test_the_speedup_is_exactly_the_ratio_of_the_strategy_and_plain_rates_the_su
     assert summary["tokens_per_s"] == 17.0  # the first run, as the wall time above it
     assert summary["strategy_tokens_per_s"] == 17 / 3.0 and summary["plain_tokens_per_s"] == 10 / 3.0
     assert summary["speedup_vs_plain"] == summary["strategy_tokens_per_s"] / summary["plain_tokens_per_s"]
-    monkeypatch.setattr(cli, "console", Console(width=120, color_system=None))
+    monkeypatch.setattr(terminal, "console", Console(width=120, color_system=None))
     render_summary(summary)
     speedup, strategy, plain_rate = _printed_speedup(capsys.readouterr().out)
     assert (speedup, strategy, plain_rate) == (1.70, 5.7, 3.3)

@@ -18,7 +18,8 @@ from decodekit.api.components import PlanError
 from decodekit.api.errors import ConfigError, RecipeError
 from decodekit.api.sequence import CompletionOutput, RequestMetrics, RequestOutput
 from decodekit.batch.rows import read_rows
-from decodekit.cli import app, render_summary
+from decodekit.cli import app
+from decodekit.cli.summary import render_summary
 from decodekit.core.plan import Components
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
@@ -81,7 +82,7 @@ def test_speedup_vs_plain_counts_each_requests_first_answer_on_both_sides(capsys
     # the rest of the table counts every sequence, and says so
     assert (summary["sequences"], summary["output_tokens"], summary["tokens_per_s"]) == (4, 48, 60.0)
     assert summary["tpot_p50_s"] == pytest.approx(0.1)  # per step: 1.1 s over 11 positions, not over 47 tokens
-    monkeypatch.setattr("decodekit.cli.console", Console(width=200))
+    monkeypatch.setattr("decodekit.cli.terminal.console", Console(width=200))
     render_summary(summary)
     text = capsys.readouterr().out
     assert "returned sequences" in text and "output tokens (all sequences) │ 48" in text
@@ -161,7 +162,7 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_model_loads(tmp_
 
 
 def test_rows_are_printed_when_the_output_cannot_be_written_after_the_run(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr("decodekit.cli._check_writable", lambda path, flag: None)  # it became unwritable meanwhile
+    monkeypatch.setattr("decodekit.cli.run._check_writable", lambda path, flag: None)  # it became unwritable meanwhile
     target = tmp_path / "gone" / "out.jsonl"
     result = _invoke("run", str(_recipe(tmp_path, "model: m\ninputs: {prompts: [hi, there]}\n")), *_tiny(tiny_dir),
                      "--output", str(target), "--quiet")

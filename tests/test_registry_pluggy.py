@@ -79,3 +79,54 @@ def test_constraint_backends_live_in_each_registry_not_in_the_process():
     assert "my_backend" not in without.backend_loaders()
     with pytest.raises(PluginError, match="unknown constraint backend 'my_backnd' \\(did you mean 'my_backend'\\?\\)"):
         Registry.from_plugin_manager(with_plugin).get("constraint_backends", "my_backnd")
+
+
+def test_decodekit_plugins_calls_the_loader_and_command_hooks_through_pluggy_so_wrappers_run():
+    """`decodekit plugins` credits each model loader and command to the plugin that registered it; it calls the two
+    hooks through pluggy as `main` and the registry do, so a wrapper runs around the other implementations (called
+    one by one around pluggy, a wrapper was only a generator never started, and what it registered was missing)."""
+    from decodekit.cli.plugins import _loaders_and_commands
+
+    order: list[str] = []
+
+    class Commands:
+        @hookimpl
+        def decodekit_register_commands(self, cli):
+            order.append("plain")
+
+            @cli.command("plain-hello")
+            def plain_hello() -> None:
+                """Say hello."""
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def decodekit_register_commands(self, cli):
+            order.append("before")
+            result = yield
+            order.append("after")
+
+            @cli.command("wrapped-hello")
+            def wrapped_hello() -> None:
+                """Say hello after the others."""
+
+            return result
+
+        @hookimpl(wrapper=True)
+        def decodekit_register_model_loaders(self, register):
+            result = yield
+            register(_loader("after-the-others"))
+            return result
+
+    pm = get_plugin_manager(load_entry_points=False)
+    pm.register(Commands(), "commands")
+    pm.register(Wrapper(), "wrapper")
+    pm.register(_LoaderPlugin(), "loaders")
+    listed = _loaders_and_commands(pm)
+    assert order == ["before", "plain", "after"]
+    assert listed["commands"] == {"model_loaders": [], "commands": [{"name": "plain-hello",
+                                                                      "description": "Say hello."}]}
+    assert listed["wrapper"]["commands"] == [{"name": "wrapped-hello", "description": "Say hello after the others."}]
+    assert [loader["name"] for loader in listed["wrapper"]["model_loaders"]] == ["after-the-others"]
+    assert [loader["name"] for loader in listed["loaders"]["model_loaders"]] == ["third-party"]
+    assert listed["loaders"]["commands"] == []
+    assert "gguf" in {loader["name"] for loader in listed["decodekit_plugins.models"]["model_loaders"]}

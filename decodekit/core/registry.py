@@ -71,7 +71,7 @@ class Registry:
             ("decodekit_register_constraint_backends", registry.constraint_backends),
         ):
             caller = getattr(pm.hook, hook)
-            caller(register=_registrar(table, hook, _plugin_finder(caller), order))
+            caller(register=_registrar(table, hook, plugin_finder(caller), order))
         pm.hook.decodekit_register_model_loaders(register=registry.model_loaders.append)
         return registry
 
@@ -98,10 +98,11 @@ def hook_owners(caller: Any) -> dict[CodeType, str]:
     return {impl.function.__code__: impl.plugin_name for impl in caller.get_hookimpls()}
 
 
-def _plugin_finder(caller: Any) -> Callable[[], str]:
+def plugin_finder(caller: Any) -> Callable[[], str]:
     """Which plugin is registering right now: the hook implementation on the call stack. pluggy calls every
     implementation itself, so the register callback learns its caller from the stack (this is only for messages
-    and `decodekit plugins`: who registered what)."""
+    and `decodekit plugins`: who registered what). Call the returned function from the callback the hook
+    implementation calls (it looks from its caller's caller up); it answers "unknown" outside any of them."""
     owners = hook_owners(caller)
 
     def find() -> str:
