@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -19,18 +18,11 @@ from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
 from decodekit.cli import app
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from decodekit.recipe_runner import trace_row
-from decodekit.trace_view import (
-    TraceFileError,
-    html_page,
-    parse_steps,
-    probability_bin,
-    read_trace,
-    render_terminal,
-    select_requests,
-    stage_changes,
-    write_html,
-)
+from decodekit.trace.analysis import probability_bin, stage_changes
+from decodekit.trace.format import TraceFileError, read_trace, trace_row
+from decodekit.trace.page import html_page, write_html
+from decodekit.trace.selection import parse_steps, select_requests
+from decodekit.trace.terminal import render_terminal
 from tests.conftest import random_prompts
 
 ROOT = Path(__file__).parent.parent
@@ -62,8 +54,8 @@ def real_trace(tmp_path_factory, llama, tokenizer) -> Path:
                           strategy={"beam_search": {"num_beams": 3, "num_return_sequences": 2}})
     outs = llm.generate([prompts[0], (prompts[1] * 3)[:20], prompts[1]], [sampled, spec, beam])
     path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
-    rows = [trace_row(SimpleNamespace(id=rid, prompt=str(p)), out)  # type: ignore[arg-type]
-            for rid, p, out in zip(("sampled", "spec", "beam"), [*prompts, prompts[1]], outs)]
+    rows = [trace_row(rid, str(p), out) for rid, p, out in zip(("sampled", "spec", "beam"), [*prompts, prompts[1]],
+                                                                outs)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
