@@ -22,6 +22,7 @@ from decodekit.api.sequence import RequestOutput
 from decodekit.core.plan import Components
 from decodekit.recipe import COMPONENT_KEYS, Recipe, plain_params
 from decodekit.recipe_syntax import format_validation_errors, read_text_capped
+from decodekit.trace.format import trace_row as format_trace_row
 
 MAX_PROMPTS_FILE_BYTES = 64 << 20
 """A prompts file larger than this (64 MiB) is refused: it is read whole, and every line becomes a request."""
@@ -237,11 +238,9 @@ DEFAULT_TRACE = 5
 
 
 def trace_row(request: RecipeRequest, output: RequestOutput) -> dict[str, Any]:
-    """One JSON line of `--trace`: the request, and each returned sequence's text, tokens and trace events."""
-    return {"id": request.id, "prompt": request.prompt, "error": output.error,
-            "outputs": [{"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
-                         "finish_reason": o.finish_reason, "score": o.score,
-                         "cumulative_logprob": o.cumulative_logprob, "trace": o.trace} for o in output.outputs]}
+    """One JSON line of `--trace`: the request, and each returned sequence's text, tokens and trace events. The row's
+    format is `decodekit.trace.format`'s, which `decodekit trace` reads back."""
+    return format_trace_row(request.id, request.prompt, output)
 
 
 def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequence[BadInput] = (),

@@ -1,6 +1,7 @@
 """`decodekit trace FILE`: the terminal view of a real trace (tiny models, and once through `decodekit run
 --trace`), a synthetic trace with beam decisions and hostile token texts, the self-contained HTML page (and what a
-real headless browser builds from it), and clear errors naming the line of a bad file."""
+real headless browser builds from it), the page's shipped files checked as markup, style and script, and clear
+errors naming the line of a bad file."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 import re
 import shutil
 import subprocess
+from fnmatch import fnmatch
+from html.parser import HTMLParser
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -19,18 +21,11 @@ from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
 from decodekit.cli import app
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-from decodekit.recipe_runner import trace_row
-from decodekit.trace_view import (
-    TraceFileError,
-    html_page,
-    parse_steps,
-    probability_bin,
-    read_trace,
-    render_terminal,
-    select_requests,
-    stage_changes,
-    write_html,
-)
+from decodekit.trace.analysis import probability_bin, stage_changes
+from decodekit.trace.format import TraceFileError, read_trace, trace_row
+from decodekit.trace.page import PAGE_FILES, html_page, page_file, write_html
+from decodekit.trace.selection import parse_steps, select_requests
+from decodekit.trace.terminal import render_terminal
 from tests.conftest import random_prompts
 
 ROOT = Path(__file__).parent.parent
@@ -62,8 +57,8 @@ def real_trace(tmp_path_factory, llama, tokenizer) -> Path:
                           strategy={"beam_search": {"num_beams": 3, "num_return_sequences": 2}})
     outs = llm.generate([prompts[0], (prompts[1] * 3)[:20], prompts[1]], [sampled, spec, beam])
     path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
-    rows = [trace_row(SimpleNamespace(id=rid, prompt=str(p)), out)  # type: ignore[arg-type]
-            for rid, p, out in zip(("sampled", "spec", "beam"), [*prompts, prompts[1]], outs)]
+    rows = [trace_row(rid, str(p), out) for rid, p, out in zip(("sampled", "spec", "beam"), [*prompts, prompts[1]],
+                                                                outs)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
@@ -243,6 +238,91 @@ def test_probability_bins_and_stage_changes():
     assert parse_steps("3:7") == (3, 7) and parse_steps(":4") == (None, 4) and parse_steps("5") == (5, 6)
     with pytest.raises(ConfigError, match="A:B"):
         parse_steps("a:b:c")
+
+
+# ---- the page's files, linted ----------------------------------------------------------------------------------------
+
+_VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+class _TagBalance(HTMLParser):
+    """Every element closed, in order (void elements excepted); `<script>` and `<style>` bodies are text to
+    html.parser, as to a browser."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.open: list[tuple[str, tuple[int, int]]] = []
+        self.problems: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag not in _VOID:
+            self.open.append((tag, self.getpos()))
+
+    def handle_startendtag(self, tag: str, attrs: list) -> None:
+        if tag not in _VOID:
+            self.problems.append(f"<{tag}/> at {self.getpos()}: not a void element")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in _VOID:
+            self.problems.append(f"</{tag}> at {self.getpos()}: a void element has no end tag")
+        elif not self.open or self.open[-1][0] != tag:
+            self.problems.append(f"</{tag}> at {self.getpos()} closes {self.open[-1] if self.open else 'nothing'}")
+        else:
+            self.open.pop()
+
+
+def _tag_problems(markup: str) -> list[str]:
+    parser = _TagBalance()
+    parser.feed(markup)
+    parser.close()
+    return parser.problems + [f"<{tag}> at {pos} is never closed" for tag, pos in parser.open]
+
+
+def test_the_page_markup_parses_with_balanced_tags(synthetic_trace):
+    markup = page_file("page.html")
+    assert markup.startswith("<!DOCTYPE html>")
+    assert _tag_problems(markup) == []
+    for slot in ("{{TITLE}}", "{{CSS}}", "{{JS}}", "{{DATA}}"):  # each filled once by html_page
+        assert markup.count(slot) == 1, slot
+    assert _tag_problems(html_page(read_trace(synthetic_trace), title='a </title> <b>')) == []  # filled, still
+
+
+def _without_comments_and_strings(css: str) -> str:
+    return re.sub(r'/\*.*?\*/|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', "", css, flags=re.S)
+
+
+def test_the_page_style_has_balanced_braces_and_cannot_end_its_element():
+    css = page_file("page.css")
+    depth = 0
+    for line_number, line in enumerate(_without_comments_and_strings(css).splitlines(), start=1):
+        for char in line:
+            depth += {"{": 1, "}": -1}.get(char, 0)
+            assert depth >= 0, f"page.css:{line_number}: a `}}` closes nothing"
+    assert depth == 0, f"page.css: {depth} `{{` never closed"
+    assert "/*" not in _without_comments_and_strings(css), "page.css: an unclosed comment"
+    assert "</style" not in css.lower() and "{{" not in css  # it is inlined into <style> by one slot
+
+
+def test_the_page_script_is_valid_javascript(tmp_path):
+    js = page_file("page.js")
+    # inlined into <script>: nothing in it may end the element or open a comment that hides the end
+    assert "</script" not in js.lower() and "<!--" not in js and "<script" not in js.lower() and "{{" not in js
+    node = shutil.which("node")
+    if node is None:  # no JavaScript parser in the venv either (esprima and the like are not installed)
+        pytest.skip("no JavaScript syntax checker here: node is not on PATH and the venv has no JS parser; the "
+                    "markup and style checks still ran")
+    script = tmp_path / "page.js"
+    script.write_text(js, encoding="utf-8")
+    checked = subprocess.run([node, "--check", str(script)], capture_output=True, text=True, timeout=60, check=False)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_the_page_files_are_package_data_a_wheel_ships():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for name in PAGE_FILES:
+        assert (ROOT / "decodekit" / "trace" / name).is_file()
+        assert any(fnmatch(name, pattern) for pattern in declared.get("decodekit.trace", [])), name
 
 
 # ---- bad files -----------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """`decodekit trace FILE`: look at a decoding trace written by `decodekit run --trace`, in the terminal or as an
-HTML page (the rendering is `decodekit.trace_view`'s)."""
+HTML page (the rendering is `decodekit.trace`'s)."""
 
 from __future__ import annotations
 
@@ -30,14 +30,10 @@ def trace(
 ) -> None:
     """Look at a decoding trace: each token coloured by its probability, and for the steps asked for, the candidates
     stage by stage (model, then each processor), how the token was chosen, drafts, beam decisions and the stop."""
-    from decodekit.trace_view import (
-        only_sequence,
-        parse_steps,
-        read_trace,
-        render_terminal,
-        select_requests,
-        write_html,
-    )
+    from decodekit.trace.format import read_trace
+    from decodekit.trace.page import write_html
+    from decodekit.trace.selection import only_sequence, parse_steps, select_requests
+    from decodekit.trace.terminal import render_terminal
 
     try:
         chosen = select_requests(read_trace(trace_path), request)
