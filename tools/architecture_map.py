@@ -6,11 +6,11 @@
 
 Layers, lowest first; a module may import its own layer and those below it, never above:
 
-0. `decodekit.api`: the public plugin API (contracts, parameters, errors, the testing kit);
+0. `decodekit.api`: the public plugin API (contracts, parameters, errors);
 1. `decodekit.models`: model loading;
 2. `decodekit.core`: the engine;
 3. the front-ends: every other module of `decodekit` (`LLM`/`AsyncLLM`, recipes, the CLI, the benchmarks, the
-   package's re-exports).
+   testing kit `decodekit.testing`, the package's re-exports).
 
 decodekit's own plugins (`decodekit_plugins`) are written like a third party's: they may import `decodekit` (the
 package's re-exports), `decodekit.api`, `decodekit.models` and each other, never `decodekit.core`.
