@@ -24,6 +24,7 @@ from decodekit.api.sequence import Sequence as EngineSequence
 from decodekit.api.stopping import StopDecision
 from decodekit.core.detokenizer import IncrementalDetokenizer
 from decodekit.core.plan import CriterionStage
+from decodekit.core.stages.stop import append_text
 from decodekit.testing.engine_harness import (
     Harness,
     KitReport,
@@ -53,7 +54,13 @@ def _snapshot(seq: EngineSequence) -> dict[str, Any]:
 def _replay(harness: Harness, stage: CriterionStage, plan: Any, params: SamplingParams, prompt: list[int],
             generated: list[int]) -> list[StopDecision | None]:
     """Call the criterion on `prompt + generated` token by token, as the stop stage does (the newest token
-    detokenized first), on a fresh request and sequence; check each call's decision and that nothing changed."""
+    detokenized first, by the stage's own `append_text`), on a fresh request and sequence; check each call's
+    decision and that nothing changed.
+
+    The criterion is called here rather than through `StopStage.run` because the kit holds it to more than the
+    stage does: it sees every decision, also after a stop (the stage finishes the sequence at the first and drops
+    the rest), checks each beyond its type (finish reason, `truncate_text_at`) and that the call changed nothing,
+    and calls only the criterion under test (the stage runs the plan's default criteria before it)."""
     tokenizer = harness.llm.tokenizer
     engine = harness.llm.engine
     request = Request(new_request_id("kit-replay"), None, list(prompt), params)
@@ -64,9 +71,7 @@ def _replay(harness: Harness, stage: CriterionStage, plan: Any, params: Sampling
     decisions: list[StopDecision | None] = []
     for position, token in enumerate(generated):
         seq.token_ids.append(token)
-        delta = seq.detokenizer.add([token])
-        seq.new_text_len = len(delta)
-        seq.text = seq.detokenizer.text
+        append_text(seq)
         before = _snapshot(seq)
         where = f"at generated token {position} of {short_ids(generated)} (prompt {short_ids(prompt)})"
         try:
