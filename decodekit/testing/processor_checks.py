@@ -203,6 +203,16 @@ def check_keeps_a_finite_logit(processor: LogitsProcessor, case: Case) -> None:
                                     f"least one finite logit (keep the most likely token)")
 
 
+def keeps_some_finite_logit(processor: LogitsProcessor, case: Case) -> bool:
+    """Whether some output row of `case` keeps a finite logit.
+
+    `check_keeps_a_finite_logit` lets a constraint empty a row (the engine then fails that request alone), so it
+    passes a processor that empties every row on every input, which leaves nothing to sample anywhere:
+    `check_processor` runs this on each case it draws and fails a processor for which it is false on all of them.
+    """
+    return bool(_run(processor, case).isfinite().any())
+
+
 def _equal(a: Any, b: Any, seen: set[tuple[int, int]] | None = None) -> bool:
     """Structural equality of two states: tensors by value (`torch.equal`, NaN equal to NaN), lists, tuples,
     dicts, sets, dataclasses and plain objects (their `__dict__` and slots) element by element, anything else by

@@ -5,6 +5,10 @@
     >>> from decodekit.testing import check_processor
     >>> check_processor(MyProcessor(), st.builds(MyProcessor.Params, strength=st.floats(0, 2)))
 
+Besides the per-case rules, one holds across the cases: a processor must keep a finite logit in some row of some
+case. A constraint may empty a row (the engine then fails that request with a clear error), but a processor that
+empties every row on every input is broken.
+
 Every failure is a `ConformanceError` naming the processor: a processor that raises on a valid case included (the
 message names the exception and the case), and several distinct failures found in one run (hypothesis reports them
 together; the message lists each). This module needs hypothesis, not pytest, and nothing of the engine.
@@ -20,8 +24,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Flaky
 
 from decodekit.api.processors import LogitsProcessor
-from decodekit.testing.errors import ConformanceError, processor_name
-from decodekit.testing.processor_checks import ALL_CHECKS
+from decodekit.testing.errors import ConformanceError, processor_failure, processor_name
+from decodekit.testing.processor_checks import ALL_CHECKS, check_keeps_a_finite_logit, keeps_some_finite_logit
 from decodekit.testing.processor_inputs import Case, StrategyOrFactory, cases
 
 if sys.version_info >= (3, 11):
@@ -70,7 +74,9 @@ def check_processor(processor: LogitsProcessor, options: StrategyOrFactory, *, m
     shrunk the case to a small one; its falsifying example is in the error's notes).
 
     When hypothesis finds several distinct failures, the one `ConformanceError` lists each of them; a processor
-    that raises on a valid case fails with a `ConformanceError` naming the exception and the case.
+    that raises on a valid case fails with a `ConformanceError` naming the exception and the case. With
+    `check_keeps_a_finite_logit` among `checks`, a processor that leaves no finite logit in any row of any case
+    drawn fails too (a constraint may empty some rows, not every row of every input).
 
     Args:
         processor: the processor (set up already, if it needs `setup`).
@@ -87,14 +93,28 @@ def check_processor(processor: LogitsProcessor, options: StrategyOrFactory, *, m
     base = (settings(phases=[phase for phase in Phase if phase is not Phase.explain]) if hypothesis_settings is None
             else hypothesis_settings)
 
+    # `check_keeps_a_finite_logit` lets a constraint empty rows case by case; its other half needs every case seen
+    tally = {"cases": 0, "kept": 0} if check_keeps_a_finite_logit in checks else None
+
     @settings(base, max_examples=max_examples, deadline=None, database=None, derandomize=derandomize,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(case=cases(processor, options, **case_options))
     def run(case: Case) -> None:
         for check in checks:
             check(processor, case)
+        if tally is not None:
+            tally["cases"] += 1
+            if not tally["kept"] and keeps_some_finite_logit(processor, case):  # one such case is enough
+                tally["kept"] = 1
 
     try:
         run()
     except _ExceptionGroup as group:
         raise _from_group(processor, group) from group
+    if tally is not None and tally["cases"] and not tally["kept"]:
+        raise processor_failure(processor, "left every row of every case with every logit -inf (nothing to sample, "
+                                           "whatever the input)",
+                                f"no row of the {tally['cases']} case(s) drawn kept a finite logit; a constraint may "
+                                f"empty some rows (the engine fails those requests with an error), but a processor "
+                                f"that empties every row on every input is broken (does it ban every token, or do "
+                                f"its options?)")
