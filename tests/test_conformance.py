@@ -4,6 +4,7 @@ broken processor it promises to catch."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -267,6 +268,45 @@ def test_a_constraint_may_empty_a_row_a_truncation_may_not():
                 (0,))
     with pytest.raises(ConformanceError, match="every logit -inf"):
         check_keeps_a_finite_logit(floor, case)
+
+
+class BansEverything(_Base):
+    """Every token -inf in every row, whatever the input: each row alone looks like a constraint (the ban does not
+    depend on the values), so only the rule across cases catches it."""
+
+    name = "bans_everything"
+
+    def __call__(self, logits, batch):
+        return torch.full_like(logits, -float("inf"))
+
+
+class BansEvenHistories(_Base):
+    """A constraint that empties some rows: every token of a row whose history has an even length is banned."""
+
+    name = "bans_even_histories"
+
+    def __call__(self, logits, batch):
+        banned = torch.tensor([len(history) % 2 == 0 for history in batch.histories], device=logits.device)
+        return logits.masked_fill(banned[:, None], -float("inf"))
+
+
+def test_a_processor_that_empties_every_row_of_every_case_fails():
+    with pytest.raises(ConformanceError, match=r"left every row of every case with every logit -inf") as caught:
+        check_processor(BansEverything(), st.none(), derandomize=True, max_examples=10)
+    assert type(caught.value) is ConformanceError
+    message = str(caught.value)
+    assert message.startswith("processor 'bans_everything' ")
+    assert re.search(r"no row of the \d+ case\(s\) drawn kept a finite logit; a constraint may empty", message)
+
+
+def test_a_processor_that_empties_only_some_rows_passes():
+    check_processor(BansEvenHistories(), st.none(), derandomize=True, max_examples=EXAMPLES)
+
+
+def test_the_rule_across_cases_is_part_of_check_keeps_a_finite_logit():
+    """A subset of checks without `check_keeps_a_finite_logit` does not hold the processor to it."""
+    checks = [c for c in ALL_CHECKS if c is not check_keeps_a_finite_logit]
+    check_processor(BansEverything(), st.none(), derandomize=True, max_examples=5, checks=checks)
 
 
 class _SeenTokenPenaltyFixed(SeenTokenPenalty):

@@ -84,3 +84,11 @@ def test_the_old_re_export_paths_are_gone(module):
     # one path per name: the docs teach `decodekit`, `decodekit.api.*` and `decodekit.testing`
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(module)
+
+
+@pytest.mark.parametrize("path", ["decodekit/api/testing.py", "decodekit/kits.py", "decodekit/plugin_testing.py",
+                                  "decodekit/testing.py"])
+def test_the_testing_kit_lives_only_in_decodekit_testing(path):
+    # the kit's parts moved into the `decodekit/testing/` package; its old modules are gone, not re-exported (checked
+    # as files: an editable install of another checkout would still import them by name)
+    assert not (_PATH.parent.parent / path).exists()

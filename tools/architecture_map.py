@@ -11,7 +11,7 @@ Layers, lowest first; a module may import its own layer and those below it, neve
 2. `decodekit.execution`: model execution (how a model runs, its paged KV pool, the fused decoder, the kernels);
 3. `decodekit.core`: the engine (the step loop, its stages, the scheduler, plans of requests, the registry);
 4. the front-ends: every other module of `decodekit` (`LLM`/`AsyncLLM`, recipes, the CLI, the benchmarks, the
-   package's re-exports).
+   testing kit `decodekit.testing`, the package's re-exports).
 
 Two more rules: the engine imports model execution through its face only (`decodekit.execution` itself, never a
 module inside it), and no module imports itself back through others (no import cycles, lazy imports included).

@@ -13,8 +13,10 @@ the engine underneath is rearranged.
 - `constraints`: the structured-output backend interface (`bitmask`: the token masks backends fill);
 - `sequence`: `Request`, `Sequence` and the outputs, as plugins see them; `stash`: typed per-plugin state;
 - `components`: `ComponentInfo`, what `setup` receives; `models`: the model-loader contract;
-- `params`, `errors`, `sampling` (`select_tokens`); `testing`: the conformance kit (imported on its own: it
-  needs hypothesis).
+- `params`, `errors`, `sampling` (`select_tokens`).
+
+The kits that test plugins against these contracts are `decodekit.testing` (a front-end: its engine kits run a tiny
+engine).
 
 The names below are loaded on first use (PEP 562): importing `decodekit.api.errors` alone does not import torch.
 """

@@ -26,6 +26,14 @@ class _CriterionFailed(Exception):
     """A stopping criterion raised or returned something that is not a decision."""
 
 
+def append_text(seq: Sequence) -> None:
+    """Detokenize the sequence's newest token: `text` grows by it and `new_text_len` is how much it added, what the
+    stopping criteria then read (the stopping kit replays sequences through this too)."""
+    delta = seq.detokenizer.add(seq.token_ids[-1:])
+    seq.new_text_len = len(delta)
+    seq.text = seq.detokenizer.text
+
+
 class StopStage:
     """Checks new tokens against stopping criteria and finishes sequences.
 
@@ -75,9 +83,7 @@ class StopStage:
 
     def _check(self, seq: Sequence, record: StepRecord) -> bool:
         request = seq.request
-        delta = seq.detokenizer.add(seq.token_ids[-1:])
-        seq.new_text_len = len(delta)
-        seq.text = seq.detokenizer.text
+        append_text(seq)
         # A stop on this token beats a length limit on the same token (vLLM's order: EOS, stop ids, stop strings,
         # then max_tokens), so a criterion's text trimming is not lost to max_tokens.
         length: tuple[StopDecision, str] | None = None

@@ -1,6 +1,5 @@
 """Ready-made parts for a plugin's own tests: a tiny model and tokenizer, an `LLM` with the plugin registered, and
-named processors run on logits the way the engine runs them. All are built in-process (nothing is downloaded) and
-re-exported by `decodekit.testing` beside the conformance kit:
+named processors run on logits the way the engine runs them. All are built in-process (nothing is downloaded):
 
     >>> from decodekit.testing import apply_processors, tiny_llm
     >>> import my_plugin
@@ -11,7 +10,7 @@ re-exported by `decodekit.testing` beside the conformance kit:
 
 The tiny model's outputs are random (its weights are), but deterministic for a seed, and its shapes are a real
 decoder's (grouped-query attention, RoPE): what a plugin's test needs to exercise batching, forks, speculation and
-the KV cache without the bundled model's weight and time.
+the KV cache without the bundled model's weight and time. The engine kits run on these parts too.
 """
 
 from __future__ import annotations
@@ -31,9 +30,6 @@ from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
 from decodekit.llm import LLM
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
-
-__all__ = ["TINY_EOS_TOKEN_ID", "TINY_VOCAB_SIZE", "apply_processors", "plugin_manager", "tiny_llm", "tiny_model",
-           "tiny_tokenizer"]
 
 TINY_VOCAB_SIZE = 384
 """The tiny tokenizer's and tiny model's vocabulary size (ids 0-2 are `<pad>`, `<s>`, `</s>`)."""
