@@ -39,7 +39,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from decodekit.bench.machine import environment, machine_line
-from decodekit.bench.report import MISSING, percentile
+from decodekit.bench.metrics import percentiles, tpot
+from decodekit.bench.report import MISSING
 from decodekit.tables import print_table
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
@@ -162,10 +163,8 @@ class StreamResult:
 
     @property
     def tpot_s(self) -> float | None:
-        """(e2e - ttft) / (tokens - 1), when there are two tokens or more."""
-        if self.ttft_s is None or self.tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.tokens - 1)
+        """(e2e - ttft) / (tokens - 1), when there are two tokens or more (`decodekit.bench.metrics.tpot`)."""
+        return tpot(self.ttft_s, self.e2e_s, self.tokens)
 
 
 def _error_text(data: Any) -> str:
@@ -538,10 +537,10 @@ def summarize_run(fig: ServerFigures, results: Sequence[StreamResult], wall_s: f
     fig.prompt_tokens = sum(prompts) if prompts and len(prompts) == len(ok) else None
     fig.wall_s = wall_s
     fig.tokens_per_s = fig.generated_tokens / wall_s if wall_s > 0 else None
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    tpot = [t for t in (r.tpot_s for r in ok) if t is not None]
-    fig.ttft_p50_s, fig.ttft_p99_s = percentile(ttft, 50), percentile(ttft, 99)
-    fig.tpot_p50_s, fig.tpot_p99_s = percentile(tpot, 50), percentile(tpot, 99)
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpots = [t for t in (r.tpot_s for r in ok) if t is not None]
+    fig.ttft_p50_s, fig.ttft_p99_s = percentiles(ttfts, (50, 99))
+    fig.tpot_p50_s, fig.tpot_p99_s = percentiles(tpots, (50, 99))
     fig.per_request = {"tokens": [r.tokens for r in results], "chunks": [r.chunks for r in results],
                        "ttft_s": [r.ttft_s for r in results], "e2e_s": [r.e2e_s for r in results],
                        "finish_reason": [r.finish_reason for r in results], "error": [r.error for r in results]}
