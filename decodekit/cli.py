@@ -816,7 +816,8 @@ def _bench_serve(recipe_path: Path | None, overrides: list[str], baseline: list[
                  peer_urls: list[str] | None = None) -> None:
     """`bench serve`: both servers as subprocesses, one after the other, the same streamed workload (then any
     OpenAI-compatible server already running at a `--peer-url`)."""
-    from decodekit.bench.serving import DEFAULT_RECIPE, render_serve_table, run_serve_benchmark, serve_result_json
+    from decodekit.bench.serving.report import render_serve_table, serve_result_json
+    from decodekit.bench.serving.run import DEFAULT_RECIPE, run_serve_benchmark
 
     unknown = sorted(set(baseline) - {"transformers-serve", "none"})
     if unknown:

@@ -20,7 +20,8 @@ from decodekit.bench.metrics import (
     tpot,
 )
 from decodekit.bench.report import SystemFigures, summarize
-from decodekit.bench.serving import ServerFigures, StreamResult, summarize_run
+from decodekit.bench.serving.client import StreamResult
+from decodekit.bench.serving.report import ServerFigures, summarize_run
 from decodekit.recipe_runner import summarize as summarize_recipe_run
 
 
