@@ -15,7 +15,7 @@ import argparse
 import time
 
 from decodekit import LLM, SamplingParams
-from decodekit.bench.serving import ChatRequest, make_chat_workload
+from decodekit.bench.serving.workload import ChatRequest, make_chat_workload
 
 
 def sampling_params(request: ChatRequest) -> SamplingParams:

@@ -34,16 +34,11 @@ from typing import Any
 
 import httpx
 
-from decodekit.bench.serving import (
-    DEFAULT_RECIPE,
-    ChatRequest,
-    ServerProcess,
-    StreamResult,
-    decodekit_server,
-    make_chat_workload,
-    post_chat,
-    stream_chat,
-)
+from decodekit.bench.serving.client import StreamResult, post_chat, stream_chat
+from decodekit.bench.serving.process import ServerProcess
+from decodekit.bench.serving.run import DEFAULT_RECIPE
+from decodekit.bench.serving.servers import decodekit_server
+from decodekit.bench.serving.workload import ChatRequest, make_chat_workload
 
 SEEDS = (11, 222, 3333)
 MAX_TOKENS = (16, 32, 48, 64)

@@ -22,6 +22,7 @@ from decodekit import LLM, SamplingParams
 from decodekit.api.components import ComponentInfo
 from decodekit.api.constraints import ConstraintSpec, allocate_bitmask, apply_bitmask, get_backend
 from decodekit.api.processors import BatchView
+from decodekit_plugins.strict_schema import forbid_additional_properties
 from decodekit_plugins.structured import JsonSchemaProcessor
 
 SCHEMA = {"type": "object", "properties": {
@@ -109,10 +110,10 @@ def main() -> None:
     tokenizer, vocab, eos = llm.tokenizer, llm.engine.vocab_size, llm.engine.eos_token_ids
 
     start = time.perf_counter()
-    backend = get_backend("llguidance", tokenizer, vocab, eos)
+    backend = get_backend("llguidance", tokenizer, vocab, eos, llm.engine.registry.backend_loaders())
     print(f"tokenizer setup (once per tokenizer per process): {(time.perf_counter() - start) * 1e3:.0f} ms")
 
-    specs = iter([ConstraintSpec.json_schema({**SCHEMA, "description": f"variant {i}"})
+    specs = iter([ConstraintSpec.json_schema(forbid_additional_properties({**SCHEMA, "description": f"variant {i}"}))
                   for i in range(args.repeats + 1)])
     compile_ms = median_ms(lambda: backend.compile(next(specs)), args.repeats)
     print(f"compile a typical schema (uncached): {compile_ms:.2f} ms")

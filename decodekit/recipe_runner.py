@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from decodekit.api.errors import DecodeKitError, RecipeError
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import RequestOutput
+from decodekit.bench.metrics import percentiles, request_latencies
 from decodekit.core.plan import Components
 from decodekit.recipe import COMPONENT_KEYS, Recipe, plain_params
 from decodekit.recipe_syntax import format_validation_errors, read_text_capped
@@ -258,11 +259,10 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
     strategy's, and `speedup_vs_plain` exactly their ratio. A strategy that returns four beams where plain sampling
     returns one answer is not credited with four times the tokens; the figures the summary prints side by side are
     the ones the speedup is computed from."""
-    from decodekit.bench.report import percentile
-
     tokens = _tokens(outputs)
-    ttfts = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
-    tpots = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
+    ttfts, tpots = request_latencies(outputs)
+    ttft_p50, ttft_p90 = percentiles(ttfts, (50, 90))
+    tpot_p50, tpot_p90 = percentiles(tpots, (50, 90))
     reasons: dict[str, int] = {}
     for o in outputs:
         reasons[str(o.finish_reason)] = reasons.get(str(o.finish_reason), 0) + 1
@@ -278,8 +278,7 @@ def summarize(outputs: Sequence[RequestOutput], wall: float, bad_inputs: Sequenc
         "requests": len(outputs), "sequences": sum(len(o.outputs) for o in outputs), "output_tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else None,
-        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
-        "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90),
+        "ttft_p50_s": ttft_p50, "ttft_p90_s": ttft_p90, "tpot_p50_s": tpot_p50, "tpot_p90_s": tpot_p90,
         "finish_reasons": reasons,
         "draft_tokens": drafted, "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,

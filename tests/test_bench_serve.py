@@ -16,22 +16,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from typer.testing import CliRunner
 
-from decodekit.bench import serving
-from decodekit.bench.serving import (
-    ChatRequest,
+from decodekit.bench.serving import servers
+from decodekit.bench.serving.client import StreamResult, post_chat, run_clients, stream_chat
+from decodekit.bench.serving.process import ServerProcess, free_port
+from decodekit.bench.serving.report import (
     ServeBenchResult,
     ServerFigures,
-    ServerProcess,
-    decodekit_server,
-    make_chat_workload,
-    post_chat,
+    ratios,
     render_serve_table,
-    run_clients,
-    run_serve_benchmark,
     serve_result_json,
-    stream_chat,
     summarize_run,
 )
+from decodekit.bench.serving.run import parse_peer_url, run_serve_benchmark
+from decodekit.bench.serving.servers import decodekit_server
+from decodekit.bench.serving.workload import ChatRequest, make_chat_workload
 from decodekit.cli import app
 from tests.conftest import save_tiny_llama
 
@@ -120,7 +118,7 @@ def test_streamed_texts_match_responses_seeds_repeat_and_disconnects_free_the_ca
 
 
 def test_bench_serve_cli_reports_decodekit_and_why_transformers_did_not_run(tiny_recipe, monkeypatch):
-    monkeypatch.setattr(serving, "transformers_executable", lambda: "/nowhere/transformers")
+    monkeypatch.setattr(servers, "transformers_executable", lambda: "/nowhere/transformers")
     result = CliRunner().invoke(app, ["bench", "serve", "--recipe", str(tiny_recipe), "--num-requests", "6",
                                       "--clients", "4", "--threads", "1", "--json"])
     assert result.exit_code == 0, result.output
@@ -139,7 +137,7 @@ def test_bench_serve_sends_the_workload_to_a_running_server_by_url_and_compares_
     """`--peer-url`: any OpenAI-compatible server already running (here another `decodekit serve` of the same recipe,
     so its greedy answers must be decodekit's own) gets the same warm-up and workload; one that does not answer is
     reported as not run."""
-    nobody = f"http://127.0.0.1:{serving.free_port()}"
+    nobody = f"http://127.0.0.1:{free_port()}"
     result = CliRunner().invoke(app, ["bench", "serve", "--recipe", str(tiny_recipe), "--num-requests", "6",
                                       "--clients", "3", "--threads", "1", "--baseline", "none", "--json",
                                       "--peer-url", f"twin={server.url}/v1/", "--peer-url", nobody])
@@ -157,10 +155,10 @@ def test_bench_serve_sends_the_workload_to_a_running_server_by_url_and_compares_
 
 
 def test_peer_urls_are_parsed_with_an_optional_name():
-    assert serving.parse_peer_url("vllm=http://10.0.0.2:8000/v1/") == ("vllm", "http://10.0.0.2:8000")
-    assert serving.parse_peer_url("http://127.0.0.1:8080") == ("127.0.0.1:8080", "http://127.0.0.1:8080")
+    assert parse_peer_url("vllm=http://10.0.0.2:8000/v1/") == ("vllm", "http://10.0.0.2:8000")
+    assert parse_peer_url("http://127.0.0.1:8080") == ("127.0.0.1:8080", "http://127.0.0.1:8080")
     with pytest.raises(ValueError, match="takes \\[name=\\]http"):
-        serving.parse_peer_url("llama=127.0.0.1:8080")
+        parse_peer_url("llama=127.0.0.1:8080")
 
 
 def test_bench_serve_cli_refuses_an_unknown_baseline(tiny_recipe):
@@ -170,14 +168,12 @@ def test_bench_serve_cli_refuses_an_unknown_baseline(tiny_recipe):
 
 def test_the_table_shows_both_servers_the_ratios_and_a_server_that_did_not_run():
     dk, tf = ServerFigures("decodekit serve"), ServerFigures("transformers serve --continuous-batching")
-    from decodekit.bench.serving import StreamResult
-
     summarize_run(dk, [StreamResult(status=200, usage_tokens=10, ttft_s=0.1, e2e_s=1.0, done=True)], 2.0)
     summarize_run(tf, [StreamResult(status=200, usage_tokens=10, ttft_s=0.2, e2e_s=2.0, done=True),
                        StreamResult(status=500, error="HTTP 500: boom")], 4.0)
     result = ServeBenchResult({"name": "serve", "num_requests": 1, "greedy": 1, "sampled": 0, "max_tokens_min": 10,
                                "max_tokens_max": 10}, "m", "float32", 2, {"decodekit": dk, "transformers": tf},
-                              serving._ratios(dk, tf), {"server_threads": 1})
+                              ratios(dk, tf), {"server_threads": 1})
     out = io.StringIO()
     render_serve_table(result, Console(file=out, width=250))
     text = out.getvalue()
@@ -195,13 +191,11 @@ def test_the_table_printed_to_a_narrow_non_terminal_shows_the_server_names_in_fu
     it needs rather than wrapping or cutting the servers' names."""
     monkeypatch.delenv("COLUMNS", raising=False)
     dk, tf = ServerFigures("decodekit serve"), ServerFigures("transformers serve --continuous-batching")
-    from decodekit.bench.serving import StreamResult
-
     summarize_run(dk, [StreamResult(status=200, usage_tokens=10, ttft_s=0.1, e2e_s=1.0, done=True)], 2.0)
     tf.unavailable = "cannot run transformers: missing"
     result = ServeBenchResult({"name": "serve", "num_requests": 1, "greedy": 1, "sampled": 0, "max_tokens_min": 10,
                                "max_tokens_max": 10}, "HuggingFaceTB/SmolLM2-135M-Instruct", "float32", 2,
-                              {"decodekit": dk, "transformers": tf}, serving._ratios(dk, tf), {"server_threads": 1})
+                              {"decodekit": dk, "transformers": tf}, ratios(dk, tf), {"server_threads": 1})
     out = io.StringIO()
     render_serve_table(result, Console(file=out, width=60))
     text = out.getvalue()

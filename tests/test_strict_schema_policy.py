@@ -14,8 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
-from decodekit.api.constraints import ConstraintError, ConstraintSpec, backend_class, forbid_additional_properties
+from decodekit.api.constraints import ConstraintError, ConstraintSpec, backend_class
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.core.registry import Registry
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from decodekit_plugins.strict_schema import forbid_additional_properties
+
+BACKENDS = Registry.from_plugin_manager(get_plugin_manager(load_entry_points=False)).backend_loaders()
 
 BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
 X_PART = {"properties": {"x": {"type": "string"}}, "required": ["x"]}
@@ -43,7 +48,8 @@ DISJOINT_ONE_OF = {"oneOf": [
 def _check(schema: dict, strict: bool = True) -> str | None:
     """llguidance's refusal of the schema (None when it compiles), without a tokenizer."""
     try:
-        backend_class("llguidance").check(ConstraintSpec.json_schema(schema, strict=strict))
+        written = forbid_additional_properties(schema) if strict else schema  # as the json_schema processor does
+        backend_class("llguidance", BACKENDS).check(ConstraintSpec.json_schema(written))
     except ConstraintError as exc:
         return str(exc)
     return None

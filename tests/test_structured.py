@@ -26,7 +26,6 @@ from decodekit.api.constraints import (
     apply_bitmask,
     backend_class,
     bitmask_to_bool,
-    forbid_additional_properties,
     get_backend,
     token_bitmask,
 )
@@ -35,10 +34,13 @@ from decodekit.core.plan import Components
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from decodekit_plugins.strict_schema import forbid_additional_properties
 from decodekit_plugins.structured import ChoiceProcessor, JsonSchemaProcessor, RegexProcessor
 
 EOS = 2
 TINY_VOCAB = 384
+REGISTRY = Registry.from_plugin_manager(get_plugin_manager(load_entry_points=False))
+BACKEND_LOADERS = REGISTRY.backend_loaders()  # the constraint backends by name, as an engine finds them
 
 
 @cache
@@ -48,7 +50,7 @@ def _tiny():
 
 def _has_xgrammar() -> bool:
     try:
-        backend_class("xgrammar")
+        backend_class("xgrammar", BACKEND_LOADERS)
     except ConstraintError:
         return False
     return True
@@ -170,7 +172,7 @@ def _ids(mask: torch.Tensor) -> list[int]:
 def test_mask_allows_only_tokens_that_keep_a_valid_prefix_and_blocks_only_tokens_that_break_it(backend_name, lang,
                                                                                               kind, data):
     regex, lark, language = lang
-    backend = get_backend(backend_name, _tiny(), TINY_VOCAB, (EOS,))
+    backend = get_backend(backend_name, _tiny(), TINY_VOCAB, (EOS,), BACKEND_LOADERS)
     spec = {"regex": ConstraintSpec.regex(regex), "grammar": ConstraintSpec.grammar(f"start: {lark}"),
             "choice": ConstraintSpec.choice(sorted(language))}[kind]
     _walk_and_check(backend, spec, language, token_bytes(_tiny()), data)
@@ -180,7 +182,7 @@ def test_mask_allows_only_tokens_that_keep_a_valid_prefix_and_blocks_only_tokens
 @given(lang=LANGUAGES, data=st.data())
 def test_mask_exactness_holds_on_the_bundled_model_s_tokenizer(smol_tokenizer, lang, data):
     regex, _, language = lang
-    backend = get_backend("llguidance", smol_tokenizer, len(smol_tokenizer), (EOS,))
+    backend = get_backend("llguidance", smol_tokenizer, len(smol_tokenizer), (EOS,), BACKEND_LOADERS)
     _walk_and_check(backend, ConstraintSpec.regex(regex), language, _smol_pieces(smol_tokenizer), data)
 
 
@@ -218,7 +220,7 @@ def test_policy_forbids_unlisted_keys_only_where_the_schema_is_silent():
     assert out["properties"]["open"]["additionalProperties"] is True
     assert out["properties"]["list"]["items"]["additionalProperties"] is False
     assert all("additionalProperties" not in part for part in out["allOf"])  # parts of an intersection stay open
-    assert "\"additionalProperties\":false" not in ConstraintSpec.json_schema(schema, strict=False).text
+    assert "\"additionalProperties\":false" not in ConstraintSpec.json_schema(schema).text
 
 
 def test_schema_given_as_json_text_compiles_to_the_same_spec_as_the_mapping():
@@ -326,7 +328,6 @@ def test_a_random_tiny_model_stays_inside_finite_regexes_and_choices_batched(dev
 
 
 # ---- refusal at submission / recipe load -------------------------------------------------------------------------
-REGISTRY = Registry.from_plugin_manager(get_plugin_manager(load_entry_points=False))
 
 
 @pytest.mark.parametrize(("processor", "reason"), [
@@ -580,9 +581,9 @@ def test_speculative_decoding_with_json_schemas_gives_the_same_greedy_output(smo
 
 def test_the_no_op_unique_items_false_is_dropped_but_unique_items_true_still_refused():
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": False}
-    spec = ConstraintSpec.json_schema(schema, True, False)
+    spec = ConstraintSpec.json_schema(forbid_additional_properties(schema))
     assert "uniqueItems" not in spec.text
-    kept = ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}, True, False)
+    kept = ConstraintSpec.json_schema(forbid_additional_properties({"type": "array", "uniqueItems": True}))
     assert '"uniqueItems":true' in kept.text
 
 
@@ -681,22 +682,22 @@ def test_the_options_are_part_of_the_spec_so_compiled_grammars_are_not_shared_ac
     plain = proc.spec(proc.Params.model_validate({"schema": CODE_ONE_OF}))
     coerced = proc.spec(proc.Params.model_validate({"schema": CODE_ONE_OF, "coerce_one_of": True}))
     assert plain != coerced and hash(plain) != hash(coerced) and plain.text == coerced.text
-    backend = get_backend("llguidance", _tiny(), TINY_VOCAB, (EOS,))
+    backend = get_backend("llguidance", _tiny(), TINY_VOCAB, (EOS,), BACKEND_LOADERS)
     backend.compile(coerced)
     with pytest.raises(ConstraintError, match="coerce_one_of"):
         backend.compile(plain)
 
 
 def test_a_backend_that_cannot_honour_a_json_option_refuses_it_by_name():
-    from decodekit.api.constraints import BUILTIN_BACKENDS, ConstraintBackend, JsonOptions
+    from decodekit.api.constraints import ConstraintBackend, JsonOptions
 
-    llguidance_cls = backend_class("llguidance")
+    llguidance_cls = backend_class("llguidance", BACKEND_LOADERS)
 
     class Plain(llguidance_cls):  # a backend that declares no JSON options
         name = "plain"
         json_options = ConstraintBackend.json_options
 
-    backends = {**BUILTIN_BACKENDS, "plain": lambda: Plain}
+    backends = {**BACKEND_LOADERS, "plain": lambda: Plain}
     for with_engine in (False, True):
         proc = JsonSchemaProcessor()
         proc._available = backends

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from decodekit.bench.metrics import request_latencies
 from decodekit.bench.workloads import BenchRequest, Workload
 
 SYSTEMS = ("decodekit", "hf-sequential", "hf-static", "hf-cb")
@@ -162,8 +163,7 @@ class DecodekitSystem(System):
         if errors:
             raise RuntimeError(f"{len(errors)} decodekit request(s) failed, first: {errors[0]}")
         outputs = [list(o.token_ids) for o in results]
-        ttft = [o.metrics.ttft for o in results if o.metrics.ttft is not None]
-        tpot = [o.metrics.tpot for o in results if o.metrics.tpot is not None]
+        ttft, tpot = request_latencies(results)
         return RunRecord(wall, _useful(outputs, requests), sum(len(o) for o in outputs), outputs, ttft, tpot)
 
 

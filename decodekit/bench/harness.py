@@ -24,9 +24,10 @@ from decodekit.api.config import EngineConfig
 from decodekit.api.errors import ConfigError
 from decodekit.bench.baselines import SYSTEMS, RunRecord, System, build_system
 from decodekit.bench.machine import environment
+from decodekit.bench.metrics import median
 from decodekit.bench.peers import PeerSpec, build_peer, check_peers, parse_peer, peer_names
 from decodekit.bench.progress import BenchProgress
-from decodekit.bench.report import BenchResult, SystemFigures, median, summarize
+from decodekit.bench.report import BenchResult, SystemFigures, summarize
 from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
 

@@ -256,7 +256,7 @@ def vllm_model_folder(model: Any) -> Path:
     """The folder vLLM loads for decodekit's `model`: decodekit's converted safetensors folder of the bundled model
     or of a GGUF file (made on first use: the benchmark has loaded the model by the time a peer starts), or the
     folder itself."""
-    from decodekit.bench.serving import model_folder
+    from decodekit.bench.serving.servers import model_folder
 
     return model_folder(str(model))
 
@@ -410,7 +410,7 @@ class WorkerProcess:
             root = psutil.Process(self.process.pid)
             return int(sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]))
         except Exception:  # psutil missing, or the process gone: no figure rather than a failed round
-            from decodekit.bench.serving import process_rss_bytes
+            from decodekit.bench.serving.process import process_rss_bytes
 
             return process_rss_bytes(self.process.pid)
 

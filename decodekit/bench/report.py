@@ -4,7 +4,6 @@ table for people and as JSON for machines."""
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,6 +13,7 @@ from rich.table import Table
 
 from decodekit.bench.baselines import RunRecord
 from decodekit.bench.machine import machine_line
+from decodekit.bench.metrics import median, median_of_round_percentiles
 from decodekit.tables import print_table
 
 MISSING = "-"
@@ -68,23 +68,6 @@ class BenchResult:
         return {**asdict(self), "machine": self.machine}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in 0..100) of `values`; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def median(values: list[float | None]) -> float | None:
-    """The median of the values that are not None; None when there are none."""
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def summarize(fig: SystemFigures, records: list[RunRecord], reference: dict[int, list[list[int]]] | None) -> None:
     """Fill `fig` from a system's round records (`reference`: decodekit's outputs by round, for matching)."""
     if not records:
@@ -95,12 +78,8 @@ def summarize(fig: SystemFigures, records: list[RunRecord], reference: dict[int,
     fig.wall_s = median([r.wall_s for r in records])
     fig.round_tokens_per_s = [r.useful_tokens / r.wall_s for r in records]
     fig.tokens_per_s = median(list(fig.round_tokens_per_s))
-    if all(r.ttft_s for r in records):
-        fig.ttft_p50_s = median([percentile(r.ttft_s or [], 50) for r in records])
-        fig.ttft_p90_s = median([percentile(r.ttft_s or [], 90) for r in records])
-    if all(r.tpot_s for r in records):
-        fig.tpot_p50_s = median([percentile(r.tpot_s or [], 50) for r in records])
-        fig.tpot_p90_s = median([percentile(r.tpot_s or [], 90) for r in records])
+    fig.ttft_p50_s, fig.ttft_p90_s = median_of_round_percentiles([r.ttft_s for r in records], (50, 90))
+    fig.tpot_p50_s, fig.tpot_p90_s = median_of_round_percentiles([r.tpot_s for r in records], (50, 90))
     peaks = [r.peak_rss_bytes for r in records if r.peak_rss_bytes is not None]
     fig.peak_rss_mb = max(peaks) / 2**20 if peaks else None
     if reference is not None:

@@ -223,7 +223,8 @@ def _run_serve(options: BenchOptions) -> None:
     recipe served."""
     if options.peer:
         terminal.fail("bench serve runs servers: give a running peer server with --peer-url URL")
-    from decodekit.bench.serving import DEFAULT_RECIPE, render_serve_table, run_serve_benchmark, serve_result_json
+    from decodekit.bench.serving.report import render_serve_table, serve_result_json
+    from decodekit.bench.serving.run import DEFAULT_RECIPE, run_serve_benchmark
 
     picked = [f"{key}={value}" for key, value in (("model", options.model), ("dtype", options.dtype)) if value]
     baseline = options.baseline or ["transformers-serve"]

@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -34,7 +35,6 @@ from pydantic import ConfigDict, Field, field_validator
 from decodekit import hookimpl
 from decodekit.api.components import ComponentLookup
 from decodekit.api.constraints import (
-    BUILTIN_BACKENDS,
     DEFAULT_BACKEND,
     BackendLoader,
     ConstraintBackend,
@@ -46,13 +46,22 @@ from decodekit.api.constraints import (
     apply_bitmask,
     backend_class,
     get_backend,
+    lazy_backend,
 )
 from decodekit.api.params import StrictParams
 from decodekit.api.processors import BatchView, LogitsProcessor
+from decodekit_plugins.strict_schema import forbid_additional_properties
 
 log = logging.getLogger("decodekit.structured")
 
 _CHECKED_CACHE_SIZE = 256  # constraints remembered as passing the static check (a backend's compile cache's order)
+
+_OWN_BACKENDS: Mapping[str, BackendLoader] = MappingProxyType({
+    "llguidance": lazy_backend("decodekit_plugins.llguidance_backend:LLGuidanceBackend"),
+    "xgrammar": lazy_backend("decodekit_plugins.xgrammar_backend:XGrammarBackend"),
+})
+"""The backends this plugin registers (`decodekit_register_constraint_backends`); the engine's registry holds them
+with any third party's. A processor not bound to a registry (used on its own, as in a unit test) knows only these."""
 
 
 class _Params(StrictParams):
@@ -74,7 +83,7 @@ class ConstraintProcessor(LogitsProcessor):
 
     def __init__(self) -> None:
         self._info: Any = None
-        self._available: Mapping[str, BackendLoader] = BUILTIN_BACKENDS  # the registry's, once bound
+        self._available: Mapping[str, BackendLoader] = _OWN_BACKENDS  # the registry's, once bound
         self._backends: dict[str, ConstraintBackend] = {}
         self._checked: OrderedDict[tuple[str, ConstraintSpec], None] = OrderedDict()  # passed `check_options`
         self._checked_lock = threading.Lock()  # planning may run beside a server's validation thread
@@ -229,7 +238,8 @@ class JsonSchemaProcessor(ConstraintProcessor):
 
     def spec(self, options: Any) -> ConstraintSpec:
         json_options = JsonOptions(**{name: getattr(options, name) for name in JsonOptions.model_fields})
-        return ConstraintSpec.json_schema(options.schema_, options.strict, options.flexible_whitespace, json_options)
+        schema = forbid_additional_properties(options.schema_) if options.strict else options.schema_
+        return ConstraintSpec.json_schema(schema, options.flexible_whitespace, json_options)
 
 
 class JsonProcessor(ConstraintProcessor):
@@ -304,5 +314,5 @@ def decodekit_register_processors(register: Callable[..., None]) -> None:
 @hookimpl
 def decodekit_register_constraint_backends(register: Callable[..., None]) -> None:
     """Register the structured-output backends (their libraries are imported when a request names one)."""
-    for name, loader in BUILTIN_BACKENDS.items():
+    for name, loader in _OWN_BACKENDS.items():
         register(name, loader)
