@@ -384,8 +384,34 @@ def test_fuzz_any_set_override_either_loads_or_raises_recipe_error(key, value):
         recipe_from_data(data, [f"{key}={value}"], registry=REGISTRY)
 
 
+@settings(max_examples=100, deadline=None)
+@given(field=st.sampled_from(["temperature", "top_p", "min_p"]), number=st.floats(0.01, 1.0),
+       tokens=st.integers(1, 4096), seed=st.integers(0, 2**31))
+def test_fuzz_a_valid_set_override_lands_at_its_key(field, number, tokens, seed):
+    # the other half of the fuzz above: an override that is valid is applied, at the key it names, with its value
+    data = {"model": "m", "strategy": "sample"}
+    recipe = recipe_from_data(data, [f"sampling.{field}={number!r}", f"sampling.max_tokens={tokens}",
+                                     f"sampling.seed={seed}"], registry=REGISTRY)
+    assert getattr(recipe.sampling, field) == pytest.approx(number)
+    assert (recipe.sampling.max_tokens, recipe.sampling.seed) == (tokens, seed)
+
+
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(max_size=40))
-def test_fuzz_any_text_parses_or_raises_recipe_error(text):
-    with contextlib.suppress(RecipeError):
-        parse_yaml(text, "fuzz.yaml")
+def test_fuzz_any_text_parses_as_yaml_does_or_raises_recipe_error(text):
+    try:
+        expected = yaml.safe_load(text)
+    except yaml.YAMLError:
+        with pytest.raises(RecipeError, match=r"fuzz\.yaml"):
+            parse_yaml(text, "fuzz.yaml")
+        return
+    with contextlib.suppress(RecipeError):  # stricter than PyYAML (duplicate keys, alias budgets): may refuse
+        assert repr(parse_yaml(text, "fuzz.yaml")) == repr(expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(document=st.dictionaries(st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+                                st.none() | st.booleans() | st.integers() | st.text(max_size=10)
+                                | st.lists(st.integers(), max_size=3), max_size=5))
+def test_fuzz_any_yaml_document_written_by_pyyaml_parses_to_what_was_written(document):
+    assert parse_yaml(yaml.safe_dump(document), "fuzz.yaml") == document
