@@ -39,8 +39,8 @@ run() {
     for shape in smollm2-135m llama-1b; do
         python3 benchmarks/random_model.py --shape "$shape" --tokenizer .gpu/tok --output "/tmp/$shape" >/dev/null
     done
-    timeout 240 python3 -m pytest -q -p no:randomly -p no:cacheprovider -m cuda --tb=short tests/test_cuda_path.py \
-        tests/test_cuda_strategies.py tests/test_gpu_ops.py tests/test_structured.py 2>&1 | tail -30 \
+    timeout 240 python3 -m pytest -q -p no:randomly -p no:cacheprovider -m cuda --tb=short tests/execution/test_cuda_path.py \
+        tests/execution/test_cuda_strategies.py tests/execution/test_gpu_ops.py tests/processors/test_structured.py 2>&1 | tail -30 \
         | tee "$out/tests.log"
     for shape in smollm2-135m llama-1b; do
         timeout 100 python3 benchmarks/gpu_step.py --model "/tmp/$shape" --tokens 256 2>&1 | grep -v Loading \

@@ -2,7 +2,7 @@
 
     python tools/architecture_map.py            # print the map as the code has it
     python tools/architecture_map.py --write    # rewrite the table in docs/architecture.md (keeps each "owns")
-    python tools/architecture_map.py --check    # exit 1 if the doc or the layering is off (tests/test_layering.py)
+    python tools/architecture_map.py --check    # exit 1 if the doc or the layering is off (tests/house/)
 
 Layers, lowest first; a module may import its own layer and those below it, never above:
 

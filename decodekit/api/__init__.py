@@ -1,6 +1,6 @@
 """decodekit's public plugin API: every contract a plugin implements or receives, in one place.
 
-This package depends on nothing else of decodekit's (the layering test in `tests/test_layering.py` holds it to
+This package depends on nothing else of decodekit's (the layering test in `tests/house/test_layering.py` holds it to
 that), so a plugin that imports only `decodekit.api` (and the names `decodekit` re-exports) keeps working however
 the engine underneath is rearranged.
 

@@ -46,8 +46,8 @@ app.command()(bench.bench)
 def _third_party_plugins_installed() -> bool:
     """Whether an entry-point plugin would load (one of the `decodekit` group that `DECODEKIT_PLUGINS` allows, as
     `decodekit.core.plugin_manager` reads them). Only those can add commands: decodekit's own plugins add none
-    (tests/test_first_minutes.py holds them to that), so without one `decodekit --help` imports no plugin (nor
-    torch) to list the commands."""
+    (tests/recipes/test_readme_and_first_commands.py holds them to that), so without one `decodekit --help` imports
+    no plugin (nor torch) to list the commands."""
     import importlib.metadata
     import os
 

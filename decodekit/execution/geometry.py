@@ -51,9 +51,9 @@ def model_geometry(model: Any, fused_refusal: str | None) -> ModelGeometry:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     max_len = getattr(config, "max_position_embeddings", None) or 2048
     num_layers = config.num_hidden_layers
-    # models the fused decoder can take pass known keywords (tests/test_attention_probe.py holds their architectures
-    # to it) and state their KV shapes; skipping their probe saves a forward at start-up (150-500 ms for SmolLM2 on
-    # 2 cores). A variant it refuses (a bidirectional Gemma, say) is probed.
+    # models the fused decoder can take pass known keywords (tests/execution/test_attention_probe.py holds their
+    # architectures to it) and state their KV shapes; skipping their probe saves a forward at start-up (150-500 ms
+    # for SmolLM2 on 2 cores). A variant it refuses (a bidirectional Gemma, say) is probed.
     probe = None if fused_refusal is None else probe_attention(model)
     if probe is not None:
         reason = probe.refusal(arch)

@@ -2,7 +2,7 @@
 or the arrow keys, shows its step.
 
 The page's markup, style and script are this package's data files `page.html`, `page.css` and `page.js` (kept
-apart so that each is read, and checked, as what it is: tests/test_trace_view.py parses them). `html_page` fills
+apart so that each is read, and checked, as what it is: tests/trace/test_trace_view.py parses them). `html_page` fills
 the markup's four slots: `{{TITLE}}` (escaped), `{{CSS}}` and `{{JS}}` (inlined: nothing is fetched) and `{{DATA}}`,
 the trace as JSON in a `<script type="application/json">` element, escaped so that no token text can end it.
 """

@@ -17,7 +17,7 @@ follow the torch ops they replace (the reductions may add in another order).
 
 Each function is only called where `gpu_attention.kernel_available` is true (CUDA with Triton); the CPU path keeps
 its torch ops and native kernels. Under Triton's interpreter (`TRITON_INTERPRET=1`) they also run on CPU tensors,
-which is how tests/test_gpu_ops.py checks them without a GPU.
+which is how tests/execution/test_gpu_ops.py checks them without a GPU.
 """
 
 from __future__ import annotations
