@@ -19,8 +19,9 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pluggy
 from pydantic import (
@@ -36,11 +37,14 @@ from pydantic import (
 )
 
 from decodekit.api.config import TARGET_DRAFT, EngineConfig
-from decodekit.api.errors import DecodeKitError, RecipeError
+from decodekit.api.errors import ConfigError, DecodeKitError, RecipeError
 from decodekit.api.params import SAMPLING_ALIASES, ComponentSpec, SamplingParams
 from decodekit.core.plan import Components, Plan
 from decodekit.core.registry import Registry
 from decodekit.recipe_syntax import apply_override, format_validation_errors, parse_yaml, read_text_capped
+
+if TYPE_CHECKING:  # the plan imports torch; `decodekit --help` reads recipes' field docs without it
+    from decodekit.execution.plan import ExecutionPlan
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 COMPONENT_KEYS = ("processors", "stopping", "strategy")
@@ -370,11 +374,21 @@ def dtype_choice(recipe: Recipe) -> str | None:
     return f"dtype: auto -> {str(chosen).removeprefix('torch.')} on {device.type} ({why})"
 
 
-def check_machine(recipe: Recipe) -> list[str]:
+@dataclass(frozen=True)
+class MachineCheck:
+    """What `check_machine` found: notes on what it could not check, and how the model will run here (the plan
+    `run` makes when it builds the engine; None where the model's config.json is not on disk yet)."""
+
+    notes: list[str]
+    plan: ExecutionPlan | None = None
+
+
+def check_machine(recipe: Recipe) -> MachineCheck:
     """The checks `run` makes when it builds the engine that need no model loaded: the device exists on this
-    machine, `engine.cuda_graphs: true` has a CUDA device (and the fused decoder) to run on, and
-    `engine.kv_cache_memory` holds at least two KV blocks of the model (its geometry read from its config.json
-    where that is on disk). Returns notes on what could not be checked without loading the model.
+    machine, `engine.cuda_graphs: true` has a CUDA device (and the fused decoder) to run on, and, where the model's
+    config.json is on disk, the engine's own plan of how the model (and its draft) runs here
+    (`execution.plan.plan_from_config`: every `engine` option it refuses is refused now) and that
+    `engine.kv_cache_memory` holds at least two KV blocks of it.
 
     Raises:
         RecipeError: the recipe cannot run here; the message names the file and the key.
@@ -396,60 +410,68 @@ def check_machine(recipe: Recipe) -> list[str]:
                   if engine.fused_decoder is False else None)
         if reason is not None:
             raise RecipeError(f"{where}: engine.cuda_graphs: {reason}; set cuda_graphs to false or leave it unset")
-    return _check_kv_memory(recipe, device)
+    memory, block = engine.kv_cache_memory, engine.block_size
+    if memory < 2 * block * _MIN_KV_BYTES_PER_SLOT:  # too small for any model
+        raise RecipeError(f"{where}: engine.kv_cache_memory: {memory} bytes cannot hold 2 KV blocks of "
+                          f"{block} tokens for any model; raise it (e.g. 256MiB)")
+    plan = _plan(recipe, device)
+    if plan is None:
+        if "://" in recipe.model:  # a plugin's model loader: its models have no config.json to read, nothing to say
+            return MachineCheck([])
+        return MachineCheck([f"engine.kv_cache_memory: not checked against the model's KV size, nor how the model "
+                             f"runs here ({recipe.model!r} has no config.json on disk that transformers can build "
+                             "yet); `decodekit run` checks both when the model loads"])
+    _check_kv_memory(recipe, plan)
+    return MachineCheck([], plan)
 
 
 _MIN_KV_BYTES_PER_SLOT = 4
 """The least one token slot of the KV pool can cost: one layer, one KV head of size 1, keys and values, 2 bytes."""
 
 
-def _check_kv_memory(recipe: Recipe, device: Any) -> list[str]:
+def _plan(recipe: Recipe, device: Any) -> ExecutionPlan | None:
+    """The engine's plan for the recipe's model (and draft) on `device`, from their config.json files."""
     import torch
 
+    from decodekit.execution.plan import plan_from_config
+    from decodekit.models.loader import default_dtype, peek_config
+
+    config = peek_config(recipe.model)
+    if config is None:
+        return None
+    dtype = default_dtype(device) if recipe.dtype == "auto" else getattr(torch, recipe.dtype)
+    options = recipe.engine
+    draft_config, draft_dtype, self_draft = None, None, False
+    if recipe.draft is not None:
+        options = options.model_copy(update={"draft_quantization": recipe.draft.quantization})
+        self_draft = recipe.draft.model == TARGET_DRAFT
+        if not self_draft:
+            draft_config = peek_config(recipe.draft.model)
+            if draft_config is None:
+                return None
+            draft_dtype = (default_dtype(device) if recipe.draft.dtype == "auto"
+                           else getattr(torch, recipe.draft.dtype))
+    try:
+        return plan_from_config(config, recipe.model, dtype, device, options, draft_config, draft_dtype, self_draft)
+    except ConfigError as exc:  # its message starts with the option's name
+        raise RecipeError(f"{recipe.source}: engine.{exc}") from None
+    except DecodeKitError as exc:  # the model itself (an attention decodekit does not page)
+        raise RecipeError(f"{recipe.source}: model: {exc}") from None
+
+
+def _check_kv_memory(recipe: Recipe, plan: ExecutionPlan) -> None:
     from decodekit.execution.attention.kv_cache import PagedKVCache
-    from decodekit.models.loader import default_dtype
 
     engine, where = recipe.engine, recipe.source
     memory, block = engine.kv_cache_memory, engine.block_size
-    if memory < 2 * block * _MIN_KV_BYTES_PER_SLOT:  # too small for any model
-        raise RecipeError(f"{where}: engine.kv_cache_memory: {memory} bytes cannot hold 2 KV blocks of "
-                          f"{block} tokens for any model; raise it (e.g. 256MiB)")
-    geometry = _peek_kv_geometry(recipe.model)
-    if geometry is None:
-        if "://" in recipe.model:  # a plugin's model loader: its models have no config.json to read, nothing to say
-            return []
-        return [f"engine.kv_cache_memory: not checked against the model's KV size ({recipe.model!r} has no "
-                "config.json on disk yet); `decodekit run` checks it when the model loads"]
-    layers, kv_heads, head_dim = geometry
-    if engine.kv_cache_dtype != "auto":
-        element = torch.bfloat16 if engine.kv_cache_dtype == "bfloat16" else torch.float32
-    else:  # the model's dtype (quantized weights keep the float32 model's cache); `auto` as the loader picks it
-        element = default_dtype(device) if recipe.dtype == "auto" else getattr(torch, recipe.dtype)
+    geometry, element = plan.geometry, plan.kv_dtype
+    layers, kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
     per_block = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, element) * block
     if memory // per_block < 2:
         raise RecipeError(f"{where}: engine.kv_cache_memory: {memory} bytes holds fewer than 2 KV blocks of "
                           f"{per_block} bytes for {recipe.model!r} ({layers} layers x {kv_heads} KV heads x "
                           f"{head_dim} x keys and values x {str(element).removeprefix('torch.')} x {block} "
                           "tokens); raise it")
-    return []
-
-
-def _peek_kv_geometry(spec: str) -> tuple[int, int, int] | None:
-    """Layers, KV heads and head size from the config.json of the model `spec` names (`peek_config`), loading
-    nothing; None where there is none."""
-    from decodekit.models.loader import peek_config
-
-    config = peek_config(spec)
-    if config is None:
-        return None
-    nested = config.get("text_config")
-    text: dict[str, Any] = nested if isinstance(nested, dict) else config
-    layers, heads = text.get("num_hidden_layers"), text.get("num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // heads if isinstance(heads, int) and heads
-                                        else None)
-    values = (layers, kv_heads, head_dim)
-    return values if all(isinstance(v, int) and v > 0 for v in values) else None  # type: ignore[return-value]
 
 
 def describe_recipe(recipe: Recipe, registry: Registry) -> dict[str, Any]:

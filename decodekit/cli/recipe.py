@@ -27,9 +27,10 @@ def check(
     The model (and draft) must resolve without loading: the bundled name, a .gguf file, a folder with a
     config.json, a hub id in the local Hugging Face cache, or a spec a plugin's loader accepts. The checks `run`
     makes of this machine before loading the model run too: the device exists, `engine.cuda_graphs: true` has CUDA,
-    `engine.kv_cache_memory` holds two KV blocks of the model (read from its config.json; a note says when that is
-    not on disk yet). Where the recipe leaves the dtype to `auto`, the dtype it chooses on this machine is printed
-    with the reason."""
+    and, from the model's config.json (a note says when that is not on disk yet), the engine's own plan of how the
+    model runs here (printed; an option it refuses is refused now) and `engine.kv_cache_memory` holding two KV blocks
+    of it. Where the recipe leaves the dtype to `auto`, the dtype it chooses on this machine is printed with the
+    reason."""
     import yaml
 
     from decodekit.recipe import check_machine, check_models, describe_recipe, dtype_choice
@@ -38,13 +39,18 @@ def check(
         context = load_context()
         recipe = context.load_recipe(recipe_path, overrides)
         check_models(recipe, context.registry)
-        notes = check_machine(recipe)  # what `run` checks before loading the model: device, CUDA graphs, KV memory
+        machine = check_machine(recipe)  # what `run` checks before loading the model: device, plan, KV memory
     except DecodeKitError as exc:
         terminal.fail(str(exc))
     print(yaml.safe_dump(describe_recipe(recipe, context.registry), sort_keys=False, allow_unicode=True), end="")
     choice = dtype_choice(recipe)
     if choice is not None:  # `dtype: auto` depends on this machine: say what it chose and why
         terminal.err_console.print(f"{escape(recipe.source)}: {escape(choice)}", soft_wrap=True)
-    for note in notes:
+    if machine.plan is not None:  # the engine's own plan: what `run` will do with this model here
+        runs = f"runs: {machine.plan.describe()}"
+        if machine.plan.draft is not None:
+            runs += f"; the draft: {machine.plan.draft.describe()}"
+        terminal.err_console.print(f"{escape(recipe.source)}: {escape(runs)}", soft_wrap=True)
+    for note in machine.notes:
         terminal.err_console.print(f"[yellow]note:[/] {escape(recipe.source)}: {escape(note)}", soft_wrap=True)
     terminal.err_console.print(f"[green]{recipe.source}: ok[/]")

@@ -29,7 +29,7 @@ def text_config(model: Any) -> Any:
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
-def model_geometry(model: Any, fused_refusal: str | None) -> ModelGeometry:
+def model_geometry(model: Any, fused_refusal: str | None, probe: bool = True) -> ModelGeometry:
     """Read layer count, KV heads, head size and context length from a HF config (refusing what we can't page).
 
     Any model the fused decoder cannot take runs once on two tokens through a recording attention function
@@ -39,7 +39,8 @@ def model_geometry(model: Any, fused_refusal: str | None) -> ModelGeometry:
     Sliding-window layers and attention-logit soft-capping are served by the paged attention itself (transformers
     passes `sliding_window` and `softcap` to the attention function per layer), so they keep the whole context.
 
-    `fused_refusal` is `fused_decoder_refusal(model)`, which the plan asks once per model."""
+    `fused_refusal` is `fused_decoder_refusal(model)`, which the plan asks once per model; `probe` False keeps the
+    config's geometry (a skeleton with no weights to run: `plan.plan_from_config`)."""
     config = text_config(model)
     arch = type(model).__name__
     unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
@@ -54,17 +55,17 @@ def model_geometry(model: Any, fused_refusal: str | None) -> ModelGeometry:
     # models the fused decoder can take pass known keywords (tests/execution/test_attention_probe.py holds their
     # architectures to it) and state their KV shapes; skipping their probe saves a forward at start-up (150-500 ms
     # for SmolLM2 on 2 cores). A variant it refuses (a bidirectional Gemma, say) is probed.
-    probe = None if fused_refusal is None else probe_attention(model)
-    if probe is not None:
-        reason = probe.refusal(arch)
+    probed = None if fused_refusal is None or not probe else probe_attention(model)
+    if probed is not None:
+        reason = probed.refusal(arch)
         if reason is not None:
             raise UnsupportedModelError(reason)
-        if probe.kv_shapes[0] != (kv_heads, head_dim):
+        if probed.kv_shapes[0] != (kv_heads, head_dim):
             # the layers' own keys decide the pool's width (a config may set an attribute its architecture ignores)
             log.info("%s: the layers write %d KV heads of size %d (the config says %d of %d)", arch,
-                     *probe.kv_shapes[0], kv_heads, head_dim)
-            kv_heads, head_dim = probe.kv_shapes[0]
-        deepest = max(index for index in probe.layer_indices if index is not None)
+                     *probed.kv_shapes[0], kv_heads, head_dim)
+            kv_heads, head_dim = probed.kv_shapes[0]
+        deepest = max(index for index in probed.layer_indices if index is not None)
         if deepest >= num_layers:
             raise UnsupportedModelError(f"{arch}: an attention layer has index {deepest}, beyond the config's "
                                         f"{num_layers} hidden layers")

@@ -78,6 +78,25 @@ class ExecutionPlan:
     """Why a choice was not the obvious one (a fused decoder off, kernels off, prepacking off), for logs and checks."""
     draft: ExecutionPlan | None = field(default=None)
 
+    def describe(self) -> str:
+        """How the model runs, in one line (`decodekit recipe check` prints it)."""
+        if self.fused:
+            parts = ["fused decoder", "native kernels" if self.kernels is not None else "torch's small ops"]
+            if self.quantization is not None:
+                parts.append(f"{self.quantization} weights" + (" (bf16 products)" if self.bf16_gemm else ""))
+            elif self.prepack:
+                parts.append("prepacked weights")
+        else:
+            parts = ["transformers' forward"]
+            if self.relay is not None:
+                parts.append(f"linear layers in {self.relay.quantization}" if self.relay.quantization
+                             else "re-laid linear layers")
+        if self.cuda_graphs:
+            parts.append("CUDA graphs")
+        dtype = str(self.compute_dtype).removeprefix("torch.")
+        parts += [f"{dtype} activations", f"{str(self.kv_dtype).removeprefix('torch.')} KV cache"]
+        return ", ".join(parts)
+
     def for_model(self, loaded: LoadedModel) -> ExecutionPlan:
         """The plan of another model (a proposer's own) under this plan's options."""
         return plan_model(loaded, self.config, fused_decoder_refusal(loaded.model))
@@ -96,6 +115,44 @@ class ExecutionPlan:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes holds fewer than 2 blocks of "
                               f"{per_block} bytes; raise it")
         return num_blocks
+
+
+def plan_from_config(model_config: dict[str, Any], name: str, dtype: torch.dtype, device: torch.device,
+                     config: EngineConfig, draft_config: dict[str, Any] | None = None,
+                     draft_dtype: torch.dtype | None = None, self_draft: bool = False) -> ExecutionPlan | None:
+    """The plan a model (and its draft) would get here, from config.json alone: nothing is loaded (each model's
+    skeleton is built on the meta device, and one the fused decoder cannot take keeps its config's KV geometry,
+    unprobed). What `decodekit recipe check` reports and checks. None where transformers cannot build a model from
+    the config (an architecture it does not know: `run` finds out when it loads). `self_draft`: the draft is the
+    target itself (`draft: {model: target}`).
+
+    Raises:
+        ConfigError: an option asks for what cannot run here (the message names the option).
+    """
+    target = _skeleton(model_config, name, dtype, device)
+    if target is None:
+        return None
+    draft = target if self_draft else None
+    if draft_config is not None:
+        draft = _skeleton(draft_config, "draft", draft_dtype or dtype, device)
+        if draft is None:
+            return None
+    return plan_execution(target, config, draft)
+
+
+def _skeleton(model_config: dict[str, Any], name: str, dtype: torch.dtype, device: torch.device
+              ) -> LoadedModel | None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in model_config.items() if k != "model_type"}
+    try:
+        hf_config = AutoConfig.for_model(model_config.get("model_type", ""), **fields)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    except Exception as exc:  # whatever transformers raises for a config it cannot build
+        log.info("no plan for %s from its config.json: %r", name, exc)
+        return None
+    return LoadedModel(model, None, name, dtype, device)
 
 
 def plan_execution(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None) -> ExecutionPlan:
@@ -121,7 +178,7 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
     """The plan of one model under options already made its own (`plan_execution` makes them: the bf16 default and
     a draft's options); `refusal` is `fused_decoder_refusal(loaded.model)`."""
     reasons: list[str] = []
-    geometry = model_geometry(loaded.model, refusal)
+    geometry = model_geometry(loaded.model, refusal, probe=not _is_skeleton(loaded.model))
     max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
     quantization = config.quantization
     # quantized copies leave the module's own weights alone, so a model object passed in can be quantized in the
@@ -129,12 +186,11 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
     setting = config.fused_decoder
     if quantization is not None and setting is None and refusal is None:
         setting = True
-    fused = _wants_fused_decoder(loaded.model, setting, loaded.owned, refusal, reasons)
-    kernels = _wants_native_kernels(loaded.model, config.native_kernels, quantization is not None,
-                                    reasons) if fused else None
+    fused = _wants_fused_decoder(loaded, setting, refusal, reasons)
+    kernels = _wants_native_kernels(loaded, config.native_kernels, quantization is not None, reasons) if fused else None
     if quantization is not None and fused and kernels is None:
         raise ConfigError(_quantization_refusal(quantization, loaded))
-    prepack = quantization is None and _wants_prepacking(loaded.model, config.prepack_weights, reasons)
+    prepack = quantization is None and _wants_prepacking(loaded, config.prepack_weights, reasons)
     bf16_gemm = _wants_bf16_gemm(loaded, config)
     relay = None if fused else _plan_relaid_linears(loaded, config, prepack, bf16_gemm)
     graphs = _wants_cuda_graphs(loaded, config.cuda_graphs, fused, max_model_len, reasons)
@@ -143,7 +199,18 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
                          kv_cache_dtype(loaded, config), tuple(reasons), draft)
 
 
-def _wants_fused_decoder(model: Any, setting: bool | None, owned: bool, reason: str | None, reasons: list[str],
+def _is_skeleton(model: Any) -> bool:
+    """Whether `model` is a skeleton on the meta device (`plan_from_config`): no weights to read or run."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _head(loaded: LoadedModel) -> tuple[torch.dtype, torch.device]:
+    """The LM head weight's dtype and device; for a skeleton, the dtype and device the model would load in."""
+    weight = loaded.model.get_output_embeddings().weight
+    return (loaded.dtype, loaded.device) if weight.device.type == "meta" else (weight.dtype, weight.device)
+
+
+def _wants_fused_decoder(loaded: LoadedModel, setting: bool | None, reason: str | None, reasons: list[str],
                          key: str = "fused_decoder") -> bool:
     """Whether to run `model` through `FusedDecoder`: `setting` True/False forces it, None means "when decodekit
     loaded the model itself and its architecture allows" (the fused decoder re-lays weights in place). `reason` is
@@ -154,30 +221,30 @@ def _wants_fused_decoder(model: Any, setting: bool | None, owned: bool, reason: 
     """
     if setting and reason is not None:
         raise ConfigError(f"{key}: {reason}; set {key} to false or leave it unset")
-    weight = model.get_output_embeddings().weight if reason is None else None
-    if setting is None and weight is not None and weight.device.type == "cpu" and weight.dtype != torch.float32:
+    head = _head(loaded) if reason is None else None
+    if setting is None and head is not None and head[1].type == "cpu" and head[0] != torch.float32:
         # torch's bf16 / fp16 products on a CPU, on the fused decoder's column-major weights, ran 10x slower than
         # transformers' own forward (SmolLM2 bf16 with native_kernels false: 2.4 against 24.8 tok/s, 2-core AVX2);
         # a bf16 model gets the fused decoder through its bf16 copies instead (`_bf16_weights_on_cpu`)
-        reason = f"{weight.dtype} weights on a CPU run faster in transformers' own forward"
+        reason = f"{head[0]} weights on a CPU run faster in transformers' own forward"
     if setting is None and reason is not None:
         log.info("fused decoder off: %s", reason)
         reasons.append(f"fused decoder off: {reason}")
-    return reason is None and (setting if setting is not None else owned)
+    return reason is None and (setting if setting is not None else loaded.owned)
 
 
-def _wants_prepacking(model: Any, setting: bool | None, reasons: list[str]) -> bool:
+def _wants_prepacking(loaded: LoadedModel, setting: bool | None, reasons: list[str]) -> bool:
     """Whether the fused decoder (or the re-laid linears of another model) keeps oneDNN-blocked weight copies: only
     where they work (CPU, float32), and by default only when the copy is at most `PREPACK_DEFAULT_LIMIT` bytes."""
-    weight = model.get_output_embeddings().weight
+    dtype, device = _head(loaded)
     if setting is False:
         return False
-    if not prepacking_available(weight.dtype, weight.device):
+    if not prepacking_available(dtype, device):
         if setting:
             log.warning("prepack_weights: oneDNN-blocked weights need float32 on a CPU with oneDNN; %s on %s "
-                        "keeps BLAS products", weight.dtype, weight.device)
+                        "keeps BLAS products", dtype, device)
         return False
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     if setting is None and size > PREPACK_DEFAULT_LIMIT:
         log.info("prepack_weights off: a second copy of %.1f GiB of weights is over the default limit", size / 2**30)
         reasons.append(f"prepack_weights off: a second copy of {size / 2**30:.1f} GiB is over the default limit")
@@ -185,7 +252,7 @@ def _wants_prepacking(model: Any, setting: bool | None, reasons: list[str]) -> b
     return True
 
 
-def _wants_native_kernels(model: Any, setting: bool | None, quantized: bool, reasons: list[str]
+def _wants_native_kernels(loaded: LoadedModel, setting: bool | None, quantized: bool, reasons: list[str]
                           ) -> NativeKernels | None:
     """The native kernels the fused decoder should use for `model`: on a CPU, for float32 weights (or any float
     weights when `quantized`: the products then run on float32 activations over compressed copies), and by default
@@ -196,20 +263,20 @@ def _wants_native_kernels(model: Any, setting: bool | None, quantized: bool, rea
     """
     if setting is False:
         return None
-    weight = model.lm_head.weight
-    if (weight.dtype != torch.float32 and not quantized) or weight.device.type != "cpu":
+    dtype, device = _head(loaded)
+    if (dtype != torch.float32 and not quantized) or device.type != "cpu":
         if setting:
-            raise ConfigError(f"native_kernels: they run float32 on a CPU, not {weight.dtype} on {weight.device}; "
+            raise ConfigError(f"native_kernels: they run float32 on a CPU, not {dtype} on {device}; "
                               "set native_kernels to false or leave it unset")
         return None
-    loaded = load_kernels()
-    if isinstance(loaded, str):
+    kernels = load_kernels()
+    if isinstance(kernels, str):
         if setting:
-            raise ConfigError(f"native_kernels: {loaded}; set native_kernels to false or leave it unset")
-        log.warning("native kernels off (%s): small ops stay in torch", loaded)
-        reasons.append(f"native kernels off: {loaded}")
+            raise ConfigError(f"native_kernels: {kernels}; set native_kernels to false or leave it unset")
+        log.warning("native kernels off (%s): small ops stay in torch", kernels)
+        reasons.append(f"native kernels off: {kernels}")
         return None
-    return loaded
+    return kernels
 
 
 def _bf16_weights_on_cpu(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
@@ -327,7 +394,7 @@ def _draft_config(config: EngineConfig, draft: LoadedModel, target: LoadedModel,
     if setting is None and config.fused_decoder is not None and (fusable or not config.fused_decoder):
         setting = config.fused_decoder  # the target's explicit choice, where the draft can follow it
     key = "draft_quantization" if config.draft_quantization is not None else "draft_fused_decoder"
-    fused = _wants_fused_decoder(draft.model, setting, draft.owned, refusal, [], key=key)
+    fused = _wants_fused_decoder(draft, setting, refusal, [], key=key)
     if not fused and config.draft_fused_decoder is None and setting is None and fusable:
         log.warning("the draft model %s runs the transformers forward (a model object passed in is not re-laid in "
                     "place unless asked); draft_fused_decoder=True runs it through the fused decoder, about twice "
@@ -371,10 +438,9 @@ def _plan_relaid_linears(loaded: LoadedModel, config: EngineConfig, prepack: boo
     reason = None
     # a bfloat16 model decodekit loaded has its linear layers' bf16 copies made from its own weights, then the rest
     # (embeddings, norms) widened to float32: float32 activations, as the fused decoder runs a bf16 model
-    widen = (quantization == "bf16" and loaded.owned and head is not None
-             and head.weight.dtype == torch.bfloat16)
-    if loaded.device.type != "cpu" or head is None or (head.weight.dtype != torch.float32 and not widen):
-        dtype = None if head is None else head.weight.dtype
+    dtype = None if head is None else _head(loaded)[0]
+    widen = quantization == "bf16" and loaded.owned and dtype == torch.bfloat16
+    if loaded.device.type != "cpu" or head is None or (dtype != torch.float32 and not widen):
         reason = f"they run float32 on a CPU, not {dtype} on {loaded.device}"
     elif isinstance(kernels, str):
         reason = kernels
