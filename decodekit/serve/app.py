@@ -1,6 +1,6 @@
 """The FastAPI app of `decodekit serve`: OpenAI's chat and completions endpoints over a recipe's engine, the model
-list, health and metrics; the API key, the body size limit and the error shapes; and `run_server`, uvicorn with a
-graceful shutdown.
+list, vLLM's tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`), health and metrics; the API key,
+the body size limit and the error shapes; and `run_server`, uvicorn with a graceful shutdown.
 
 Example:
     >>> recipe = load_recipe("recipes/quickstart.yaml")
@@ -54,6 +54,13 @@ from decodekit.serve.protocol import (
 )
 from decodekit.serve.service import RequestGroup, ServingEngine
 from decodekit.serve.streaming import ClientGone, EventStream, unless_disconnected
+from decodekit.serve.tokenizer_api import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+    tokenizer_info,
+)
 
 log = logging.getLogger("decodekit.serve")
 M = TypeVar("M", bound=BaseModel)
@@ -147,6 +154,25 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
         return await _respond(request, service, prepared, model, chat=False, stream=bool(body.stream))
 
     app.include_router(v1)
+    tokens = APIRouter(dependencies=[Depends(check_api_key)])  # at the root, where vLLM serves them
+
+    @tokens.post("/tokenize")
+    async def tokenize_text(request: Request) -> Response:
+        body = await read_body(request, TokenizeRequest, options.max_body_bytes)
+        service.check_model(body.model)
+        return _json(tokenize(service.tokenizer, body, service.engine.max_model_len))
+
+    @tokens.post("/detokenize")
+    async def detokenize_ids(request: Request) -> Response:
+        body = await read_body(request, DetokenizeRequest, options.max_body_bytes)
+        service.check_model(body.model)
+        return _json(detokenize(service.tokenizer, body, service.engine.vocab_size))
+
+    @tokens.get("/tokenizer_info")
+    async def get_tokenizer_info() -> Response:
+        return JSONResponse(tokenizer_info(service.tokenizer, service.engine.max_model_len))
+
+    app.include_router(tokens)
 
     @app.get("/health")
     async def health() -> Response:

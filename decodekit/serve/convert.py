@@ -35,6 +35,8 @@ from decodekit.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingFields,
     TokenLogprob,
     TopLogprob,
@@ -44,7 +46,7 @@ from decodekit.serve.protocol import (
 
 _SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
 _PLAIN_FIELDS = ("temperature", "top_p", "n", "seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
-                 "trace", "logprobs_mode")
+                 "trace", "logprobs_mode", "prompt_logprobs")
 
 
 @dataclass
@@ -61,6 +63,10 @@ class PreparedRequest:
         include_usage: streaming: end with a usage chunk.
         tokenizer: the engine's tokenizer, which places the legacy logprobs' `text_offset` (None: every offset 0,
             as the text is empty without one).
+        echo: each completions choice starts with its prompt (text, and logprobs where asked).
+        generate: False for `max_tokens: 0` with `echo`: the prompt is scored, the one token the engine generates
+            for it is not returned.
+        prompt_logprobs: the request's `prompt_logprobs` field (returned in vLLM's shape; None: not asked).
     """
 
     prompts: list[str | list[int]]
@@ -71,6 +77,9 @@ class PreparedRequest:
     top_logprobs: int | None = None
     include_usage: bool = False
     tokenizer: Any = None
+    echo: bool = False
+    generate: bool = True
+    prompt_logprobs: int | None = None
 
     def refusal(self, output: RequestOutput) -> APIError | None:
         """A 400 for an output the engine refused before running it (an invalid prompt, or a plan that cannot
@@ -91,6 +100,9 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any)
                                          f"messages[{i}]."))
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    if request.max_tokens == 0:
+        raise APIError(400, "max_tokens: 0 generates nothing; it is for completions with echo: true",
+                       param="max_tokens")
     overrides, origins = _overrides(request, recipe)
     if request.max_completion_tokens is not None:
         overrides["max_tokens"] = request.max_completion_tokens
@@ -102,11 +114,15 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any)
         origins["logprobs"] = "top_logprobs" if request.top_logprobs is not None else "logprobs"
     prompt = render_chat(tokenizer, request.messages)
     return PreparedRequest([prompt], _params(recipe, overrides, origins, "messages"), False, origins, "messages", top,
-                           _include_usage(request))
+                           _include_usage(request), prompt_logprobs=request.prompt_logprobs)
 
 
 def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None) -> PreparedRequest:
     """A completions request's prompts and parameters (`tokenizer` places the logprobs' `text_offset`).
+
+    `echo` starts each choice with its prompt; with `logprobs` the prompt tokens' logprobs come first (the engine's
+    prompt logprobs, with as many alternatives), so `max_tokens: 1, logprobs: 1, echo: true` is the
+    loglikelihood request of lm-evaluation-harness, and `max_tokens: 0` returns the prompt alone.
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -114,11 +130,31 @@ def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: An
     prompts = request.prompts()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "prompt: must not be empty", param="prompt")
+    echo = bool(request.echo)
+    if request.max_tokens == 0 and not echo:
+        raise APIError(400, "max_tokens: 0 generates nothing; it needs echo: true (the prompt scored)",
+                       param="max_tokens")
+    if echo and (request.n or 1) > 1:
+        raise APIError(400, "echo: one choice per prompt (n: 1); the prompt is the same for every choice",
+                       param="echo")
+    if echo and request.stream:
+        raise APIError(400, "echo: not with stream: true on this server; send the request unstreamed", param="echo")
     overrides, origins = _overrides(request, recipe)
+    if request.max_tokens == 0:
+        overrides["max_tokens"] = 1  # the engine generates one token for the prompt's last row; it is not returned
     if request.logprobs is not None:
         overrides["logprobs"] = request.logprobs
-    return PreparedRequest(prompts, _params(recipe, overrides, origins, "prompt"), True, origins, "prompt",
-                           request.logprobs, _include_usage(request), tokenizer)
+        if echo:  # the prompt's logprobs too, with as many alternatives (a larger prompt_logprobs keeps its own)
+            overrides["prompt_logprobs"] = max(request.logprobs, request.prompt_logprobs or 0)
+            origins["prompt_logprobs"] = "logprobs"
+    params = _params(recipe, overrides, origins, "prompt")
+    if echo and params.n > 1:
+        raise APIError(400, f"echo: one choice per prompt; the recipe's n is {params.n} (send n: 1)", param="echo")
+    if echo and params.strategy is not None and "beam" in params.strategy.name:
+        raise APIError(400, f"echo: not with {params.strategy.name} (its choices are whole sequences scored "
+                            "together); send strategy: sample", param="echo")
+    return PreparedRequest(prompts, params, True, origins, "prompt", request.logprobs, _include_usage(request),
+                           tokenizer, echo, request.max_tokens != 0, request.prompt_logprobs)
 
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
@@ -344,15 +380,79 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob
         text, logprob = _token_text(entry, token)
         out.tokens.append(text)
         out.token_logprobs.append(logprob)
-        out.top_logprobs.append({lp.decoded_token or "": finite(lp.logprob) for _, lp in _ranked(entry)})
+        out.top_logprobs.append(_legacy_top(entry))
         out.text_offset.append(offset)
     return out
 
 
-def usage(outputs: Sequence[RequestOutput]) -> Usage:
-    """Token counts over the requests' final outputs (every returned sequence's tokens)."""
+def _legacy_top(entry: TokenLogprobs) -> dict[str, float]:
+    """The legacy logprobs' `{text: logprob}` of a position: the chosen token and the most likely ones; where two
+    tokens have the same text, the larger logprob (so `max(top.values())` is the position's best, as lm-eval's
+    greedy check reads it)."""
+    top: dict[str, float] = {}
+    for _, lp in _ranked(entry):
+        text = lp.decoded_token or ""
+        top[text] = max(top.get(text, NEG_INF_LOGPROB), finite(lp.logprob))
+    return top
+
+
+def echoed_logprobs(output: RequestOutput, prepared: PreparedRequest, generated: Sequence[int],
+                    entries: Sequence[TokenLogprobs]) -> CompletionLogprobs:
+    """The legacy logprobs of an echoed choice: the prompt's tokens (the first one's logprob and alternatives null:
+    nothing predicts it), then the `generated` tokens, with text offsets running on from the prompt's text."""
+    prompt_ids = list(output.prompt_token_ids)
+    offsets = TextOffsets(prepared.tokenizer, prepared.params.skip_special_tokens).extend(prompt_ids + list(generated))
+    recorded = output.prompt_logprobs or []
+    out = completion_logprobs(generated, entries, offsets[len(prompt_ids):])
+    prompt = CompletionLogprobs()
+    for i, (token, offset) in enumerate(zip(prompt_ids, offsets)):
+        entry = recorded[i] if i < len(recorded) else None
+        if entry is None:
+            prompt.tokens.append(_decode_one(prepared.tokenizer, token))
+            prompt.token_logprobs.append(None)
+            prompt.top_logprobs.append(None)
+        else:
+            text, logprob = _token_text(entry, token)
+            prompt.tokens.append(text)
+            prompt.token_logprobs.append(logprob)
+            prompt.top_logprobs.append(_legacy_top(entry))
+        prompt.text_offset.append(offset)
+    return CompletionLogprobs(tokens=prompt.tokens + out.tokens,
+                              token_logprobs=prompt.token_logprobs + out.token_logprobs,
+                              top_logprobs=prompt.top_logprobs + out.top_logprobs,
+                              text_offset=prompt.text_offset + out.text_offset)
+
+
+def _decode_one(tokenizer: Any, token: int) -> str:
+    return "" if tokenizer is None else tokenizer.decode([token])
+
+
+def prompt_text(output: RequestOutput, prepared: PreparedRequest) -> str:
+    """An echoed choice's prompt text: the prompt as given, or its token ids decoded."""
+    if output.prompt is not None:
+        return output.prompt
+    if prepared.tokenizer is None:
+        return ""
+    return prepared.tokenizer.decode(list(output.prompt_token_ids),
+                                     skip_special_tokens=prepared.params.skip_special_tokens)
+
+
+def vllm_prompt_logprobs(output: RequestOutput) -> PromptLogprobs | None:
+    """`prompt_logprobs` in vLLM's shape: per prompt token, null for the first, else token id -> logprob, rank and
+    text, the prompt's token first."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {str(token): PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank,
+                                                                  decoded_token=lp.decoded_token)
+                                        for token, lp in entry.items()}
+            for entry in output.prompt_logprobs]
+
+
+def usage(outputs: Sequence[RequestOutput], generated: bool = True) -> Usage:
+    """Token counts over the requests' final outputs (every returned sequence's tokens; none where the request
+    generated nothing: `max_tokens: 0`)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -371,22 +471,35 @@ def chat_response(response_id: str, created: int, model: str, output: RequestOut
         choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
                                   finish_reason=c.finish_reason, **_extras(c)))
     return ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
-                                  usage=usage([output]))
+                                  usage=usage([output]), prompt_logprobs=(vllm_prompt_logprobs(output)
+                                                                          if prepared.prompt_logprobs is not None
+                                                                          else None))
 
 
 def completion_response(response_id: str, created: int, model: str, outputs: Sequence[RequestOutput],
                         prepared: PreparedRequest) -> CompletionResponse:
-    """A non-streamed completion: the choices of every prompt, numbered on from one prompt to the next."""
+    """A non-streamed completion: the choices of every prompt, numbered on from one prompt to the next (each
+    starting with its prompt under `echo`)."""
     choices = []
     for base, output in zip(choice_bases(outputs), outputs):
         for c in output.outputs:
+            tokens = list(c.token_ids) if prepared.generate else []
+            entries = (c.logprobs or []) if prepared.generate else []
+            text = c.text if prepared.generate else ""
             logprobs = None
-            if prepared.top_logprobs is not None:
-                offsets = TextOffsets(prepared.tokenizer, prepared.params.skip_special_tokens).extend(c.token_ids)
-                logprobs = completion_logprobs(c.token_ids, c.logprobs or [], offsets)
-            choices.append(CompletionChoice(index=base + c.index, text=c.text, logprobs=logprobs,
-                                            finish_reason=c.finish_reason, **_extras(c)))
-    return CompletionResponse(id=response_id, created=created, model=model, choices=choices, usage=usage(outputs))
+            if prepared.echo:
+                text = prompt_text(output, prepared) + text
+                if prepared.top_logprobs is not None:
+                    logprobs = echoed_logprobs(output, prepared, tokens, entries)
+            elif prepared.top_logprobs is not None:
+                offsets = TextOffsets(prepared.tokenizer, prepared.params.skip_special_tokens).extend(tokens)
+                logprobs = completion_logprobs(tokens, entries, offsets)
+            choices.append(CompletionChoice(
+                index=base + c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                prompt_logprobs=vllm_prompt_logprobs(output) if prepared.prompt_logprobs is not None else None,
+                **_extras(c)))
+    return CompletionResponse(id=response_id, created=created, model=model, choices=choices,
+                              usage=usage(outputs, prepared.generate))
 
 
 def choice_bases(first_outputs: Sequence[RequestOutput]) -> list[int]:

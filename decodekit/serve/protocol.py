@@ -3,7 +3,7 @@ responses, as pydantic models.
 
 Requests accept OpenAI's field names. Fields OpenAI defines that do not change decoding (`user`, `metadata`, ...)
 are accepted and ignored; fields that would change decoding but that this server does not implement (`tools`,
-`echo`, ...) are refused by name unless their value is one that asks for nothing; any other unknown field is
+`suffix`, ...) are refused by name unless their value is one that asks for nothing; any other unknown field is
 refused, with the closest known name suggested (`check_extra_fields`).
 """
 
@@ -30,7 +30,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # field -> the values that ask for nothing (accepted); any other value is refused with a 400 naming the field
     "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
-    "verbosity": (), "echo": (), "suffix": (), "best_of": (1,),
+    "verbosity": (), "suffix": (), "best_of": (1,),
 }
 """OpenAI request fields that would change decoding and are not implemented, with the values that are harmless
 (None, False and empty values always are)."""
@@ -163,7 +163,8 @@ class SamplingFields(WireModel):
     through `extra_body`). A field left out keeps the recipe's default."""
 
     model: str | None = Field(None, description="The served model's name (see GET /v1/models).")
-    max_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=0, description="0 only with `echo` (completions): the prompt scored, "
+                                   "nothing generated.")
     temperature: Float | None = Field(None, ge=0.0)
     top_p: Float | None = Field(None, gt=0.0, le=1.0)
     n: Int | None = Field(None, ge=1, le=128)
@@ -188,6 +189,8 @@ class SamplingFields(WireModel):
     trace: Int | None = Field(None, ge=1, le=MAX_LOGPROBS, description="Record the decoding trace (per choice).")
     logprobs_mode: Literal["raw", "processed"] | None = Field(
         None, description="Logprobs of the model's distribution (raw) or of the one each token was drawn from.")
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The prompt tokens' logprobs, "
+                                        "with this many alternatives each (vLLM's field).")
 
 
 class TextPart(BaseModel):
@@ -226,6 +229,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[Int] | list[str] | list[list[Int]]
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Bool | None = Field(None, description="Each choice starts with its prompt (and, with `logprobs`, the "
+                              "prompt tokens' logprobs: null for the first).")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one engine request each."""
@@ -278,6 +283,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's logprob in `prompt_logprobs` (vLLM's shape): its value, rank (1 is the most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""Per prompt token (null for the first, which nothing predicts): token id -> its logprob, the prompt's token
+first, then the most likely ones."""
+
+
 class ChoiceExtras(BaseModel):
     """decodekit's fields on a choice, sent only when set: why it stopped (the stop string or token, or the
     criterion), the strategy's score (beam search) and the decoding trace."""
@@ -318,6 +336,7 @@ class CompletionChoice(ChoiceExtras):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_omit_none)
 
 
 class Envelope(BaseModel):
@@ -338,6 +357,7 @@ class ChatCompletionResponse(Envelope):
 
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatCompletionChunk(Envelope):

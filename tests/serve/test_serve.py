@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,86 +22,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from decodekit import hookimpl
-from decodekit.api.processors import LogitsProcessor
 from decodekit.cli import app
-from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.recipe import Recipe, load_recipe
-from decodekit.serve import ServeOptions, create_app
 from tests.helpers.batch_cases import write_tiny_recipe
+from tests.helpers.served import KEY, SLOW, Served
 
 ROOT = Path(__file__).parents[2]
-KEY = "test-key"
 HELLO = [{"role": "user", "content": "What is 2+2?"}]
-
-
-# ---- a real server in a thread -------------------------------------------------------------------------------------
-class _Slow(LogitsProcessor):
-    """Sleeps 20 ms per step of the requests that name it, which keeps them running long enough to be disconnected,
-    queued behind or shut down while in flight."""
-
-    name = "slow"
-
-    def __call__(self, logits, batch):
-        time.sleep(0.02)
-        return logits
-
-
-class _SlowPlugin:
-    @hookimpl
-    def decodekit_register_processors(self, register):
-        register("slow", _Slow)
-
-
-SLOW = {"processors": ["slow"], "ignore_eos": True}
-
-
-class Served:
-    """An app served by uvicorn in a background thread, on a loopback port bound before it starts (with the `slow`
-    processor registered)."""
-
-    def __init__(self, recipe: Recipe, **options: Any) -> None:
-        pm = get_plugin_manager(load_entry_points=False)
-        pm.register(_SlowPlugin(), "slow")
-        self.app = create_app(recipe, ServeOptions(**options), plugin_manager=pm)
-        self.service = self.app.state.service
-        self.engine = self.service.engine
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=10))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-
-    def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(**{"base_url": f"{self.url}/v1", "api_key": KEY, "max_retries": 0, **kwargs})
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def wait_idle(self, timeout: float = 20.0) -> None:
-        """Until nothing waits or runs and every KV block is free."""
-        deadline = time.monotonic() + timeout
-        allocator = self.engine.allocator
-        while self.engine.has_unfinished_requests() or self.engine.requests or self.service.live \
-                or allocator.num_free_blocks != allocator.num_blocks:
-            assert time.monotonic() < deadline, f"not idle: {self.engine.stats()}"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +285,7 @@ def test_a_bad_request_is_a_400_naming_the_field(client, served, kwargs, param, 
 def test_a_bad_completions_prompt_and_a_bad_body_are_400s(served):
     headers = {"Authorization": f"Bearer {KEY}"}
     for body, param in (({"model": "tiny", "prompt": [1.5, 2]}, "prompt"), ({"model": "tiny", "prompt": []}, "prompt"),
-                        ({"model": "tiny", "prompt": "x", "echo": True}, "echo"),
+                        ({"model": "tiny", "prompt": "x", "echo": True, "n": 2}, "echo"),
                         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens")):
         response = httpx.post(f"{served.url}/v1/completions", json=body, headers=headers)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
