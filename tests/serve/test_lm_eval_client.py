@@ -83,3 +83,40 @@ def test_local_completions_through_the_server_equals_lm_evals_hf_backend(served,
         assert row == pytest.approx(ref, abs=1e-4)
     assert remote["results"][TASK]["acc,none"] == local["results"][TASK]["acc,none"]
     served.wait_idle()
+
+
+GEN_TASK = "decodekit_tiny_generate"
+
+
+def test_local_chat_completions_runs_a_generation_task_with_the_servers_greedy_answers(served, task_dir,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(task_dir / "datasets-cache"))
+    client = served.client(api_key="unused")
+    rows = []
+    for question, _, _ in QUESTIONS:  # the target is what the server answers to the same chat request, unstreamed
+        answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}],
+                                                max_tokens=8, temperature=0, stop=["\n"], seed=1234)
+        rows.append({"question": question, "answer": answer.choices[0].message.content})
+    (task_dir / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (task_dir / f"{GEN_TASK}.yaml").write_text(
+        f"task: {GEN_TASK}\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {task_dir / 'gen.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: generate_until\n"
+        "doc_to_text: \"{{question}}\"\n"
+        "doc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 8\n"
+        "metric_list:\n  - metric: exact_match\n")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    results = simple_evaluate(model="local-chat-completions",
+                              model_args=f"base_url={served.url}/v1/chat/completions,model=tiny,num_concurrent=1,"
+                                         "max_retries=1", tasks=[GEN_TASK], apply_chat_template=True,
+                              log_samples=True, task_manager=TaskManager(include_path=str(task_dir)))
+    samples = sorted(results["samples"][GEN_TASK], key=lambda s: s["doc_id"])
+    assert [s["resps"][0][0] for s in samples] == [r["answer"] for r in rows]
+    assert results["results"][GEN_TASK]["exact_match,none"] == 1.0
+    served.wait_idle()
