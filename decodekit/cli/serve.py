@@ -27,6 +27,10 @@ def serve(
     max_waiting: Annotated[int | None, typer.Option(min=1, help="Answer 429 while this many requests wait to "
                                                     "start (default: no bound).")] = None,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="Answer 413 to larger request bodies.")] = 4 << 20,
+    strict_fields: Annotated[bool, typer.Option("--strict-fields", help="Refuse (400) every request field this "
+                                                "server does not know; by default one that is not a typo of a known "
+                                                "field is accepted, logged and named in the "
+                                                "X-Decodekit-Ignored-Fields response header.")] = False,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
                                                         "(repeatable).")] = None,
     use_ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve deployment of replicas, each with "
@@ -52,7 +56,7 @@ def serve(
     from decodekit.serve import ServeOptions, create_app, run_server
 
     options = ServeOptions(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
-                           max_waiting=max_waiting, max_body_bytes=max_body_bytes)
+                           max_waiting=max_waiting, max_body_bytes=max_body_bytes, strict_fields=strict_fields)
     ray_flags = (ray_address is not None, replicas != 1, max_replicas is not None, cpus_per_replica != 1)
     if not use_ray and any(ray_flags):
         terminal.fail("--ray-address, --replicas, --max-replicas and --cpus-per-replica need --ray")

@@ -63,6 +63,8 @@ from decodekit.serve.tokenizer_api import (
 )
 
 log = logging.getLogger("decodekit.serve")
+IGNORED_FIELDS_HEADER = "X-Decodekit-Ignored-Fields"
+"""The response header that names the request's unknown fields the server accepted and ignored."""
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -78,6 +80,8 @@ class ServeOptions:
         max_waiting: refuse requests (429) while this many accepted ones have not started (None: unbounded).
         max_body_bytes: refuse larger request bodies (413).
         graceful_shutdown_s: on SIGTERM, how long in-flight requests may take to finish before they are cancelled.
+        strict_fields: refuse every request field the server does not know (400); by default one that is not a typo
+            of a known field is accepted, logged and named in the `X-Decodekit-Ignored-Fields` response header.
     """
 
     host: str = "127.0.0.1"
@@ -87,6 +91,7 @@ class ServeOptions:
     max_waiting: int | None = None
     max_body_bytes: int = 4 << 20
     graceful_shutdown_s: float = 30.0
+    strict_fields: bool = False
 
 
 def create_app(recipe: Recipe, options: ServeOptions | None = None, *,
@@ -143,14 +148,14 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, options.max_body_bytes)
         model = service.check_model(body.model)
-        prepared = prepare_chat(body, service.recipe, service.tokenizer)
+        prepared = prepare_chat(body, service.recipe, service.tokenizer, options.strict_fields)
         return await _respond(request, service, prepared, model, chat=True, stream=bool(body.stream))
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, options.max_body_bytes)
         model = service.check_model(body.model)
-        prepared = prepare_completion(body, service.recipe, service.tokenizer)
+        prepared = prepare_completion(body, service.recipe, service.tokenizer, options.strict_fields)
         return await _respond(request, service, prepared, model, chat=False, stream=bool(body.stream))
 
     app.include_router(v1)
@@ -225,7 +230,17 @@ def _too_large(limit: int) -> APIError:
 async def _respond(request: Request, service: ServingEngine, prepared: PreparedRequest, model: str, *, chat: bool,
                    stream: bool) -> Response:
     """Run a prepared request: a JSON response, or an event stream once every prompt has started (so a request the
-    engine refuses is still a 400). A client that disconnects aborts its requests."""
+    engine refuses is still a 400). A client that disconnects aborts its requests. Unknown fields the request sent
+    and the server ignored are logged and named in the `X-Decodekit-Ignored-Fields` header."""
+    response = await _run(request, service, prepared, model, chat=chat, stream=stream)
+    if prepared.ignored_fields:
+        log.info("request fields ignored (unknown to this server): %s", ", ".join(prepared.ignored_fields))
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(prepared.ignored_fields)
+    return response
+
+
+async def _run(request: Request, service: ServingEngine, prepared: PreparedRequest, model: str, *, chat: bool,
+               stream: bool) -> Response:
     service.admit()
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -35,6 +35,7 @@ from decodekit.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    ExtraFields,
     PromptLogprob,
     PromptLogprobs,
     SamplingFields,
@@ -67,6 +68,9 @@ class PreparedRequest:
         generate: False for `max_tokens: 0` with `echo`: the prompt is scored, the one token the engine generates
             for it is not returned.
         prompt_logprobs: the request's `prompt_logprobs` field (returned in vLLM's shape; None: not asked).
+        ignored_fields: unknown fields the request sent that the server accepted and ignored (reported in the
+            response's `X-Decodekit-Ignored-Fields` header).
+        continuous_usage: streaming: every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
     """
 
     prompts: list[str | list[int]]
@@ -80,6 +84,8 @@ class PreparedRequest:
     echo: bool = False
     generate: bool = True
     prompt_logprobs: int | None = None
+    ignored_fields: list[str] = field(default_factory=list)
+    continuous_usage: bool = False
 
     def refusal(self, output: RequestOutput) -> APIError | None:
         """A 400 for an output the engine refused before running it (an invalid prompt, or a plan that cannot
@@ -89,21 +95,23 @@ class PreparedRequest:
         return APIError(400, output.error, param=param_of(output.error, self.params, self.origins, self.prompt_field))
 
 
-def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any) -> PreparedRequest:
+def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any, strict_fields: bool = False
+                 ) -> PreparedRequest:
     """A chat request's prompt (the conversation rendered by the tokenizer's chat template) and parameters.
 
     Raises:
         APIError: 400 naming the field at fault.
     """
+    ignored: list[str] = []
     for i, message in enumerate(request.messages):
-        _refuse_extra(check_extra_fields(message, MESSAGE_IGNORED_FIELDS, MESSAGE_UNSUPPORTED_FIELDS,
-                                         f"messages[{i}]."))
+        _sort_extra(check_extra_fields(message, MESSAGE_IGNORED_FIELDS, MESSAGE_UNSUPPORTED_FIELDS,
+                                       f"messages[{i}].", strict_fields), ignored)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     if request.max_tokens == 0:
         raise APIError(400, "max_tokens: 0 generates nothing; it is for completions with echo: true",
                        param="max_tokens")
-    overrides, origins = _overrides(request, recipe)
+    overrides, origins = _overrides(request, recipe, strict_fields, ignored)
     if request.max_completion_tokens is not None:
         overrides["max_tokens"] = request.max_completion_tokens
         origins["max_tokens"] = "max_completion_tokens"
@@ -112,12 +120,15 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any)
         top = request.top_logprobs or 0
         overrides["logprobs"] = top
         origins["logprobs"] = "top_logprobs" if request.top_logprobs is not None else "logprobs"
-    prompt = render_chat(tokenizer, request.messages)
+    prompt = render_chat(tokenizer, request.messages, request.add_generation_prompt, request.continue_final_message,
+                         request.chat_template_kwargs)
     return PreparedRequest([prompt], _params(recipe, overrides, origins, "messages"), False, origins, "messages", top,
-                           _include_usage(request), prompt_logprobs=request.prompt_logprobs)
+                           _include_usage(request), prompt_logprobs=request.prompt_logprobs, ignored_fields=ignored,
+                           continuous_usage=_continuous_usage(request))
 
 
-def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None) -> PreparedRequest:
+def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None, strict_fields: bool = False
+                       ) -> PreparedRequest:
     """A completions request's prompts and parameters (`tokenizer` places the logprobs' `text_offset`).
 
     `echo` starts each choice with its prompt; with `logprobs` the prompt tokens' logprobs come first (the engine's
@@ -139,7 +150,8 @@ def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: An
                        param="echo")
     if echo and request.stream:
         raise APIError(400, "echo: not with stream: true on this server; send the request unstreamed", param="echo")
-    overrides, origins = _overrides(request, recipe)
+    ignored: list[str] = []
+    overrides, origins = _overrides(request, recipe, strict_fields, ignored)
     if request.max_tokens == 0:
         overrides["max_tokens"] = 1  # the engine generates one token for the prompt's last row; it is not returned
     if request.logprobs is not None:
@@ -154,38 +166,64 @@ def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: An
         raise APIError(400, f"echo: not with {params.strategy.name} (its choices are whole sequences scored "
                             "together); send strategy: sample", param="echo")
     return PreparedRequest(prompts, params, True, origins, "prompt", request.logprobs, _include_usage(request),
-                           tokenizer, echo, request.max_tokens != 0, request.prompt_logprobs)
+                           tokenizer, echo, request.max_tokens != 0, request.prompt_logprobs, ignored,
+                           _continuous_usage(request))
 
 
-def render_chat(tokenizer: Any, messages: Sequence[ChatMessage]) -> str:
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
     """The conversation rendered by the tokenizer's chat template, ready for the assistant's turn (a `developer`
-    message is given to the template as `system`).
+    message is given to the template as `system`), or with the last message left open to be continued
+    (`continue_final_message`); `template_kwargs` are more variables for the template.
 
     Raises:
-        APIError: 400 when the model has no chat template or the template refuses the conversation.
+        APIError: 400 when the model has no chat template, the options contradict each other, or the template
+            refuses the conversation.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message: continues the last message, so it needs add_generation_prompt: "
+                            "false", param="continue_final_message")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message: the last message must be the assistant's to continue it",
+                       param="continue_final_message")
+    reserved = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "messages"}
+    clash = sorted(reserved & set(template_kwargs or {}))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs: {clash[0]!r} is set by the request's own fields",
+                       param="chat_template_kwargs")
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     try:
-        return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True))
+        return str(tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message,
+                                                 **(template_kwargs or {})))
     except Exception as exc:  # jinja2's errors (a template may raise on roles it does not accept)
         raise APIError(400, f"messages: the model's chat template refused the conversation: {exc}",
                        param="messages") from None
 
 
-def _refuse_extra(found: tuple[str, str] | None) -> None:
-    if found is not None:
-        raise APIError(400, found[1], param=found[0])
+def _sort_extra(found: ExtraFields, ignored: list[str]) -> None:
+    """Refuse the field `found` refuses (a 400 naming it), else add the unknown fields it accepted to `ignored`."""
+    if found.refusal is not None:
+        raise APIError(400, found.refusal[1], param=found.refusal[0])
+    ignored.extend(found.ignored)
 
 
 def _include_usage(request: SamplingFields) -> bool:
     return bool(request.stream and request.stream_options and request.stream_options.include_usage)
 
 
-def _overrides(request: SamplingFields, recipe: Recipe) -> tuple[dict[str, Any], dict[str, str]]:
-    """The request's fields as `Recipe.params_for` overrides, and which field asked for which processor."""
-    _refuse_extra(check_extra_fields(request, IGNORED_FIELDS, UNSUPPORTED_FIELDS))
+def _continuous_usage(request: SamplingFields) -> bool:
+    return bool(request.stream and request.stream_options and request.stream_options.continuous_usage_stats)
+
+
+def _overrides(request: SamplingFields, recipe: Recipe, strict_fields: bool, ignored: list[str]
+               ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The request's fields as `Recipe.params_for` overrides, and which field asked for which processor (unknown
+    fields accepted are added to `ignored`)."""
+    _sort_extra(check_extra_fields(request, IGNORED_FIELDS, UNSUPPORTED_FIELDS, strict=strict_fields), ignored)
     overrides: dict[str, Any] = {name: getattr(request, name) for name in _PLAIN_FIELDS
                                  if getattr(request, name) is not None}
     origins: dict[str, str] = {}
@@ -538,9 +576,11 @@ class ChunkStream:
         self.bases = choice_bases(first_outputs)
         self.cursors: dict[int, _Cursor] = {}
         self.finals: dict[int, RequestOutput] = {}
+        self.latest: dict[int, RequestOutput] = dict(enumerate(first_outputs))  # the usage so far reads these
 
     def events(self, prompt_index: int, output: RequestOutput) -> list[str]:
         """The events for one engine output (none when it adds nothing)."""
+        self.latest[prompt_index] = output
         if output.finished:
             self.finals[prompt_index] = output
         events = []
@@ -585,13 +625,22 @@ class ChunkStream:
             return sse(ChatCompletionChunk(**self.header, choices=[], usage=totals).model_dump_json())
         return sse(CompletionResponse(**self.header, choices=[], usage=totals).model_dump_json())
 
+    def _usage_so_far(self) -> Usage | None:
+        """The usage of every prompt's tokens so far (`continuous_usage_stats`), else None."""
+        if not self.prepared.continuous_usage:
+            return None
+        return usage([self.latest[i] for i in sorted(self.latest)])
+
     def _chat_chunk(self, choice: ChatChoice) -> str:
-        chunk = ChatCompletionChunk(**self.header, choices=[choice])
-        return sse(chunk.model_dump_json(exclude=None if self.prepared.include_usage else {"usage"}))
+        chunk = ChatCompletionChunk(**self.header, choices=[choice], usage=self._usage_so_far())
+        return sse(chunk.model_dump_json(exclude=None if self._sends_usage() else {"usage"}))
 
     def _completion_chunk(self, choice: CompletionChoice) -> str:
-        chunk = CompletionResponse(**self.header, choices=[choice])
-        return sse(chunk.model_dump_json(exclude=None if self.prepared.include_usage else {"usage"}))
+        chunk = CompletionResponse(**self.header, choices=[choice], usage=self._usage_so_far())
+        return sse(chunk.model_dump_json(exclude=None if self._sends_usage() else {"usage"}))
+
+    def _sends_usage(self) -> bool:
+        return self.prepared.include_usage or self.prepared.continuous_usage
 
 
 def sse(data: str) -> str:

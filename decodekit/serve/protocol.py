@@ -3,8 +3,11 @@ responses, as pydantic models.
 
 Requests accept OpenAI's field names. Fields OpenAI defines that do not change decoding (`user`, `metadata`, ...)
 are accepted and ignored; fields that would change decoding but that this server does not implement (`tools`,
-`suffix`, ...) are refused by name unless their value is one that asks for nothing; any other unknown field is
-refused, with the closest known name suggested (`check_extra_fields`).
+`suffix`, ...) are refused by name unless their value is one that asks for nothing. Any other unknown field is
+accepted and reported (logged, and named in the response's `X-Decodekit-Ignored-Fields` header), as vLLM does, so
+clients that send newer OpenAI fields keep working, unless it looks like a typo of a known field
+(`repetiton_penalty`), which is refused with the known name suggested; the server's `--strict-fields` refuses every
+unknown field (`check_extra_fields`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Annotated, Any, Literal
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
@@ -58,11 +63,26 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+TYPO_CUTOFF = 0.85
+"""How close (difflib's ratio) an unknown field must be to a known one to be taken for its typo and refused."""
+
+
+@dataclass
+class ExtraFields:
+    """What `check_extra_fields` found: the first field to refuse as (param, message), and the unknown fields
+    accepted and ignored."""
+
+    refusal: tuple[str, str] | None = None
+    ignored: list[str] = dataclass_field(default_factory=list)
+
+
 def check_extra_fields(model: BaseModel, ignored: frozenset[str], unsupported: dict[str, tuple[Any, ...]],
-                       where: str = "") -> tuple[str, str] | None:
-    """The first unknown or unsupported field of `model` as (param, message), or None when every extra field is
-    one to ignore or has a harmless value. `where` prefixes the param (`messages[0].`)."""
+                       where: str = "", strict: bool = False) -> ExtraFields:
+    """Sort the extra fields of `model`: fields to ignore pass; an unsupported field is refused unless its value is
+    harmless; an unknown field is refused when it looks like a typo of a known one (or always, with `strict`), and
+    otherwise accepted and listed in `ignored`. `where` prefixes the param (`messages[0].`)."""
     known = sorted(type(model).model_fields)
+    found = ExtraFields()
     for name, value in (model.model_extra or {}).items():
         param = f"{where}{name}"
         if name in ignored:
@@ -70,11 +90,17 @@ def check_extra_fields(model: BaseModel, ignored: frozenset[str], unsupported: d
         if name in unsupported:
             if value in (None, False, [], {}, "") or value in unsupported[name]:
                 continue
-            return param, f"{param}: not supported by this server"
-        close = difflib.get_close_matches(name, [*known, *ignored, *unsupported], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return param, f"{param}: unknown field{hint}"
-    return None
+            found.refusal = param, f"{param}: not supported by this server"
+            return found
+        names = [*known, *ignored, *unsupported]
+        typo = difflib.get_close_matches(name, names, n=1, cutoff=TYPO_CUTOFF)
+        if typo or strict:
+            close = typo or difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            found.refusal = param, f"{param}: unknown field{hint}"
+            return found
+        found.ignored.append(param)
+    return found
 
 
 def _readable(text: str) -> str:
@@ -135,6 +161,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: Bool | None = None
+    continuous_usage_stats: Bool | None = Field(None, description="Every chunk carries the usage so far (vLLM's "
+                                                "field).")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -220,6 +248,12 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
+    add_generation_prompt: Bool = Field(True, description="End the rendered conversation ready for the "
+                                        "assistant's turn.")
+    continue_final_message: Bool = Field(False, description="Render the last (assistant) message open, so the "
+                                         "model continues it (with add_generation_prompt: false).")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="More variables for the chat template "
+                                                        "(e.g. enable_thinking).")
     logprobs: Bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

@@ -65,9 +65,7 @@ def tokenize(tokenizer: Any, request: TokenizeRequest, max_model_len: int) -> To
     if request.messages is not None:
         from decodekit.serve.convert import render_chat
 
-        text = render_chat(tokenizer, request.messages) if request.add_generation_prompt else \
-            tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in request.messages],
-                                          tokenize=False, add_generation_prompt=False)
+        text = render_chat(tokenizer, request.messages, request.add_generation_prompt)
         special = bool(request.add_special_tokens)  # the template wrote the special tokens itself
     else:
         text = request.prompt or ""
