@@ -31,6 +31,9 @@ def serve(
                                                 "server does not know; by default one that is not a typo of a known "
                                                 "field is accepted, logged and named in the "
                                                 "X-Decodekit-Ignored-Fields response header.")] = False,
+    vllm_metrics: Annotated[bool, typer.Option("--vllm-metrics", help="Also export /metrics under vLLM's names "
+                                               "(vllm:..., with a model_name label), for dashboards built for "
+                                               "vLLM.")] = False,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
                                                         "(repeatable).")] = None,
     use_ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve deployment of replicas, each with "
@@ -56,7 +59,8 @@ def serve(
     from decodekit.serve import ServeOptions, create_app, run_server
 
     options = ServeOptions(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
-                           max_waiting=max_waiting, max_body_bytes=max_body_bytes, strict_fields=strict_fields)
+                           max_waiting=max_waiting, max_body_bytes=max_body_bytes, strict_fields=strict_fields,
+                           vllm_metrics=vllm_metrics)
     ray_flags = (ray_address is not None, replicas != 1, max_replicas is not None, cpus_per_replica != 1)
     if not use_ray and any(ray_flags):
         terminal.fail("--ray-address, --replicas, --max-replicas and --cpus-per-replica need --ray")

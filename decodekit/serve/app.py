@@ -82,6 +82,7 @@ class ServeOptions:
         graceful_shutdown_s: on SIGTERM, how long in-flight requests may take to finish before they are cancelled.
         strict_fields: refuse every request field the server does not know (400); by default one that is not a typo
             of a known field is accepted, logged and named in the `X-Decodekit-Ignored-Fields` response header.
+        vllm_metrics: also export the metrics under vLLM's names (`vllm:...`, labelled with `model_name`).
     """
 
     host: str = "127.0.0.1"
@@ -92,6 +93,7 @@ class ServeOptions:
     max_body_bytes: int = 4 << 20
     graceful_shutdown_s: float = 30.0
     strict_fields: bool = False
+    vllm_metrics: bool = False
 
 
 def create_app(recipe: Recipe, options: ServeOptions | None = None, *,
@@ -104,7 +106,7 @@ def create_app(recipe: Recipe, options: ServeOptions | None = None, *,
     """
     options = options or ServeOptions()
     pm = plugin_manager or get_plugin_manager()
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(options.vllm_metrics, options.served_model_name or recipe.model)
     pm.register(metrics, name=f"decodekit-serve-metrics-{id(metrics)}")
     llm = recipe.build_llm(pm)
     metrics.attach(llm.engine)

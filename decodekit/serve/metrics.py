@@ -5,6 +5,10 @@ refused requests count too): requests by finish reason, prompt and generated tok
 drafted and accepted tokens, and TTFT / TPOT / end-to-end latency histograms. Read from the engine at each scrape:
 running and waiting requests, KV blocks in use, preemptions, steps. Counted by the HTTP layer: requests answered
 with an error, by status.
+
+With `vllm_names`, the same figures are also exported under vLLM's metric names (`vllm:num_requests_running`,
+`vllm:prompt_tokens_total`, `vllm:time_to_first_token_seconds`, ... with a `model_name` label), so dashboards built
+for vLLM work unchanged.
 """
 
 from __future__ import annotations
@@ -31,10 +35,15 @@ class ServerMetrics:
 
     Register it as a plugin on the engine's plugin manager (`pm.register(metrics)`) before the engine is built, and
     `attach` the engine once it is, for the gauges read at each scrape.
+
+    Args:
+        vllm_names: also export vLLM's metric names, labelled with `model_name`.
+        model_name: the `model_name` label of vLLM's names (the served model's name).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, vllm_names: bool = False, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        self.vllm = _VllmMetrics(self.registry, model_name) if vllm_names else None
         r = self.registry
         self.requests = Counter("decodekit_requests", "Engine requests finished, by finish reason (stop, length, "
                                 "abort, error).", ["finish_reason"], registry=r)
@@ -82,6 +91,8 @@ class ServerMetrics:
         for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
             if value is not None and output.error is None:
                 histogram.observe(value)
+        if self.vllm is not None:
+            self.vllm.observe(output, reason)
 
     def http_error(self, status: int) -> None:
         """Count a request answered with an error status."""
@@ -114,3 +125,63 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("decodekit_num_preemptions", "Sequences preempted (their blocks freed, to be "
                                   "recomputed).", value=stats["preemptions"])
         yield CounterMetricFamily("decodekit_engine_steps", "Engine steps run.", value=stats["steps"])
+        vllm = self.metrics.vllm
+        if vllm is not None:
+            yield from vllm.gauges(stats)
+
+
+class _VllmMetrics:
+    """The figures under vLLM's (v1 engine's) metric names, each labelled with `model_name`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               ["model_name", "finished_reason"], registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
+                                     registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                                         registry=registry)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.", labels, registry=registry)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                   "tokens.", labels, registry=registry)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels,
+                                    registry=registry)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels,
+                                       registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=registry)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                              "seconds.", labels, buckets=TPOT_BUCKETS, registry=registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=E2E_BUCKETS, registry=registry)
+
+    def observe(self, output: RequestOutput, reason: str) -> None:
+        """Count one finished request under vLLM's names (vLLM counts a request's success by its finish reason)."""
+        name, m = self.model_name, output.metrics
+        if output.error is None:
+            self.success.labels(model_name=name, finished_reason=reason).inc()
+        self.prompt_tokens.labels(model_name=name).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(model_name=name).inc(sum(len(o.token_ids) for o in output.outputs))
+        self.prefix_queries.labels(model_name=name).inc(len(output.prompt_token_ids))
+        self.prefix_hits.labels(model_name=name).inc(m.num_cached_prompt_tokens)
+        self.draft_tokens.labels(model_name=name).inc(m.num_draft_tokens)
+        self.accepted_tokens.labels(model_name=name).inc(m.num_accepted_tokens)
+        for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e)):
+            if value is not None and output.error is None:
+                histogram.labels(model_name=name).observe(value)
+
+    def gauges(self, stats: dict[str, Any]) -> Iterator[Metric]:
+        """The engine's state under vLLM's names."""
+        for metric_name, documentation, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", stats["running"]),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats["waiting"]),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats["kv_usage"])):
+            gauge = GaugeMetricFamily(metric_name, documentation, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+                                          labels=["model_name"])
+        preemptions.add_metric([self.model_name], stats["preemptions"])
+        yield preemptions
