@@ -1,6 +1,7 @@
 """The FastAPI app of `decodekit serve`: OpenAI's chat and completions endpoints over a recipe's engine, the model
-list, vLLM's tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`), health and metrics; the API key,
-the body size limit and the error shapes; and `run_server`, uvicorn with a graceful shutdown.
+list, the Responses API for text, vLLM's tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`), health
+and metrics; the API key, the body size limit and the error shapes; and `run_server`, uvicorn with a graceful
+shutdown.
 
 Example:
     >>> recipe = load_recipe("recipes/quickstart.yaml")
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from decodekit.api.sequence import RequestOutput
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.llm import AsyncLLM
 from decodekit.recipe import Recipe
@@ -52,6 +54,7 @@ from decodekit.serve.protocol import (
     lone_surrogate,
     may_hold_surrogates,
 )
+from decodekit.serve.responses_api import ResponseBuilder, ResponsesRequest, ResponseStore, Turn, to_chat
 from decodekit.serve.service import RequestGroup, ServingEngine
 from decodekit.serve.streaming import ClientGone, EventStream, unless_disconnected
 from decodekit.serve.tokenizer_api import (
@@ -159,6 +162,25 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
         model = service.check_model(body.model)
         prepared = prepare_completion(body, service.recipe, service.tokenizer, options.strict_fields)
         return await _respond(request, service, prepared, model, chat=False, stream=bool(body.stream))
+
+    responses_store = ResponseStore()
+
+    @v1.post("/responses")
+    async def responses(request: Request) -> Response:
+        body = await read_body(request, ResponsesRequest, options.max_body_bytes)
+        model = service.check_model(body.model)
+        chat, conversation = to_chat(body, responses_store)
+        prepared = prepare_chat(chat, service.recipe, service.tokenizer, options.strict_fields)
+        built = ResponseBuilder(body, model)
+        response = await _respond_responses(request, service, prepared, built, conversation,
+                                            responses_store if body.store is not False else None)
+        if prepared.ignored_fields:
+            response.headers[IGNORED_FIELDS_HEADER] = ", ".join(prepared.ignored_fields)
+        return response
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return JSONResponse(responses_store.get(response_id, "response_id").body)
 
     app.include_router(v1)
     tokens = APIRouter(dependencies=[Depends(check_api_key)])  # at the root, where vLLM serves them
@@ -269,6 +291,58 @@ async def _run(request: Request, service: ServingEngine, prepared: PreparedReque
     if chat:
         return _json(chat_response(response_id, created, model, finals[0], prepared))
     return _json(completion_response(response_id, created, model, finals, prepared))
+
+
+async def _respond_responses(request: Request, service: ServingEngine, prepared: PreparedRequest,
+                             built: ResponseBuilder, conversation: list[dict[str, str]],
+                             store: ResponseStore | None) -> Response:
+    """Run a Responses request: the response object, or its events streamed; the finished response is stored
+    (with the conversation it continued) for `previous_response_id`, unless `store: false`."""
+    service.admit()
+    group = service.open(prepared.prompts, prepared.params, prepared.add_special_tokens)
+    try:
+        firsts = await unless_disconnected(request, group.first_outputs())
+        refusal = prepared.refusal(firsts[0])
+        if refusal is not None:
+            raise refusal
+    except BaseException:
+        await group.close()
+        raise
+
+    def finish(final: RequestOutput) -> dict[str, Any]:
+        body = built.body("completed", output=final)
+        if store is not None:
+            answer = body["output"][0]["content"][0]["text"]
+            store.put(built.response_id, Turn([*conversation, {"role": "assistant", "content": answer}], body))
+        return body
+
+    if built.request.stream:
+        async def events() -> AsyncGenerator[str, None]:
+            try:
+                for event in built.opening_events():
+                    yield event
+                async for _, out in group.outputs():
+                    if out.error is not None:
+                        yield sse(json.dumps(error_body(f"the request failed while generating: {out.error}",
+                                                        "server_error")))
+                        return
+                    delta = out.delta_text[0] if out.delta_text else ""
+                    if delta:
+                        yield built.delta_event(delta)
+                    if out.finished:
+                        for event in built.closing_events(finish(out)):
+                            yield event
+            finally:
+                await group.close()
+
+        return EventStream(events())
+    try:
+        finals = await unless_disconnected(request, group.finals())
+    finally:
+        await group.close()
+    if finals[0].error is not None:
+        raise APIError(500, f"the request failed while generating: {finals[0].error}", type="server_error")
+    return JSONResponse(finish(finals[0]))
 
 
 async def _events(group: RequestGroup, chunks: ChunkStream, include_usage: bool) -> AsyncGenerator[str, None]:

@@ -1,0 +1,248 @@
+"""The Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), the default of OpenAI's newer clients, for
+text: a text or a list of messages as `input`, `instructions`, `previous_response_id` (the earlier turns kept in
+memory, a bounded number of responses), `text.format` (free text, a JSON object, or a JSON schema), and streamed
+events in OpenAI's order (`response.created` ... `response.output_text.delta` ... `response.completed`).
+
+A request becomes a chat completion request (`to_chat`) and runs exactly as one: the same recipe defaults, fields,
+constraints and field policy; decodekit's own fields (`top_k`, `processors`, `strategy`, ...) go next to OpenAI's.
+Function tools are not taken yet (they come with tool calling): a non-empty `tools` is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from decodekit.api.sequence import RequestOutput
+from decodekit.serve.errors import APIError
+from decodekit.serve.protocol import Bool, ChatCompletionRequest, Float, Int, WireModel
+
+STORE_LIMIT = 1024
+"""How many stored responses `previous_response_id` can name; the oldest are forgotten first."""
+
+_IGNORED = ("metadata", "user", "parallel_tool_calls", "truncation", "include", "reasoning", "service_tier",
+            "prompt_cache_key", "safety_identifier", "background")
+"""Responses fields that do not change decoding here: accepted and ignored."""
+
+
+class TextFormat(BaseModel):
+    """`text.format`: free text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(None, max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: Bool | None = None
+
+
+class TextConfig(BaseModel):
+    """`text`: the output's format."""
+
+    model_config = ConfigDict(extra="allow")
+
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(WireModel):
+    """`POST /v1/responses`; unknown fields follow the chat endpoint's field policy."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    stream: Bool | None = None
+    store: Bool | None = None
+    text: TextConfig | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+
+@dataclass
+class Turn:
+    """A stored response: the conversation it continued (without `instructions`) and what it answered."""
+
+    messages: list[dict[str, str]]
+    body: dict[str, Any]
+
+
+@dataclass
+class ResponseStore:
+    """Responses kept for `previous_response_id` and `GET /v1/responses/{id}`, at most `limit`, oldest out first."""
+
+    limit: int = STORE_LIMIT
+    turns: OrderedDict[str, Turn] = field(default_factory=OrderedDict)
+
+    def get(self, response_id: str, param: str = "previous_response_id") -> Turn:
+        """The stored response.
+
+        Raises:
+            APIError: 404 for an id never stored, or forgotten.
+        """
+        turn = self.turns.get(response_id)
+        if turn is None:
+            raise APIError(404, f"{param}: no stored response with id {response_id!r} (this server keeps the last "
+                                f"{self.limit})", param=param, code="response_not_found")
+        return turn
+
+    def put(self, response_id: str, turn: Turn) -> None:
+        """Keep a response, forgetting the oldest past the limit."""
+        self.turns[response_id] = turn
+        while len(self.turns) > self.limit:
+            self.turns.popitem(last=False)
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise APIError(400, f"{where}.content[{i}]: only text parts (input_text, output_text) are taken",
+                               param="input")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise APIError(400, f"{where}.content: a text or a list of text parts", param="input")
+
+
+def input_messages(request: ResponsesRequest) -> list[dict[str, str]]:
+    """The request's `input` as chat messages (`role`, `content`).
+
+    Raises:
+        APIError: 400 for an item that is not a text message, naming it.
+    """
+    if isinstance(request.input, str):
+        return [{"role": "user", "content": request.input}]
+    messages = []
+    for i, item in enumerate(request.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        role = item.get("role")
+        if kind != "message" or role not in ("user", "system", "developer", "assistant"):
+            raise APIError(400, f"{where}: only messages (role user, system, developer or assistant) are taken on "
+                                f"this server, got type {kind!r}", param="input")
+        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+    if not messages:
+        raise APIError(400, "input: must not be empty", param="input")
+    return messages
+
+
+def to_chat(request: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletionRequest, list[dict[str, str]]]:
+    """The chat completion request a Responses request runs as, and the conversation to store with its answer.
+
+    Raises:
+        APIError: 400 naming the field (404 for an unknown `previous_response_id`).
+    """
+    if request.tools:
+        raise APIError(400, "tools: function tools on /v1/responses come with tool calling, which this server does "
+                            "not do yet", param="tools")
+    if request.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice: no tools on this server", param="tool_choice")
+    conversation = list(store.get(request.previous_response_id).messages) if request.previous_response_id else []
+    conversation += input_messages(request)
+    messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation
+    chat: dict[str, Any] = {"model": request.model, "messages": messages, "max_tokens": request.max_output_tokens,
+                            "temperature": request.temperature, "top_p": request.top_p}
+    fmt = request.text.format if request.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format.schema: required with type json_schema", param="text.format.schema")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
+    extra = {k: v for k, v in (request.model_extra or {}).items() if k not in _IGNORED}
+    try:
+        return ChatCompletionRequest.model_validate({**extra, **chat}), conversation
+    except ValueError as exc:  # pydantic's error, for a decodekit field passed along (named in the message)
+        raise APIError(400, str(exc).splitlines()[1] if "\n" in str(exc) else str(exc), param="input") from None
+
+
+@dataclass
+class ResponseBuilder:
+    """The response object and its streamed events for one request, in OpenAI's shapes."""
+
+    request: ResponsesRequest
+    model: str
+    response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    sequence: int = 0
+
+    def body(self, status: str, text: str | None = None, output: RequestOutput | None = None) -> dict[str, Any]:
+        """The response object: `in_progress` (no output yet), or finished with the message and the usage."""
+        request = self.request
+        fmt = request.text.format if request.text is not None and request.text.format is not None else None
+        body: dict[str, Any] = {
+            "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": [], "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens, "previous_response_id": request.previous_response_id,
+            "temperature": request.temperature, "top_p": request.top_p, "parallel_tool_calls": False,
+            "tool_choice": "none", "tools": [], "store": request.store is not False,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "error": None, "incomplete_details": None, "metadata": (request.model_extra or {}).get("metadata") or {},
+            "usage": None,
+        }
+        if output is not None:
+            choice = output.outputs[0]
+            body["output"] = [self.message(text if text is not None else choice.text, "completed")]
+            if choice.finish_reason == "length":
+                body["status"] = "incomplete"
+                body["incomplete_details"] = {"reason": "max_output_tokens"}
+            prompt, generated = len(output.prompt_token_ids), len(choice.token_ids)
+            body["usage"] = {"input_tokens": prompt, "output_tokens": generated, "total_tokens": prompt + generated,
+                             "input_tokens_details": {"cached_tokens": output.metrics.num_cached_prompt_tokens},
+                             "output_tokens_details": {"reasoning_tokens": 0}}
+        return body
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        """The output message item."""
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
+            else []
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    def event(self, kind: str, **fields: Any) -> str:
+        """One server-sent event of the stream (`event:` names its type, as OpenAI sends them)."""
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def opening_events(self) -> list[str]:
+        """The events before the first text: created, in progress, the message and its text part added."""
+        started = self.body("in_progress")
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self.event("response.created", response=started),
+                self.event("response.in_progress", response=started),
+                self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
+                self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
+                           part=part)]
+
+    def delta_event(self, delta: str) -> str:
+        """A piece of the text."""
+        return self.event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
+                          delta=delta, logprobs=[])
+
+    def closing_events(self, final: dict[str, Any]) -> list[str]:
+        """The events after the last text: the text, part and message done, then the response completed (also when it
+        ended at `max_output_tokens`: its `status` says `incomplete`; clients, the `openai` SDK's stream helpers and
+        the openai-agents SDK among them, wait for `response.completed`, as vLLM sends it)."""
+        item = final["output"][0]
+        part = item["content"][0]
+        return [self.event("response.output_text.done", item_id=self.message_id, output_index=0, content_index=0,
+                           text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", item_id=self.message_id, output_index=0, content_index=0,
+                           part=part),
+                self.event("response.output_item.done", output_index=0, item=item),
+                self.event("response.completed", response=final)]
