@@ -67,6 +67,7 @@ from decodekit.api.proposer import Proposer
 from decodekit.api.sequence import Request, RequestOutput
 from decodekit.api.stopping import StoppingCriterion
 from decodekit.api.strategy import Strategy
+from decodekit.api.tools import ToolCallFormat
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -151,6 +152,14 @@ def decodekit_register_constraint_backends(register: Register[type[ConstraintBac
     :param register: ``register(name, loader)``; ``loader()`` returns a
         :class:`decodekit.api.constraints.ConstraintBackend` subclass (import the backend's library there, so it is
         only needed when a request names the backend).
+    """
+
+
+@hookspec
+def decodekit_register_tool_formats(register: Register[type[ToolCallFormat]]) -> None:
+    """Register tool-call formats: how a model family writes tool calls (`decodekit serve --tool-format NAME`).
+
+    :param register: ``register(name, cls)`` with a :class:`decodekit.api.tools.ToolCallFormat` subclass.
     """
 
 

@@ -31,6 +31,8 @@ def serve(
                                                 "server does not know; by default one that is not a typo of a known "
                                                 "field is accepted, logged and named in the "
                                                 "X-Decodekit-Ignored-Fields response header.")] = False,
+    tool_format: Annotated[str, typer.Option(help="The tool-call format requests with tools are served in (a "
+                                             "registered tool format; `decodekit plugins` lists them).")] = "json",
     vllm_metrics: Annotated[bool, typer.Option("--vllm-metrics", help="Also export /metrics under vLLM's names "
                                                "(vllm:..., with a model_name label), for dashboards built for "
                                                "vLLM.")] = False,
@@ -60,7 +62,7 @@ def serve(
 
     options = ServeOptions(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
                            max_waiting=max_waiting, max_body_bytes=max_body_bytes, strict_fields=strict_fields,
-                           vllm_metrics=vllm_metrics)
+                           vllm_metrics=vllm_metrics, tool_format=tool_format)
     ray_flags = (ray_address is not None, replicas != 1, max_replicas is not None, cpus_per_replica != 1)
     if not use_ray and any(ray_flags):
         terminal.fail("--ray-address, --replicas, --max-replicas and --cpus-per-replica need --ray")

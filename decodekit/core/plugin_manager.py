@@ -36,6 +36,7 @@ DEFAULT_PLUGINS = (
     "decodekit_plugins.models",
     "decodekit_plugins.structured",
     "decodekit_plugins.hf_processors",
+    "decodekit_plugins.tool_formats",
 )
 
 

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from decodekit.api.errors import ConfigError
 from decodekit.api.sequence import RequestOutput
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.llm import AsyncLLM
@@ -64,6 +65,7 @@ from decodekit.serve.tokenizer_api import (
     tokenize,
     tokenizer_info,
 )
+from decodekit.serve.tool_calls import tool_formats_of
 
 log = logging.getLogger("decodekit.serve")
 IGNORED_FIELDS_HEADER = "X-Decodekit-Ignored-Fields"
@@ -86,6 +88,7 @@ class ServeOptions:
         strict_fields: refuse every request field the server does not know (400); by default one that is not a typo
             of a known field is accepted, logged and named in the `X-Decodekit-Ignored-Fields` response header.
         vllm_metrics: also export the metrics under vLLM's names (`vllm:...`, labelled with `model_name`).
+        tool_format: the tool-call format (a registered `ToolCallFormat`) requests with `tools` are served in.
     """
 
     host: str = "127.0.0.1"
@@ -97,6 +100,7 @@ class ServeOptions:
     graceful_shutdown_s: float = 30.0
     strict_fields: bool = False
     vllm_metrics: bool = False
+    tool_format: str = "json"
 
 
 def create_app(recipe: Recipe, options: ServeOptions | None = None, *,
@@ -126,6 +130,11 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
         yield
         service.shutdown()
 
+    formats = tool_formats_of(service.engine.registry)
+    if options.tool_format not in formats:
+        raise ConfigError(f"tool_format: unknown tool-call format {options.tool_format!r}; known: "
+                          f"{', '.join(sorted(formats))}")
+    tool_format = formats[options.tool_format]
     app = FastAPI(title="decodekit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics
@@ -153,7 +162,7 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, ChatCompletionRequest, options.max_body_bytes)
         model = service.check_model(body.model)
-        prepared = prepare_chat(body, service.recipe, service.tokenizer, options.strict_fields)
+        prepared = prepare_chat(body, service.recipe, service.tokenizer, options.strict_fields, tool_format)
         return await _respond(request, service, prepared, model, chat=True, stream=bool(body.stream))
 
     @v1.post("/completions")

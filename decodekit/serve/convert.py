@@ -15,6 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 from decodekit.api.errors import DecodeKitError
 from decodekit.api.params import ComponentSpec, SamplingParams
 from decodekit.api.sequence import CompletionOutput, RequestOutput, TokenLogprobs
+from decodekit.api.tools import ToolCallFormat
 from decodekit.recipe import Recipe
 from decodekit.serve.errors import APIError, param_of
 from decodekit.serve.protocol import (
@@ -44,6 +45,7 @@ from decodekit.serve.protocol import (
     Usage,
     check_extra_fields,
 )
+from decodekit.serve.tool_calls import ToolPlan, conversation, plan_tools, read_output
 
 _SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
 _PLAIN_FIELDS = ("temperature", "top_p", "n", "seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -71,6 +73,7 @@ class PreparedRequest:
         ignored_fields: unknown fields the request sent that the server accepted and ignored (reported in the
             response's `X-Decodekit-Ignored-Fields` header).
         continuous_usage: streaming: every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
+        tools: how the request calls tools (None: it does not); its outputs are read back as calls or text.
     """
 
     prompts: list[str | list[int]]
@@ -86,6 +89,7 @@ class PreparedRequest:
     prompt_logprobs: int | None = None
     ignored_fields: list[str] = field(default_factory=list)
     continuous_usage: bool = False
+    tools: ToolPlan | None = None
 
     def refusal(self, output: RequestOutput) -> APIError | None:
         """A 400 for an output the engine refused before running it (an invalid prompt, or a plan that cannot
@@ -95,9 +99,14 @@ class PreparedRequest:
         return APIError(400, output.error, param=param_of(output.error, self.params, self.origins, self.prompt_field))
 
 
-def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any, strict_fields: bool = False
-                 ) -> PreparedRequest:
+def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any, strict_fields: bool = False,
+                 tool_format: type[ToolCallFormat] | None = None) -> PreparedRequest:
     """A chat request's prompt (the conversation rendered by the tokenizer's chat template) and parameters.
+
+    With `tool_format` (the server's tool-call format), `tools` are offered as the format says and the output is
+    constrained to the format's calls (`tool_choice`: `auto` text or calls, `required` or a named function calls
+    only; `parallel_tool_calls: false` one call); assistant tool calls and `role: tool` results in the history are
+    written as the format writes them.
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -120,11 +129,27 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
         top = request.top_logprobs or 0
         overrides["logprobs"] = top
         origins["logprobs"] = "top_logprobs" if request.top_logprobs is not None else "logprobs"
-    prompt = render_chat(tokenizer, request.messages, request.add_generation_prompt, request.continue_final_message,
-                         request.chat_template_kwargs)
+    plan = None
+    if tool_format is None:
+        if request.tools and request.tool_choice != "none":
+            raise APIError(400, "tools: this server has no tool-call format", param="tools")
+        prompt = render_chat(tokenizer, request.messages, request.add_generation_prompt,
+                             request.continue_final_message, request.chat_template_kwargs)
+    else:
+        plan = plan_tools(request, tool_format)
+        if plan is not None:
+            overrides["processors"] = [*overrides.get("processors", []), plan.processor()]
+            origins[f"processors:{overrides['processors'][-1].name}"] = "tools"
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if plan is not None and plan.format.system_prompt(plan.tools, plan.mode, plan.parallel) is None:
+            # the format leaves the tools to the model's own chat template (`tools=`, as transformers passes them)
+            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools or []
+                                        if any(t.function.name == s.name for s in plan.tools)]
+        prompt = render_conversation(tokenizer, conversation(request.messages, tool_format(), plan),
+                                     request.add_generation_prompt, request.continue_final_message, template_kwargs)
     return PreparedRequest([prompt], _params(recipe, overrides, origins, "messages"), False, origins, "messages", top,
                            _include_usage(request), prompt_logprobs=request.prompt_logprobs, ignored_fields=ignored,
-                           continuous_usage=_continuous_usage(request))
+                           continuous_usage=_continuous_usage(request), tools=plan)
 
 
 def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None, strict_fields: bool = False
@@ -180,12 +205,20 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_
         APIError: 400 when the model has no chat template, the options contradict each other, or the template
             refuses the conversation.
     """
+    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return render_conversation(tokenizer, conversation, add_generation_prompt, continue_final_message,
+                               template_kwargs)
+
+
+def render_conversation(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+    """`render_chat` of messages already in the template's shape (`role`, `content`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
     if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message: continues the last message, so it needs add_generation_prompt: "
                             "false", param="continue_final_message")
-    if continue_final_message and messages[-1].role != "assistant":
+    if continue_final_message and conversation[-1]["role"] != "assistant":
         raise APIError(400, "continue_final_message: the last message must be the assistant's to continue it",
                        param="continue_final_message")
     reserved = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "messages"}
@@ -193,7 +226,6 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage], add_generation_
     if clash:
         raise APIError(400, f"chat_template_kwargs: {clash[0]!r} is set by the request's own fields",
                        param="chat_template_kwargs")
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     try:
         return str(tokenizer.apply_chat_template(conversation, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
@@ -506,8 +538,13 @@ def chat_response(response_id: str, created: int, model: str, output: RequestOut
         logprobs = None
         if prepared.top_logprobs is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs or [], prepared.top_logprobs)
-        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
-                                  finish_reason=c.finish_reason, **_extras(c)))
+        message, finish = AssistantMessage(content=c.text), c.finish_reason
+        if prepared.tools is not None:
+            content, calls = read_output(prepared.tools, c.text)
+            message = AssistantMessage(content=content, tool_calls=calls or None)
+            finish = "tool_calls" if calls else finish
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish,
+                                  **_extras(c)))
     return ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
                                   usage=usage([output]), prompt_logprobs=(vllm_prompt_logprobs(output)
                                                                           if prepared.prompt_logprobs is not None
@@ -601,7 +638,20 @@ class ChunkStream:
             if not delta and not new_entries and finish is None:
                 continue
             extras = _extras(c) if finish is not None else {}
-            if self.chat:
+            if self.chat and self.prepared.tools is not None:
+                # a tool-calling output is read back whole: its text or its calls come in the finishing chunk
+                if finish is None:
+                    continue
+                content, calls = read_output(self.prepared.tools, c.text)
+                for number, call in enumerate(calls):
+                    call.index = number
+                logprobs = None
+                if self.prepared.top_logprobs is not None:
+                    logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)
+                events.append(self._chat_chunk(ChatChoice(
+                    index=index, delta=DeltaMessage(content=content, tool_calls=calls or None), logprobs=logprobs,
+                    finish_reason="tool_calls" if calls else finish, **extras)))
+            elif self.chat:
                 logprobs = None
                 if self.prepared.top_logprobs is not None:
                     logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)

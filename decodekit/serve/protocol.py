@@ -43,7 +43,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 MESSAGE_IGNORED_FIELDS = frozenset({"name", "refusal", "annotations"})
 """Fields of a chat message that are accepted and ignored."""
 
-MESSAGE_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {"tool_calls": (), "function_call": (), "audio": ()}
+MESSAGE_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {"function_call": (), "audio": ()}
 """Fields of a chat message that are refused unless empty."""
 
 Int = StrictInt
@@ -230,17 +230,75 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(WireModel):
-    """One message of a conversation."""
+class FunctionCallIn(BaseModel):
+    """A call in an assistant message of the history: the function's name and its arguments as JSON text."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """An assistant message's tool call in the history."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(WireModel):
+    """One message of a conversation: a text, an assistant's tool calls, or a tool's result (`role: tool`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message's text (parts joined)."""
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDef(BaseModel):
+    """A function tool: its name, what it does, and the JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class ToolDef(BaseModel):
+    """One entry of `tools`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    """The function a named `tool_choice` names."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call that function."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -254,6 +312,9 @@ class ChatCompletionRequest(SamplingFields):
                                          "model continues it (with add_generation_prompt: false).")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="More variables for the chat template "
                                                         "(e.g. enable_thinking).")
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
     logprobs: Bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -339,11 +400,28 @@ class ChoiceExtras(BaseModel):
     trace: list[dict[str, Any]] | None = Field(None, exclude_if=_omit_none)
 
 
+class FunctionCallOut(BaseModel):
+    """A call's function: its name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """A tool call of a generated message (`index` set in streamed deltas)."""
+
+    index: int | None = Field(None, exclude_if=_omit_none)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     """The generated message of a chat choice."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_omit_none)
 
 
 class DeltaMessage(BaseModel):
@@ -351,6 +429,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatChoice(ChoiceExtras):

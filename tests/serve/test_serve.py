@@ -258,7 +258,8 @@ def test_decodekits_own_fields_and_openais_penalties_reach_the_engine(client, of
     ({"temperature": -1}, "temperature", "greater than or equal to 0"),
     ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
     ({"extra_body": {"temprature": 1}}, "temprature", "did you mean 'temperature'"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name",
+     "Field required"),
     ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"extra_body": {"processors": ["top_q"]}}, "processors", "unknown processor 'top_q' (did you mean 'top_p'?)"),
@@ -269,7 +270,7 @@ def test_decodekits_own_fields_and_openais_penalties_reach_the_engine(client, of
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      "response_format", "bogus"),
     ({"extra_body": {"min_tokens": 20}, "max_tokens": 4}, "min_tokens", "must be <= `max_tokens`"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "Input should be"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "Input should be"),
     ({"messages": [{"role": "user", "content": "x" * 3000}]}, "messages", "the prompt has"),
 ])
 def test_a_bad_request_is_a_400_naming_the_field(client, served, kwargs, param, text):

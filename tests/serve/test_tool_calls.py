@@ -1,0 +1,186 @@
+"""Tool calling on `/v1/chat/completions` with the `openai` client: every `tool_choice` (none, auto, required, a named
+function), parallel calls or one, streamed and not, tool calls and results in the history; every call that comes
+back parses and validates against its function's schema (a hypothesis property over random parameter schemas); the
+same calls under speculative decoding; each bad request a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decodekit.recipe import load_recipe
+from tests.helpers.batch_cases import TEMPLATE
+from tests.helpers.served import KEY, Served
+from tests.helpers.tiny_folders import save_tiny_llama
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone.",
+    "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+                   "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    # a tiny model with room for the tools' description (its tokenizer spends about a token per character)
+    folder = tmp_path_factory.mktemp("tools")
+    save_tiny_llama(folder / "tiny", chat_template=TEMPLATE, max_position_embeddings=4096)
+    recipe = folder / "tiny.yaml"
+    recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 64MiB}}\n"
+                      "sampling: {temperature: 0, max_tokens: 96}\n")
+    server = Served(load_recipe(recipe), api_key=KEY, served_model_name="tiny")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return served.client()
+
+
+def _check_calls(calls: Any, tools: list[dict]) -> list[tuple[str, dict]]:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    found = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, schemas[call.function.name])
+        found.append((call.function.name, arguments))
+    return found
+
+
+def test_required_returns_calls_that_parse_and_validate(client, served):
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+                                           parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(_check_calls(choice.message.tool_calls, [WEATHER, CLOCK])) == 1
+    # parallel calls: as many as the model writes (this random one repeats itself until max_tokens), never half a one
+    many = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+                                          max_tokens=300)
+    if many.choices[0].finish_reason == "length":
+        assert many.choices[0].message.tool_calls is None
+    else:
+        assert len(_check_calls(many.choices[0].message.tool_calls, [WEATHER, CLOCK])) >= 1
+    served.wait_idle()
+
+
+def test_a_named_tool_choice_calls_that_function_and_parallel_false_calls_once(client):
+    for parallel in (True, False):
+        reply = client.chat.completions.create(
+            model="tiny", messages=ASK, tools=[WEATHER, CLOCK], parallel_tool_calls=parallel,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        if parallel and reply.choices[0].finish_reason == "length":
+            continue  # this random model repeats its call until max_tokens; nothing half-parsed is returned
+        calls = _check_calls(reply.choices[0].message.tool_calls, [WEATHER, CLOCK])
+        assert {name for name, _ in calls} == {"get_time"}
+        if not parallel:
+            assert len(calls) == 1
+
+
+def test_auto_answers_in_text_or_calls_and_none_never_calls(client):
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="auto")
+    choice = reply.choices[0]
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.content is None and _check_calls(choice.message.tool_calls, [WEATHER])
+    else:  # a text answer (or one cut by max_tokens: a started call completes or stops with length)
+        assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+    plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6)
+    none = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=6)
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_a_streamed_call_arrives_in_openais_delta_shape_and_equals_the_unstreamed_one(client, served):
+    kwargs = {"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+              "parallel_tool_calls": False}
+    unstreamed = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and [d.index for d in deltas[0]] == list(range(len(deltas[0])))
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas[0]] == \
+        [(u.function.name, json.loads(u.function.arguments)) for u in unstreamed]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    served.wait_idle()
+
+
+def test_a_conversation_with_calls_and_their_results_continues(client):
+    first = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False)
+    call = first.choices[0].message.tool_calls[0]
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    follow = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=8,
+                                            tool_choice="none")
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.tool_calls is None
+
+
+def test_tool_calls_under_speculative_decoding_are_the_greedy_ones(client):
+    kwargs = {"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+              "parallel_tool_calls": False}
+    plain = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    fast = client.chat.completions.create(**kwargs, extra_body={"strategy": {"speculative": {
+        "proposer": "ngram", "num_speculative_tokens": 4}}}).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in fast] == \
+        [(c.function.name, c.function.arguments) for c in plain]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "not json"}}]}]}, "messages[1].tool_calls"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "21 C"}]}, "messages[1].tool_call_id"),
+])
+def test_a_bad_tool_request_is_a_400_naming_the_field_and_the_server_serves_on(served, body, param):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, **body},
+                          headers=headers, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"].startswith(param), response.text
+    ok = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, "max_tokens": 2},
+                    headers=headers, timeout=60)
+    assert ok.status_code == 200
+
+
+_LEAF = st.sampled_from([{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "boolean"},
+                         {"type": "string", "enum": ["a", "b", "c"]}, {"type": "number", "minimum": 0, "maximum": 1},
+                         {"type": "null"}])
+_PARAMETERS = st.dictionaries(st.from_regex(r"[a-z]{1,6}", fullmatch=True), _LEAF, min_size=1, max_size=3).flatmap(
+    lambda props: st.sets(st.sampled_from(sorted(props)), max_size=len(props)).map(lambda required: {
+        "type": "object", "properties": props, "required": sorted(required), "additionalProperties": False}))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parameters=st.lists(_PARAMETERS, min_size=1, max_size=3), named=st.booleans(), parallel=st.booleans())
+def test_every_call_under_required_or_a_named_choice_parses_and_validates(client, parameters, named, parallel):
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": p}}
+             for i, p in enumerate(parameters)]
+    choice: Any = {"type": "function", "function": {"name": "tool_0"}} if named else "required"
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice=choice,
+                                           parallel_tool_calls=parallel, max_tokens=200)
+    message = reply.choices[0].message
+    if reply.choices[0].finish_reason == "length":  # the budget ran out mid-call: nothing half-parsed is returned
+        assert message.tool_calls is None
+        return
+    calls = _check_calls(message.tool_calls, tools)
+    assert calls and (parallel or len(calls) == 1)
+    if named:
+        assert {name for name, _ in calls} == {"tool_0"}
