@@ -175,22 +175,68 @@ class LLM:
                 if out.finished:
                     pending.discard(out.request_id)
 
-    def apply_chat_template(self, messages: list[Message]) -> str:
-        """Render a conversation with the tokenizer's chat template, ready for the assistant's turn."""
+    def apply_chat_template(self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Render a conversation with the tokenizer's chat template, ready for the assistant's turn (`tools`: tool
+        definitions for a template that takes them)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("this tokenizer has no chat template; use generate() with a plain prompt")
-        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        extra = {"tools": list(tools)} if tools else {}
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
 
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_format: str = "json",
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to several."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(conv) for conv in conversations]  # type: ignore[arg-type]
-        # the template already holds the special tokens
-        return self.generate(prompts, params, add_special_tokens=False)
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to several.
+
+        With `tools` (OpenAI's function tool definitions) the replies call them as `tool_choice` asks (`auto`, the
+        default: text or calls; `required` or `{"type": "function", "function": {"name": ...}}`: calls only;
+        `none`: text), one call or several (`parallel_tool_calls`), written in `tool_format` (a registered
+        tool-call format) and constrained so that every call parses and validates against its function's
+        `parameters`. Each output's `tool_calls` holds the calls read back (`finish_reason` "tool_calls"); `text`
+        keeps what the model wrote. Assistant `tool_calls` and `role: "tool"` messages in a conversation are written
+        as the format writes them.
+
+        Raises:
+            RequestError: bad tools, `tool_choice` or tool messages (the message names the field).
+            ConfigError: an unknown `tool_format` (the known ones named).
+        """
+        from decodekit.tool_calling import conversation, formats_of, plan_tools, template_tools, tool_specs
+
+        conversations: list[list[Message]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages)  # type: ignore[assignment]
+        with_tools = tools is not None or any(m.get("role") == "tool" or m.get("tool_calls")
+                                              for conv in conversations for m in conv)
+        if not with_tools:
+            prompts = [self.apply_chat_template(conv) for conv in conversations]
+            # the template already holds the special tokens
+            return self.generate(prompts, params, add_special_tokens=False)
+        formats = formats_of(self.engine.registry)
+        if tool_format not in formats:
+            raise ConfigError(f"tool_format: unknown tool-call format {tool_format!r}; known: "
+                              f"{', '.join(sorted(formats))}")
+        fmt = formats[tool_format]
+        plan = plan_tools(tool_specs(tools or []), tool_choice, parallel_tool_calls, fmt)
+        prompts = [self.apply_chat_template(conversation(conv, fmt(), plan), template_tools(plan, tools or []))
+                   for conv in conversations]
+        if plan is not None:
+            constraint = plan.processor()
+            given = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+            params = [p.model_copy(update={"processors": [*p.processors, constraint]}) for p in given]
+        outputs = self.generate(prompts, params, add_special_tokens=False)
+        if plan is not None:
+            for output in outputs:
+                for choice in output.outputs:
+                    calls = plan.read(choice.text).calls
+                    if calls:
+                        choice.tool_calls, choice.finish_reason = calls, "tool_calls"
+        return outputs
 
 
 class AsyncLLM:

@@ -12,6 +12,7 @@ import torch
 
 from decodekit.api.params import SamplingParams
 from decodekit.api.stash import Stash
+from decodekit.api.tools import ToolCall
 
 _seq_ids = itertools.count()
 
@@ -195,6 +196,7 @@ class CompletionOutput:
     score: float | None = None  # the strategy's ranking score (beam search: length-penalized log-probability)
     logprobs: list[TokenLogprobs] | None = None  # one per generated token (`SamplingParams.logprobs`)
     trace: list[dict[str, Any]] | None = None  # the decoding trace (`SamplingParams.trace`, `decodekit.core.trace`)
+    tool_calls: list[ToolCall] | None = None  # the calls read back from `text` (`LLM.chat(..., tools=...)`)
 
 
 @dataclass

@@ -65,7 +65,7 @@ from decodekit.serve.tokenizer_api import (
     tokenize,
     tokenizer_info,
 )
-from decodekit.serve.tool_calls import tool_formats_of
+from decodekit.tool_calling import formats_of
 
 log = logging.getLogger("decodekit.serve")
 IGNORED_FIELDS_HEADER = "X-Decodekit-Ignored-Fields"
@@ -130,7 +130,7 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
         yield
         service.shutdown()
 
-    formats = tool_formats_of(service.engine.registry)
+    formats = formats_of(service.engine.registry)
     if options.tool_format not in formats:
         raise ConfigError(f"tool_format: unknown tool-call format {options.tool_format!r}; known: "
                           f"{', '.join(sorted(formats))}")

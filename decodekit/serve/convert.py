@@ -45,7 +45,8 @@ from decodekit.serve.protocol import (
     Usage,
     check_extra_fields,
 )
-from decodekit.serve.tool_calls import ToolPlan, conversation, plan_tools, read_output
+from decodekit.serve.tool_calls import plan_request, read_output
+from decodekit.tool_calling import ToolPlan
 
 _SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
 _PLAIN_FIELDS = ("temperature", "top_p", "n", "seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -136,17 +137,15 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
         prompt = render_chat(tokenizer, request.messages, request.add_generation_prompt,
                              request.continue_final_message, request.chat_template_kwargs)
     else:
-        plan = plan_tools(request, tool_format)
+        plan, messages, tools_for_template = plan_request(request, tool_format)
         if plan is not None:
             overrides["processors"] = [*overrides.get("processors", []), plan.processor()]
             origins[f"processors:{overrides['processors'][-1].name}"] = "tools"
         template_kwargs = dict(request.chat_template_kwargs or {})
-        if plan is not None and plan.format.system_prompt(plan.tools, plan.mode, plan.parallel) is None:
-            # the format leaves the tools to the model's own chat template (`tools=`, as transformers passes them)
-            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools or []
-                                        if any(t.function.name == s.name for s in plan.tools)]
-        prompt = render_conversation(tokenizer, conversation(request.messages, tool_format(), plan),
-                                     request.add_generation_prompt, request.continue_final_message, template_kwargs)
+        if tools_for_template is not None:  # the format leaves the tools to the model's own chat template
+            template_kwargs["tools"] = tools_for_template
+        prompt = render_conversation(tokenizer, messages, request.add_generation_prompt,
+                                     request.continue_final_message, template_kwargs)
     return PreparedRequest([prompt], _params(recipe, overrides, origins, "messages"), False, origins, "messages", top,
                            _include_usage(request), prompt_logprobs=request.prompt_logprobs, ignored_fields=ignored,
                            continuous_usage=_continuous_usage(request), tools=plan)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from decodekit.api.errors import RequestError
 from decodekit.recipe import load_recipe
 from tests.helpers.batch_cases import TEMPLATE
 from tests.helpers.served import KEY, Served
@@ -42,6 +43,7 @@ def served(tmp_path_factory) -> Iterator[Served]:
     recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 64MiB}}\n"
                       "sampling: {temperature: 0, max_tokens: 96}\n")
     server = Served(load_recipe(recipe), api_key=KEY, served_model_name="tiny")
+    server.folder = folder / "tiny"  # type: ignore[attr-defined]
     yield server
     server.stop()
 
@@ -184,3 +186,23 @@ def test_every_call_under_required_or_a_named_choice_parses_and_validates(client
     assert calls and (parallel or len(calls) == 1)
     if named:
         assert {name for name, _ in calls} == {"tool_0"}
+
+
+def test_llm_chat_with_tools_gives_the_calls_the_server_gives(client, served):
+    from decodekit import LLM, SamplingParams
+
+    llm = LLM(str(served.folder), dtype="float32", device="cpu", kv_cache_memory="64MiB")
+    tools = [WEATHER, CLOCK]
+    out = llm.chat(ASK, SamplingParams(max_tokens=96, temperature=0), tools=tools, tool_choice="required",
+                   parallel_tool_calls=False)[0].outputs[0]
+    assert out.finish_reason == "tool_calls" and out.tool_calls is not None and len(out.tool_calls) == 1
+    served_call = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice="required",
+                                                 parallel_tool_calls=False).choices[0].message.tool_calls[0]
+    assert (out.tool_calls[0].name, out.tool_calls[0].arguments) == \
+        (served_call.function.name, json.loads(served_call.function.arguments))
+    jsonschema.validate(out.tool_calls[0].arguments, {t["function"]["name"]: t["function"]["parameters"]
+                                                      for t in tools}[out.tool_calls[0].name])
+    plain = llm.chat(ASK, SamplingParams(max_tokens=4, temperature=0), tools=tools, tool_choice="none")[0]
+    assert plain.outputs[0].tool_calls is None
+    with pytest.raises(RequestError, match="tool_choice: function 'nope'"):
+        llm.chat(ASK, tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}})

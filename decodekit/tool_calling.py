@@ -1,0 +1,175 @@
+"""Tool calling, shared by `LLM.chat(..., tools=...)` and the server's chat endpoint: OpenAI-shaped tools and
+`tool_choice` resolved against a tool-call format (`decodekit.api.tools.ToolCallFormat`, a plugin kind) into a
+`ToolPlan`, the conversation's calls and results written as the format writes them, the constraint processor that
+makes every returned call parse and validate, and a finished output read back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from decodekit.api.errors import RequestError
+from decodekit.api.params import ComponentSpec
+from decodekit.api.tools import ParsedOutput, ToolCall, ToolCallFormat, ToolMode, ToolSpec
+
+
+class ToolRequestError(RequestError):
+    """A request's tools, `tool_choice` or tool messages are invalid; `param` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request calls tools: the format, the tools it may call, `auto` or `required`, one call or several."""
+
+    format: ToolCallFormat
+    tools: list[ToolSpec]
+    mode: ToolMode
+    parallel: bool
+
+    def processor(self) -> ComponentSpec:
+        """The constraint processor of the calls (the structured-output plugin's `json_schema` or `grammar`)."""
+        spec = self.format.constraint(self.tools, self.mode, self.parallel)
+        if spec.kind == "json_schema":
+            # a function with `strict: true` gets OpenAI's strict objects (only the keys they list), else its schema
+            # is taken as written (JSON Schema's rule: other keys allowed)
+            strict = any(t.strict for t in self.tools)
+            return ComponentSpec(name="json_schema", params={"schema": json.loads(spec.text), "strict": strict})
+        if spec.kind == "grammar":
+            return ComponentSpec(name="grammar", params={"grammar": spec.text, "syntax": spec.syntax})
+        raise RequestError(f"tool format {self.format.name!r} gave a {spec.kind} constraint; tool calls need a "
+                           "json_schema or a grammar")
+
+    def read(self, text: str) -> ParsedOutput:
+        """A finished output read back: its text, or its calls."""
+        return self.format.parse(text)
+
+    def system_prompt(self) -> str | None:
+        """The format's description of the tools (None: the chat template is given `tools=`)."""
+        return self.format.system_prompt(self.tools, self.mode, self.parallel)
+
+
+def tool_specs(tools: Sequence[Mapping[str, Any]]) -> list[ToolSpec]:
+    """OpenAI's tool definitions (`{"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}`) as `ToolSpec`s.
+
+    Raises:
+        ToolRequestError: a definition that is not a function tool with a name, or two with one name.
+    """
+    specs = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(function, Mapping) \
+                or not isinstance(function.get("name"), str):
+            raise ToolRequestError(f"tools[{i}]: a function tool is {{\"type\": \"function\", \"function\": "
+                                   "{\"name\": ..., \"parameters\": {...}}}", param=f"tools[{i}]")
+        parameters = function.get("parameters") or {"type": "object"}
+        specs.append(ToolSpec(function["name"], function.get("description"), dict(parameters),
+                              bool(function.get("strict"))))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ToolRequestError(f"tools: function names must be unique, got {names}", param="tools")
+    return specs
+
+
+def plan_tools(tools: list[ToolSpec], choice: str | Mapping[str, Any] | None, parallel: bool | None,
+               format_class: type[ToolCallFormat]) -> ToolPlan | None:
+    """The request's tool plan (None: no tools, or `tool_choice: none`); `choice` is OpenAI's `tool_choice` (`none`,
+    `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`).
+
+    Raises:
+        ToolRequestError: a `tool_choice` naming a function the request does not offer, or asking for calls with
+            no tools.
+    """
+    if choice == "none" or (choice is None and not tools):
+        return None
+    if not tools:
+        raise ToolRequestError("tool_choice: asks for a tool call, but the request offers no tools",
+                               param="tool_choice")
+    mode: ToolMode = "auto"
+    if choice == "required":
+        mode = "required"
+    elif isinstance(choice, Mapping):
+        wanted = (choice.get("function") or {}).get("name")
+        if wanted not in [t.name for t in tools]:
+            raise ToolRequestError(f"tool_choice: function {wanted!r} is not one of the request's tools "
+                                   f"{[t.name for t in tools]}", param="tool_choice")
+        tools, mode = [t for t in tools if t.name == wanted], "required"
+    elif choice not in (None, "auto"):
+        raise ToolRequestError(f"tool_choice: none, auto, required or a named function, got {choice!r}",
+                               param="tool_choice")
+    return ToolPlan(format_class(), tools, mode, parallel is not False)
+
+
+def conversation(messages: Sequence[Mapping[str, Any]], tool_format: ToolCallFormat, plan: ToolPlan | None
+                 ) -> list[dict[str, str]]:
+    """OpenAI-shaped messages as the chat template gets them: assistant tool calls and tool results written as the
+    format writes them, a `developer` message as `system`, and (with a plan whose format describes the tools) that
+    description as a system message first (joined to the conversation's own system message).
+
+    Raises:
+        ToolRequestError: a tool call whose arguments are not a JSON object, or a tool result that answers no
+            earlier call, naming the message.
+    """
+    out: list[dict[str, str]] = []
+    names: dict[str, str] = {}
+    for i, m in enumerate(messages):
+        role, text = m.get("role"), _text(m.get("content"))
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for j, call in enumerate(m["tool_calls"]):
+                function = call.get("function") or {}
+                arguments = function.get("arguments", "{}")
+                try:
+                    parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+                except ValueError:
+                    parsed = None
+                if not isinstance(parsed, dict):
+                    raise ToolRequestError(f"messages[{i}].tool_calls[{j}].function.arguments: not a JSON object",
+                                           param=f"messages[{i}].tool_calls")
+                calls.append(ToolCall(str(function.get("name")), parsed))
+                if call.get("id"):
+                    names[call["id"]] = str(function.get("name"))
+            out.append({"role": "assistant", "content": tool_format.assistant_content(text or None, calls)})
+        elif role == "tool":
+            call_id = m.get("tool_call_id") or ""
+            if call_id not in names:
+                raise ToolRequestError(f"messages[{i}].tool_call_id: a tool message answers a call an earlier "
+                                       f"assistant message made; no call has id {call_id!r}",
+                                       param=f"messages[{i}].tool_call_id")
+            out.append(tool_format.tool_result(call_id, names[call_id], text))
+        else:
+            out.append({"role": "system" if role == "developer" else str(role), "content": text})
+    prompt = plan.system_prompt() if plan is not None else None
+    if prompt:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    return "" if content is None else str(content)
+
+
+def template_tools(plan: ToolPlan | None, tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]] | None:
+    """The tool definitions the chat template is given (`tools=`) where the plan's format leaves the tools to it;
+    None where the format describes them itself (or there is no plan)."""
+    if plan is None or plan.system_prompt() is not None:
+        return None
+    offered = {t.name for t in plan.tools}
+    return [t for t in tools if (t.get("function") or {}).get("name") in offered]
+
+
+def formats_of(registry: Any) -> Mapping[str, type[ToolCallFormat]]:
+    """The registered tool-call formats: name -> class."""
+    return {name: entry.factory for name, entry in registry.tool_formats.items()}
