@@ -52,6 +52,7 @@ from decodekit.serve.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    ToolCallOut,
     lone_surrogate,
     may_hold_surrogates,
 )
@@ -65,6 +66,7 @@ from decodekit.serve.tokenizer_api import (
     tokenize,
     tokenizer_info,
 )
+from decodekit.serve.tool_calls import read_output
 from decodekit.tool_calling import formats_of
 
 log = logging.getLogger("decodekit.serve")
@@ -179,7 +181,7 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
         body = await read_body(request, ResponsesRequest, options.max_body_bytes)
         model = service.check_model(body.model)
         chat, conversation = to_chat(body, responses_store)
-        prepared = prepare_chat(chat, service.recipe, service.tokenizer, options.strict_fields)
+        prepared = prepare_chat(chat, service.recipe, service.tokenizer, options.strict_fields, tool_format)
         built = ResponseBuilder(body, model)
         response = await _respond_responses(request, service, prepared, built, conversation,
                                             responses_store if body.store is not False else None)
@@ -303,7 +305,7 @@ async def _run(request: Request, service: ServingEngine, prepared: PreparedReque
 
 
 async def _respond_responses(request: Request, service: ServingEngine, prepared: PreparedRequest,
-                             built: ResponseBuilder, conversation: list[dict[str, str]],
+                             built: ResponseBuilder, conversation: list[dict[str, Any]],
                              store: ResponseStore | None) -> Response:
     """Run a Responses request: the response object, or its events streamed; the finished response is stored
     (with the conversation it continued) for `previous_response_id`, unless `store: false`."""
@@ -319,16 +321,26 @@ async def _respond_responses(request: Request, service: ServingEngine, prepared:
         raise
 
     def finish(final: RequestOutput) -> dict[str, Any]:
-        body = built.body("completed", output=final)
+        text = final.outputs[0].text
+        calls: list[ToolCallOut] = []
+        if prepared.tools is not None:  # tool calling: the output reads back as text or calls
+            content, calls = read_output(prepared.tools, text)
+            text = content or ""
+        body = built.body("completed", text=text, output=final, calls=calls)
         if store is not None:
-            answer = body["output"][0]["content"][0]["text"]
-            store.put(built.response_id, Turn([*conversation, {"role": "assistant", "content": answer}], body))
+            answer: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                answer = {"role": "assistant", "content": None, "tool_calls": [c.model_dump(exclude_none=True)
+                                                                               for c in calls]}
+            store.put(built.response_id, Turn([*conversation, answer], body))
         return body
 
     if built.request.stream:
         async def events() -> AsyncGenerator[str, None]:
+            # with tools the output is text or calls, known only when it ends: its items are sent then
+            whole = prepared.tools is not None
             try:
-                for event in built.opening_events():
+                for event in built.opening_events(message=not whole):
                     yield event
                 async for _, out in group.outputs():
                     if out.error is not None:
@@ -336,10 +348,19 @@ async def _respond_responses(request: Request, service: ServingEngine, prepared:
                                                         "server_error")))
                         return
                     delta = out.delta_text[0] if out.delta_text else ""
-                    if delta:
+                    if delta and not whole:
                         yield built.delta_event(delta)
                     if out.finished:
-                        for event in built.closing_events(finish(out)):
+                        final = finish(out)
+                        if final["output"][0]["type"] == "function_call":
+                            closing = built.call_events(final)
+                        elif whole:
+                            text = final["output"][0]["content"][0]["text"]
+                            closing = [*built.message_events(), built.delta_event(text),
+                                       *built.closing_events(final)]
+                        else:
+                            closing = built.closing_events(final)
+                        for event in closing:
                             yield event
             finally:
                 await group.close()

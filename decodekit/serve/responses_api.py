@@ -1,11 +1,13 @@
 """The Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), the default of OpenAI's newer clients, for
 text: a text or a list of messages as `input`, `instructions`, `previous_response_id` (the earlier turns kept in
 memory, a bounded number of responses), `text.format` (free text, a JSON object, or a JSON schema), and streamed
-events in OpenAI's order (`response.created` ... `response.output_text.delta` ... `response.completed`).
+events in OpenAI's order (`response.created` ... `response.output_text.delta` ... `response.completed`), and
+function tools: `tools` (`{"type": "function", "name", "parameters", ...}`), `tool_choice`, `parallel_tool_calls`,
+`function_call` output items, and `function_call` / `function_call_output` items in the input (an agent's loop).
 
 A request becomes a chat completion request (`to_chat`) and runs exactly as one: the same recipe defaults, fields,
-constraints and field policy; decodekit's own fields (`top_k`, `processors`, `strategy`, ...) go next to OpenAI's.
-Function tools are not taken yet (they come with tool calling): a non-empty `tools` is a 400 naming it.
+constraints, tool calling and field policy; decodekit's own fields (`top_k`, `processors`, `strategy`, ...) go next to
+OpenAI's.
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from decodekit.api.sequence import RequestOutput
-from decodekit.serve.errors import APIError
+from decodekit.serve.errors import APIError, validation_error
 from decodekit.serve.protocol import Bool, ChatCompletionRequest, Float, Int, WireModel
 
 STORE_LIMIT = 1024
 """How many stored responses `previous_response_id` can name; the oldest are forgotten first."""
 
-_IGNORED = ("metadata", "user", "parallel_tool_calls", "truncation", "include", "reasoning", "service_tier",
+_IGNORED = ("metadata", "user", "truncation", "include", "reasoning", "service_tier",
             "prompt_cache_key", "safety_identifier", "background")
 """Responses fields that do not change decoding here: accepted and ignored."""
 
@@ -64,15 +66,17 @@ class ResponsesRequest(WireModel):
     stream: Bool | None = None
     store: Bool | None = None
     text: TextConfig | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: Bool | None = None
 
 
 @dataclass
 class Turn:
-    """A stored response: the conversation it continued (without `instructions`) and what it answered."""
+    """A stored response: the conversation it continued (without `instructions`) and what it answered, as chat
+    messages."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     body: dict[str, Any]
 
 
@@ -117,44 +121,73 @@ def _text_of(content: Any, where: str) -> str:
     raise APIError(400, f"{where}.content: a text or a list of text parts", param="input")
 
 
-def input_messages(request: ResponsesRequest) -> list[dict[str, str]]:
-    """The request's `input` as chat messages (`role`, `content`).
+def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's `input` as chat messages: messages with text, a model's `function_call` items as an assistant
+    message's `tool_calls` (consecutive calls together), `function_call_output` items as `tool` messages.
 
     Raises:
-        APIError: 400 for an item that is not a text message, naming it.
+        APIError: 400 for an item of another kind, naming it.
     """
     if isinstance(request.input, str):
         return [{"role": "user", "content": request.input}]
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, item in enumerate(request.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
         role = item.get("role")
-        if kind != "message" or role not in ("user", "system", "developer", "assistant"):
-            raise APIError(400, f"{where}: only messages (role user, system, developer or assistant) are taken on "
-                                f"this server, got type {kind!r}", param="input")
-        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        if kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        elif kind == "message" and role in ("user", "system", "developer", "assistant"):
+            messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        else:
+            raise APIError(400, f"{where}: only messages (role user, system, developer or assistant), function_call "
+                                f"and function_call_output items are taken on this server, got type {kind!r}",
+                           param="input")
     if not messages:
         raise APIError(400, "input: must not be empty", param="input")
     return messages
 
 
-def to_chat(request: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletionRequest, list[dict[str, str]]]:
+def _chat_tools(request: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, Any]:
+    """The Responses `tools` and `tool_choice` in the chat endpoint's shapes (function tools only)."""
+    tools = None
+    if request.tools:
+        tools = []
+        for i, tool in enumerate(request.tools):
+            if tool.get("type") != "function":
+                raise APIError(400, f"tools[{i}]: only function tools are taken on this server, got type "
+                                    f"{tool.get('type')!r}", param="tools")
+            tools.append({"type": "function", "function": {k: tool[k] for k in
+                                                           ("name", "description", "parameters", "strict")
+                                                           if tool.get(k) is not None}})
+    choice = request.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return tools, choice
+
+
+def to_chat(request: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
     """The chat completion request a Responses request runs as, and the conversation to store with its answer.
 
     Raises:
         APIError: 400 naming the field (404 for an unknown `previous_response_id`).
     """
-    if request.tools:
-        raise APIError(400, "tools: function tools on /v1/responses come with tool calling, which this server does "
-                            "not do yet", param="tools")
-    if request.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice: no tools on this server", param="tool_choice")
+    tools, tool_choice = _chat_tools(request)
     conversation = list(store.get(request.previous_response_id).messages) if request.previous_response_id else []
     conversation += input_messages(request)
     messages = ([{"role": "system", "content": request.instructions}] if request.instructions else []) + conversation
     chat: dict[str, Any] = {"model": request.model, "messages": messages, "max_tokens": request.max_output_tokens,
-                            "temperature": request.temperature, "top_p": request.top_p}
+                            "temperature": request.temperature, "top_p": request.top_p, "tools": tools,
+                            "tool_choice": tool_choice, "parallel_tool_calls": request.parallel_tool_calls}
     fmt = request.text.format if request.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         chat["response_format"] = {"type": "json_object"}
@@ -166,8 +199,9 @@ def to_chat(request: ResponsesRequest, store: ResponseStore) -> tuple[ChatComple
     extra = {k: v for k, v in (request.model_extra or {}).items() if k not in _IGNORED}
     try:
         return ChatCompletionRequest.model_validate({**extra, **chat}), conversation
-    except ValueError as exc:  # pydantic's error, for a decodekit field passed along (named in the message)
-        raise APIError(400, str(exc).splitlines()[1] if "\n" in str(exc) else str(exc), param="input") from None
+    except ValidationError as exc:
+        error = validation_error(exc)
+        raise APIError(400, error.message, param=error.param) from None
 
 
 @dataclass
@@ -181,23 +215,28 @@ class ResponseBuilder:
     created: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
 
-    def body(self, status: str, text: str | None = None, output: RequestOutput | None = None) -> dict[str, Any]:
-        """The response object: `in_progress` (no output yet), or finished with the message and the usage."""
+    def body(self, status: str, text: str | None = None, output: RequestOutput | None = None,
+             calls: list[Any] | None = None) -> dict[str, Any]:
+        """The response object: `in_progress` (no output yet), or finished with the message (or, with `calls`, the
+        model's `function_call` items) and the usage."""
         request = self.request
         fmt = request.text.format if request.text is not None and request.text.format is not None else None
         body: dict[str, Any] = {
             "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
             "model": self.model, "output": [], "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens, "previous_response_id": request.previous_response_id,
-            "temperature": request.temperature, "top_p": request.top_p, "parallel_tool_calls": False,
-            "tool_choice": "none", "tools": [], "store": request.store is not False,
+            "temperature": request.temperature, "top_p": request.top_p,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "tool_choice": request.tool_choice if request.tool_choice is not None else "auto" if request.tools
+            else "none", "tools": request.tools or [], "store": request.store is not False,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "error": None, "incomplete_details": None, "metadata": (request.model_extra or {}).get("metadata") or {},
             "usage": None,
         }
         if output is not None:
             choice = output.outputs[0]
-            body["output"] = [self.message(text if text is not None else choice.text, "completed")]
+            body["output"] = ([self.function_call(call) for call in calls] if calls else
+                              [self.message(text if text is not None else choice.text, "completed")])
             if choice.finish_reason == "length":
                 body["status"] = "incomplete"
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -213,21 +252,44 @@ class ResponseBuilder:
             else []
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
+    def function_call(self, call: Any) -> dict[str, Any]:
+        """A `function_call` output item (`call` is the chat endpoint's `ToolCallOut`)."""
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
+                "name": call.function.name, "arguments": call.function.arguments, "status": "completed"}
+
     def event(self, kind: str, **fields: Any) -> str:
         """One server-sent event of the stream (`event:` names its type, as OpenAI sends them)."""
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-    def opening_events(self) -> list[str]:
-        """The events before the first text: created, in progress, the message and its text part added."""
+    def opening_events(self, message: bool = True) -> list[str]:
+        """The events before the first text: created, in progress, and (unless the output may be calls, known only
+        when it ends) the message and its text part added."""
         started = self.body("in_progress")
+        events = [self.event("response.created", response=started),
+                  self.event("response.in_progress", response=started)]
+        return events + (self.message_events() if message else [])
+
+    def message_events(self) -> list[str]:
+        """The message item and its text part added."""
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self.event("response.created", response=started),
-                self.event("response.in_progress", response=started),
-                self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
+        return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
                 self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
                            part=part)]
+
+    def call_events(self, final: dict[str, Any]) -> list[str]:
+        """Each `function_call` item added, its arguments (whole), done; then the response completed."""
+        events = []
+        for index, item in enumerate(final["output"]):
+            events += [self.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                          "status": "in_progress"}),
+                       self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                  delta=item["arguments"]),
+                       self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"]),
+                       self.event("response.output_item.done", output_index=index, item=item)]
+        return [*events, self.event("response.completed", response=final)]
 
     def delta_event(self, delta: str) -> str:
         """A piece of the text."""

@@ -1,4 +1,5 @@
-"""`POST /v1/responses` with the `openai` client's own Responses methods: text and message input, `instructions`,
+"""`POST /v1/responses` with the `openai` client's own Responses methods (function tools are in
+tests/serve/test_tool_calls.py): text and message input, `instructions`,
 `previous_response_id` continuing a conversation (and a forgotten id a 404), `text.format` with a JSON schema,
 streamed events in OpenAI's order, `max_output_tokens` ending the response as incomplete; each answer the text the
 chat endpoint gives for the same conversation."""
@@ -93,7 +94,7 @@ def test_max_output_tokens_ends_the_response_incomplete(client):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
     ({"input": []}, "input"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

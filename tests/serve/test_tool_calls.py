@@ -206,3 +206,31 @@ def test_llm_chat_with_tools_gives_the_calls_the_server_gives(client, served):
     assert plain.outputs[0].tool_calls is None
     with pytest.raises(RequestError, match="tool_choice: function 'nope'"):
         llm.chat(ASK, tools=tools, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                  for t in (WEATHER, CLOCK)]
+
+
+def test_the_responses_api_returns_function_calls_and_continues_from_their_outputs(client, served):
+    first = client.responses.create(model="tiny", input="What is the weather in Paris?", tools=RESPONSE_TOOLS,
+                                    tool_choice="required", parallel_tool_calls=False)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].call_id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].arguments),
+                        {t["name"]: t["parameters"] for t in RESPONSE_TOOLS}[calls[0].name])
+    named = client.responses.create(model="tiny", input="time?", tools=RESPONSE_TOOLS, parallel_tool_calls=False,
+                                    tool_choice={"type": "function", "name": "get_time"})
+    assert [item.name for item in named.output] == ["get_time"]
+    follow = client.responses.create(model="tiny", previous_response_id=first.id, tools=RESPONSE_TOOLS,
+                                     tool_choice="none", max_output_tokens=6,
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "sunny"}])
+    assert follow.output[0].type == "message" and isinstance(follow.output_text, str)
+    with client.responses.stream(model="tiny", input="What is the weather in Paris?", tools=RESPONSE_TOOLS,
+                                 tool_choice="required", parallel_tool_calls=False) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    assert [(i.name, i.arguments) for i in final.output] == [(c.name, c.arguments) for c in calls]
+    served.wait_idle()
