@@ -35,15 +35,13 @@ from decodekit.api.sequence import RequestOutput
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.llm import AsyncLLM
 from decodekit.recipe import Recipe
+from decodekit.serve.chunks import DONE_EVENT, ChunkStream, sse
 from decodekit.serve.convert import (
-    DONE_EVENT,
-    ChunkStream,
     PreparedRequest,
     chat_response,
     completion_response,
     prepare_chat,
     prepare_completion,
-    sse,
 )
 from decodekit.serve.errors import APIError, error_body, validation_error
 from decodekit.serve.metrics import ServerMetrics

@@ -1,10 +1,9 @@
 """Requests to decodekit and back: a chat or completions body becomes prompts and `SamplingParams` (the recipe's
-defaults with the request's fields merged over them), and engine outputs become OpenAI's responses and streamed
-chunks (with logprobs in chat's or the legacy completions' shape)."""
+defaults with the request's fields merged over them), and engine outputs become OpenAI's responses (logprobs in
+the wire's shapes: `logprob_shapes.py`; streamed chunks: `chunks.py`)."""
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,34 +13,32 @@ from pydantic import TypeAdapter, ValidationError
 
 from decodekit.api.errors import DecodeKitError
 from decodekit.api.params import ComponentSpec, SamplingParams
-from decodekit.api.sequence import CompletionOutput, RequestOutput, TokenLogprobs
+from decodekit.api.sequence import CompletionOutput, RequestOutput
 from decodekit.api.tools import ToolCallFormat
 from decodekit.recipe import Recipe
 from decodekit.serve.errors import APIError, param_of
+from decodekit.serve.logprob_shapes import (
+    TextOffsets,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    vllm_prompt_logprobs,
+)
 from decodekit.serve.protocol import (
     IGNORED_FIELDS,
     MESSAGE_IGNORED_FIELDS,
     MESSAGE_UNSUPPORTED_FIELDS,
-    NEG_INF_LOGPROB,
     UNSUPPORTED_FIELDS,
     AssistantMessage,
     ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatMessage,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     ExtraFields,
-    PromptLogprob,
-    PromptLogprobs,
     SamplingFields,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     check_extra_fields,
 )
@@ -353,149 +350,6 @@ def _params(recipe: Recipe, overrides: dict[str, Any], origins: dict[str, str], 
 
 
 # ---- outputs -------------------------------------------------------------------------------------------------------
-def finite(value: float) -> float:
-    """A logprob JSON can carry: -inf (and NaN, a position with no row recorded) become `NEG_INF_LOGPROB`."""
-    return value if math.isfinite(value) else NEG_INF_LOGPROB
-
-
-def _ranked(entry: TokenLogprobs) -> list[tuple[int, Any]]:
-    return sorted(entry.items(), key=lambda item: item[1].rank)
-
-
-def _top(entry: TokenLogprobs, chosen: int, n: int) -> list[tuple[int, Any]]:
-    """The `n` most likely tokens at a position (the chosen one only if it is among them)."""
-    return [(t, lp) for t, lp in _ranked(entry) if t != chosen or lp.rank <= n][:n]
-
-
-def _token_text(entry: TokenLogprobs, token: int) -> tuple[str, float]:
-    lp = entry.get(token)
-    return ("", NEG_INF_LOGPROB) if lp is None else (lp.decoded_token or "", finite(lp.logprob))
-
-
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], top_n: int) -> ChatLogprobs:
-    """Chat's logprobs for these tokens: each with its logprob, UTF-8 bytes and the `top_n` most likely tokens."""
-    content = []
-    for token, entry in zip(token_ids, entries):
-        text, logprob = _token_text(entry, token)
-        top = [TopLogprob(token=lp.decoded_token or "", logprob=finite(lp.logprob),
-                          bytes=list((lp.decoded_token or "").encode("utf-8"))) for _, lp in _top(entry, token, top_n)]
-        content.append(TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")), top_logprobs=top))
-    return ChatLogprobs(content=content)
-
-
-_REPLACEMENT = "\ufffd"
-"""What a decoder writes for bytes that are not (yet) a whole UTF-8 character."""
-
-
-class TextOffsets:
-    """Where each generated token starts in the choice's text, fed one token at a time (the legacy logprobs'
-    `text_offset`).
-
-    A token's own text (`decoded_token`) may be part of a character (`\ufffd`), so the offsets are not the sums of
-    those texts' lengths: they come from decoding the growing prefix of tokens, in a small window as the engine's
-    `IncrementalDetokenizer` builds the text, and a token that continues a character begun by earlier tokens starts
-    where that character starts. The same tokens give the same offsets streamed or not.
-
-    Args:
-        tokenizer: the engine's tokenizer (None: every offset is 0, as the text is empty).
-        skip_special_tokens: as the request's `SamplingParams` (special tokens add no text when skipped).
-    """
-
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._done = 0  # characters of the text of the tokens before `_read` (whole characters)
-        self._prefix = 0  # the window's context starts here ...
-        self._read = 0  # ... and its new tokens here
-        self._prefix_text = ""  # the text of the context
-        self._pending = ""  # the text of the tokens from `_read` on (it may end in an incomplete character)
-
-    def _decode(self, ids: list[int]) -> str:
-        return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip))
-
-    def add(self, token: int) -> int:
-        """The offset of `token`, the next token of the sequence."""
-        if self._tokenizer is None:
-            return 0
-        before = self._pending
-        offset = self._done + len(before)
-        self._ids.append(token)
-        full = self._decode(self._ids[self._prefix:])
-        after = full[len(self._prefix_text):]
-        # an incomplete character absorbs the bytes that continue it: the text grows by less than the token's own
-        if before.endswith(_REPLACEMENT) and len(after) < len(before) + len(self._decode([token])):
-            offset -= 1
-        if full.endswith(_REPLACEMENT) or len(full) <= len(self._prefix_text):
-            self._pending = after  # wait for the character to complete, as the detokenizer does
-        else:
-            self._done += len(after)
-            self._prefix, self._read = self._read, len(self._ids)
-            self._prefix_text = self._decode(self._ids[self._prefix:self._read])
-            self._pending = ""
-        return offset
-
-    def extend(self, tokens: Sequence[int]) -> list[int]:
-        """The offsets of the next tokens."""
-        return [self.add(token) for token in tokens]
-
-
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs], text_offset: Sequence[int]
-                        ) -> CompletionLogprobs:
-    """The legacy completions logprobs for these tokens: texts, logprobs, the most likely tokens with the chosen one
-    (`{text: logprob}`), and each token's offset in the text (`text_offset`, from `TextOffsets`)."""
-    out = CompletionLogprobs()
-    for token, entry, offset in zip(token_ids, entries, text_offset):
-        text, logprob = _token_text(entry, token)
-        out.tokens.append(text)
-        out.token_logprobs.append(logprob)
-        out.top_logprobs.append(_legacy_top(entry))
-        out.text_offset.append(offset)
-    return out
-
-
-def _legacy_top(entry: TokenLogprobs) -> dict[str, float]:
-    """The legacy logprobs' `{text: logprob}` of a position: the chosen token and the most likely ones; where two
-    tokens have the same text, the larger logprob (so `max(top.values())` is the position's best, as lm-eval's
-    greedy check reads it)."""
-    top: dict[str, float] = {}
-    for _, lp in _ranked(entry):
-        text = lp.decoded_token or ""
-        top[text] = max(top.get(text, NEG_INF_LOGPROB), finite(lp.logprob))
-    return top
-
-
-def echoed_logprobs(output: RequestOutput, prepared: PreparedRequest, generated: Sequence[int],
-                    entries: Sequence[TokenLogprobs]) -> CompletionLogprobs:
-    """The legacy logprobs of an echoed choice: the prompt's tokens (the first one's logprob and alternatives null:
-    nothing predicts it), then the `generated` tokens, with text offsets running on from the prompt's text."""
-    prompt_ids = list(output.prompt_token_ids)
-    offsets = TextOffsets(prepared.tokenizer, prepared.params.skip_special_tokens).extend(prompt_ids + list(generated))
-    recorded = output.prompt_logprobs or []
-    out = completion_logprobs(generated, entries, offsets[len(prompt_ids):])
-    prompt = CompletionLogprobs()
-    for i, (token, offset) in enumerate(zip(prompt_ids, offsets)):
-        entry = recorded[i] if i < len(recorded) else None
-        if entry is None:
-            prompt.tokens.append(_decode_one(prepared.tokenizer, token))
-            prompt.token_logprobs.append(None)
-            prompt.top_logprobs.append(None)
-        else:
-            text, logprob = _token_text(entry, token)
-            prompt.tokens.append(text)
-            prompt.token_logprobs.append(logprob)
-            prompt.top_logprobs.append(_legacy_top(entry))
-        prompt.text_offset.append(offset)
-    return CompletionLogprobs(tokens=prompt.tokens + out.tokens,
-                              token_logprobs=prompt.token_logprobs + out.token_logprobs,
-                              top_logprobs=prompt.top_logprobs + out.top_logprobs,
-                              text_offset=prompt.text_offset + out.text_offset)
-
-
-def _decode_one(tokenizer: Any, token: int) -> str:
-    return "" if tokenizer is None else tokenizer.decode([token])
-
-
 def prompt_text(output: RequestOutput, prepared: PreparedRequest) -> str:
     """An echoed choice's prompt text: the prompt as given, or its token ids decoded."""
     if output.prompt is not None:
@@ -506,17 +360,6 @@ def prompt_text(output: RequestOutput, prepared: PreparedRequest) -> str:
                                      skip_special_tokens=prepared.params.skip_special_tokens)
 
 
-def vllm_prompt_logprobs(output: RequestOutput) -> PromptLogprobs | None:
-    """`prompt_logprobs` in vLLM's shape: per prompt token, null for the first, else token id -> logprob, rank and
-    text, the prompt's token first."""
-    if output.prompt_logprobs is None:
-        return None
-    return [None if entry is None else {str(token): PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank,
-                                                                  decoded_token=lp.decoded_token)
-                                        for token, lp in entry.items()}
-            for entry in output.prompt_logprobs]
-
-
 def usage(outputs: Sequence[RequestOutput], generated: bool = True) -> Usage:
     """Token counts over the requests' final outputs (every returned sequence's tokens; none where the request
     generated nothing: `max_tokens: 0`)."""
@@ -525,7 +368,8 @@ def usage(outputs: Sequence[RequestOutput], generated: bool = True) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _extras(choice: CompletionOutput) -> dict[str, Any]:
+def choice_extras(choice: CompletionOutput) -> dict[str, Any]:
+    """decodekit's fields on a choice (`ChoiceExtras`): why it stopped, the strategy's score, the trace."""
     return {"stop_reason": choice.stop_reason, "score": choice.score, "trace": choice.trace}
 
 
@@ -543,7 +387,7 @@ def chat_response(response_id: str, created: int, model: str, output: RequestOut
             message = AssistantMessage(content=content, tool_calls=calls or None)
             finish = "tool_calls" if calls else finish
         choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish,
-                                  **_extras(c)))
+                                  **choice_extras(c)))
     return ChatCompletionResponse(id=response_id, created=created, model=model, choices=choices,
                                   usage=usage([output]), prompt_logprobs=(vllm_prompt_logprobs(output)
                                                                           if prepared.prompt_logprobs is not None
@@ -564,14 +408,15 @@ def completion_response(response_id: str, created: int, model: str, outputs: Seq
             if prepared.echo:
                 text = prompt_text(output, prepared) + text
                 if prepared.top_logprobs is not None:
-                    logprobs = echoed_logprobs(output, prepared, tokens, entries)
+                    logprobs = echoed_logprobs(output, prepared.tokenizer, prepared.params.skip_special_tokens,
+                                               tokens, entries)
             elif prepared.top_logprobs is not None:
                 offsets = TextOffsets(prepared.tokenizer, prepared.params.skip_special_tokens).extend(tokens)
                 logprobs = completion_logprobs(tokens, entries, offsets)
             choices.append(CompletionChoice(
                 index=base + c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                 prompt_logprobs=vllm_prompt_logprobs(output) if prepared.prompt_logprobs is not None else None,
-                **_extras(c)))
+                **choice_extras(c)))
     return CompletionResponse(id=response_id, created=created, model=model, choices=choices,
                               usage=usage(outputs, prepared.generate))
 
@@ -583,119 +428,3 @@ def choice_bases(first_outputs: Sequence[RequestOutput]) -> list[int]:
         bases.append(total)
         total += len(out.outputs)
     return bases
-
-
-# ---- streaming -------------------------------------------------------------------------------------------------------
-@dataclass
-class _Cursor:
-    offsets: TextOffsets  # the legacy logprobs' text_offset of the tokens whose logprobs were sent
-    tokens: int = 0  # tokens whose logprobs were sent
-    started: bool = False
-    finished: bool = False
-
-
-class ChunkStream:
-    """Turns engine outputs into server-sent events, one chunk per choice that changed.
-
-    Args:
-        chat: chat chunks (`chat.completion.chunk`, a first chunk with the role) or completions ones.
-        response_id, created, model: the fields every chunk repeats.
-        prepared: the request (logprobs asked for, usage chunk wanted).
-        first_outputs: each prompt's first output (their choice counts number the choices).
-    """
-
-    def __init__(self, chat: bool, response_id: str, created: int, model: str, prepared: PreparedRequest,
-                 first_outputs: Sequence[RequestOutput]) -> None:
-        self.chat = chat
-        self.header = {"id": response_id, "created": created, "model": model}
-        self.prepared = prepared
-        self.bases = choice_bases(first_outputs)
-        self.cursors: dict[int, _Cursor] = {}
-        self.finals: dict[int, RequestOutput] = {}
-        self.latest: dict[int, RequestOutput] = dict(enumerate(first_outputs))  # the usage so far reads these
-
-    def events(self, prompt_index: int, output: RequestOutput) -> list[str]:
-        """The events for one engine output (none when it adds nothing)."""
-        self.latest[prompt_index] = output
-        if output.finished:
-            self.finals[prompt_index] = output
-        events = []
-        for i, c in enumerate(output.outputs):
-            index = self.bases[prompt_index] + c.index
-            cursor = self.cursors.get(index)
-            if cursor is None:
-                cursor = self.cursors[index] = _Cursor(TextOffsets(self.prepared.tokenizer,
-                                                                   self.prepared.params.skip_special_tokens))
-            delta = output.delta_text[i] if i < len(output.delta_text) else ""
-            new_tokens = c.token_ids[cursor.tokens:]
-            new_entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
-            finish = c.finish_reason if c.finish_reason is not None and not cursor.finished else None
-            if self.chat and not cursor.started:
-                cursor.started = True
-                events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(role="assistant",
-                                                                                                content=""))))
-            if not delta and not new_entries and finish is None:
-                continue
-            extras = _extras(c) if finish is not None else {}
-            if self.chat and self.prepared.tools is not None:
-                # a tool-calling output is read back whole: its text or its calls come in the finishing chunk
-                if finish is None:
-                    continue
-                content, calls = read_output(self.prepared.tools, c.text)
-                for number, call in enumerate(calls):
-                    call.index = number
-                logprobs = None
-                if self.prepared.top_logprobs is not None:
-                    logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)
-                events.append(self._chat_chunk(ChatChoice(
-                    index=index, delta=DeltaMessage(content=content, tool_calls=calls or None), logprobs=logprobs,
-                    finish_reason="tool_calls" if calls else finish, **extras)))
-            elif self.chat:
-                logprobs = None
-                if self.prepared.top_logprobs is not None:
-                    logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)
-                events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(content=delta),
-                                                               logprobs=logprobs, finish_reason=finish, **extras)))
-            else:
-                legacy = None
-                if self.prepared.top_logprobs is not None:
-                    offsets = cursor.offsets.extend(new_tokens)
-                    legacy = completion_logprobs(new_tokens, new_entries, offsets)
-                events.append(self._completion_chunk(CompletionChoice(index=index, text=delta, logprobs=legacy,
-                                                                      finish_reason=finish, **extras)))
-            cursor.tokens = len(c.token_ids)
-            cursor.finished = cursor.finished or finish is not None
-        return events
-
-    def usage_event(self) -> str:
-        """The last chunk of `stream_options.include_usage`: no choices, the usage of every prompt."""
-        totals = usage([self.finals[i] for i in sorted(self.finals)])
-        if self.chat:
-            return sse(ChatCompletionChunk(**self.header, choices=[], usage=totals).model_dump_json())
-        return sse(CompletionResponse(**self.header, choices=[], usage=totals).model_dump_json())
-
-    def _usage_so_far(self) -> Usage | None:
-        """The usage of every prompt's tokens so far (`continuous_usage_stats`), else None."""
-        if not self.prepared.continuous_usage:
-            return None
-        return usage([self.latest[i] for i in sorted(self.latest)])
-
-    def _chat_chunk(self, choice: ChatChoice) -> str:
-        chunk = ChatCompletionChunk(**self.header, choices=[choice], usage=self._usage_so_far())
-        return sse(chunk.model_dump_json(exclude=None if self._sends_usage() else {"usage"}))
-
-    def _completion_chunk(self, choice: CompletionChoice) -> str:
-        chunk = CompletionResponse(**self.header, choices=[choice], usage=self._usage_so_far())
-        return sse(chunk.model_dump_json(exclude=None if self._sends_usage() else {"usage"}))
-
-    def _sends_usage(self) -> bool:
-        return self.prepared.include_usage or self.prepared.continuous_usage
-
-
-def sse(data: str) -> str:
-    """One server-sent event."""
-    return f"data: {data}\n\n"
-
-
-DONE_EVENT = sse("[DONE]")
-"""The event that ends a stream."""
