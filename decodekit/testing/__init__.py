@@ -9,7 +9,8 @@ The package's parts, one module each:
   `ALL_CHECKS`) and `processor_kit` (`check_processor`, which runs them on many drawn cases); it needs no engine;
 - the engine kits, for the plugins that run inside the engine, each on real sequences in a fresh tiny engine
   (`engine_harness`): `stopping_kit` (`check_stopping_criterion`), `proposer_kit` (`check_proposer`) and
-  `strategy_kit` (`check_strategy`), each returning a `KitReport` of what it exercised;
+  `strategy_kit` (`check_strategy`), each returning a `KitReport` of what it exercised; and the tool-call format
+  kit (`tool_format_kit`: `check_tool_format`), which checks a format's constraint and reading back on a tiny engine;
 - the ready-made parts (`parts`): `tiny_llm` (an `LLM` on a tiny random model with your plugin registered),
   `plugin_manager`, `apply_processors` (named processors run on logits as the engine runs them), and the tiny model
   and tokenizer (`tiny_model`, `tiny_tokenizer`, `TINY_VOCAB_SIZE`, `TINY_EOS_TOKEN_ID`).
@@ -42,6 +43,7 @@ from decodekit.testing.processor_kit import check_processor
 from decodekit.testing.proposer_kit import check_proposer
 from decodekit.testing.stopping_kit import check_stopping_criterion
 from decodekit.testing.strategy_kit import check_strategy
+from decodekit.testing.tool_format_kit import check_tool_format
 
 __all__ = [
     "ALL_CHECKS",
@@ -68,6 +70,7 @@ __all__ = [
     "check_state_not_changed",
     "check_stopping_criterion",
     "check_strategy",
+    "check_tool_format",
     "check_uses_row_generators",
     "histories",
     "logits_tensors",
