@@ -234,3 +234,24 @@ def test_the_responses_api_returns_function_calls_and_continues_from_their_outpu
     assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
     assert [(i.name, i.arguments) for i in final.output] == [(c.name, c.arguments) for c in calls]
     served.wait_idle()
+
+
+def test_tool_calls_with_an_int8_self_draft_are_the_greedy_ones(served, client):
+    # a second server whose recipe drafts with an int8 copy of the target (speculative decoding's `draft` proposer)
+    recipe = served.folder.parent / "draft.yaml"  # type: ignore[attr-defined]
+    recipe.write_text(f"model: {served.folder}\ndtype: float32\ndevice: cpu\n"  # type: ignore[attr-defined]
+                      "engine: {kv_cache_memory: 64MiB}\ndraft: {model: target, quantization: int8}\n"
+                      "sampling: {temperature: 0, max_tokens: 96}\n")
+    drafted = Served(load_recipe(recipe), api_key=KEY, served_model_name="tiny")
+    try:
+        kwargs = {"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+                  "parallel_tool_calls": False}
+        plain = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        reply = drafted.client().chat.completions.create(**kwargs, extra_body={"strategy": {"speculative": {
+            "proposer": "draft", "num_speculative_tokens": 4}}})
+        assert reply.usage.completion_tokens > 0
+        assert [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in plain]
+        assert drafted.metrics()[("decodekit_spec_decode_draft_tokens_total", ())] > 0
+    finally:
+        drafted.stop()
