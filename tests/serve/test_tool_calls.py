@@ -255,3 +255,18 @@ def test_tool_calls_with_an_int8_self_draft_are_the_greedy_ones(served, client):
         assert drafted.metrics()[("decodekit_spec_decode_draft_tokens_total", ())] > 0
     finally:
         drafted.stop()
+
+
+def test_a_client_that_disconnects_during_a_streamed_tool_call_frees_its_blocks(served):
+    before = served.metrics().get(("decodekit_requests_total", (("finish_reason", "abort"),)), 0.0)
+    body = {"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+            "max_tokens": 400, "stream": True, "processors": ["slow"]}  # about 8 s of calls, 20 ms a step
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+        first = next(response.iter_lines())
+        assert first.startswith("data: ") and json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+        assert served.engine.stats()["kv_blocks_used"] > 0  # the call is being written; the client goes now
+    served.wait_idle()
+    allocator = served.engine.allocator
+    assert allocator.num_free_blocks == allocator.num_blocks
+    assert served.metrics()[("decodekit_requests_total", (("finish_reason", "abort"),))] == before + 1
