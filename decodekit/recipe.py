@@ -460,13 +460,11 @@ def _plan(recipe: Recipe, device: Any) -> ExecutionPlan | None:
 
 
 def _check_kv_memory(recipe: Recipe, plan: ExecutionPlan) -> None:
-    from decodekit.execution.attention.kv_cache import PagedKVCache
-
     engine, where = recipe.engine, recipe.source
     memory, block = engine.kv_cache_memory, engine.block_size
     geometry, element = plan.geometry, plan.kv_dtype
     layers, kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
-    per_block = PagedKVCache.bytes_per_token(layers, kv_heads, head_dim, element) * block
+    per_block = plan.kv_block_bytes()
     if memory // per_block < 2:
         raise RecipeError(f"{where}: engine.kv_cache_memory: {memory} bytes holds fewer than 2 KV blocks of "
                           f"{per_block} bytes for {recipe.model!r} ({layers} layers x {kv_heads} KV heads x "

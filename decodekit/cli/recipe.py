@@ -48,6 +48,8 @@ def check(
         terminal.err_console.print(f"{escape(recipe.source)}: {escape(choice)}", soft_wrap=True)
     if machine.plan is not None:  # the engine's own plan: what `run` will do with this model here
         runs = f"runs: {machine.plan.describe()}"
+        if machine.plan.reasons:  # why a choice was not the obvious one (a fused decoder off, ...)
+            runs += f" ({'; '.join(machine.plan.reasons)})"
         if machine.plan.draft is not None:
             runs += f"; the draft: {machine.plan.draft.describe()}"
         terminal.err_console.print(f"{escape(recipe.source)}: {escape(runs)}", soft_wrap=True)

@@ -101,15 +101,19 @@ class ExecutionPlan:
         """The plan of another model (a proposer's own) under this plan's options."""
         return plan_model(loaded, self.config, fused_decoder_refusal(loaded.model))
 
+    def kv_block_bytes(self) -> int:
+        """The bytes of one KV block of this model (every layer's keys and values of `block_size` tokens)."""
+        geometry = self.geometry
+        return PagedKVCache.bytes_per_token(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                                            self.kv_dtype) * self.config.block_size
+
     def kv_pool_blocks(self) -> int:
         """How many KV blocks `config.kv_cache_memory` holds for this model.
 
         Raises:
             ConfigError: fewer than two blocks fit.
         """
-        geometry, config = self.geometry, self.config
-        per_block = PagedKVCache.bytes_per_token(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
-                                                 self.kv_dtype) * config.block_size
+        config, per_block = self.config, self.kv_block_bytes()
         num_blocks = config.kv_cache_memory // per_block
         if num_blocks < 2:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory} bytes holds fewer than 2 blocks of "

@@ -64,3 +64,11 @@ def test_a_config_transformers_cannot_build_leaves_a_note_not_an_error(recipe, t
     result = CliRunner().invoke(app, ["recipe", "check", str(recipe), "--set", "device=cpu"])
     assert result.exit_code == 0, result.stderr
     assert "not checked against the model's KV size, nor how the model runs here" in result.stderr
+
+
+def test_recipe_check_says_why_a_choice_was_not_the_obvious_one(recipe, tiny_dir):
+    result = _check(recipe, tiny_dir, "dtype=float16")
+    assert result.exit_code == 0, result.stderr
+    assert "runs: transformers' forward" in result.stderr
+    assert "(fused decoder off: torch.float16 weights on a CPU run faster in transformers' own forward)" in \
+        result.stderr
