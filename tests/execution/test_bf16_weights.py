@@ -306,3 +306,47 @@ def test_bf16_arithmetic_is_closer_to_float32_than_transformers_own_bf16_forward
         bf16 = torch.log_softmax(model.to(torch.bfloat16)(ids).logits[0, :-1].float(), -1).gather(1, targets)[:, 0]
     error, bf16_error = float((ours - float32).abs().max()), float((bf16 - float32).abs().max())
     assert 0 < error < bf16_error, (error, bf16_error)
+
+
+@needs_kernels
+@needs_onednn_bf16
+def test_batched_bf16_steps_attend_on_bf16_dot_products_and_stay_closer_to_float32_than_transformers_bf16(
+        tokenizer, monkeypatch):
+    """A bfloat16 model under `bf16_arithmetic: bf16`: a decode step of eight or more sequences multiplies on the
+    bf16 GEMM and, on a CPU with AVX512-BF16, attends its bf16 pool on bf16 dot products (query and probabilities
+    rounded to bf16). The chosen tokens' log-probabilities of such steps stay closer to transformers' float32 forward
+    on the same weights than transformers' own bf16 forward is; and the engine does ask the attention for dot
+    products on exactly those steps (fewer rows keep float32 attention, as they keep float32 products)."""
+    from decodekit.execution.kernels import native as native_module
+
+    asked: list[tuple[int, bool]] = []
+    attend = native_module.NativeKernels.rope_cache_attend
+
+    def spy(self, qkv, *args, **kwargs):  # type: ignore[no-untyped-def]
+        asked.append((qkv.shape[0], bool(kwargs.get("bf16_dot"))))
+        return attend(self, qkv, *args, **kwargs)
+
+    monkeypatch.setattr(native_module.NativeKernels, "rope_cache_attend", spy)
+    # head size 64 (SmolLM2's), a multiple of 32: the dot path's head sizes
+    model = tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=256).to(torch.bfloat16)
+    prompts = random_prompts(BF16_GEMM_MIN_ROWS + 1, 20, 40, seed=9)
+    llm = LLM(copy.deepcopy(model), tokenizer, dtype="bfloat16", device="cpu", kv_cache_memory="16MiB",
+              bf16_arithmetic="bf16")
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
+    assert all(dot == (rows >= BF16_GEMM_MIN_ROWS) for rows, dot in asked if rows > 1)
+    assert any(dot for _, dot in asked)
+    ours, float32, bf16 = [], [], []
+    as_float32, as_bf16 = copy.deepcopy(model).float(), model  # `.float()` converts in place
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        ours += [row[token].logprob for token, row in zip(tokens, out.outputs[0].logprobs or [])]
+        ids = torch.tensor([prompt + tokens[:-1]])
+        targets = torch.tensor(tokens)[:, None]
+        with torch.no_grad():
+            for reference, into in ((as_float32, float32), (as_bf16, bf16)):
+                logits = reference(ids).logits[0, len(prompt) - 1:].float()
+                into += torch.log_softmax(logits, -1).gather(1, targets)[:, 0].tolist()
+    error = (torch.tensor(ours) - torch.tensor(float32)).abs().mean()
+    bf16_error = (torch.tensor(bf16) - torch.tensor(float32)).abs().mean()
+    assert 0 < error < bf16_error, (error, bf16_error)

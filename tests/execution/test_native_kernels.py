@@ -93,12 +93,18 @@ def test_native_silu_gating_matches_torch(native, rows, inter, seed):
     torch.testing.assert_close(native.silu_mul(gate_up), want, rtol=1e-6, atol=1e-7)
 
 
-def _reference_attention(queries, keys, values, scale, softcap=None):
-    """softmax(q k^T * scale) v in float64 for one query head over its keys (scores soft-capped by `softcap`)."""
+def _reference_attention(queries, keys, values, scale, softcap=None, bf16_dot=False):
+    """softmax(q k^T * scale) v in float64 for one query head over its keys (scores soft-capped by `softcap`); with
+    `bf16_dot`, the query and the probabilities rounded to bf16 first, as the bf16 dot-product path rounds them."""
+    if bf16_dot:
+        queries = queries.to(torch.bfloat16)
     scores = (queries.double() @ keys.double().T) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    return (torch.softmax(scores, dim=-1) @ values.double()).float()
+    probs = torch.softmax(scores, dim=-1)
+    if bf16_dot:
+        probs = probs.float().to(torch.bfloat16)
+    return (probs.double() @ values.double()).float()
 
 
 @pytest.fixture(scope="module")
@@ -128,17 +134,45 @@ def attention_builds(native, tmp_path_factory):
        contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), max_query=st.sampled_from([2, 16]),
        kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=st.sampled_from([None, 1, 3, 17]),
        softcap=st.sampled_from([None, 0.5, 5.0]), tiled=st.booleans(), build=st.integers(0, 2),
-       seed=st.integers(0, 2**16))
+       bf16_dot=st.booleans(), seed=st.integers(0, 2**16))
 def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(attention_builds, block_size, kv_heads, group,
                                                                           dim, query_lens, contexts, max_query,
                                                                           kv_dtype, window, softcap, tiled, build,
-                                                                          seed):
+                                                                          bf16_dot, seed):
     # Sequences with more than `max_query` new tokens stand for prefill chunks: rotated and stored, not attended.
     # A bfloat16 pool (`kv_cache_dtype`) must hold exactly torch's rounding of the keys and values, and attention
     # must be the float32 attention over those stored values; with a sliding `window`, over the last `window` keys;
     # with a `softcap` (Gemma 2), of capped scores. Every attention path: tiles of 16 keys (AVX-512) or 8 (AVX2 + FMA)
     # for head sizes that are a multiple of the tile, and key by key (every CPU), in each build this CPU can run.
-    native = attention_builds[build % len(attention_builds)]
+    _check_attention(attention_builds[build % len(attention_builds)], block_size, kv_heads, group, dim, query_lens,
+                     contexts, max_query, kv_dtype, window, softcap, tiled, bf16_dot, seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_size=st.sampled_from([1, 16]), kv_heads=st.sampled_from([1, 3]), group=st.sampled_from([1, 2, 3, 4, 5, 8]),
+       dim=st.sampled_from([32, 64, 128]), query_lens=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+       contexts=st.lists(st.integers(0, 70), min_size=4, max_size=4), window=st.sampled_from([None, 5, 33]),
+       softcap=st.sampled_from([None, 5.0]), seed=st.integers(0, 2**16))
+def test_bf16_dot_attention_is_the_attention_of_bf16_rounded_queries_and_probabilities(
+        native, block_size, kv_heads, group, dim, query_lens, contexts, window, softcap, seed):
+    # On an AVX512-BF16 CPU (vdpbf16ps) a bf16 pool under bf16 arithmetic is attended on bf16 dot products: each
+    # output is the attention of the bf16-rounded query and bf16-rounded probabilities over the stored keys and
+    # values, for any group size (query heads per kv head, taken four at a time), odd key counts and windows.
+    if not native.dot_attention_max_dim:
+        pytest.skip("this CPU has no bf16 dot products (AVX512-BF16): the path is not built")
+    _check_attention(native, block_size, kv_heads, group, dim, query_lens, contexts, 16, torch.bfloat16, window,
+                     softcap, True, True, seed)
+
+
+def _check_attention(native, block_size, kv_heads, group, dim, query_lens, contexts, max_query, kv_dtype, window,
+                     softcap, tiled, bf16_dot, seed):
+    """Run `rope_cache_attend` on a random paged layout; hold its writes, rotated queries and attention to torch.
+
+    `bf16_dot` on a bf16 pool, in a build for AVX512-BF16, on the tiled path, for head sizes that are a multiple of
+    32: the attention of the query and probabilities rounded to bf16 (products summed in float32); everywhere else
+    the flag changes nothing."""
+    dot = (bf16_dot and kv_dtype == torch.bfloat16 and tiled and dim % 32 == 0
+           and dim <= native.dot_attention_max_dim)
     heads = kv_heads * group
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -167,7 +201,8 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(attent
     assert plan.has_chunks == any(q > max_query for q in query_lens)
     plan.set_rope(cos, sin)
     rotated = qkv.clone()
-    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3, window, softcap, tiled)
+    out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3, window, softcap, tiled,
+                                   bf16_dot)
 
     assert torch.equal(key_pool, want_keys), "rotated keys must land bit-exactly at their slots"
     assert torch.equal(value_pool, want_values)
@@ -184,8 +219,11 @@ def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(attent
             seen = seen[-window:] if window else seen
             for h in range(heads):
                 want = _reference_attention(query[token, h][None], want_keys[seen, h // group].float(),
-                                            want_values[seen, h // group].float(), 0.3, softcap)[0]
-                torch.testing.assert_close(out[token, h], want, rtol=1e-5, atol=1e-5)
+                                            want_values[seen, h // group].float(), 0.3, softcap, dot)[0]
+                # the dot path: a probability within float32 rounding of a bf16 tie may round the other way (one
+                # bf16 step, 2^-8 of it)
+                tolerance = 4e-3 if dot else 1e-5
+                torch.testing.assert_close(out[token, h], want, rtol=tolerance, atol=tolerance)
             token += 1
 
 
@@ -404,7 +442,7 @@ def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, t
                                                                          fresh_load):
     partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
     missing = ("lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_tiled_attention, "
-               "dk_linear_i8, dk_linear_bf16, dk_gemv")
+               "dk_dot_attention, dk_linear_i8, dk_linear_bf16, dk_gemv")
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)

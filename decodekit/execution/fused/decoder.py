@@ -57,7 +57,14 @@ from decodekit.execution.fused.blocks import (
     projections,
     qkv_bias_of,
 )
-from decodekit.execution.fused.weight_matrices import QUANTIZATIONS, AnyMatrix, Matrix, MatrixMaker, quantized_matrix
+from decodekit.execution.fused.weight_matrices import (
+    BF16_GEMM_MIN_ROWS,
+    QUANTIZATIONS,
+    AnyMatrix,
+    Matrix,
+    MatrixMaker,
+    quantized_matrix,
+)
 from decodekit.execution.kernels import gpu_ops
 from decodekit.execution.kernels.native import DecodeAttentionPlan, NativeKernels
 
@@ -306,11 +313,13 @@ class FusedDecoder:
         native = self.native
         if native is not None and plan is not None:
             table: str | None = None
+            # a step whose products run on the bf16 GEMM attends on bf16 dot products too (a bf16 pool, AVX512-BF16)
+            bf16_dot = self.bf16_gemm and tokens >= BF16_GEMM_MIN_ROWS
             for index, layer in enumerate(self.layers):
                 if index == 0 or layer.rope != table:
                     table = layer.rope
                     plan.set_rope(ropes[table][0][:, 0], ropes[table][1][:, 0])
-                hidden = self._native_layer(native, index, layer, hidden, cache, plan)
+                hidden = self._native_layer(native, index, layer, hidden, cache, plan, bf16_dot)
             if hidden_index is not None:
                 self.last_hidden = native.rms_norm(hidden.index_select(0, hidden_index), self.final_norm,
                                                    self.final_eps)
@@ -356,8 +365,9 @@ class FusedDecoder:
 
     @staticmethod
     def _native_layer(native: NativeKernels, index: int, layer: _FusedLayer, hidden: torch.Tensor,
-                      cache: PagedKVCache, plan: DecodeAttentionPlan) -> torch.Tensor:
-        """`_layer` with its small ops as native kernels: RMSNorm, RoPE + KV write + attention, SiLU-gating.
+                      cache: PagedKVCache, plan: DecodeAttentionPlan, bf16_dot: bool = False) -> torch.Tensor:
+        """`_layer` with its small ops as native kernels: RMSNorm, RoPE + KV write + attention, SiLU-gating;
+        with `bf16_dot`, attention on the CPU's bf16 dot products where the pool is bf16 (`rope_cache_attend`).
 
         Long prefill chunks in the step (the plan leaves them out) are attended by SDPA from the rotated `qkv`, and
         SiLU-gating of many rows stays with torch's vectorized `exp`.
@@ -366,7 +376,8 @@ class FusedDecoder:
         qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps))
         _norm_queries_and_keys(layer, qkv, tokens)
         attended = native.rope_cache_attend(qkv, layer.q_heads, layer.kv_heads, cache.key_slots[index],
-                                            cache.value_slots[index], plan, layer.scaling, layer.window, layer.softcap)
+                                            cache.value_slots[index], plan, layer.scaling, layer.window, layer.softcap,
+                                            bf16_dot=bf16_dot)
         if plan.has_chunks:
             assert cache.layout is not None
             heads = qkv.view(tokens, -1, cache.key_slots[index].shape[-1])

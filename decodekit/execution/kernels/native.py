@@ -65,7 +65,7 @@ log = logging.getLogger("decodekit.runner")
 # The entry points `NativeKernels` binds; all are looked up when a library is loaded, so one lacking any is refused
 # there (a reason for the torch fallback) rather than failing later.
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
-           "dk_linear_i8", "dk_linear_bf16", "dk_gemv")
+           "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -218,6 +218,8 @@ class NativeKernels:
         # sizes that are a multiple of it
         self.attention_tile = int(lib.dk_tiled_attention())
         self.tiled_attention = self.attention_tile > 0
+        # the largest head size (a multiple of 32) attended on bf16 dot products (built for AVX512-BF16; 0: none)
+        self.dot_attention_max_dim = int(lib.dk_dot_attention())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """transformers' RMSNorm of float32 rows `x` `[rows, dim]` with `weight` `[dim]`."""
@@ -303,8 +305,8 @@ class NativeKernels:
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,
                           value_slots: torch.Tensor, plan: DecodeAttentionPlan, scaling: float,
-                          window: int | None = None, softcap: float | None = None, tiled: bool = True
-                          ) -> torch.Tensor:
+                          window: int | None = None, softcap: float | None = None, tiled: bool = True,
+                          bf16_dot: bool = False) -> torch.Tensor:
         """RoPE on `qkv`'s query and key heads (in place), KV write to the pool, attention; returns `[T, H * D]`.
 
         `qkv` is `[T, (heads + 2 * kv_heads) * D]` float32, contiguous; `key_slots`/`value_slots` are one layer's
@@ -320,6 +322,12 @@ class NativeKernels:
         Where the library has `tiled_attention` (built for AVX-512: 16 keys a tile; AVX2 + FMA: 8) and the head size
         is a multiple of its `attention_tile`, keys are attended a tile at a time; `tiled=False` takes the key-by-key
         path every CPU has (the two agree to float32 rounding).
+
+        With `bf16_dot` and a bfloat16 pool, on a library built for AVX512-BF16 (`dot_attention_max_dim`) and a head
+        size that is a multiple of 32 up to it, the tiled path multiplies on the CPU's bf16 dot products instead:
+        queries and the softmax's probabilities rounded to bf16 (as a bf16 model's attention holds them), products
+        summed in float32. For a model whose other products are bf16 (`bf16_arithmetic`); elsewhere the flag is
+        ignored and the arithmetic stays float32.
         """
         dim = key_slots.shape[-1]
         if qkv.shape != (plan.tokens, (heads + 2 * kv_heads) * dim) or not qkv.is_contiguous():
@@ -327,12 +335,14 @@ class NativeKernels:
         if key_slots.dtype not in KV_DTYPES or value_slots.dtype != key_slots.dtype:
             raise ValueError(f"the native attention reads float32 or bfloat16 pools, not {key_slots.dtype} / "
                              f"{value_slots.dtype}")
+        # 0: float32 pool; 1: bf16 pool widened to float32; 2: bf16 pool on bf16 dot products (the C side falls back
+        # to 1 where it cannot)
+        kv_mode = 0 if key_slots.dtype != torch.bfloat16 else (2 if bf16_dot else 1)
         out = qkv.new_empty(plan.tokens, heads * dim)
         cos, sin, slots, tables, table_start, key_len = plan.pointers
         status = self._attend(qkv.data_ptr(), plan.tokens, heads, kv_heads, dim, cos, sin, key_slots.data_ptr(),
                               value_slots.data_ptr(), slots, tables, table_start, key_len, plan.block_size, scaling,
-                              PARALLEL_MIN_KEYS, window or 0, softcap or 0.0, int(key_slots.dtype == torch.bfloat16),
-                              int(tiled), out.data_ptr())
+                              PARALLEL_MIN_KEYS, window or 0, softcap or 0.0, kv_mode, int(tiled), out.data_ptr())
         if status != 0:
             raise MemoryError("native attention could not allocate its scratch memory")
         return out

@@ -479,6 +479,108 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
     }
 }
 
+#if defined(__AVX512BF16__)
+/* ---- attention on the CPU's bf16 dot products (AVX512-BF16: vdpbf16ps) ---------------------------------------
+ * For a bfloat16 model whose batched steps multiply on bf16 dot products (`bf16_arithmetic`): the query rounded to
+ * bf16 (as transformers' and vLLM's bf16 attention hold it) times the bf16 keys as they lie in the pool, and the
+ * softmax's probabilities rounded to bf16 times the bf16 values, each pair of products summed in float32 by one
+ * vdpbf16ps: no widening, a quarter of the tiled path's instructions per key. Scores, the softmax and the sums stay
+ * float32. Head sizes that are a multiple of 32 and at most DOT_MAX_DIM.
+ *   - keys: a tile of 16 keys, 16 independent sums per query head (as the tiled path), 32 dims per instruction;
+ *   - values: two keys at once: their rows interleaved element by element (vpunpck{l,h}wd) so that each 32-bit
+ *     lane holds one dim of both keys, times the pair of probabilities broadcast; per kv head, up to four query
+ *     heads' outputs (eight registers per 32 dims) accumulate over every key before they are stored, so a value
+ *     row is read once per four heads, not once per head. */
+#define DOT_MAX_DIM 256
+
+/* Query heads [hb, hb + NH) of kv head g: out[.., 32c..32c+31] = sum_k p[k] v[k] over the bf16 pairs `pairs`
+ * (row r's pair k / 2 holds p[k] in its low half and p[k + 1] in its high half; past n they are 0). */
+KV_INLINE void dot_values(int nh, const uint32_t* const* pairs, int64_t n, const int64_t* rows, const uint16_t* v,
+                          int64_t base, int64_t dim, float* const* outs) {
+    /* unpacklo/hi interleave within 128-bit lanes: lane j of `lo` holds dim 8(j / 4) + j % 4, of `hi` that + 4;
+     * these put dims 0-15 and 16-31 back in order */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c = 0; c < dim / 32; ++c) {
+        __m512 lo[4], hi[4];
+        for (int i = 0; i < nh; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < n; k += 2) {
+            __m512i a = _mm512_loadu_si512((const void*)(v + rows[k] + base + 32 * c));
+            __m512i b = k + 1 < n ? _mm512_loadu_si512((const void*)(v + rows[k + 1] + base + 32 * c)) : a;
+            __m512bh even = (__m512bh)_mm512_unpacklo_epi16(a, b), odd = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int i = 0; i < nh; ++i) {
+                __m512bh pair = (__m512bh)_mm512_set1_epi32((int)pairs[i][k / 2]);
+                lo[i] = _mm512_dpbf16_ps(lo[i], pair, even);
+                hi[i] = _mm512_dpbf16_ps(hi[i], pair, odd);
+            }
+        }
+        for (int i = 0; i < nh; ++i) {
+            _mm512_storeu_ps(outs[i] + 32 * c, _mm512_permutex2var_ps(lo[i], first, hi[i]));
+            _mm512_storeu_ps(outs[i] + 32 * c + 16, _mm512_permutex2var_ps(lo[i], second, hi[i]));
+        }
+    }
+}
+
+/* attend_token_tiled on bf16 dot products (bf16 pools; dim a multiple of 32, at most DOT_MAX_DIM; `padded` a
+ * multiple of 32). */
+KV_INLINE void attend_token_dot(const float* qkv, int64_t t, int64_t g0, int64_t g1, int64_t n, const int64_t* rows,
+                                int64_t heads, int64_t kv_heads, int64_t dim, const uint16_t* kpool,
+                                const uint16_t* vpool, float scale, float softcap, float* scores, int64_t padded,
+                                float* out) {
+    int64_t width = (heads + 2 * kv_heads) * dim;
+    int64_t group = heads / kv_heads, chunks = dim / 32;
+    __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        int64_t count = n - j0 < 16 ? n - j0 : 16;
+        int64_t tile[16];
+        for (int k = 0; k < 16; ++k) tile[k] = rows[j0 + (k < count ? k : 0)];
+        for (int64_t g = g0; g < g1; ++g)
+            for (int64_t h = 0; h < group; ++h) {
+                const float* q = qkv + t * width + (g * group + h) * dim;
+                __m512 acc[16];
+                for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; ++c) {
+                    __m512bh qc = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * c + 16), _mm512_loadu_ps(q + 32 * c));
+                    for (int k = 0; k < 16; ++k)
+                        acc[TILE_SLOT(k)] = _mm512_dpbf16_ps(
+                            acc[TILE_SLOT(k)], qc,
+                            (__m512bh)_mm512_loadu_si512((const void*)(kpool + tile[k] + g * dim + 32 * c)));
+                }
+                _mm512_storeu_ps(scores + ((g - g0) * group + h) * padded + j0, _mm512_mul_ps(tv_sums(acc), vscale));
+            }
+    }
+    for (int64_t r = 0; r < (g1 - g0) * group; ++r) {
+        float* sc = scores + r * padded;
+        if (softcap > 0)
+            for (int64_t j = 0; j < n; ++j) sc[j] = tanhf(sc[j] / softcap) * softcap;
+        softmax_in_place(sc, n);
+        for (int64_t j = n; j < padded; ++j) sc[j] = 0.0f;
+        /* the probabilities as bf16 pairs, in place: 32 floats read before their 16 pairs are written behind them */
+        for (int64_t j = 0; j < padded; j += 32) {
+            __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + j + 16), _mm512_loadu_ps(sc + j));
+            _mm512_storeu_si512((void*)((uint16_t*)sc + j), (__m512i)packed);
+        }
+    }
+    for (int64_t g = g0; g < g1; ++g)
+        for (int64_t hb = 0; hb < group; hb += 4) {
+            int nh = group - hb < 4 ? (int)(group - hb) : 4;
+            const uint32_t* pairs[4];
+            float* outs[4];
+            for (int i = 0; i < nh; ++i) {
+                pairs[i] = (const uint32_t*)(scores + ((g - g0) * group + hb + i) * padded);
+                outs[i] = out + (t * heads + g * group + hb + i) * dim;
+            }
+            /* one inlined copy per head count, so the accumulators stay in registers */
+            switch (nh) {
+                case 4: dot_values(4, pairs, n, rows, vpool, g * dim, dim, outs); break;
+                case 3: dot_values(3, pairs, n, rows, vpool, g * dim, dim, outs); break;
+                case 2: dot_values(2, pairs, n, rows, vpool, g * dim, dim, outs); break;
+                default: dot_values(1, pairs, n, rows, vpool, g * dim, dim, outs); break;
+            }
+        }
+}
+#endif
+
 /* attend_items' contract on the tiled path. A unit of work is a whole query token (all its kv heads: a key's row
  * of every head is read in one pass, so a tile of a block is one contiguous run of memory), or with
  * `per_head` one (token, kv head) item as attend_items has it (a step of one token still splits over threads). */
@@ -494,7 +596,7 @@ KV_INLINE int attend_items_tiled(const float* qkv, int64_t unit_begin, int64_t u
         int64_t n = key_len[u / per_unit];
         max_keys = n > max_keys ? n : max_keys;
     }
-    int64_t padded = (max_keys + TILE - 1) / TILE * TILE;
+    int64_t padded = (max_keys + 31) / 32 * 32;  /* whole tiles, and whole 32-float chunks for the dot path */
     float* scores = malloc((size_t)(heads * padded) * sizeof(float));
     int64_t* rows = malloc((size_t)max_keys * sizeof(int64_t));
     if (scores == NULL || rows == NULL) {
@@ -520,6 +622,13 @@ KV_INLINE int attend_items_tiled(const float* qkv, int64_t unit_begin, int64_t u
             seen = rows + (n - window);
             n = window;
         }
+#if defined(__AVX512BF16__)
+        if (kv_bf16 == 2) {
+            attend_token_dot(qkv, t, g0, g1, n, seen, heads, kv_heads, dim, kpool, vpool, scale, softcap, scores,
+                             padded, out);
+            continue;
+        }
+#endif
         attend_token_tiled(qkv, t, g0, g1, n, seen, heads, kv_heads, dim, kpool, vpool, scale, softcap, scores,
                            padded, out, kv_bf16);
     }
@@ -552,6 +661,16 @@ int dk_parallel(void) {
 #endif
 }
 
+/* Whether this library attends bf16 pools on the CPU's bf16 dot products (built for AVX512-BF16), for head sizes
+ * that are a multiple of 32 up to DOT_MAX_DIM (`kv_bf16` 2 in dk_rope_cache_attend). */
+int dk_dot_attention(void) {
+#if defined(__AVX512BF16__)
+    return DOT_MAX_DIM;
+#else
+    return 0;
+#endif
+}
+
 /* The keys per tile of this library's tiled attention (attend_items_tiled: 16 built for AVX-512, 8 for AVX2 + FMA),
  * which dk_rope_cache_attend runs for head sizes that are a multiple of it unless its `tiled` argument is 0; 0
  * where the CPU has neither (key by key only). */
@@ -569,7 +688,8 @@ int dk_tiled_attention(void) {
  * other's keys (causality comes from key_len; a `window` > 0 keeps each query's last `window` keys; a `softcap` > 0
  * caps each score to softcap * tanh(score / softcap)). The pools
  * hold float32, or bfloat16 where `kv_bf16` is non-zero
- * (written rounded to nearest even, read widened: float32 arithmetic either way). With OpenMP and at least
+ * (written rounded to nearest even, read widened: float32 arithmetic either way; `kv_bf16` 2 asks for bf16 dot
+ * products instead, attend_token_dot, where the library has them (`dk_dot_attention`) and the path is tiled). With OpenMP and at least
  * `parallel_min_keys` keys to read, the attention is cut into one range of about equal work per thread. With
  * `tiled` non-zero, a library built for AVX-512 or AVX2 + FMA attends in tiles of keys (attend_items_tiled) where
  * the head size is a multiple of the tile; otherwise, and on other CPUs, key by key (attend_items). Returns 0, or -1 if scratch
@@ -584,6 +704,10 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
     int use_tiled = 0;
 #ifdef TILE
     use_tiled = tiled != 0 && dim % TILE == 0;
+#endif
+    int use_dot = 0;  /* kv_bf16 == 2: bf16 dot products, where this library and the head size have them */
+#if defined(__AVX512BF16__)
+    use_dot = kv_bf16 == 2 && dim % 32 == 0 && dim <= DOT_MAX_DIM;
 #endif
     int64_t threads = 1;
 #ifdef _OPENMP
@@ -609,7 +733,10 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
         int64_t end = range_start(key_len, tokens, per_unit, total, part + 1, parts);
         /* two inlined copies of each path, one per pool element (its flag a constant in each) */
 #ifdef TILE
-        if (use_tiled)
+        if (use_tiled && use_dot)
+            failed = attend_items_tiled(qkv, begin, end, per_head, heads, kv_heads, dim, kpool, vpool, tables,
+                                        table_start, key_len, block_size, scale, window, softcap, out, 2) != 0;
+        else if (use_tiled)
             failed = (kv_bf16 ? attend_items_tiled(qkv, begin, end, per_head, heads, kv_heads, dim, kpool, vpool,
                                                    tables, table_start, key_len, block_size, scale, window, softcap,
                                                    out, 1)
