@@ -84,6 +84,39 @@ def test_native_rms_norm_matches_transformers_to_the_last_bits(native, rows, wid
     torch.testing.assert_close(native.rms_norm(x, weight, eps), _rms_norm(x, weight, eps), rtol=5e-7, atol=0)
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 80), width=st.sampled_from([3, 64, 576]), inter=st.sampled_from([5, 64, 1536]),
+       bias=st.booleans(), residual=st.booleans(), special=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_bf16_step_kernels_round_and_widen_exactly_as_the_separate_conversions_do(native, rows, width, inter,
+                                                                                    bias, residual, special, seed):
+    # A step on bf16 products rounds the norms' and the gating's outputs to bf16 and widens the products' outputs
+    # inside those kernels: bit for bit what converting with torch before and after them gives, ties, infinities and
+    # NaNs included (`special`), at any row count (the gating splits rows over threads from 64K elements).
+    g = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(rows, width, generator=g) * 3, torch.randn(width, generator=g)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(torch.bfloat16)
+    if special:  # a bf16 tie (1 + 2^-8 rounds to even), and an infinity and a NaN in the last row
+        x[0, 0], x[-1, 0], x[-1, -1] = 1.0 + 2**-8, float("inf"), float("nan")
+        weight[0] = 1.0
+        gate_up[0, 0], gate_up[-1, -1] = float("nan"), float("inf")
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> bool:  # bit for bit, any NaN standing for any NaN
+        return got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan()) and torch.equal(
+            got[~got.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+
+    assert same(native.rms_norm(x, weight, 1e-5, bf16_out=True), native.rms_norm(x, weight, 1e-5).to(torch.bfloat16))
+    assert same(native.silu_mul(gate_up), native.silu_mul(gate_up.to(torch.float32)).to(torch.bfloat16))
+    product = (torch.randn(rows, width, generator=g) * 5).to(torch.bfloat16)
+    b = torch.randn(width, generator=g) if bias else None
+    r = torch.randn(rows, width, generator=g) if residual else None
+    want_sum = product.to(torch.float32)
+    if b is not None:
+        want_sum = want_sum + b
+    if r is not None:
+        want_sum = want_sum + r
+    assert torch.equal(native.widen_add(product, b, r).view(torch.int32), want_sum.view(torch.int32))
+
+
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 6), inter=st.sampled_from([5, 64, 1536]), seed=st.integers(0, 2**16))
 def test_native_silu_gating_matches_torch(native, rows, inter, seed):
@@ -442,7 +475,8 @@ def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, t
                                                                          fresh_load):
     partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
     missing = ("lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_tiled_attention, "
-               "dk_dot_attention, dk_linear_i8, dk_linear_bf16, dk_gemv")
+               "dk_dot_attention, dk_linear_i8, dk_linear_bf16, dk_gemv, dk_rms_norm_bf16, dk_silu_mul_bf16, "
+               "dk_widen_add")
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)

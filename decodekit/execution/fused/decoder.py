@@ -61,6 +61,7 @@ from decodekit.execution.fused.weight_matrices import (
     BF16_GEMM_MIN_ROWS,
     QUANTIZATIONS,
     AnyMatrix,
+    Bf16Matrix,
     Matrix,
     MatrixMaker,
     quantized_matrix,
@@ -313,13 +314,14 @@ class FusedDecoder:
         native = self.native
         if native is not None and plan is not None:
             table: str | None = None
-            # a step whose products run on the bf16 GEMM attends on bf16 dot products too (a bf16 pool, AVX512-BF16)
-            bf16_dot = self.bf16_gemm and tokens >= BF16_GEMM_MIN_ROWS
+            # a step whose products run on the bf16 GEMM takes bf16 inputs (the norms and the gating round them in
+            # their own pass) and attends on bf16 dot products (a bf16 pool, AVX512-BF16)
+            bf16_step = self.bf16_gemm and tokens >= BF16_GEMM_MIN_ROWS
             for index, layer in enumerate(self.layers):
                 if index == 0 or layer.rope != table:
                     table = layer.rope
                     plan.set_rope(ropes[table][0][:, 0], ropes[table][1][:, 0])
-                hidden = self._native_layer(native, index, layer, hidden, cache, plan, bf16_dot)
+                hidden = self._native_layer(native, index, layer, hidden, cache, plan, bf16_step)
             if hidden_index is not None:
                 self.last_hidden = native.rms_norm(hidden.index_select(0, hidden_index), self.final_norm,
                                                    self.final_eps)
@@ -365,19 +367,23 @@ class FusedDecoder:
 
     @staticmethod
     def _native_layer(native: NativeKernels, index: int, layer: _FusedLayer, hidden: torch.Tensor,
-                      cache: PagedKVCache, plan: DecodeAttentionPlan, bf16_dot: bool = False) -> torch.Tensor:
-        """`_layer` with its small ops as native kernels: RMSNorm, RoPE + KV write + attention, SiLU-gating;
-        with `bf16_dot`, attention on the CPU's bf16 dot products where the pool is bf16 (`rope_cache_attend`).
+                      cache: PagedKVCache, plan: DecodeAttentionPlan, bf16_step: bool = False) -> torch.Tensor:
+        """`_layer` with its small ops as native kernels: RMSNorm, RoPE + KV write + attention, SiLU-gating.
+
+        With `bf16_step` (the step's products run on the bf16 GEMM: `Bf16Matrix.takes_bf16`), the norms round their
+        output to bf16 and the SiLU-gating goes bf16 to bf16, in their own passes, instead of a conversion before
+        and after each product (the same values), and attention runs on the CPU's bf16 dot products where the pool
+        is bf16 (`rope_cache_attend`).
 
         Long prefill chunks in the step (the plan leaves them out) are attended by SDPA from the rotated `qkv`, and
         SiLU-gating of many rows stays with torch's vectorized `exp`.
         """
         tokens = hidden.shape[0]
-        qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps))
+        qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps, bf16_out=bf16_step))
         _norm_queries_and_keys(layer, qkv, tokens)
         attended = native.rope_cache_attend(qkv, layer.q_heads, layer.kv_heads, cache.key_slots[index],
                                             cache.value_slots[index], plan, layer.scaling, layer.window, layer.softcap,
-                                            bf16_dot=bf16_dot)
+                                            bf16_dot=bf16_step)
         if plan.has_chunks:
             assert cache.layout is not None
             heads = qkv.view(tokens, -1, cache.key_slots[index].shape[-1])
@@ -388,13 +394,19 @@ class FusedDecoder:
             hidden = layer.o(attended, residual=hidden)
         else:  # Gemma 2 and 3: the attention's output is normed before the residual add
             hidden = hidden + native.rms_norm(layer.o(attended), layer.attn_out_norm, layer.out_eps)
-        gate_up = layer.gate_up(native.rms_norm(hidden, layer.post_norm, layer.post_eps))
-        if layer.gelu:
-            gated = _gelu_gate(gate_up, layer.intermediate)
-        elif tokens > NATIVE_GATING_MAX_ROWS:
-            gated = _silu_gate(gate_up, layer.intermediate)
+        normed = native.rms_norm(hidden, layer.post_norm, layer.post_eps, bf16_out=bf16_step)
+        gate_up_matrix = layer.gate_up
+        if (bf16_step and not layer.gelu and tokens <= NATIVE_GATING_MAX_ROWS and isinstance(gate_up_matrix, Bf16Matrix)
+                and gate_up_matrix.takes_bf16(tokens)):
+            gated = native.silu_mul(gate_up_matrix.bf16_product(normed))  # bf16 to bf16: the down product's input
         else:
-            gated = native.silu_mul(gate_up)
+            gate_up = gate_up_matrix(normed)
+            if layer.gelu:
+                gated = _gelu_gate(gate_up, layer.intermediate)
+            elif tokens > NATIVE_GATING_MAX_ROWS:
+                gated = _silu_gate(gate_up, layer.intermediate)
+            else:
+                gated = native.silu_mul(gate_up)
         if layer.mlp_out_norm is None:
             return layer.down(gated, residual=hidden)
         return hidden + native.rms_norm(layer.down(gated), layer.mlp_out_norm, layer.out_eps)

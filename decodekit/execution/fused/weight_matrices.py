@@ -169,14 +169,15 @@ class Bf16Matrix:
                                                                _PACK_ROWS_HINT) if bf16_gemm else None)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ W^T (+ bias) (+ residual)` with `W` the bf16-rounded weight."""
+        """`x @ W^T (+ bias) (+ residual)` with `W` the bf16-rounded weight, in float32. `x` is float32, or bfloat16
+        already rounded for the bf16 GEMM (`takes_bf16`)."""
         rows = x.shape[0]
-        if self.packed is not None and rows >= BF16_GEMM_MIN_ROWS:
-            out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [],
-                                                     "").to(torch.float32)
-            if self.bias is not None:
-                out.add_(self.bias)
-            return out if residual is None else out.add_(residual)
+        if self.takes_bf16(rows):
+            product = self.bf16_product(x)
+            if self.bias is None and residual is None:
+                return product.to(torch.float32)
+            return self.native.widen_add(product, self.bias, residual)
+        x = x.to(torch.float32)
         if rows <= BF16_NATIVE_MAX_ROWS:
             return self.native.linear_bf16(x, self.panels, self.out_dim, self.bias, residual)
         step = _DEQUANTIZE_BLOCK // PANEL
@@ -185,6 +186,19 @@ class Bf16Matrix:
                   for first in range(0, self.panels.shape[0], step))
         out = _dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)
+
+
+    def takes_bf16(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs on the bf16 GEMM (its input rounded to bf16, its output bf16): a
+        caller that has the input in float32 may round it in the pass that makes it (`NativeKernels.rms_norm`)."""
+        return self.packed is not None and rows >= BF16_GEMM_MIN_ROWS
+
+    def bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W^T` on the bf16 GEMM, bfloat16 out (no bias): `x` rounded to bf16 here unless it is bf16 already.
+        Only where `takes_bf16(rows)`."""
+        assert self.packed is not None, "bf16_product needs the oneDNN copy (bf16_gemm)"
+        return torch.ops.mkldnn._linear_pointwise(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16),
+                                                  self.packed, None, "none", [], "")
 
 
 @functools.cache

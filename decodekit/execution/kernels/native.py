@@ -65,7 +65,8 @@ log = logging.getLogger("decodekit.runner")
 # The entry points `NativeKernels` binds; all are looked up when a library is loaded, so one lacking any is refused
 # there (a reason for the torch fallback) rather than failing later.
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
-           "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv")
+           "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
+           "dk_widen_add")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -201,6 +202,15 @@ class NativeKernels:
         self._silu_mul = lib.dk_silu_mul
         self._silu_mul.argtypes = [_p, _p, _i, _i]
         self._silu_mul.restype = None
+        self._rms_norm_bf16 = lib.dk_rms_norm_bf16
+        self._rms_norm_bf16.argtypes = [_p, _p, _p, _i, _i, _f]
+        self._rms_norm_bf16.restype = ctypes.c_int
+        self._silu_mul_bf16 = lib.dk_silu_mul_bf16
+        self._silu_mul_bf16.argtypes = [_p, _p, _i, _i]
+        self._silu_mul_bf16.restype = ctypes.c_int
+        self._widen_add = lib.dk_widen_add
+        self._widen_add.argtypes = [_p, _p, _p, _p, _i, _i]
+        self._widen_add.restype = None
         self._attend = lib.dk_rope_cache_attend
         self._attend.argtypes = [_p, _i, _i, _i, _i, _p, _p, _p, _p, _p, _p, _p, _p, _i, _f, _i, _i, _f, _i, _i, _p]
         self._attend.restype = ctypes.c_int
@@ -221,19 +231,41 @@ class NativeKernels:
         # the largest head size (a multiple of 32) attended on bf16 dot products (built for AVX512-BF16; 0: none)
         self.dot_attention_max_dim = int(lib.dk_dot_attention())
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """transformers' RMSNorm of float32 rows `x` `[rows, dim]` with `weight` `[dim]`."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, bf16_out: bool = False) -> torch.Tensor:
+        """transformers' RMSNorm of float32 rows `x` `[rows, dim]` with `weight` `[dim]`; with `bf16_out`, rounded
+        to bfloat16 as `.to(torch.bfloat16)` rounds it (the input of a bf16 product), in the same pass."""
         x = x.contiguous()
-        out = torch.empty_like(x)
-        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        if not bf16_out:
+            out = torch.empty_like(x)
+            self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+            return out
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        if self._rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps) != 0:
+            raise MemoryError("native RMSNorm could not allocate its scratch memory")
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """`silu(gate) * up` for float32 `[rows, 2 * inter]` rows holding gate then up."""
+        """`silu(gate) * up` for `[rows, 2 * inter]` rows holding gate then up: float32 in and out, or bfloat16 in
+        and out (widened, gated in float32, rounded: a bf16 product's output to the next one's input)."""
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        if gate_up.dtype != torch.bfloat16:
+            self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        elif self._silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2) != 0:
+            raise MemoryError("native SiLU-gating could not allocate its scratch memory")
+        return out
+
+    def widen_add(self, product: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`product.float() (+ bias) (+ residual)` in float32 for a bfloat16 product's output `[rows, out]`, in one
+        pass (bias `[out]`, residual `[rows, out]`, float32), added in that order."""
+        product = product.contiguous()
+        rows, cols = product.shape
+        out = torch.empty(rows, cols, dtype=torch.float32)
+        residual = None if residual is None else residual.contiguous()
+        self._widen_add(product.data_ptr(), None if bias is None else bias.data_ptr(),
+                        None if residual is None else residual.data_ptr(), out.data_ptr(), rows, cols)
         return out
 
     @staticmethod

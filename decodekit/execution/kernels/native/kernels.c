@@ -176,6 +176,60 @@ void dk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) 
     }
 }
 
+/* ---- the bf16 activations of a step on bf16 products ---------------------------------------------------------
+ * A step whose products run on oneDNN's bf16 GEMM (`Bf16Matrix` with `bf16_gemm`) rounds each product's input to
+ * bf16 and widens its bf16 output. These do that rounding and widening inside the norm, the gating and the residual
+ * add, instead of as separate conversions (about eight torch ops a layer): the values are the same, bit for bit. */
+
+/* dk_rms_norm, its output rounded to bf16. Returns 0, or -1 if scratch memory could not be allocated. */
+int dk_rms_norm_bf16(const float* x, const float* w, uint16_t* out, int64_t rows, int64_t dim, float eps) {
+    float* row = malloc((size_t)dim * sizeof(float));
+    if (row == NULL) return -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        dk_rms_norm(x + r * dim, w, row, 1, dim, eps);
+        for (int64_t i = 0; i < dim; ++i) out[r * dim + i] = float_to_bf16(row[i]);
+    }
+    free(row);
+    return 0;
+}
+
+/* dk_silu_mul of bf16 rows [rows, 2 * inter] (a bf16 product's output, widened exactly), its output rounded to
+ * bf16 (the next product's input): each row widened, gated by dk_silu_mul, rounded. Returns 0, or -1 if scratch
+ * memory could not be allocated. */
+int dk_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter) {
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel if (rows > 1 && rows * inter >= 65536) reduction(|| : failed)
+#endif
+    {
+        float* wide = malloc((size_t)(3 * inter) * sizeof(float));
+        failed = wide == NULL;
+#ifdef _OPENMP
+#pragma omp for
+#endif
+        for (int64_t r = 0; r < rows; ++r) {
+            if (wide == NULL) continue;
+            for (int64_t i = 0; i < 2 * inter; ++i) wide[i] = bf16_to_float(gate_up[r * 2 * inter + i]);
+            dk_silu_mul(wide, wide + 2 * inter, 1, inter);
+            for (int64_t i = 0; i < inter; ++i) out[r * inter + i] = float_to_bf16(wide[2 * inter + i]);
+        }
+        free(wide);
+    }
+    return failed ? -1 : 0;
+}
+
+/* out = (float(src) + bias) + residual, rows x cols, for a bf16 product's output (bias and residual optional). */
+void dk_widen_add(const uint16_t* src, const float* bias, const float* residual, float* out, int64_t rows,
+                  int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < cols; ++i) {
+            float v = bf16_to_float(src[r * cols + i]);
+            if (bias != NULL) v += bias[i];
+            if (residual != NULL) v += residual[r * cols + i];
+            out[r * cols + i] = v;
+        }
+}
+
 /* RoPE in place on one head: x = x*cos + roll(x, D/2)*signed_sin (see fused_decoder._rotate). */
 static void rotate(float* x, const float* cos, const float* signed_sin, int64_t dim, float* tmp) {
     int64_t half = dim / 2;
