@@ -136,7 +136,10 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
     else:
         plan, messages, tools_for_template = plan_request(request, tool_format)
         if plan is not None:
-            overrides["processors"] = [*overrides.get("processors", []), plan.processor()]
+            # calls only (`required` or a named function): `response_format` shapes a text answer, and there is none
+            kept = [p for p in overrides.get("processors", [])
+                    if origins.get(f"processors:{p.name}") != "response_format"]
+            overrides["processors"] = [*kept, plan.processor()]
             origins[f"processors:{overrides['processors'][-1].name}"] = "tools"
         template_kwargs = dict(request.chat_template_kwargs or {})
         if tools_for_template is not None:  # the format leaves the tools to the model's own chat template

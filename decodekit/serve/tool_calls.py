@@ -26,15 +26,20 @@ def plan_request(request: ChatCompletionRequest, format_class: type[ToolCallForm
     definitions for the template where the format leaves them to it.
 
     Raises:
-        APIError: 400 naming the field (a bad tool, `tool_choice` or tool message, `response_format` beside tools).
+        APIError: 400 naming the field (a bad tool, `tool_choice` or tool message, `response_format` beside
+            `tool_choice: auto`).
     """
     tools = request_tools(request)
     choice = request.tool_choice.model_dump() if request.tool_choice is not None and \
         not isinstance(request.tool_choice, str) else request.tool_choice
     try:
         plan = plan_tools(tool_specs(tools), choice, request.parallel_tool_calls, format_class)
-        if plan is not None and request.response_format is not None and request.response_format.type != "text":
-            raise ToolRequestError("response_format: not with tools (a tool call's arguments follow its own schema)",
+        if plan is not None and plan.mode == "auto" and request.response_format is not None and \
+                request.response_format.type != "text":
+            # under `required` the output is calls (their arguments follow their own schemas) and `response_format`
+            # has no text to shape; under `auto` the text answer would need both constraints at once
+            raise ToolRequestError("response_format: not with tool_choice auto (a text answer in a format beside "
+                                   "tool calls); use tool_choice required, a named function, or none",
                                    param="response_format")
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         return plan, conversation(messages, format_class(), plan), template_tools(plan, tools)

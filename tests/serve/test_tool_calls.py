@@ -141,6 +141,21 @@ def test_tool_calls_under_speculative_decoding_are_the_greedy_ones(client):
         [(c.function.name, c.function.arguments) for c in plain]
 
 
+def test_response_format_beside_tools_shapes_only_a_text_answer(client):
+    # what the openai-agents SDK sends with an output_type: the format on every turn, tool turns included
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+    calls = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, response_format=answer)
+    assert calls.choices[0].finish_reason == "tool_calls" and len(_check_calls(calls.choices[0].message.tool_calls,
+                                                                               [WEATHER])) == 1
+    text = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                          response_format=answer)
+    assert text.choices[0].message.tool_calls is None
+    assert isinstance(json.loads(text.choices[0].message.content)["ok"], bool)
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
