@@ -43,7 +43,7 @@ from decodekit.serve.protocol import (
     check_extra_fields,
 )
 from decodekit.serve.tool_calls import plan_request, read_output
-from decodekit.tool_calling import ToolPlan
+from decodekit.tool_calling import ToolPlan, template_text
 
 _SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
 _PLAIN_FIELDS = ("temperature", "top_p", "n", "seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -134,7 +134,7 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
         prompt = render_chat(tokenizer, request.messages, request.add_generation_prompt,
                              request.continue_final_message, request.chat_template_kwargs)
     else:
-        plan, messages, tools_for_template = plan_request(request, tool_format)
+        plan, messages, tools_for_template = plan_request(request, tool_format, template_text(tokenizer))
         if plan is not None:
             # calls only (`required` or a named function): `response_format` shapes a text answer, and there is none
             kept = [p for p in overrides.get("processors", [])
