@@ -131,6 +131,10 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
         yield
         service.shutdown()
 
+    def strategy_class(name: str) -> Any:
+        entry = service.engine.registry.strategies.get(name)
+        return entry.factory if entry is not None else None  # an unknown name: the engine refuses it, naming it
+
     tool_format = choose_format(options.tool_format, formats_of(service.engine.registry),
                                 template_text(service.tokenizer))
     app = FastAPI(title="decodekit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -167,7 +171,8 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, options.max_body_bytes)
         model = service.check_model(body.model)
-        prepared = prepare_completion(body, service.recipe, service.tokenizer, options.strict_fields)
+        prepared = prepare_completion(body, service.recipe, service.tokenizer, options.strict_fields,
+                                      strategy_class)
         return await _respond(request, service, prepared, model, chat=False, stream=bool(body.stream))
 
     responses_store = ResponseStore()

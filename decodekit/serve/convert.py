@@ -5,7 +5,7 @@ the wire's shapes: `logprob_shapes.py`; streamed chunks: `chunks.py`)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,13 +151,15 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
                            continuous_usage=_continuous_usage(request), tools=plan)
 
 
-def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None, strict_fields: bool = False
-                       ) -> PreparedRequest:
+def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None, strict_fields: bool = False,
+                       strategies: Callable[[str], Any] | None = None) -> PreparedRequest:
     """A completions request's prompts and parameters (`tokenizer` places the logprobs' `text_offset`).
 
     `echo` starts each choice with its prompt; with `logprobs` the prompt tokens' logprobs come first (the engine's
     prompt logprobs, with as many alternatives), so `max_tokens: 1, logprobs: 1, echo: true` is the
-    loglikelihood request of lm-evaluation-harness, and `max_tokens: 0` returns the prompt alone.
+    loglikelihood request of lm-evaluation-harness, and `max_tokens: 0` returns the prompt alone. `strategies`
+    gives a strategy's class by name (None for an unknown one): `echo` is refused with a strategy whose outputs do not
+    continue the prompt token by token (`Strategy.continues_prompt`).
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -186,9 +188,10 @@ def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: An
     params = _params(recipe, overrides, origins, "prompt")
     if echo and params.n > 1:
         raise APIError(400, f"echo: one choice per prompt; the recipe's n is {params.n} (send n: 1)", param="echo")
-    if echo and params.strategy is not None and "beam" in params.strategy.name:
+    strategy = strategies(params.strategy.name) if echo and params.strategy is not None and strategies else None
+    if params.strategy is not None and strategy is not None and not strategy.continues_prompt:
         raise APIError(400, f"echo: not with {params.strategy.name} (its choices are whole sequences scored "
-                            "together); send strategy: sample", param="echo")
+                            "together, not continuations of the prompt); send strategy: sample", param="echo")
     return PreparedRequest(prompts, params, True, origins, "prompt", request.logprobs, _include_usage(request),
                            tokenizer, echo, request.max_tokens != 0, request.prompt_logprobs, ignored,
                            _continuous_usage(request))
