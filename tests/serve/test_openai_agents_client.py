@@ -20,9 +20,8 @@ import pytest
 from pydantic import BaseModel
 
 from decodekit.recipe import load_recipe
-from tests.helpers.batch_cases import TEMPLATE
+from tests.helpers.batch_cases import write_tiny_tools_recipe
 from tests.helpers.served import KEY, Served
-from tests.helpers.tiny_folders import save_tiny_llama
 
 agents = pytest.importorskip("agents", reason="openai-agents is not installed")
 
@@ -40,11 +39,7 @@ class Answer(BaseModel):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
-    folder = tmp_path_factory.mktemp("agents")
-    save_tiny_llama(folder / "tiny", chat_template=TEMPLATE, max_position_embeddings=4096)
-    recipe = folder / "tiny.yaml"
-    recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 64MiB}}\n"
-                      "sampling: {temperature: 0, max_tokens: 200}\n")
+    recipe = write_tiny_tools_recipe(tmp_path_factory.mktemp("agents"), max_tokens=200)
     server = Served(load_recipe(recipe), api_key=KEY, served_model_name="tiny")
     yield server
     server.stop()

@@ -18,9 +18,8 @@ from hypothesis import strategies as st
 
 from decodekit.api.errors import RequestError
 from decodekit.recipe import load_recipe
-from tests.helpers.batch_cases import TEMPLATE
+from tests.helpers.batch_cases import write_tiny_tools_recipe
 from tests.helpers.served import KEY, Served
-from tests.helpers.tiny_folders import save_tiny_llama
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -36,13 +35,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
-    # a tiny model with room for the tools' description (its tokenizer spends about a token per character)
     folder = tmp_path_factory.mktemp("tools")
-    save_tiny_llama(folder / "tiny", chat_template=TEMPLATE, max_position_embeddings=4096)
-    recipe = folder / "tiny.yaml"
-    recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 64MiB}}\n"
-                      "sampling: {temperature: 0, max_tokens: 96}\n")
-    server = Served(load_recipe(recipe), api_key=KEY, served_model_name="tiny")
+    server = Served(load_recipe(write_tiny_tools_recipe(folder)), api_key=KEY, served_model_name="tiny")
     server.folder = folder / "tiny"  # type: ignore[attr-defined]
     yield server
     server.stop()
