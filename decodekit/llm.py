@@ -191,23 +191,31 @@ class LLM:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
-        tool_format: str = "json",
+        tool_format: str = "auto",
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to several.
 
         With `tools` (OpenAI's function tool definitions) the replies call them as `tool_choice` asks (`auto`, the
         default: text or calls; `required` or `{"type": "function", "function": {"name": ...}}`: calls only;
         `none`: text), one call or several (`parallel_tool_calls`), written in `tool_format` (a registered
-        tool-call format) and constrained so that every call parses and validates against its function's
-        `parameters`. Each output's `tool_calls` holds the calls read back (`finish_reason` "tool_calls"); `text`
-        keeps what the model wrote. Assistant `tool_calls` and `role: "tool"` messages in a conversation are written
-        as the format writes them.
+        tool-call format; `auto`: the one the model's chat template shows, else `json`) and constrained so that
+        every call parses and validates against its function's `parameters`. Each output's `tool_calls` holds the
+        calls read back (`finish_reason` "tool_calls"); `text` keeps what the model wrote. Assistant `tool_calls`
+        and `role: "tool"` messages in a conversation are written as the format writes them.
 
         Raises:
             RequestError: bad tools, `tool_choice` or tool messages (the message names the field).
             ConfigError: an unknown `tool_format` (the known ones named).
         """
-        from decodekit.tool_calling import conversation, formats_of, plan_tools, template_tools, tool_specs
+        from decodekit.tool_calling import (
+            choose_format,
+            conversation,
+            formats_of,
+            plan_tools,
+            template_text,
+            template_tools,
+            tool_specs,
+        )
 
         conversations: list[list[Message]] = (
             [messages] if messages and isinstance(messages[0], dict) else messages)  # type: ignore[assignment]
@@ -217,12 +225,9 @@ class LLM:
             prompts = [self.apply_chat_template(conv) for conv in conversations]
             # the template already holds the special tokens
             return self.generate(prompts, params, add_special_tokens=False)
-        formats = formats_of(self.engine.registry)
-        if tool_format not in formats:
-            raise ConfigError(f"tool_format: unknown tool-call format {tool_format!r}; known: "
-                              f"{', '.join(sorted(formats))}")
-        fmt = formats[tool_format]
-        plan = plan_tools(tool_specs(tools or []), tool_choice, parallel_tool_calls, fmt)
+        template = template_text(self.tokenizer)
+        fmt = choose_format(tool_format, formats_of(self.engine.registry), template)
+        plan = plan_tools(tool_specs(tools or []), tool_choice, parallel_tool_calls, fmt, template)
         prompts = [self.apply_chat_template(conversation(conv, fmt(), plan), template_tools(plan, tools or []))
                    for conv in conversations]
         if plan is not None:

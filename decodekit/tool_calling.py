@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from decodekit.api.errors import RequestError
+from decodekit.api.errors import ConfigError, RequestError
 from decodekit.api.params import ComponentSpec
-from decodekit.api.tools import ParsedOutput, ToolCall, ToolCallFormat, ToolMode, ToolSpec
+from decodekit.api.tools import ParsedOutput, ToolCall, ToolCallFormat, ToolMode, ToolSpec, detect_tool_format
 
 
 class ToolRequestError(RequestError):
@@ -32,6 +32,9 @@ class ToolPlan:
     tools: list[ToolSpec]
     mode: ToolMode
     parallel: bool
+    template_renders_tools: bool = False
+    """The model's chat template is its family's (it holds the format's signature) and takes `tools=`: it describes
+    the tools as the model was trained to read them, so the format's own system prompt is left out."""
 
     def processor(self) -> ComponentSpec:
         """The constraint processor of the calls (the structured-output plugin's `json_schema` or `grammar`)."""
@@ -52,6 +55,8 @@ class ToolPlan:
 
     def system_prompt(self) -> str | None:
         """The format's description of the tools (None: the chat template is given `tools=`)."""
+        if self.template_renders_tools:
+            return None
         return self.format.system_prompt(self.tools, self.mode, self.parallel)
 
 
@@ -79,9 +84,10 @@ def tool_specs(tools: Sequence[Mapping[str, Any]]) -> list[ToolSpec]:
 
 
 def plan_tools(tools: list[ToolSpec], choice: str | Mapping[str, Any] | None, parallel: bool | None,
-               format_class: type[ToolCallFormat]) -> ToolPlan | None:
+               format_class: type[ToolCallFormat], chat_template: str | None = None) -> ToolPlan | None:
     """The request's tool plan (None: no tools, or `tool_choice: none`); `choice` is OpenAI's `tool_choice` (`none`,
-    `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`).
+    `auto`, `required`, or `{"type": "function", "function": {"name": ...}}`). A `chat_template` of the format's
+    family that takes `tools` describes them itself (`ToolPlan.template_renders_tools`).
 
     Raises:
         ToolRequestError: a `tool_choice` naming a function the request does not offer, or asking for calls with
@@ -104,7 +110,25 @@ def plan_tools(tools: list[ToolSpec], choice: str | Mapping[str, Any] | None, pa
     elif choice not in (None, "auto"):
         raise ToolRequestError(f"tool_choice: none, auto, required or a named function, got {choice!r}",
                                param="tool_choice")
-    return ToolPlan(format_class(), tools, mode, parallel is not False)
+    signature = format_class.template_signature
+    own_template = bool(chat_template and signature and signature in chat_template and "tools" in chat_template)
+    return ToolPlan(format_class(), tools, mode, parallel is not False, own_template)
+
+
+def choose_format(name: str, formats: Mapping[str, type[ToolCallFormat]], chat_template: str | None
+                  ) -> type[ToolCallFormat]:
+    """The format named `name`, or with `auto` the one the chat template shows (`detect_tool_format`: the format
+    whose signature, its call marker, the template holds; `json` where none does).
+
+    Raises:
+        ConfigError: an unknown name (the known ones named).
+    """
+    if name == "auto":
+        name = detect_tool_format(chat_template, dict(formats))
+    if name not in formats:
+        raise ConfigError(f"tool_format: unknown tool-call format {name!r}; known: auto, "
+                          f"{', '.join(sorted(formats))}")
+    return formats[name]
 
 
 def conversation(messages: Sequence[Mapping[str, Any]], tool_format: ToolCallFormat, plan: ToolPlan | None
@@ -173,3 +197,11 @@ def template_tools(plan: ToolPlan | None, tools: Sequence[Mapping[str, Any]]) ->
 def formats_of(registry: Any) -> Mapping[str, type[ToolCallFormat]]:
     """The registered tool-call formats: name -> class."""
     return {name: entry.factory for name, entry in registry.tool_formats.items()}
+
+
+def template_text(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template as text (all of them, where it has several by name)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    return template if isinstance(template, str) else None

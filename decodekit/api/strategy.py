@@ -156,6 +156,9 @@ class Strategy:
             first computed position overrides `needs_every_hidden_state`.
         finalizes: the strategy chooses its request's outputs after the engine's stopping (`finalize`: best-of-n
             ranking); its requests stream no deltas, only the final output.
+        continues_prompt: each output continues the prompt token by token, scored as the model scores it, so the
+            prompt's logprobs can lead its own (a completion's `echo`, for loglikelihood). False for a strategy
+            whose outputs are whole sequences scored together (beam search): `echo` is refused with it.
     """
 
     name: ClassVar[str] = "strategy"
@@ -164,6 +167,7 @@ class Strategy:
     scores: ClassVar[Literal["raw", "logits", "logprobs"]] = "raw"
     hidden_states: ClassVar[bool] = False
     finalizes: ClassVar[bool] = False
+    continues_prompt: ClassVar[bool] = True
 
     def setup(self, info: Any) -> None:
         """Called once with the engine's `ComponentInfo` (tokenizer, vocab size, draft model, ...)."""

@@ -11,6 +11,7 @@ models with no format of their own) is in `decodekit_plugins.tool_formats`.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -52,6 +53,13 @@ class ToolCallFormat(ABC):
     """How one model family writes tool calls. Stateless: one instance serves every request."""
 
     name: ClassVar[str] = ""
+    marker: ClassVar[str | None] = None
+    """The text every call starts with (`<tool_call>`, `[TOOL_CALLS]`), for a format whose calls have one: under
+    `auto` the model writes freely until it writes the marker, and from there the constraint holds (build it with
+    `marked_calls`). None: the format has no marker (the whole output is constrained, as the generic JSON format)."""
+    template_signature: ClassVar[str | None] = None
+    """A text the chat templates of the model family that writes this format hold (their call marker, as a rule):
+    the format is picked for a model whose template holds it (`detect_tool_format`); None: never picked so."""
 
     @abstractmethod
     def system_prompt(self, tools: list[ToolSpec], mode: ToolMode, parallel: bool) -> str | None:
@@ -74,3 +82,24 @@ class ToolCallFormat(ABC):
     @abstractmethod
     def tool_result(self, call_id: str, name: str | None, content: str) -> dict[str, str]:
         """A `role: tool` message of the history (a call's result) as a message the chat template renders."""
+
+
+def marked_calls(marker: str, after: str, mode: ToolMode, rules: str = "") -> ConstraintSpec:
+    """The Lark grammar of calls that start at `marker` and go on as the rule body `after` (with the `rules` it
+    names): under `required` the output is the marker and the calls; under `auto` a lazy grammar, as llama.cpp's:
+    any text, until the text reaches the marker, then the calls to the end (llguidance's lazy lexeme ends the free
+    text at the first marker, so a started call can only complete validly or be cut by the token budget)."""
+    lead = json.dumps(marker)
+    lazy = f"start: TEXT | lead {after}\nlead[lazy]: TEXT {lead}"
+    start = f"start: {lead} {after}" if mode == "required" else lazy
+    return ConstraintSpec.grammar("\n".join(filter(None, [start, "TEXT: /(.|\\n)*/", rules])))
+
+
+def detect_tool_format(chat_template: str | None, formats: dict[str, type[ToolCallFormat]],
+                       default: str = "json") -> str:
+    """The name of the format whose `template_signature` the chat template holds (the first registered), else
+    `default`."""
+    for name, fmt in formats.items():
+        if chat_template and fmt.template_signature and fmt.template_signature in chat_template:
+            return name
+    return default

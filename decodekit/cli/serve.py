@@ -32,7 +32,9 @@ def serve(
                                                 "field is accepted, logged and named in the "
                                                 "X-Decodekit-Ignored-Fields response header.")] = False,
     tool_format: Annotated[str, typer.Option(help="The tool-call format requests with tools are served in (a "
-                                             "registered tool format; `decodekit plugins` lists them).")] = "json",
+                                             "registered tool format; `decodekit plugins` lists them); auto: the "
+                                             "one whose call marker the model's chat template holds, else "
+                                             "json.")] = "auto",
     vllm_metrics: Annotated[bool, typer.Option("--vllm-metrics", help="Also export /metrics under vLLM's names "
                                                "(vllm:..., with a model_name label), for dashboards built for "
                                                "vLLM.")] = False,

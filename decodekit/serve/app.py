@@ -30,7 +30,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from decodekit.api.errors import ConfigError
 from decodekit.api.sequence import RequestOutput
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.llm import AsyncLLM
@@ -65,7 +64,7 @@ from decodekit.serve.tokenizer_api import (
     tokenizer_info,
 )
 from decodekit.serve.tool_calls import read_output
-from decodekit.tool_calling import formats_of
+from decodekit.tool_calling import choose_format, formats_of, template_text
 
 log = logging.getLogger("decodekit.serve")
 IGNORED_FIELDS_HEADER = "X-Decodekit-Ignored-Fields"
@@ -88,7 +87,9 @@ class ServeOptions:
         strict_fields: refuse every request field the server does not know (400); by default one that is not a typo
             of a known field is accepted, logged and named in the `X-Decodekit-Ignored-Fields` response header.
         vllm_metrics: also export the metrics under vLLM's names (`vllm:...`, labelled with `model_name`).
-        tool_format: the tool-call format (a registered `ToolCallFormat`) requests with `tools` are served in.
+        tool_format: the tool-call format (a registered `ToolCallFormat`) requests with `tools` are served in; `auto`:
+            the one whose signature the model's chat template holds (`decodekit.api.tools.detect_tool_format`), else
+            `json`.
     """
 
     host: str = "127.0.0.1"
@@ -100,7 +101,7 @@ class ServeOptions:
     graceful_shutdown_s: float = 30.0
     strict_fields: bool = False
     vllm_metrics: bool = False
-    tool_format: str = "json"
+    tool_format: str = "auto"
 
 
 def create_app(recipe: Recipe, options: ServeOptions | None = None, *,
@@ -130,11 +131,12 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
         yield
         service.shutdown()
 
-    formats = formats_of(service.engine.registry)
-    if options.tool_format not in formats:
-        raise ConfigError(f"tool_format: unknown tool-call format {options.tool_format!r}; known: "
-                          f"{', '.join(sorted(formats))}")
-    tool_format = formats[options.tool_format]
+    def strategy_class(name: str) -> Any:
+        entry = service.engine.registry.strategies.get(name)
+        return entry.factory if entry is not None else None  # an unknown name: the engine refuses it, naming it
+
+    tool_format = choose_format(options.tool_format, formats_of(service.engine.registry),
+                                template_text(service.tokenizer))
     app = FastAPI(title="decodekit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.metrics = metrics
@@ -169,7 +171,8 @@ def build_app(service: ServingEngine, metrics: ServerMetrics, options: ServeOpti
     async def completions(request: Request) -> Response:
         body = await read_body(request, CompletionRequest, options.max_body_bytes)
         model = service.check_model(body.model)
-        prepared = prepare_completion(body, service.recipe, service.tokenizer, options.strict_fields)
+        prepared = prepare_completion(body, service.recipe, service.tokenizer, options.strict_fields,
+                                      strategy_class)
         return await _respond(request, service, prepared, model, chat=False, stream=bool(body.stream))
 
     responses_store = ResponseStore()

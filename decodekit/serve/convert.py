@@ -5,7 +5,7 @@ the wire's shapes: `logprob_shapes.py`; streamed chunks: `chunks.py`)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from decodekit.serve.protocol import (
     check_extra_fields,
 )
 from decodekit.serve.tool_calls import plan_request, read_output
-from decodekit.tool_calling import ToolPlan
+from decodekit.tool_calling import ToolPlan, template_text
 
 _SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
 _PLAIN_FIELDS = ("temperature", "top_p", "n", "seed", "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids",
@@ -134,9 +134,12 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
         prompt = render_chat(tokenizer, request.messages, request.add_generation_prompt,
                              request.continue_final_message, request.chat_template_kwargs)
     else:
-        plan, messages, tools_for_template = plan_request(request, tool_format)
+        plan, messages, tools_for_template = plan_request(request, tool_format, template_text(tokenizer))
         if plan is not None:
-            overrides["processors"] = [*overrides.get("processors", []), plan.processor()]
+            # calls only (`required` or a named function): `response_format` shapes a text answer, and there is none
+            kept = [p for p in overrides.get("processors", [])
+                    if origins.get(f"processors:{p.name}") != "response_format"]
+            overrides["processors"] = [*kept, plan.processor()]
             origins[f"processors:{overrides['processors'][-1].name}"] = "tools"
         template_kwargs = dict(request.chat_template_kwargs or {})
         if tools_for_template is not None:  # the format leaves the tools to the model's own chat template
@@ -148,13 +151,15 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
                            continuous_usage=_continuous_usage(request), tools=plan)
 
 
-def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None, strict_fields: bool = False
-                       ) -> PreparedRequest:
+def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: Any = None, strict_fields: bool = False,
+                       strategies: Callable[[str], Any] | None = None) -> PreparedRequest:
     """A completions request's prompts and parameters (`tokenizer` places the logprobs' `text_offset`).
 
     `echo` starts each choice with its prompt; with `logprobs` the prompt tokens' logprobs come first (the engine's
     prompt logprobs, with as many alternatives), so `max_tokens: 1, logprobs: 1, echo: true` is the
-    loglikelihood request of lm-evaluation-harness, and `max_tokens: 0` returns the prompt alone.
+    loglikelihood request of lm-evaluation-harness, and `max_tokens: 0` returns the prompt alone. `strategies`
+    gives a strategy's class by name (None for an unknown one): `echo` is refused with a strategy whose outputs do not
+    continue the prompt token by token (`Strategy.continues_prompt`).
 
     Raises:
         APIError: 400 naming the field at fault.
@@ -183,9 +188,10 @@ def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: An
     params = _params(recipe, overrides, origins, "prompt")
     if echo and params.n > 1:
         raise APIError(400, f"echo: one choice per prompt; the recipe's n is {params.n} (send n: 1)", param="echo")
-    if echo and params.strategy is not None and "beam" in params.strategy.name:
+    strategy = strategies(params.strategy.name) if echo and params.strategy is not None and strategies else None
+    if params.strategy is not None and strategy is not None and not strategy.continues_prompt:
         raise APIError(400, f"echo: not with {params.strategy.name} (its choices are whole sequences scored "
-                            "together); send strategy: sample", param="echo")
+                            "together, not continuations of the prompt); send strategy: sample", param="echo")
     return PreparedRequest(prompts, params, True, origins, "prompt", request.logprobs, _include_usage(request),
                            tokenizer, echo, request.max_tokens != 0, request.prompt_logprobs, ignored,
                            _continuous_usage(request))

@@ -20,21 +20,26 @@ def request_tools(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in request.tools or []]
 
 
-def plan_request(request: ChatCompletionRequest, format_class: type[ToolCallFormat]
+def plan_request(request: ChatCompletionRequest, format_class: type[ToolCallFormat], chat_template: str | None = None
                  ) -> tuple[ToolPlan | None, list[dict[str, str]], list[Mapping[str, Any]] | None]:
     """The request's tool plan (None: no tool calling), its conversation as the chat template gets it, and the tool
-    definitions for the template where the format leaves them to it.
+    definitions for the template where the format leaves them to it (or the template is the format's family's).
 
     Raises:
-        APIError: 400 naming the field (a bad tool, `tool_choice` or tool message, `response_format` beside tools).
+        APIError: 400 naming the field (a bad tool, `tool_choice` or tool message, `response_format` beside
+            `tool_choice: auto`).
     """
     tools = request_tools(request)
     choice = request.tool_choice.model_dump() if request.tool_choice is not None and \
         not isinstance(request.tool_choice, str) else request.tool_choice
     try:
-        plan = plan_tools(tool_specs(tools), choice, request.parallel_tool_calls, format_class)
-        if plan is not None and request.response_format is not None and request.response_format.type != "text":
-            raise ToolRequestError("response_format: not with tools (a tool call's arguments follow its own schema)",
+        plan = plan_tools(tool_specs(tools), choice, request.parallel_tool_calls, format_class, chat_template)
+        if plan is not None and plan.mode == "auto" and request.response_format is not None and \
+                request.response_format.type != "text":
+            # under `required` the output is calls (their arguments follow their own schemas) and `response_format`
+            # has no text to shape; under `auto` the text answer would need both constraints at once
+            raise ToolRequestError("response_format: not with tool_choice auto (a text answer in a format beside "
+                                   "tool calls); use tool_choice required, a named function, or none",
                                    param="response_format")
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         return plan, conversation(messages, format_class(), plan), template_tools(plan, tools)
@@ -43,9 +48,10 @@ def plan_request(request: ChatCompletionRequest, format_class: type[ToolCallForm
 
 
 def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCallOut]]:
-    """A finished output's message: its text, or its calls (each with a new id, arguments as JSON text)."""
+    """A finished output's message: its text (under `auto`, what a format with a marker wrote before its calls, or
+    None), and its calls (each with a new id, arguments as JSON text)."""
     parsed = plan.read(text)
     calls = [ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}",
                          function=FunctionCallOut(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)))
              for c in parsed.calls]
-    return (None if calls else parsed.content), calls
+    return parsed.content, calls

@@ -43,7 +43,7 @@ from decodekit.testing.processor_kit import check_processor
 from decodekit.testing.proposer_kit import check_proposer
 from decodekit.testing.stopping_kit import check_stopping_criterion
 from decodekit.testing.strategy_kit import check_strategy
-from decodekit.testing.tool_format_kit import check_tool_format
+from decodekit.testing.tool_format_kit import check_tool_format, constraint_admits
 
 __all__ = [
     "ALL_CHECKS",
@@ -72,6 +72,7 @@ __all__ = [
     "check_strategy",
     "check_tool_format",
     "check_uses_row_generators",
+    "constraint_admits",
     "histories",
     "logits_tensors",
     "plugin_manager",

@@ -6,7 +6,9 @@ writes under that constraint reads back as calls only, of the offered tools, wit
 schemas (one call when not parallel); under `auto` it reads back as text or such calls; an assistant message written
 back (`assistant_content`) reads back as the same calls, and the constraint admits it; a text answer, as the format
 writes one, is admitted under `auto` and refused under `required`; and a tool result (`tool_result`) is a message
-with a role and text content.
+with a role and text content. For a format with a `marker`, `auto` must be lazy: free texts (with `<`, brackets,
+braces, a part of the marker) are admitted whole, text before calls is admitted and read back as the content, and
+the marker followed by anything but a call is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jsonschema
 
 from decodekit.api.constraints import ConstraintSpec, get_backend
 from decodekit.api.params import SamplingParams
-from decodekit.api.tools import ToolCallFormat, ToolMode, ToolSpec
+from decodekit.api.tools import ToolCall, ToolCallFormat, ToolMode, ToolSpec
 from decodekit.testing.engine_harness import KitReport
 from decodekit.testing.errors import ConformanceError
 from decodekit.testing.parts import tiny_llm
@@ -49,6 +51,7 @@ def check_tool_format(format_class: type[ToolCallFormat], *plugins: object, max_
     requests, skipped = 0, []
     llm = tiny_llm(*plugins)
     fmt = format_class()
+    tools_seen: dict[str, tuple[list[ToolSpec], list[ToolCall]]] = {}
     for tools in tool_sets or TOOL_SETS:
         schemas = {t.name: t.parameters for t in tools}
         modes: tuple[ToolMode, ...] = ("required", "auto")
@@ -80,19 +83,22 @@ def check_tool_format(format_class: type[ToolCallFormat], *plugins: object, max_
                                            f"(output {text!r})")
                 spec = fmt.constraint(tools, mode, parallel)
                 if parsed.calls:
+                    tools_seen.setdefault(f"{mode}/{parallel}", (tools, parsed.calls))
                     written = fmt.assistant_content(None, parsed.calls)
                     again = fmt.parse(written).calls
                     if again != parsed.calls:
                         raise ConformanceError(f"{fmt.name}: assistant_content({parsed.calls!r}) reads back as "
                                                f"{again!r}, not the same calls")
-                    if not _admits(llm, spec, written):
+                    if not constraint_admits(llm, spec, written):
                         raise ConformanceError(f"{fmt.name}: the {mode} constraint refuses the calls as the format "
                                                f"writes them: {written!r}")
                 answer = fmt.assistant_content("a text answer", [])
-                if _admits(llm, spec, answer) != (mode == "auto"):
+                if constraint_admits(llm, spec, answer) != (mode == "auto"):
                     raise ConformanceError(f"{fmt.name}: the {mode} constraint "
                                            f"{'refuses' if mode == 'auto' else 'admits'} a text answer as the "
                                            f"format writes one: {answer!r}")
+    if fmt.marker is not None:
+        _check_lazy(llm, fmt, tools_seen)
     result = fmt.tool_result("call_1", "get_weather", "sunny")
     if not isinstance(result, dict) or not isinstance(result.get("role"), str) or \
             not isinstance(result.get("content"), str):
@@ -101,8 +107,34 @@ def check_tool_format(format_class: type[ToolCallFormat], *plugins: object, max_
     return KitReport(requests=requests, skipped=tuple(skipped))
 
 
-def _admits(llm: Any, spec: ConstraintSpec, text: str) -> bool:
-    """Whether the constraint takes `text` whole (compiled by the engine's default backend, llguidance)."""
+FREE_TEXTS = ["", "Let me look that up.", "a < b, [1, 2] and {x}\n", "<", "<tool", "[TOOL", '{"name"']
+"""Texts a lazy `auto` constraint must admit whole (where they hold no marker): what a model may write instead of a
+call, including the first characters of common markers."""
+
+
+def _check_lazy(llm: Any, fmt: ToolCallFormat, seen: dict[str, tuple[list[ToolSpec], list[ToolCall]]]) -> None:
+    """Under `auto`, a format with a marker leaves text free until the marker and constrains what follows it."""
+    marker = str(fmt.marker)
+    for tools, calls in seen.values():
+        spec = fmt.constraint(tools, "auto", True)
+        for text in FREE_TEXTS:
+            if marker not in text and not constraint_admits(llm, spec, text):
+                raise ConformanceError(f"{fmt.name}: under auto the free text {text!r} is refused (the constraint "
+                                       f"must switch on only at the marker {marker!r})")
+        junk = f"Sure. {marker} nonsense"
+        if constraint_admits(llm, spec, junk):
+            raise ConformanceError(f"{fmt.name}: under auto the marker followed by no call is admitted: {junk!r}")
+        written = fmt.assistant_content("Let me check.", calls)
+        parsed = fmt.parse(written)
+        if parsed.calls != calls or parsed.content != "Let me check.":
+            raise ConformanceError(f"{fmt.name}: text before calls, {written!r}, reads back as {parsed!r}")
+        if not constraint_admits(llm, spec, written):
+            raise ConformanceError(f"{fmt.name}: under auto the constraint refuses text before calls: {written!r}")
+
+
+def constraint_admits(llm: Any, spec: ConstraintSpec, text: str) -> bool:
+    """Whether the constraint takes `text` whole, token by token as the engine's tokenizer writes it, and ends there
+    (compiled by the engine's default backend, llguidance, for `llm`'s engine)."""
     engine = llm.engine
     backend = get_backend("llguidance", engine.tokenizer, engine.vocab_size, engine.eos_token_ids,
                           engine.registry.backend_loaders())
@@ -122,7 +154,12 @@ def _generate(llm: Any, fmt: ToolCallFormat, tools: list[ToolSpec], mode: ToolMo
         processor = plan.processor()
     except Exception as exc:
         raise ConformanceError(f"{fmt.name}: the constraint is not one the engine can apply: {exc}") from None
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, processors=[processor])
+    processors: list[Any] = [processor]
+    if mode == "auto" and fmt.marker:
+        # a random model seldom writes a marker by itself: pushed toward it, it starts calls under the lazy
+        # constraint (which then carries each to its end), so `auto` is checked with calls, not only free text
+        processors.insert(0, {"logit_bias": {"bias_strings": {fmt.marker: 8.0}}})
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, processors=processors)
     output = llm.generate(["user: call a tool\nassistant:"], params)[0]
     if output.error is not None:
         raise ConformanceError(f"{fmt.name}: the constrained request failed: {output.error}")

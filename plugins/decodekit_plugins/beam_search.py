@@ -322,6 +322,7 @@ class BeamSearchStrategy(Strategy):
     """
 
     name = "beam_search"
+    continues_prompt = False  # its outputs are whole beams scored together: no `echo` with them
     Params = BeamSearchParams
     handles_stopping = True
     scores = "logprobs"  # transformers' beam search processes log-probabilities

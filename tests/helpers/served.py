@@ -46,9 +46,11 @@ class Served:
     """An app served by uvicorn in a background thread, on a loopback port bound before it starts (with the `slow`
     processor registered)."""
 
-    def __init__(self, recipe: Recipe, **options: Any) -> None:
+    def __init__(self, recipe: Recipe, plugins: tuple[object, ...] = (), **options: Any) -> None:
         pm = get_plugin_manager(load_entry_points=False)
         pm.register(_SlowPlugin(), "slow")
+        for plugin in plugins:  # a test's own plugins, beside decodekit's
+            pm.register(plugin)
         self.app = create_app(recipe, ServeOptions(**options), plugin_manager=pm)
         self.service = self.app.state.service
         self.engine = self.service.engine

@@ -11,9 +11,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from decodekit.recipe import load_recipe
-from tests.helpers.batch_cases import TEMPLATE
+from tests.helpers.batch_cases import write_tiny_tools_recipe
 from tests.helpers.served import Served
-from tests.helpers.tiny_folders import save_tiny_llama
 
 langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
 
@@ -27,11 +26,7 @@ class WeatherArgs(BaseModel):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
-    folder = tmp_path_factory.mktemp("langchain")
-    save_tiny_llama(folder / "tiny", chat_template=TEMPLATE, max_position_embeddings=4096)
-    recipe = folder / "tiny.yaml"
-    recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 64MiB}}\n"
-                      "sampling: {temperature: 0, max_tokens: 96}\n")
+    recipe = write_tiny_tools_recipe(tmp_path_factory.mktemp("langchain"))
     server = Served(load_recipe(recipe), served_model_name="tiny")
     yield server
     server.stop()

@@ -12,7 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from decodekit import hookimpl
 from decodekit.recipe import load_recipe
+from decodekit_plugins.beam_search import BeamSearchStrategy
 from tests.helpers.batch_cases import write_tiny_recipe
 from tests.helpers.served import KEY, Served
 
@@ -24,9 +26,22 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("eval-serve")
 
 
+class _WideSearch(BeamSearchStrategy):
+    """Beam search under another name, as a third party's plugin might ship it."""
+
+    name = "wide_search"
+
+
+class _WidePlugin:
+    @hookimpl
+    def decodekit_register_strategies(self, register):
+        register("wide_search", _WideSearch)
+
+
 @pytest.fixture(scope="module")
 def served(folder) -> Iterator[Served]:
-    server = Served(load_recipe(write_tiny_recipe(folder, max_tokens=8)), api_key=KEY, served_model_name="tiny")
+    server = Served(load_recipe(write_tiny_recipe(folder, max_tokens=8)), plugins=(_WidePlugin(),), api_key=KEY,
+                    served_model_name="tiny")
     yield server
     server.stop()
 
@@ -108,6 +123,8 @@ def test_prompt_logprobs_comes_in_vllms_shape_on_both_endpoints(served, referenc
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "needs echo: true"),
     ({"prompt": "x", "echo": True, "n": 2}, "echo", "one choice per prompt"),
     ({"prompt": "x", "echo": True, "strategy": {"beam_search": {"num_beams": 2}}}, "echo", "beam_search"),
+    # a beam-like strategy of another name is refused by what it declares (continues_prompt), not by its name
+    ({"prompt": "x", "echo": True, "strategy": {"wide_search": {"num_beams": 2}}}, "echo", "wide_search"),
     ({"prompt": "x", "echo": True, "stream": True}, "echo", "not with stream"),
 ])
 def test_a_bad_echo_combination_is_a_400_naming_the_field_and_the_server_serves_on(served, body, param, text):

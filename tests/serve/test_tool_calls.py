@@ -18,9 +18,8 @@ from hypothesis import strategies as st
 
 from decodekit.api.errors import RequestError
 from decodekit.recipe import load_recipe
-from tests.helpers.batch_cases import TEMPLATE
+from tests.helpers.batch_cases import write_tiny_tools_recipe
 from tests.helpers.served import KEY, Served
-from tests.helpers.tiny_folders import save_tiny_llama
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -36,13 +35,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
-    # a tiny model with room for the tools' description (its tokenizer spends about a token per character)
     folder = tmp_path_factory.mktemp("tools")
-    save_tiny_llama(folder / "tiny", chat_template=TEMPLATE, max_position_embeddings=4096)
-    recipe = folder / "tiny.yaml"
-    recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 64MiB}}\n"
-                      "sampling: {temperature: 0, max_tokens: 96}\n")
-    server = Served(load_recipe(recipe), api_key=KEY, served_model_name="tiny")
+    server = Served(load_recipe(write_tiny_tools_recipe(folder)), api_key=KEY, served_model_name="tiny")
     server.folder = folder / "tiny"  # type: ignore[attr-defined]
     yield server
     server.stop()
@@ -139,6 +133,21 @@ def test_tool_calls_under_speculative_decoding_are_the_greedy_ones(client):
         "proposer": "ngram", "num_speculative_tokens": 4}}}).choices[0].message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in fast] == \
         [(c.function.name, c.function.arguments) for c in plain]
+
+
+def test_response_format_beside_tools_shapes_only_a_text_answer(client):
+    # what the openai-agents SDK sends with an output_type: the format on every turn, tool turns included
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+    calls = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, response_format=answer)
+    assert calls.choices[0].finish_reason == "tool_calls" and len(_check_calls(calls.choices[0].message.tool_calls,
+                                                                               [WEATHER])) == 1
+    text = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                          response_format=answer)
+    assert text.choices[0].message.tool_calls is None
+    assert isinstance(json.loads(text.choices[0].message.content)["ok"], bool)
 
 
 @pytest.mark.parametrize(("body", "param"), [
