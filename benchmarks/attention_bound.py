@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from decodekit.bench.machine import environment, machine_line
-from decodekit.execution.kernels.native import SOURCE, DecodeAttentionPlan, NativeKernels, find_compiler, load_kernels
+from decodekit.execution.kernels.native import SOURCES, DecodeAttentionPlan, NativeKernels, find_compiler, load_kernels
 
 
 def avx2_build() -> NativeKernels:
@@ -37,7 +37,7 @@ def avx2_build() -> NativeKernels:
     assert compiler is not None, "no C compiler"
     library = Path(tempfile.mkdtemp()) / "avx2.so"
     subprocess.run([compiler, "-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fPIC", "-shared",
-                    "-std=c11", "-fopenmp", "-o", str(library), str(SOURCE), "-lm"], check=True)
+                    "-std=c11", "-fopenmp", "-o", str(library), *map(str, SOURCES), "-lm"], check=True)
     return NativeKernels(library)
 
 

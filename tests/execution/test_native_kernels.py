@@ -116,7 +116,7 @@ def attention_builds(native, tmp_path_factory):
     for name, flags in (("avx2", ["-march=native", "-mno-avx512f"]), ("scalar", ["-mno-avx2", "-mno-fma"])):
         library = folder / f"{name}.so"
         subprocess.run([compiler, "-O2", *flags, "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-fopenmp",
-                        "-o", str(library), str(native_kernels.SOURCE), "-lm"], check=True, capture_output=True)
+                        "-o", str(library), *map(str, native_kernels.SOURCES), "-lm"], check=True, capture_output=True)
         builds.append(NativeKernels(library))
     assert [b.attention_tile for b in builds] == [16, 8, 0]
     return builds
