@@ -81,7 +81,7 @@ def test_greedy_tokens_equal_the_dequantized_models_batched_and_alone(stored_and
 
 @needs_kernels
 def test_asking_for_gguf_without_stored_weights_or_where_it_cannot_run_is_refused_naming_the_option():
-    with pytest.raises(ConfigError, match="quantization 'gguf': .* brings no GGUF quantized weights"):
+    with pytest.raises(ConfigError, match=r"quantization 'gguf': .* brings no GGUF quantized weights"):
         LLM(tiny_model(), tiny_tokenizer(), quantization="gguf")
     with pytest.raises(ConfigError, match="quantization 'gguf'"):
         _llm(quantization="gguf", fused_decoder=False)
