@@ -78,10 +78,10 @@ class GgufMatrix:
             for start, fmt, blocks in self.parts:
                 self.quant.linear(x, blocks, fmt, out, start, self.bias, residual, self.isa)
             return out
-        out = dequantized_mm(x, residual, self.out_dim, self._blocks())
+        out = dequantized_mm(x, residual, self.out_dim, self.dequantized_blocks())
         return out if self.bias is None else out.add_(self.bias)
 
-    def _blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+    def dequantized_blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
         """`(first output row, W^T block [in, rows])` of at most `DEQUANTIZE_BLOCK` rows, dequantized on demand."""
         for start, fmt, blocks in self.parts:
             for first in range(0, blocks.shape[0], DEQUANTIZE_BLOCK):
