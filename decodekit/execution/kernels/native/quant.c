@@ -36,8 +36,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 #define DK_QUANT_AVX2 1
 #else
 #define DK_QUANT_AVX2 0
@@ -70,10 +72,14 @@ static int64_t block_bytes(int64_t kind) {
     }
 }
 
-/* An IEEE half (read unaligned) widened to float, exactly (numpy's float16 -> float32). */
+/* An IEEE half (read unaligned) widened to float, exactly (numpy's float16 -> float32): one F16C instruction where
+ * the CPU has it (every AVX2 one), else by its bits. */
 static inline float half_at(const uint8_t* p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
     if (exponent == 0) {  /* zero or subnormal: mantissa * 2^-24, exact in float */
         float f = (float)mantissa * 5.9604644775390625e-8f;
