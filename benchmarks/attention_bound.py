@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from decodekit.bench.machine import environment, machine_line
-from decodekit.execution.kernels.native import SOURCE, DecodeAttentionPlan, NativeKernels, find_compiler, load_kernels
+from decodekit.bench.machine import environment, machine_line, read_bandwidth
+from decodekit.execution.kernels.native import SOURCES, DecodeAttentionPlan, NativeKernels, find_compiler, load_kernels
 
 
 def avx2_build() -> NativeKernels:
@@ -37,19 +37,8 @@ def avx2_build() -> NativeKernels:
     assert compiler is not None, "no C compiler"
     library = Path(tempfile.mkdtemp()) / "avx2.so"
     subprocess.run([compiler, "-O3", "-march=native", "-mno-avx512f", "-ffp-contract=off", "-fPIC", "-shared",
-                    "-std=c11", "-fopenmp", "-o", str(library), str(SOURCE), "-lm"], check=True)
+                    "-std=c11", "-fopenmp", "-o", str(library), *map(str, SOURCES), "-lm"], check=True)
     return NativeKernels(library)
-
-
-def read_bandwidth() -> float:
-    """Bytes per second a `torch.sum` over 512 MB reads (median of 5)."""
-    data = torch.ones(128 << 20)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return data.numel() * 4 / statistics.median(times)
 
 
 def time_attention(rows: int, context: int, heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype,

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,12 +366,14 @@ def dtype_choice(recipe: Recipe) -> str | None:
     ..."; None for a dtype the recipe names."""
     import torch
 
-    from decodekit.models.loader import auto_dtype
+    from decodekit.models.loader import STORED_AUTO_REASON, auto_dtype, auto_stored_loader
 
     if recipe.dtype != "auto":
         return None
     device = torch.device(recipe.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     chosen, why = auto_dtype(device)
+    if auto_stored_loader(recipe.model, device) is not None:
+        chosen, why = torch.float32, STORED_AUTO_REASON
     return f"dtype: auto -> {str(chosen).removeprefix('torch.')} on {device.type} ({why})"
 
 
@@ -434,12 +437,17 @@ def _plan(recipe: Recipe, device: Any) -> ExecutionPlan | None:
     import torch
 
     from decodekit.execution.plan import plan_from_config
-    from decodekit.models.loader import default_dtype, peek_config
+    from decodekit.models.loader import auto_stored_loader, default_dtype, peek_config
 
     config = peek_config(recipe.model)
     if config is None:
         return None
     dtype = default_dtype(device) if recipe.dtype == "auto" else getattr(torch, recipe.dtype)
+    # a GGUF under dtype auto on a CPU: float32, with the file's quantized weights as stored (read, not loaded)
+    keeper = auto_stored_loader(recipe.model, device) if recipe.dtype == "auto" else None
+    stored = None
+    if keeper is not None and keeper.stored is not None:
+        dtype, stored = torch.float32, functools.partial(keeper.stored, recipe.model)
     options = recipe.engine
     draft_config, draft_dtype, self_draft = None, None, False
     if recipe.draft is not None:
@@ -452,7 +460,8 @@ def _plan(recipe: Recipe, device: Any) -> ExecutionPlan | None:
             draft_dtype = (default_dtype(device) if recipe.draft.dtype == "auto"
                            else getattr(torch, recipe.draft.dtype))
     try:
-        return plan_from_config(config, recipe.model, dtype, device, options, draft_config, draft_dtype, self_draft)
+        return plan_from_config(config, recipe.model, dtype, device, options, draft_config, draft_dtype, self_draft,
+                                stored)
     except ConfigError as exc:  # its message starts with the option's name
         raise RecipeError(f"{recipe.source}: engine.{exc}") from None
     except DecodeKitError as exc:  # the model itself (an attention decodekit does not page)

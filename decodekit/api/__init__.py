@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from decodekit.api.components import ComponentInfo
     from decodekit.api.errors import DecodeKitError, PluginError, ProcessorError
     from decodekit.api.hookspecs import hookimpl
-    from decodekit.api.models import LoadedModel, ModelLoader
+    from decodekit.api.models import LoadedModel, ModelLoader, StoredWeight
     from decodekit.api.params import ComponentSpec, SamplingParams
     from decodekit.api.processors import BatchView, LogitsProcessor, Stage, apply_processors
     from decodekit.api.proposer import Proposer
@@ -48,6 +48,7 @@ _EXPORTS = {
     "hookimpl": "decodekit.api.hookspecs",
     "LoadedModel": "decodekit.api.models",
     "ModelLoader": "decodekit.api.models",
+    "StoredWeight": "decodekit.api.models",
     "ComponentSpec": "decodekit.api.params",
     "SamplingParams": "decodekit.api.params",
     "BatchView": "decodekit.api.processors",
@@ -89,6 +90,7 @@ __all__ = [
     "StepContext",
     "StopDecision",
     "StoppingCriterion",
+    "StoredWeight",
     "Strategy",
     "StrategyResult",
     "apply_processors",

@@ -62,8 +62,11 @@ class EngineConfig(BaseModel):
         "bringing the same 1-16 tokens) from CUDA graphs captured per batch-size bucket at first use. Default: on "
         "where they can run (the fused decoder on CUDA, with Triton); true fails elsewhere.")
 
-    quantization: Literal["int8", "bf16"] | None = Field(
-        None, description="Weights of the fused decoder's products: unset keeps the model's own; 'int8' multiplies "
+    quantization: Literal["int8", "bf16", "gguf"] | None = Field(
+        None, description="Weights of the fused decoder's products: unset keeps the model's own (for a GGUF file "
+        "loaded with dtype auto on a CPU, its quantized weights as stored: 'gguf', Q4_0, Q4_1, Q8_0, Q4_K and Q6_K "
+        "dequantized inside the native products, the dequantized float32 model's outputs up to summation order; "
+        "dtype float32 runs the dequantized model instead); 'int8' multiplies "
         "int8 copies with one float32 scale per output row (the LM head too; float32 activations, like llama.cpp's "
         "Q8_0 weights) through the native kernels: about 2x faster per token at batch 1 on a CPU, no longer exactly "
         "the float model's tokens; 'bf16' multiplies bfloat16 copies in float32 (llama.cpp's bf16 weights): half "

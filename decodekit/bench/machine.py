@@ -40,6 +40,23 @@ def cpu_description() -> dict[str, Any]:
             "cpu_flags_absent": [f for f in CPU_FLAGS if f not in flags]}
 
 
+def read_bandwidth() -> float:
+    """Bytes per second a `torch.sum` over 512 MB reads on torch's threads (median of 5): the memory bound the
+    bandwidth benchmarks (`benchmarks/attention_bound.py`, `benchmarks/quant_products.py`) set their rates against."""
+    import statistics
+    import time
+
+    import torch
+
+    data = torch.ones(128 << 20)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times)
+
+
 def git_commit() -> str | None:
     """`git describe --always --dirty` of the checkout this code runs from (None outside one)."""
     try:

@@ -48,7 +48,7 @@ class ModelExecutor:
                                      geometry.head_dim, plan.kv_dtype, loaded.device)
         if plan.relay is not None:
             _relay_unfused_linears(loaded, plan.relay)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, plan)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, plan, loaded.stored)
         fused = self.runner.fused
         if release_sources and loaded.owned and fused is not None and fused.quantization is not None:
             freed = release_layer_weights(loaded.model)

@@ -11,6 +11,7 @@ An option asking for what cannot run here is refused here, naming the option and
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +19,11 @@ import torch
 
 from decodekit.api.config import EngineConfig
 from decodekit.api.errors import ConfigError
-from decodekit.api.models import LoadedModel
+from decodekit.api.models import LoadedModel, StoredWeight
 from decodekit.execution.attention.gpu import kernel_available
 from decodekit.execution.attention.kv_cache import PagedKVCache, needs_capped_attention, uniform_window
 from decodekit.execution.fused.blocks import GEMMA_ARCHITECTURES, fused_decoder_refusal
+from decodekit.execution.fused.stored_matrices import STORED_QUANTIZATION
 from decodekit.execution.fused.weight_matrices import (
     BF16_GEMM_MIN_ROWS,
     onednn_bf16_available,
@@ -29,6 +31,7 @@ from decodekit.execution.fused.weight_matrices import (
 )
 from decodekit.execution.geometry import ModelGeometry, model_geometry, text_config
 from decodekit.execution.kernels.native import NativeKernels, load_kernels
+from decodekit.models.gguf_weights import stored_formats
 from decodekit.models.loader import cpu_has_bf16_dot_products
 
 log = logging.getLogger("decodekit.runner")
@@ -77,12 +80,18 @@ class ExecutionPlan:
     reasons: tuple[str, ...] = ()
     """Why a choice was not the obvious one (a fused decoder off, kernels off, prepacking off), for logs and checks."""
     draft: ExecutionPlan | None = field(default=None)
+    stored_formats: dict[str, int] = field(default_factory=dict)
+    """With `quantization: gguf`: the formats of the weights multiplied as the file stores them, and how many of
+    each."""
 
     def describe(self) -> str:
         """How the model runs, in one line (`decodekit recipe check` prints it)."""
         if self.fused:
             parts = ["fused decoder", "native kernels" if self.kernels is not None else "torch's small ops"]
-            if self.quantization is not None:
+            if self.quantization == STORED_QUANTIZATION:
+                formats = ", ".join(f"{count} {fmt}" for fmt, count in self.stored_formats.items())
+                parts.append(f"GGUF weights as stored ({formats})")
+            elif self.quantization is not None:
                 parts.append(f"{self.quantization} weights" + (" (bf16 products)" if self.bf16_gemm else ""))
             elif self.prepack:
                 parts.append("prepacked weights")
@@ -123,12 +132,14 @@ class ExecutionPlan:
 
 def plan_from_config(model_config: dict[str, Any], name: str, dtype: torch.dtype, device: torch.device,
                      config: EngineConfig, draft_config: dict[str, Any] | None = None,
-                     draft_dtype: torch.dtype | None = None, self_draft: bool = False) -> ExecutionPlan | None:
+                     draft_dtype: torch.dtype | None = None, self_draft: bool = False,
+                     stored: Callable[[Any], dict[str, StoredWeight]] | None = None) -> ExecutionPlan | None:
     """The plan a model (and its draft) would get here, from config.json alone: nothing is loaded (each model's
     skeleton is built on the meta device, and one the fused decoder cannot take keeps its config's KV geometry,
     unprobed). What `decodekit recipe check` reports and checks. None where transformers cannot build a model from
     the config (an architecture it does not know: `run` finds out when it loads). `self_draft`: the draft is the
-    target itself (`draft: {model: target}`).
+    target itself (`draft: {model: target}`). `stored`: the loader's `stored` for this model (the weights its file
+    keeps as stored, read for the skeleton without their data), where it keeps them.
 
     Raises:
         ConfigError: an option asks for what cannot run here (the message names the option).
@@ -136,6 +147,8 @@ def plan_from_config(model_config: dict[str, Any], name: str, dtype: torch.dtype
     target = _skeleton(model_config, name, dtype, device)
     if target is None:
         return None
+    if stored is not None:
+        target.stored = stored(target.model)
     draft = target if self_draft else None
     if draft_config is not None:
         draft = _skeleton(draft_config, "draft", draft_dtype or dtype, device)
@@ -184,7 +197,7 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
     reasons: list[str] = []
     geometry = model_geometry(loaded.model, refusal, probe=not _is_skeleton(loaded.model))
     max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
-    quantization = config.quantization
+    quantization: str | None = config.quantization
     # quantized copies leave the module's own weights alone, so a model object passed in can be quantized in the
     # fused decoder too; a model it cannot take (or `fused_decoder: false`) quantizes its own linear layers
     setting = config.fused_decoder
@@ -194,13 +207,54 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
     kernels = _wants_native_kernels(loaded, config.native_kernels, quantization is not None, reasons) if fused else None
     if quantization is not None and fused and kernels is None:
         raise ConfigError(_quantization_refusal(quantization, loaded))
+    formats = stored_formats(loaded.stored)
+    if quantization == STORED_QUANTIZATION and not formats:
+        raise ConfigError(f"quantization {STORED_QUANTIZATION!r}: {loaded.name} brings no GGUF quantized weights to "
+                          "multiply as stored (a .gguf file, or the bundled model, loaded with dtype auto on a CPU "
+                          "does); leave it unset")
+    if formats and quantization in (None, STORED_QUANTIZATION):
+        quantization = _stored_weights(formats, fused, kernels, reasons, asked=quantization is not None)
     prepack = quantization is None and _wants_prepacking(loaded, config.prepack_weights, reasons)
     bf16_gemm = _wants_bf16_gemm(loaded, config)
     relay = None if fused else _plan_relaid_linears(loaded, config, prepack, bf16_gemm)
     graphs = _wants_cuda_graphs(loaded, config.cuda_graphs, fused, max_model_len, reasons)
+    if quantization == STORED_QUANTIZATION:
+        config = config.model_copy(update={"quantization": quantization})  # float32 activations (`_compute_dtype`)
+    elif config.quantization == STORED_QUANTIZATION:
+        config = config.model_copy(update={"quantization": None})  # asked, and refused above
     return ExecutionPlan(config, geometry, max_model_len, uniform_window(loaded.model), fused, kernels, prepack,
                          quantization, bf16_gemm, relay, graphs, _compute_dtype(loaded, config),
-                         kv_cache_dtype(loaded, config), tuple(reasons), draft)
+                         kv_cache_dtype(loaded, config), tuple(reasons), draft,
+                         formats if quantization == STORED_QUANTIZATION else {})
+
+
+def _stored_weights(formats: dict[str, int], fused: bool, kernels: NativeKernels | None, reasons: list[str],
+                    asked: bool) -> str | None:
+    """`quantization: gguf` (the file's quantized weights multiplied as stored) where the fused decoder and its
+    native kernels run the model, else None (the module's dequantized weights run); the reason either way. `asked`:
+    the options name `quantization: gguf` (so not running it is refused).
+
+    Raises:
+        ConfigError: it was asked and cannot run, or `DECODEKIT_QUANT_ISA` names a code path this CPU's kernels do
+            not have.
+    """
+    listed = ", ".join(f"{count} {fmt}" for fmt, count in formats.items())
+    why = "the fused decoder is off" if not fused else "the native kernels are off" if kernels is None else None
+    if why is not None:
+        if asked:
+            raise ConfigError(f"quantization {STORED_QUANTIZATION!r}: the GGUF weights multiply on the fused decoder's "
+                              f"native kernels, and {why} here; leave it unset")
+        reasons.append(f"GGUF weights ({listed}) run dequantized to float32: {why}")
+        return None
+    assert kernels is not None
+    try:
+        isa = kernels.quant.isa()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    reasons.append(f"weights: the GGUF file's blocks ({listed}) multiplied as stored, dequantized inside the {isa} "
+                   "products (float32 activations: the dequantized float32 model's outputs up to summation order); "
+                   "dtype float32 runs the dequantized model")
+    return STORED_QUANTIZATION
 
 
 def _is_skeleton(model: Any) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from decodekit.api.models import StoredWeight
 from decodekit.execution.attention.gpu import kernel_available
 from decodekit.execution.attention.kv_cache import (
     ATTENTION_NAME,
@@ -41,12 +42,14 @@ class ModelRunner:
     attention function.
     """
 
-    def __init__(self, model: Any, kv_cache: PagedKVCache, plan: ExecutionPlan) -> None:
+    def __init__(self, model: Any, kv_cache: PagedKVCache, plan: ExecutionPlan,
+                 stored: dict[str, StoredWeight] | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.pool.device
         self._config = model.config
-        self.fused = (FusedDecoder(model, plan.prepack, plan.kernels, plan.quantization, plan.bf16_gemm)
+        # `stored`: the weights the model's file stores, which `quantization: gguf` multiplies as they are
+        self.fused = (FusedDecoder(model, plan.prepack, plan.kernels, plan.quantization, plan.bf16_gemm, stored)
                       if plan.fused else None)
         # the GPU path: short queries attended in place by the token-table kernel, uniform steps from CUDA graphs
         capped = needs_capped_attention(text_config(model), plan.max_model_len) or has_attention_sinks(model)

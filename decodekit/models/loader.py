@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from decodekit.api.errors import ModelLoadError, UnsupportedModelError
-from decodekit.api.models import LoadedModel, ModelLoader
+from decodekit.api.models import LoadedModel, ModelLoader, StoredWeight
 
 if TYPE_CHECKING:
     import torch
@@ -268,6 +268,12 @@ def _check_hub(spec: str) -> None:
                              f"; download it first (`hf download {spec}`), or give a local folder or .gguf file")
 
 
+def _stored_gguf(gguf: Path, model: Any) -> dict[str, StoredWeight]:
+    from decodekit.models.gguf_weights import read_stored_weights
+
+    return read_stored_weights(gguf, model)
+
+
 def gguf_folder(gguf: Path) -> Path:
     """Where a GGUF file is converted to a transformers folder (once; keyed by its name and size)."""
     return cache_dir() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
@@ -317,8 +323,10 @@ def peek_vocab_size(spec: str) -> int | None:
 def builtin_model_loaders() -> list[ModelLoader]:
     """The loaders decodekit ships, in the order they are tried."""
     return [
-        ModelLoader("bundled", lambda s: s.lower() == BUNDLED_MODEL_NAME, _load_bundled, _check_bundled),
-        ModelLoader("gguf", lambda s: s.lower().endswith(".gguf"), _load_gguf, _check_gguf),
+        ModelLoader("bundled", lambda s: s.lower() == BUNDLED_MODEL_NAME, _load_bundled, _check_bundled,
+                    lambda s, model: _stored_gguf(bundled_gguf_path(), model)),
+        ModelLoader("gguf", lambda s: s.lower().endswith(".gguf"), _load_gguf, _check_gguf,
+                    lambda s, model: _stored_gguf(Path(s).expanduser().resolve(), model)),
         ModelLoader("hf-folder", lambda s: Path(s).expanduser().is_dir(),
                     lambda s, d, dev: _from_pretrained(s, d, dev), _check_folder),
         ModelLoader("hub", _looks_like_hub_id, lambda s, d, dev: _from_pretrained(s, d, dev), _check_hub),
@@ -375,7 +383,8 @@ def load_model(
     Args:
         model: `"smollm2-135m-instruct"`, a local HF folder, a `.gguf` file, a hub id, or a `PreTrainedModel`.
         tokenizer: the tokenizer to use with a model object (loaded with the model otherwise).
-        dtype: "auto" (`auto_dtype`: bf16 on CUDA and on a CPU with bf16 dot products, else float32), "float32",
+        dtype: "auto" (`auto_dtype`: bf16 on CUDA and on a CPU with bf16 dot products, else float32; a GGUF on a
+            CPU loads in float32 with its quantized weights kept as stored: `keeps_stored_weights`), "float32",
             "bfloat16", "float16" or a torch dtype.
         device: "cpu", "cuda", ...; default CUDA when available, else CPU.
         loaders: the loaders to try (default: the built-ins).
@@ -399,8 +408,38 @@ def load_model(
         model = model.to(device=dev, dtype=torch_dtype)
         return LoadedModel(model.eval(), tokenizer, getattr(model.config, "name_or_path", "") or type(model).__name__,
                            torch_dtype, dev, owned=False)
-    torch_dtype = resolve_dtype(dtype, dev)
     loader = find_loader(model, loaders)
+    keep = keeps_stored_weights(loader, dtype, dev)
+    if keep:
+        torch_dtype = torch.float32
+        log.info("dtype auto -> float32 on %s (%s)", dev, STORED_AUTO_REASON)
+    else:
+        torch_dtype = resolve_dtype(dtype, dev)
     hf_model, hf_tokenizer = loader.load(model, torch_dtype, dev)
     check_paged_attention_support(hf_model)
-    return LoadedModel(hf_model.eval(), tokenizer or hf_tokenizer, model, torch_dtype, dev)
+    stored = loader.stored(model, hf_model) if keep and loader.stored is not None else {}
+    return LoadedModel(hf_model.eval(), tokenizer or hf_tokenizer, model, torch_dtype, dev, stored=stored)
+
+
+STORED_AUTO_REASON = ("the file's quantized weights run as stored: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks are "
+                      "dequantized inside the native products, float32 activations, the dequantized float32 model's "
+                      "outputs up to summation order; dtype='float32' runs that dequantized model instead")
+"""Why `auto` loads a GGUF in float32 and keeps its quantized weights (`keeps_stored_weights`)."""
+
+
+def auto_stored_loader(spec: str, device: torch.device) -> ModelLoader | None:
+    """The built-in loader of `spec` when, under dtype `auto` on `device`, it keeps the model's stored weights
+    (`keeps_stored_weights`), else None; loads nothing (`decodekit recipe check`)."""
+    try:
+        loader = find_loader(spec)
+    except ModelLoadError:
+        return None
+    return loader if keeps_stored_weights(loader, "auto", device) else None
+
+
+def keeps_stored_weights(loader: ModelLoader, dtype: Any, device: torch.device) -> bool:
+    """Whether `load_model` keeps the weights `loader` can give as stored (a GGUF's quantized blocks): under dtype
+    `auto` on a CPU where the native kernels that multiply them can be built; the model then loads in float32 (the
+    activations' dtype of those products). An explicit dtype runs the dequantized model in that dtype."""
+    return (loader.stored is not None and dtype in (None, "auto") and device.type == "cpu"
+            and _native_kernels_possible())

@@ -156,14 +156,14 @@ def test_the_portable_build_without_avx2_gives_the_same_products_and_bf16_cache_
     import platform
     import subprocess
 
-    from decodekit.execution.kernels.native import SOURCE, NativeKernels, find_compiler
+    from decodekit.execution.kernels.native import SOURCES, NativeKernels, find_compiler
 
     compiler = find_compiler()
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs a C compiler on x86-64")
     library = tmp_path / "portable.so"
     subprocess.run([compiler, "-O2", "-mno-avx2", "-mno-fma", "-fPIC", "-shared", "-std=c11", "-Wno-unknown-pragmas",
-                    "-o", str(library), str(SOURCE), "-lm"], check=True, capture_output=True)
+                    "-o", str(library), *map(str, SOURCES), "-lm"], check=True, capture_output=True)
     portable = NativeKernels(library)
     g = torch.Generator().manual_seed(5)
     weight, x, bias = torch.randn(45, 70, generator=g), torch.randn(7, 70, generator=g), torch.randn(45, generator=g)

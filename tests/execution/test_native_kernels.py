@@ -155,7 +155,7 @@ def attention_builds(native, tmp_path_factory):
     for name, flags in (("avx2", ["-march=native", "-mno-avx512f"]), ("scalar", ["-mno-avx2", "-mno-fma"])):
         library = folder / f"{name}.so"
         subprocess.run([compiler, "-O2", *flags, "-ffp-contract=off", "-fPIC", "-shared", "-std=c11", "-fopenmp",
-                        "-o", str(library), str(native_kernels.SOURCE), "-lm"], check=True, capture_output=True)
+                        "-o", str(library), *map(str, native_kernels.SOURCES), "-lm"], check=True, capture_output=True)
         builds.append(NativeKernels(library))
     assert [b.attention_tile for b in builds] == [16, 8, 0]
     return builds
@@ -476,7 +476,7 @@ def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, t
     partial = _compile(tmp_path, "partial", "void dk_rms_norm(void) {}\n")
     missing = ("lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_tiled_attention, "
                "dk_dot_attention, dk_linear_i8, dk_linear_bf16, dk_gemv, dk_rms_norm_bf16, dk_silu_mul_bf16, "
-               "dk_widen_add")
+               "dk_widen_add, dk_quant_linear, dk_quant_dequantize, dk_quant_isa")
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)

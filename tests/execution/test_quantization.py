@@ -221,7 +221,7 @@ def test_asking_for_int8_where_it_cannot_run_is_refused_with_the_option_named(to
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_embd=64, n_layer=1, n_head=4, n_positions=64)).eval()
     with pytest.raises(ConfigError, match=r"draft_quantization: a quantized self-draft.*GPT2LMHeadModel is not one of"):
         LLM(gpt2, tokenizer, draft="target", draft_quantization="int8", fused_decoder=False, kv_cache_memory="16MiB")
-    with pytest.raises(ConfigError, match=r"(?s)quantization.*Input should be 'int8' or 'bf16'"):
+    with pytest.raises(ConfigError, match=r"(?s)quantization.*Input should be 'int8', 'bf16' or 'gguf'"):
         LLM(tiny_model("llama"), tokenizer, quantization="int4", kv_cache_memory="16MiB")
 
 

@@ -146,19 +146,26 @@ def test_recipe_check_prints_the_resolved_recipe_and_its_plan_in_order():
 
 
 @pytest.mark.parametrize("bf16_cpu", [True, False])
-def test_recipe_check_says_which_dtype_auto_chooses_on_this_cpu_and_why(bf16_cpu, monkeypatch):
+def test_recipe_check_says_which_dtype_auto_chooses_on_this_cpu_and_why(bf16_cpu, monkeypatch, tiny_dir):
+    """A Hugging Face folder: bf16 where the CPU has bf16 dot products, else float32. The bundled model (a GGUF):
+    float32 activations over its quantized weights as stored, on either CPU."""
     from decodekit.models import loader
 
     monkeypatch.setattr(loader, "cpu_has_bf16_dot_products", lambda: bf16_cpu)
     monkeypatch.setattr(loader, "_native_kernels_possible", lambda: True)
-    result = _invoke("recipe", "check", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "device=cpu")
+    quickstart = str(ROOT / "recipes" / "quickstart.yaml")
+    result = _invoke("recipe", "check", quickstart, "--set", "device=cpu", "--set", f"model={tiny_dir}")
     assert result.exit_code == 0, result.stderr
     said = " ".join(result.stderr.split())
     if bf16_cpu:
         assert "dtype: auto -> bfloat16 on cpu (this CPU has bf16 dot products" in said
     else:
         assert "dtype: auto -> float32 on cpu (this CPU has no bf16 dot products" in said
-    pinned = _invoke("recipe", "check", str(ROOT / "recipes" / "quickstart.yaml"), "--set", "dtype=float32")
+    bundled = _invoke("recipe", "check", quickstart, "--set", "device=cpu")
+    assert bundled.exit_code == 0, bundled.stderr
+    said = " ".join(bundled.stderr.split())
+    assert "dtype: auto -> float32 on cpu (the file's quantized weights run as stored" in said
+    pinned = _invoke("recipe", "check", quickstart, "--set", "dtype=float32")
     assert pinned.exit_code == 0 and "dtype" not in pinned.stderr  # a dtype the recipe names needs no reason
 
 

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodekit.api.models import StoredWeight
 from decodekit.execution.attention.gpu import attend_tokens, kernel_available
 from decodekit.execution.attention.kv_cache import PagedKVCache, attend_chunks, paged_attention
 from decodekit.execution.fused.blocks import (
@@ -57,13 +58,17 @@ from decodekit.execution.fused.blocks import (
     projections,
     qkv_bias_of,
 )
+from decodekit.execution.fused.stored_matrices import (
+    STORED_QUANTIZATION,
+    LayerMatrix,
+    StackMaker,
+    stored_matrix_maker,
+)
 from decodekit.execution.fused.weight_matrices import (
     BF16_GEMM_MIN_ROWS,
     QUANTIZATIONS,
-    AnyMatrix,
     Bf16Matrix,
     Matrix,
-    MatrixMaker,
     quantized_matrix,
 )
 from decodekit.execution.kernels import gpu_ops
@@ -80,15 +85,15 @@ class _FusedLayer:
 
     input_norm: torch.Tensor
     input_eps: float
-    qkv: AnyMatrix
+    qkv: LayerMatrix
     q_heads: int
     kv_heads: int
-    o: AnyMatrix
+    o: LayerMatrix
     post_norm: torch.Tensor
     post_eps: float
-    gate_up: AnyMatrix
+    gate_up: LayerMatrix
     intermediate: int
-    down: AnyMatrix
+    down: LayerMatrix
     scaling: float
     # Qwen3's per-head RMSNorms of queries and keys before RoPE (`[head_dim]` weights), None for the Llama block
     q_norm: torch.Tensor | None = None
@@ -201,7 +206,8 @@ class FusedDecoder:
     """
 
     def __init__(self, model: Any, prepack: bool = False, native: NativeKernels | None = None,
-                 quantization: str | None = None, bf16_gemm: bool = False) -> None:
+                 quantization: str | None = None, bf16_gemm: bool = False,
+                 stored: dict[str, StoredWeight] | None = None) -> None:
         reason = fused_decoder_refusal(model)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
@@ -210,9 +216,13 @@ class FusedDecoder:
                                    or weight.device.type != "cpu"):
             raise ValueError(f"native kernels need float32 weights on the CPU (any float weights with a quantization), "
                              f"not {weight.dtype} on {weight.device}")
-        if quantization is not None and (quantization not in QUANTIZATIONS or native is None):
-            raise ValueError(f"quantization {quantization!r}: the fused decoder has {list(QUANTIZATIONS)}, which run "
-                             "on its native kernels (float32 on a CPU with a C compiler)")
+        known = (*QUANTIZATIONS, STORED_QUANTIZATION)
+        if quantization is not None and (quantization not in known or native is None):
+            raise ValueError(f"quantization {quantization!r}: the fused decoder has {list(known)}, which run on its "
+                             "native kernels (float32 on a CPU with a C compiler)")
+        if quantization == STORED_QUANTIZATION and not stored:
+            raise ValueError(f"quantization {STORED_QUANTIZATION!r} multiplies the weights the model's file stores, "
+                             "and none were given")
         self.native = native
         self.quantization = quantization
         # bf16 copies multiply several rows on the CPU's bf16 dot products (`execution.plan`)
@@ -239,10 +249,11 @@ class FusedDecoder:
         self.prepacked = prepack and quantization is None
         if quantization is not None:
             assert native is not None
-            matrix = quantized_matrix(quantization, self.bf16_gemm)
+            make = (stored_matrix_maker(model, stored or {}, native) if quantization == STORED_QUANTIZATION
+                    else _copies_maker(quantization, self.bf16_gemm, native))
             with torch.no_grad():
-                self.layers = [self._quantize(layer, matrix, native, gemma, by_type) for layer in base.layers]
-                self.lm_head: AnyMatrix = matrix(model.lm_head.weight, None, native)
+                self.layers = [self._quantize(layer, make, gemma, by_type) for layer in base.layers]
+                self.lm_head: LayerMatrix = make([model.lm_head], None)
             return
         with torch.no_grad():
             self.layers = [self._fuse(layer, prepack, native, gemma, by_type) for layer in base.layers]
@@ -252,23 +263,20 @@ class FusedDecoder:
             self.lm_head = Matrix(relay_column_major(head, self.embed_tokens), None, prepack, native)
 
     @staticmethod
-    def _quantize(layer: Any, matrix: MatrixMaker, native: NativeKernels, gemma: bool,
-                  rope_by_type: bool) -> _FusedLayer:
-        """The layer's products as compressed copies (`matrix`: q/k/v and gate/up fused by rows); the module is not
+    def _quantize(layer: Any, make: StackMaker, gemma: bool, rope_by_type: bool) -> _FusedLayer:
+        """The layer's products as compressed weights (`make`: q/k/v and gate/up stacked by rows); the module is not
         touched."""
         attn, mlp = layer.self_attn, layer.mlp
         q_heads, kv_heads = head_counts(attn)
         if hasattr(attn, "qkv_proj"):  # Phi-3: already fused by rows, q then k then v; gate then up
-            qkv_weight, qkv_bias = attn.qkv_proj.weight, None
-            gate_up_weight = mlp.gate_up_proj.weight
+            qkv, qkv_bias, gate_up = [attn.qkv_proj], None, [mlp.gate_up_proj]
         else:
-            qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            qkv_bias = qkv_bias_of(attn)
-            gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            qkv, qkv_bias = [attn.q_proj, attn.k_proj, attn.v_proj], qkv_bias_of(attn)
+            gate_up = [mlp.gate_proj, mlp.up_proj]
         return _FusedLayer(
-            qkv=matrix(qkv_weight, qkv_bias, native), q_heads=q_heads, kv_heads=kv_heads,
-            o=matrix(attn.o_proj.weight, None, native), gate_up=matrix(gate_up_weight, None, native),
-            intermediate=gate_up_weight.shape[0] // 2, down=matrix(mlp.down_proj.weight, None, native),
+            qkv=make(qkv, qkv_bias), q_heads=q_heads, kv_heads=kv_heads, o=make([attn.o_proj], None),
+            gate_up=make(gate_up, None), intermediate=sum(m.weight.shape[0] for m in gate_up) // 2,
+            down=make([mlp.down_proj], None),
             scaling=float(attn.scaling), window=layer_window(attn, attn.config),
             **block_fields(layer, True, gemma, rope_by_type),
         )
@@ -452,6 +460,17 @@ class FusedDecoder:
         if layer.mlp_out_norm is None:
             return layer.down(gated, residual=hidden)
         return hidden + _rms_norm(layer.down(gated), layer.mlp_out_norm, layer.out_eps)
+
+
+def _copies_maker(quantization: str, bf16_gemm: bool, native: NativeKernels) -> StackMaker:
+    """Makes the `quantization`'s compressed copy ("int8", "bf16") of linear layers' weights stacked by rows."""
+    matrix = quantized_matrix(quantization, bf16_gemm)
+
+    def make(modules: Any, bias: torch.Tensor | None) -> LayerMatrix:
+        weights = [module.weight for module in modules]
+        return matrix(weights[0] if len(weights) == 1 else torch.cat(weights), bias, native)
+
+    return make
 
 
 def _silu_gate(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:

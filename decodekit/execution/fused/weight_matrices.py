@@ -90,7 +90,7 @@ def prepacking_available(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def _dequantized_mm(x: torch.Tensor, residual: torch.Tensor | None, out_dim: int,
+def dequantized_mm(x: torch.Tensor, residual: torch.Tensor | None, out_dim: int,
                     blocks: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
     """`x @ W^T (+ residual)` for a compressed weight given as `(first output row, float W^T block [in, rows])`
     blocks: products of many rows (prefill chunks) are bound by arithmetic, where BLAS on float32 beats the native
@@ -113,7 +113,7 @@ class Int8Matrix:
     Symmetric and round-to-nearest: a row's largest |w| maps to 127, so each weight is off by at most half a step
     (a relative error of ~0.4% of the row's largest weight). Up to `INT8_NATIVE_MAX_ROWS` rows run the native
     kernel, which streams the int8 bytes and rounds the activations to int16 per row (an error of at most
-    sqrt(in) / 65534 of a row's rms: see `dk_linear_i8`); more rows take `_dequantized_mm`.
+    sqrt(in) / 65534 of a row's rms: see `dk_linear_i8`); more rows take `dequantized_mm`.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels) -> None:
@@ -134,12 +134,12 @@ class Int8Matrix:
         """`x @ W^T (+ bias) (+ residual)` with `W = weight * scale`."""
         if x.shape[0] <= INT8_NATIVE_MAX_ROWS:
             return self.native.linear_i8(x, self.panels, self.scale, self.bias, residual)
-        step = _DEQUANTIZE_BLOCK // PANEL
+        step = DEQUANTIZE_BLOCK // PANEL
         blocks = ((first * PANEL, (unpack_int8_panels(self.panels[first:first + step], self.out_dim - first * PANEL,
                                                       self.in_dim).to(x.dtype)
                                    * self.scale[first * PANEL:(first + step) * PANEL, None]).t())
                   for first in range(0, self.panels.shape[0], step))
-        out = _dequantized_mm(x, residual, self.out_dim, blocks)
+        out = dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -148,7 +148,7 @@ class Bf16Matrix:
 
     Round-to-nearest-even to bf16 (8 significant bits: a relative error of at most 2^-9 per weight, none for
     weights bf16 represents). Up to `BF16_NATIVE_MAX_ROWS` rows run `dk_linear_bf16`, which reads the panels front
-    to back; more rows take `_dequantized_mm`.
+    to back; more rows take `dequantized_mm`.
 
     With `bf16_gemm` (`execution.plan`: a bfloat16 model on a CPU with bf16 dot products), products of
     `BF16_GEMM_MIN_ROWS` rows or more run oneDNN's bf16 GEMM on a prepacked copy of the weight instead: the
@@ -180,11 +180,11 @@ class Bf16Matrix:
         x = x.to(torch.float32)
         if rows <= BF16_NATIVE_MAX_ROWS:
             return self.native.linear_bf16(x, self.panels, self.out_dim, self.bias, residual)
-        step = _DEQUANTIZE_BLOCK // PANEL
+        step = DEQUANTIZE_BLOCK // PANEL
         blocks = ((first * PANEL, self.panels[first:first + step].to(x.dtype).permute(1, 0, 2)
                    .reshape(self.in_dim, -1)[:, :self.out_dim - first * PANEL])
                   for first in range(0, self.panels.shape[0], step))
-        out = _dequantized_mm(x, residual, self.out_dim, blocks)
+        out = dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)
 
 
@@ -230,7 +230,7 @@ BF16_NATIVE_MAX_ROWS = 128
 # 8 rows (batch-1 decode, one sequence's speculative verification) the panels keep float32 activations.
 BF16_GEMM_MIN_ROWS = 8
 # Output rows dequantized at once on the BLAS path: a few MB of float32, not a vocabulary-sized matrix.
-_DEQUANTIZE_BLOCK = 2048
+DEQUANTIZE_BLOCK = 2048
 
 QUANTIZATIONS = ("int8", "bf16")
 QUANTIZED_MATRICES: dict[str, type[Int8Matrix] | type[Bf16Matrix]] = {"int8": Int8Matrix, "bf16": Bf16Matrix}

@@ -12,8 +12,9 @@ Anything else is rebuilt over; a folder that cannot be made private is not used 
 
 The kernels (see `native/kernels.c`) do RMSNorm, SiLU-gating, and RoPE + KV write + attention for the sequences
 of a step that score a few tokens each (long prefill chunks are rotated and stored, and attended by the caller),
-and the products of int8 and bf16 weights (`quantization: int8 | bf16`), packed in panels of 16 output rows
-(`pack_int8_panels`, `pack_bf16_panels`).
+the products of int8 and bf16 weights (`quantization: int8 | bf16`), packed in panels of 16 output rows
+(`pack_int8_panels`, `pack_bf16_panels`), and (`native/quant.c`, bound in `kernels.quant`) the products of GGUF
+quantized weights as the file stores them.
 They take raw pointers: every tensor passed must be float32 (int64 for the index arrays, int8 or bf16 for packed
 weights), contiguous, and on the CPU. The wrappers below make inputs contiguous and check the attention's and the
 panels' shapes; dtype and device are checked once, when the fused decoder is built with them (`FusedDecoder`,
@@ -38,9 +39,13 @@ from pathlib import Path
 import torch
 
 from decodekit.execution.attention.kv_cache import BATCHED_MAX_QUERY
+from decodekit.execution.kernels.quant import QuantKernels
 from decodekit.models.loader import cache_dir
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
+# The library's sources: the small ops, attention, float/bf16/int8 products; the GGUF quantized products
+# (`kernels.quant` binds those).
+SOURCES = (SOURCE, SOURCE.with_name("quant.c"))
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
 # bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
@@ -66,7 +71,7 @@ log = logging.getLogger("decodekit.runner")
 # there (a reason for the torch fallback) rather than failing later.
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
-           "dk_widen_add")
+           "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -93,7 +98,7 @@ def find_compiler() -> str | None:
 
 def library_path(compiler: str) -> Path:
     """Where the library built by `compiler` for this source and CPU is cached (its hash sits at `<path>.sha256`)."""
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     flags = [compiler, *CFLAGS, *OPENMP_FLAGS, *SERIAL_FLAGS]
     key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_identity().encode()).hexdigest()
     return cache_dir() / "native" / f"decodekit_kernels_{key[:16]}.so"
@@ -161,15 +166,16 @@ def build_library(compiler: str) -> Path:
     fd, partial_hash = tempfile.mkstemp(suffix=".sha256", dir=target.parent)  # mkstemp makes it 0600
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, *OPENMP_FLAGS, "-o", partial, str(SOURCE), "-lm"],
+        done = subprocess.run([compiler, *CFLAGS, *OPENMP_FLAGS, "-o", partial, *map(str, SOURCES), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:  # no OpenMP with this compiler: the serial build
             log.info("native kernels built without OpenMP (%s): attention runs on one thread",
                      done.stderr.strip().splitlines()[-1:] or done.returncode)
-            done = subprocess.run([compiler, *CFLAGS, *SERIAL_FLAGS, "-o", partial, str(SOURCE), "-lm"],
-                                  capture_output=True, text=True, timeout=120)
+            done = subprocess.run([compiler, *CFLAGS, *SERIAL_FLAGS, "-o", partial, *map(str, SOURCES),
+                                   "-lm"], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to build {SOURCE.name}:\n{done.stderr.strip()}")
+            names = ", ".join(path.name for path in SOURCES)
+            raise RuntimeError(f"{compiler} failed to build {names}:\n{done.stderr.strip()}")
         os.chmod(partial, 0o700)  # the linker created it anew, under the umask
         Path(partial_hash).write_text(_sha256(partial) + "\n")
         os.replace(partial, target)
@@ -223,6 +229,7 @@ class NativeKernels:
         self._gemv = lib.dk_gemv
         self._gemv.argtypes = [_p, _i, _p, _i, _i, _i, _p, _p, _p]
         self._gemv.restype = ctypes.c_int
+        self.quant = QuantKernels(lib)  # GGUF quantized weights multiplied as stored
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
         # keys per tile of the tiled attention (16 built for AVX-512, 8 for AVX2 + FMA; 0: key by key only), for head
         # sizes that are a multiple of it

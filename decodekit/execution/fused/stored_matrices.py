@@ -1,0 +1,110 @@
+"""Weights multiplied as their file stores them: a GGUF's quantized blocks (`GgufMatrix`), for the fused decoder's
+`quantization: gguf` (which `execution.plan` chooses for a model loaded with its stored weights).
+
+Up to `GGUF_NATIVE_MAX_ROWS` rows (batch-1 decode, small batches, speculative verification) run the native product,
+which dequantizes each block in registers (`kernels.quant`); more rows (prefill chunks, large batches) are bound by
+arithmetic, so a block of output rows at a time is dequantized to float32 and multiplied by BLAS
+(`dequantized_mm`), as the int8 and bf16 copies do. Both multiply exactly the float32 weights transformers
+dequantizes from the file: the output is the dequantized model's up to summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from decodekit.api.models import StoredWeight
+from decodekit.execution.fused.weight_matrices import DEQUANTIZE_BLOCK, AnyMatrix, Matrix, dequantized_mm
+from decodekit.execution.kernels.native import NativeKernels
+
+STORED_QUANTIZATION = "gguf"
+"""The `ExecutionPlan.quantization` of weights multiplied as stored."""
+
+# Rows up to which the native product runs; more dequantize blocks of rows for BLAS. Not measured on a quiet
+# machine yet: benchmarks/quant_products.py prints both paths per row count (its crossover is the value to put here).
+# The kernel dequantizes each block once per 4 activation rows, so its cost grows with the rows while the
+# dequantize-then-GEMM path pays the dequantization once per step.
+GGUF_NATIVE_MAX_ROWS = 16
+
+
+class GgufMatrix:
+    """One weight, or several stacked by output rows (q/k/v, gate/up), as GGUF quantized blocks (`StoredWeight`s of
+    one input width, each part in its own format), multiplied in float32.
+
+    Args:
+        parts: the weights, in output-row order.
+        bias: float bias of all the rows (or None).
+        native: the kernels (their `quant` products).
+        isa: the code path (`QuantKernels.isa`: default the best this CPU has, or `$DECODEKIT_QUANT_ISA`).
+
+    Raises:
+        ValueError: the parts differ in width, a format is not one the kernels take, or the path is not available.
+    """
+
+    def __init__(self, parts: Sequence[StoredWeight], bias: torch.Tensor | None, native: NativeKernels,
+                 isa: str | None = None) -> None:
+        widths = {part.shape[1] for part in parts}
+        if len(widths) != 1:
+            raise ValueError(f"stacked GGUF weights must share their input width, not {sorted(widths)}")
+        self.in_dim = widths.pop()
+        self.parts: list[tuple[int, str, torch.Tensor]] = []
+        start = 0
+        for part in parts:
+            self.parts.append((start, part.format, part.data.contiguous()))
+            start += part.shape[0]
+        self.out_dim = start
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.quant = native.quant
+        self.isa = native.quant.isa(isa)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """Each part's format."""
+        return tuple(fmt for _, fmt, _ in self.parts)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight `[out, in]` multiplied (a copy)."""
+        return torch.cat([self.quant.dequantize(blocks, fmt, self.in_dim, self.isa) for _, fmt, blocks in self.parts])
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ W^T (+ bias) (+ residual)` for float32 rows `x` `[rows, in]`."""
+        x = x.contiguous()
+        if x.shape[0] <= GGUF_NATIVE_MAX_ROWS:
+            out = x.new_empty(x.shape[0], self.out_dim)
+            residual = None if residual is None else residual.contiguous()
+            for start, fmt, blocks in self.parts:
+                self.quant.linear(x, blocks, fmt, out, start, self.bias, residual, self.isa)
+            return out
+        out = dequantized_mm(x, residual, self.out_dim, self.dequantized_blocks())
+        return out if self.bias is None else out.add_(self.bias)
+
+    def dequantized_blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """`(first output row, W^T block [in, rows])` of at most `DEQUANTIZE_BLOCK` rows, dequantized on demand."""
+        for start, fmt, blocks in self.parts:
+            for first in range(0, blocks.shape[0], DEQUANTIZE_BLOCK):
+                rows = blocks[first:first + DEQUANTIZE_BLOCK]
+                yield start + first, self.quant.dequantize(rows, fmt, self.in_dim, self.isa).t()
+
+
+LayerMatrix = AnyMatrix | GgufMatrix
+"""Any product the fused decoder's layers hold."""
+StackMaker = Callable[[Sequence[nn.Linear], "torch.Tensor | None"], LayerMatrix]
+"""Makes the product of some linear layers' weights stacked by output rows (with their bias)."""
+
+
+def stored_matrix_maker(model: Any, stored: dict[str, StoredWeight], native: NativeKernels) -> StackMaker:
+    """What makes the fused decoder's products of `model`'s layers from their `stored` weights (`GgufMatrix`); a
+    stack with a layer whose weight is not stored multiplies a float32 copy of the modules' weights instead."""
+    names = {module: name for name, module in model.named_modules()}
+
+    def make(modules: Sequence[nn.Linear], bias: torch.Tensor | None) -> LayerMatrix:
+        parts = [stored.get(f"{names[module]}.weight") for module in modules]
+        if all(part is not None for part in parts):
+            return GgufMatrix([part for part in parts if part is not None], bias, native)
+        dense = torch.cat([module.weight.detach().to(torch.float32) for module in modules])
+        return Matrix(dense.t().contiguous(), bias, False, native)
+
+    return make

@@ -1,0 +1,489 @@
+/* decodekit's products of GGUF quantized weights, run as the file stores them.
+ *
+ * A GGUF weight [out, in] is `out` rows of blocks: Q4_0, Q4_1 and Q8_0 blocks of 32 weights (18, 20, 34 bytes),
+ * Q4_K and Q6_K super-blocks of 256 (144, 210 bytes). These products read those bytes as they lie (row after row,
+ * as in the file) and dequantize each block in registers inside the product, 32 weights (a "chunk") at a time:
+ *
+ *   Q4_0  w = d * (q - 8)            q: 4-bit, d: fp16
+ *   Q4_1  w = d * q + m              q: 4-bit, d, m: fp16
+ *   Q8_0  w = d * q                  q: int8
+ *   Q4_K  w = (d * sc) * q - dmin * mn    q: 4-bit; sc, mn: the 6-bit scale and min of the 32-weight sub-block
+ *   Q6_K  w = (d * sc) * (q - 32)    q: 6-bit; sc: the int8 scale of the 16-weight sub-block
+ *
+ * Each weight is computed with the operations, in the order, of gguf-py's `dequantize` (which transformers uses to
+ * load a GGUF in float32), and every product before the last rounding is exact in float32 (fp16's 11 significant
+ * bits times at most 7 of a scale and 6 of a quant), so a fused multiply-add gives the same float: the weights
+ * multiplied are exactly the float32 weights of the dequantized model. Activations stay float32 (llama.cpp rounds
+ * them to 8 bits for its integer dot products; that is why VNNI's int8 and AVX512-BF16's bf16 dot products are not
+ * used here: neither multiplies these float32 weights by float32 activations). A product therefore equals the
+ * float32 product of the dequantized weight up to the order of its sums.
+ *
+ * Three code paths, chosen at run time by the `isa` argument (`dk_quant_isa` says the best this library was compiled
+ * with; native.py picks it unless DECODEKIT_QUANT_ISA asks for a lower one):
+ *   2  AVX-512: 4-bit quants index a 16-entry table of the block's 16 possible weights (`vpermps`: one permute per
+ *      16 weights instead of a conversion and a multiply-add), 16 lanes;
+ *   1  AVX2 + FMA: quants widened to int32 and converted, 8 lanes;
+ *   0  portable C: GCC/Clang vector extensions of 8 floats (whatever the target makes of them).
+ *
+ * The product y[m, o] = sum_i x[m, i] w[o, i] runs in tiles of R weight rows x M activation rows (4x1, 2x2, 1x4):
+ * a chunk of each weight row is dequantized once and multiplied into every activation row of the tile. Groups of
+ * 4 output rows are split over torch's OpenMP threads. Each output's sum runs in one fixed order (chunk by chunk,
+ * even and odd vectors in two accumulators), whatever the tile, the number of rows or of threads: a row's result
+ * does not depend on the batch it is multiplied in, nor on the thread count.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define DK_QUANT_AVX2 1
+#else
+#define DK_QUANT_AVX2 0
+#endif
+#if defined(__AVX512F__) && DK_QUANT_AVX2
+#define DK_QUANT_AVX512 1
+#else
+#define DK_QUANT_AVX512 0
+#endif
+
+/* ggml's type ids (GGMLQuantizationType) */
+enum { DK_Q4_0 = 2, DK_Q4_1 = 3, DK_Q8_0 = 8, DK_Q4_K = 12, DK_Q6_K = 14 };
+
+#define CHUNK 32
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Weights per block and bytes per block of a type (0 for a type these kernels do not take). */
+static int64_t block_weights(int64_t kind) {
+    return kind == DK_Q4_K || kind == DK_Q6_K ? 256 : 32;
+}
+
+static int64_t block_bytes(int64_t kind) {
+    switch (kind) {
+        case DK_Q4_0: return 18;
+        case DK_Q4_1: return 20;
+        case DK_Q8_0: return 34;
+        case DK_Q4_K: return 144;
+        case DK_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* An IEEE half (read unaligned) widened to float, exactly (numpy's float16 -> float32): one F16C instruction where
+ * the CPU has it (every AVX2 one), else by its bits. */
+static inline float half_at(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0) {  /* zero or subnormal: mantissa * 2^-24, exact in float */
+        float f = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    if (exponent == 31) bits = sign | 0x7f800000u | (mantissa << 13);  /* infinity, NaN */
+    else bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Q4_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4; gguf-py's Q4_K.get_scale_min). */
+static inline void q4k_scale_min(const uint8_t* s, int64_t j, int* sc, int* mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+/* ---- the portable path: chunk c (weights 32c..32c+31) of a row, dequantized into w[32] ------------------------ */
+ALWAYS_INLINE void chunk_scalar(int kind, const uint8_t* row, int64_t c, float* w) {
+    if (kind == DK_Q4_0) {
+        const uint8_t* b = row + c * 18;
+        float d = half_at(b);
+        for (int j = 0; j < 16; ++j) {
+            w[j] = d * (float)((b[2 + j] & 15) - 8);
+            w[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+        }
+    } else if (kind == DK_Q4_1) {
+        const uint8_t* b = row + c * 20;
+        float d = half_at(b), m = half_at(b + 2);
+        for (int j = 0; j < 16; ++j) {
+            w[j] = d * (float)(b[4 + j] & 15) + m;
+            w[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+    } else if (kind == DK_Q8_0) {
+        const uint8_t* b = row + c * 34;
+        float d = half_at(b);
+        for (int j = 0; j < 32; ++j) w[j] = (float)(int8_t)b[2 + j] * d;
+    } else if (kind == DK_Q4_K) {
+        const uint8_t* b = row + (c / 8) * 144;
+        int64_t j = c % 8;
+        int sc, mn;
+        q4k_scale_min(b + 4, j, &sc, &mn);
+        float ds = half_at(b) * (float)sc, dm = half_at(b + 2) * (float)mn;
+        const uint8_t* qs = b + 16 + 32 * (j / 2);
+        int shift = 4 * (int)(j % 2);
+        for (int l = 0; l < 32; ++l) w[l] = ds * (float)((qs[l] >> shift) & 15) - dm;
+    } else {  /* DK_Q6_K */
+        const uint8_t* b = row + (c / 8) * 210;
+        int64_t k = c % 8, h = k / 4, kk = k % 4;
+        const uint8_t* ql = b + 64 * h + 32 * (kk & 1);
+        const uint8_t* qh = b + 128 + 32 * h;
+        const int8_t* sc = (const int8_t*)(b + 192) + 8 * h + 2 * kk;
+        float d = half_at(b + 208);
+        float s0 = d * (float)sc[0], s1 = d * (float)sc[1];
+        for (int l = 0; l < 32; ++l) {
+            int q = (((ql[l] >> (4 * (kk >> 1))) & 15) | (((qh[l] >> (2 * kk)) & 3) << 4)) - 32;
+            w[l] = (l < 16 ? s0 : s1) * (float)q;
+        }
+    }
+}
+
+typedef float dk_v8f __attribute__((vector_size(32)));
+
+ALWAYS_INLINE dk_v8f load_v8f(const float* p) { dk_v8f v; memcpy(&v, p, sizeof v); return v; }
+
+ALWAYS_INLINE void chunk_portable(int kind, const uint8_t* row, int64_t c, dk_v8f* w) {
+    float f[CHUNK];
+    chunk_scalar(kind, row, c, f);
+    for (int v = 0; v < 4; ++v) w[v] = load_v8f(f + 8 * v);
+}
+
+ALWAYS_INLINE float hsum_portable(dk_v8f a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+#if DK_QUANT_AVX2
+/* ---- AVX2 + FMA: chunk c as four vectors of 8 ------------------------------------------------------------------ */
+
+/* The 32 quants of 16 bytes of nibbles (low nibbles first), widened to four int32 vectors. */
+ALWAYS_INLINE void nibbles_avx2(const uint8_t* p, __m256i* q) {
+    __m128i bytes = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    q[0] = _mm256_cvtepu8_epi32(lo);
+    q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+    q[2] = _mm256_cvtepu8_epi32(hi);
+    q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
+/* 32 bytes widened (signed or not) to four int32 vectors. */
+ALWAYS_INLINE void widen32_avx2(__m256i bytes, int is_signed, __m256i* q) {
+    __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+    if (is_signed) {
+        q[0] = _mm256_cvtepi8_epi32(lo);
+        q[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
+        q[2] = _mm256_cvtepi8_epi32(hi);
+        q[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
+    } else {
+        q[0] = _mm256_cvtepu8_epi32(lo);
+        q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        q[2] = _mm256_cvtepu8_epi32(hi);
+        q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+    }
+}
+
+/* Q6_K's 32 quants of chunk kk (0-3) of half h of a super-block, as signed bytes q - 32. */
+ALWAYS_INLINE __m256i q6k_bytes(const uint8_t* b, int64_t h, int64_t kk) {
+    __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (kk & 1)));
+    __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+    __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((int)(4 * (kk >> 1)))),
+                                  _mm256_set1_epi8(15));
+    __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128((int)(2 * kk))), _mm256_set1_epi8(3));
+    /* hi < 4, so shifting its 16-bit lanes left by 4 moves no bit into the next byte */
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+}
+
+ALWAYS_INLINE void chunk_avx2(int kind, const uint8_t* row, int64_t c, __m256* w) {
+    __m256i q[4];
+    if (kind == DK_Q4_0) {
+        const uint8_t* b = row + c * 18;
+        __m256 d = _mm256_set1_ps(half_at(b));
+        nibbles_avx2(b + 2, q);
+        for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))));
+    } else if (kind == DK_Q4_1) {
+        const uint8_t* b = row + c * 20;
+        __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+        nibbles_avx2(b + 4, q);
+        /* d * q is exact, so the fused d * q + m rounds once, as d * q then + m does */
+        for (int v = 0; v < 4; ++v) w[v] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[v]), m);
+    } else if (kind == DK_Q8_0) {
+        const uint8_t* b = row + c * 34;
+        __m256 d = _mm256_set1_ps(half_at(b));
+        widen32_avx2(_mm256_loadu_si256((const __m256i*)(b + 2)), 1, q);
+        for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[v]), d);
+    } else if (kind == DK_Q4_K) {
+        const uint8_t* b = row + (c / 8) * 144;
+        int64_t j = c % 8;
+        int sc, mn;
+        q4k_scale_min(b + 4, j, &sc, &mn);
+        __m256 ds = _mm256_set1_ps(half_at(b) * (float)sc), ndm = _mm256_set1_ps(-(half_at(b + 2) * (float)mn));
+        __m256i bytes = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (j / 2)));
+        bytes = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128((int)(4 * (j % 2)))), _mm256_set1_epi8(15));
+        widen32_avx2(bytes, 0, q);
+        for (int v = 0; v < 4; ++v) w[v] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(q[v]), ndm);
+    } else {  /* DK_Q6_K */
+        const uint8_t* b = row + (c / 8) * 210;
+        int64_t k = c % 8, h = k / 4, kk = k % 4;
+        const int8_t* sc = (const int8_t*)(b + 192) + 8 * h + 2 * kk;
+        float d = half_at(b + 208);
+        __m256 s0 = _mm256_set1_ps(d * (float)sc[0]), s1 = _mm256_set1_ps(d * (float)sc[1]);
+        widen32_avx2(q6k_bytes(b, h, kk), 1, q);
+        for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(v < 2 ? s0 : s1, _mm256_cvtepi32_ps(q[v]));
+    }
+}
+
+ALWAYS_INLINE float hsum_avx2(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+#if DK_QUANT_AVX512
+/* ---- AVX-512: chunk c as two vectors of 16 --------------------------------------------------------------------
+ * A 4-bit quant takes one of 16 values per block (or sub-block): those 16 weights are computed once, in one vector,
+ * and each quant picks its weight with `vpermps`, which reads only the low 4 bits of each index, so the high
+ * nibbles need no mask after the shift. */
+ALWAYS_INLINE void table_lookup_avx512(__m512 table, __m128i lo16, __m128i hi16, __m512* w) {
+    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo16), table);
+    w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi16), table);
+}
+
+ALWAYS_INLINE __m512 iota16(void) {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512* w) {
+    if (kind == DK_Q4_0 || kind == DK_Q4_1) {
+        int one = kind == DK_Q4_1;
+        const uint8_t* b = row + c * (one ? 20 : 18);
+        __m512 d = _mm512_set1_ps(half_at(b));
+        __m512 table = one ? _mm512_fmadd_ps(d, iota16(), _mm512_set1_ps(half_at(b + 2)))
+                           : _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)));
+        __m128i bytes = _mm_loadu_si128((const __m128i*)(b + (one ? 4 : 2)));
+        table_lookup_avx512(table, bytes, _mm_srli_epi16(bytes, 4), w);
+    } else if (kind == DK_Q8_0) {
+        const uint8_t* b = row + c * 34;
+        __m512 d = _mm512_set1_ps(half_at(b));
+        for (int v = 0; v < 2; ++v)
+            w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2 + 16 * v)))), d);
+    } else if (kind == DK_Q4_K) {
+        const uint8_t* b = row + (c / 8) * 144;
+        int64_t j = c % 8;
+        int sc, mn;
+        q4k_scale_min(b + 4, j, &sc, &mn);
+        __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(half_at(b) * (float)sc), iota16(),
+                                       _mm512_set1_ps(-(half_at(b + 2) * (float)mn)));
+        __m256i bytes = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (j / 2)));
+        bytes = _mm256_srl_epi16(bytes, _mm_cvtsi32_si128((int)(4 * (j % 2))));
+        table_lookup_avx512(table, _mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1), w);
+    } else {  /* DK_Q6_K */
+        const uint8_t* b = row + (c / 8) * 210;
+        int64_t k = c % 8, h = k / 4, kk = k % 4;
+        const int8_t* sc = (const int8_t*)(b + 192) + 8 * h + 2 * kk;
+        float d = half_at(b + 208);
+        __m256i q = q6k_bytes(b, h, kk);
+        w[0] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[0]),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+        w[1] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[1]),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+    }
+}
+#endif
+
+/* ---- the product's tiles ----------------------------------------------------------------------------------------
+ * DK_QUANT_TILE(ISA, VEC, NV, ...) defines tile_ISA(kind, x, in, w, row_bytes, R, M, sums): sums[m * R + r] =
+ * x[m] . w[r] for R weight rows (row_bytes apart) and M activation rows (in floats apart); always inlined where R,
+ * M and kind are constants, so each combination is its own unrolled loop. Each output accumulates its chunks in
+ * two vectors (even and odd vectors of the chunk) and reduces them once at the end, the same way in every tile. */
+#define DK_QUANT_TILE(ISA, VEC, NV, WIDTH, ZERO, LOADX, FMA, ADD, HSUM)                                      \
+    ALWAYS_INLINE void tile_##ISA(int kind, const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,   \
+                                  int R, int M, float* sums) {                                                  \
+        VEC acc[4][4][2];                                                                                       \
+        for (int r = 0; r < R; ++r)                                                                             \
+            for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = ZERO;                                     \
+        int64_t chunks = in / CHUNK;                                                                            \
+        for (int64_t c = 0; c < chunks; ++c) {                                                                  \
+            VEC wv[4][NV];                                                                                      \
+            for (int r = 0; r < R; ++r) chunk_##ISA(kind, w + r * row_bytes, c, wv[r]);                         \
+            for (int m = 0; m < M; ++m)                                                                         \
+                for (int v = 0; v < NV; ++v) {                                                                  \
+                    VEC xv = LOADX(x + m * in + c * CHUNK + v * WIDTH);                                         \
+                    for (int r = 0; r < R; ++r) acc[r][m][v & 1] = FMA(xv, wv[r][v], acc[r][m][v & 1]);         \
+                }                                                                                               \
+        }                                                                                                       \
+        for (int r = 0; r < R; ++r)                                                                             \
+            for (int m = 0; m < M; ++m) sums[m * R + r] = HSUM(ADD(acc[r][m][0], acc[r][m][1]));                \
+    }
+
+#define PORTABLE_ZERO ((dk_v8f){0})
+#define PORTABLE_FMA(a, b, c) ((c) + (a) * (b))
+#define PORTABLE_ADD(a, b) ((a) + (b))
+DK_QUANT_TILE(portable, dk_v8f, 4, 8, PORTABLE_ZERO, load_v8f, PORTABLE_FMA, PORTABLE_ADD, hsum_portable)
+#if DK_QUANT_AVX2
+DK_QUANT_TILE(avx2, __m256, 4, 8, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum_avx2)
+#endif
+#if DK_QUANT_AVX512
+DK_QUANT_TILE(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
+              _mm512_reduce_add_ps)
+#endif
+
+/* Output rows per work item (one tile's R at most). */
+#define QUANT_GROUP 4
+
+/* The outputs [o0, o0 + nr) (nr <= QUANT_GROUP) for every activation row, in tiles of 4x1 (one row), 2x2 (two) or
+ * 1x4 (more; 1x1-1x3 for the rest), stored with bias and residual. */
+#define DK_QUANT_GROUP(ISA)                                                                                     \
+    ALWAYS_INLINE void group_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,       \
+                                   int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,                \
+                                   const float* residual, float* out, int64_t ld) {                             \
+        float sums[QUANT_GROUP * 4];                                                                            \
+        const uint8_t* wr = w + o0 * row_bytes;                                                                 \
+        for (int64_t m = 0; m < rows;) {                                                                        \
+            int64_t left = rows - m, nm;                                                                        \
+            const float* xm = x + m * in;                                                                       \
+            if (left == 1 && nr == 4) {                                                                         \
+                nm = 1;                                                                                         \
+                tile_##ISA(kind, xm, in, wr, row_bytes, 4, 1, sums);                                            \
+            } else if (left == 2 && nr == 4) {                                                                  \
+                nm = 2;                                                                                         \
+                tile_##ISA(kind, xm, in, wr, row_bytes, 2, 2, sums);                                            \
+                float more[4];                                                                                  \
+                tile_##ISA(kind, xm, in, wr + 2 * row_bytes, row_bytes, 2, 2, more);                            \
+                float both[8] = {sums[0], sums[1], more[0], more[1], sums[2], sums[3], more[2], more[3]};       \
+                memcpy(sums, both, sizeof both);                                                                \
+            } else {                                                                                            \
+                nm = left >= 4 ? 4 : left;                                                                      \
+                for (int64_t r = 0; r < nr; ++r) {                                                              \
+                    float one[4];                                                                               \
+                    switch (nm) {                                                                               \
+                        case 1: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 1, one); break;      \
+                        case 2: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 2, one); break;      \
+                        case 3: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 3, one); break;      \
+                        default: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 4, one); break;     \
+                    }                                                                                           \
+                    for (int64_t k = 0; k < nm; ++k) sums[k * nr + r] = one[k];                                 \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int64_t k = 0; k < nm; ++k)                                                                    \
+                for (int64_t r = 0; r < nr; ++r) {                                                              \
+                    float v = sums[k * nr + r];                                                                 \
+                    if (bias) v += bias[o0 + r];                                                                \
+                    if (residual) v += residual[(m + k) * ld + o0 + r];                                         \
+                    out[(m + k) * ld + o0 + r] = v;                                                             \
+                }                                                                                               \
+            m += nm;                                                                                            \
+        }                                                                                                       \
+    }                                                                                                           \
+    /* the whole product on one path, one instantiation per weight type */                                     \
+    static void linear_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,             \
+                             int64_t out_rows, const float* bias, const float* residual, float* out, int64_t ld,\
+                             int64_t row_bytes, int parallel) {                                                 \
+        int64_t groups = (out_rows + QUANT_GROUP - 1) / QUANT_GROUP;                                            \
+        DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < groups; ++g) {                                    \
+            int64_t o0 = g * QUANT_GROUP, nr = out_rows - o0 < QUANT_GROUP ? out_rows - o0 : QUANT_GROUP;       \
+            switch (kind) {                                                                                     \
+                case DK_Q4_0: group_##ISA(DK_Q4_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                case DK_Q4_1: group_##ISA(DK_Q4_1, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                case DK_Q8_0: group_##ISA(DK_Q8_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                case DK_Q4_K: group_##ISA(DK_Q4_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                default: group_##ISA(DK_Q6_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+#ifdef _OPENMP
+#define DK_PRAGMA(x) _Pragma(#x)
+#define DK_QUANT_FOR_GROUPS(parallel) DK_PRAGMA(omp parallel for schedule(static) if (parallel))
+#else
+#define DK_QUANT_FOR_GROUPS(parallel) (void)(parallel);
+#endif
+
+DK_QUANT_GROUP(portable)
+#if DK_QUANT_AVX2
+DK_QUANT_GROUP(avx2)
+#endif
+#if DK_QUANT_AVX512
+DK_QUANT_GROUP(avx512)
+#endif
+
+/* The best path this library was compiled with: 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
+int dk_quant_isa(void) {
+    return DK_QUANT_AVX512 ? 2 : DK_QUANT_AVX2 ? 1 : 0;
+}
+
+/* Bytes of one row of `in` weights of type `kind`; 0 for a type these kernels do not take or a row length that is
+ * not a whole number of its blocks. */
+int64_t dk_quant_row_bytes(int64_t kind, int64_t in) {
+    int64_t per = block_weights(kind), bytes = block_bytes(kind);
+    if (bytes == 0 || in <= 0 || in % per != 0) return 0;
+    return in / per * bytes;
+}
+
+/* out[m * ld + o] = sum_i x[m * in + i] * W[o, i] (+ bias[o]) (+ residual[m * ld + o]) for the `rows` float32 rows
+ * of x and the `out_rows` rows of W, stored as GGUF blocks of type `kind` row after row (`dk_quant_row_bytes(kind,
+ * in)` bytes each), on path `isa` (capped at `dk_quant_isa()`). From 64K weight-row products the groups of 4
+ * output rows are split over torch's threads. Returns 0, or -1 (nothing computed) for a type or width it does not
+ * take. */
+int dk_quant_linear(int64_t kind, const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out_rows,
+                    const float* bias, const float* residual, float* out, int64_t ld, int64_t isa) {
+    int64_t row_bytes = dk_quant_row_bytes(kind, in);
+    if (row_bytes == 0 || rows < 0 || out_rows < 0) return -1;
+    int parallel = out_rows * in * (rows < 8 ? rows : 8) >= 65536 && out_rows > QUANT_GROUP;
+#if DK_QUANT_AVX512
+    if (isa >= 2) { linear_avx512((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel); return 0; }
+#endif
+#if DK_QUANT_AVX2
+    if (isa >= 1) { linear_avx2((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel); return 0; }
+#endif
+    (void)isa;
+    linear_portable((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel);
+    return 0;
+}
+
+/* Rows of W dequantized to float32 on path `isa`, out [out_rows, in] (the panels the GEMM of many rows reads),
+ * split over torch's threads from 64K weights. Returns 0, or -1 for a type or width it does not take. */
+int dk_quant_dequantize(int64_t kind, const uint8_t* w, int64_t out_rows, int64_t in, float* out, int64_t isa) {
+    int64_t row_bytes = dk_quant_row_bytes(kind, in);
+    if (row_bytes == 0 || out_rows < 0) return -1;
+    int64_t chunks = in / CHUNK;
+    int parallel = out_rows * in >= 65536;
+    (void)parallel;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (parallel)
+#endif
+    for (int64_t o = 0; o < out_rows; ++o) {
+        const uint8_t* row = w + o * row_bytes;
+        float* dst = out + o * in;
+        for (int64_t c = 0; c < chunks; ++c) {
+#if DK_QUANT_AVX512
+            if (isa >= 2) {
+                __m512 v[2];
+                chunk_avx512((int)kind, row, c, v);
+                _mm512_storeu_ps(dst + c * CHUNK, v[0]);
+                _mm512_storeu_ps(dst + c * CHUNK + 16, v[1]);
+                continue;
+            }
+#endif
+#if DK_QUANT_AVX2
+            if (isa >= 1) {
+                __m256 v[4];
+                chunk_avx2((int)kind, row, c, v);
+                for (int k = 0; k < 4; ++k) _mm256_storeu_ps(dst + c * CHUNK + 8 * k, v[k]);
+                continue;
+            }
+#endif
+            chunk_scalar((int)kind, row, c, dst + c * CHUNK);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,123 @@
+"""The native products of GGUF quantized weights (`native/quant.c`), bound from the kernels' library.
+
+A GGUF weight `[out, in]` is kept as the file stores it: `out` rows of blocks (`uint8 [out, row_bytes]`), Q4_0,
+Q4_1, Q8_0 (blocks of 32 weights) or Q4_K, Q6_K (super-blocks of 256). `QuantKernels.linear` multiplies float32
+rows by it, dequantizing each block in registers, and `dequantize` writes float32 rows of it (for the GEMM of
+many rows). Both compute each weight exactly as gguf-py's `dequantize` does (the float32 weights transformers loads).
+
+Three code paths: AVX-512, AVX2 + FMA and portable C, chosen at run time: the best the library was compiled with
+for this CPU, or a lower one named by `DECODEKIT_QUANT_ISA` (portable, avx2, avx512) or by the `isa` argument (tests
+run every path a CPU has).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+
+# ggml's type ids (`gguf.GGMLQuantizationType`) of the formats the kernels take, with (weights, bytes) per block.
+GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q6_K": (14, 256, 210),
+}
+"""format name -> (ggml type id, weights per block, bytes per block)."""
+
+ISAS = ("portable", "avx2", "avx512")
+"""The code paths, lowest first (`dk_quant_isa` returns the index of the best one compiled)."""
+
+ISA_VARIABLE = "DECODEKIT_QUANT_ISA"
+
+_p = ctypes.c_void_p
+_i = ctypes.c_int64
+
+
+def row_bytes(fmt: str, width: int) -> int:
+    """Bytes of one row of `width` weights in `fmt`.
+
+    Raises:
+        ValueError: `fmt` is not one of `GGUF_FORMATS`, or `width` is not a whole number of its blocks.
+    """
+    if fmt not in GGUF_FORMATS:
+        raise ValueError(f"format {fmt!r}: the native quantized products take {', '.join(GGUF_FORMATS)}")
+    _, per_block, size = GGUF_FORMATS[fmt]
+    if width <= 0 or width % per_block:
+        raise ValueError(f"a {fmt} row holds whole blocks of {per_block} weights, not {width}")
+    return width // per_block * size
+
+
+class QuantKernels:
+    """The quantized products of one loaded kernels library (`NativeKernels.quant`)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._linear = lib.dk_quant_linear
+        self._linear.argtypes = [_i, _p, _i, _i, _p, _i, _p, _p, _p, _i, _i]
+        self._linear.restype = ctypes.c_int
+        self._dequantize = lib.dk_quant_dequantize
+        self._dequantize.argtypes = [_i, _p, _i, _i, _p, _i]
+        self._dequantize.restype = ctypes.c_int
+        self.best_isa = ISAS[int(lib.dk_quant_isa())]
+        """The widest path compiled for this CPU."""
+
+    @property
+    def available(self) -> tuple[str, ...]:
+        """The paths this library can run, lowest first."""
+        return ISAS[: ISAS.index(self.best_isa) + 1]
+
+    def isa(self, name: str | None = None) -> str:
+        """The path to run: `name`, else `$DECODEKIT_QUANT_ISA`, else the best compiled.
+
+        Raises:
+            ValueError: the path named is unknown or not compiled here (the message names where it was asked).
+        """
+        where = "isa"
+        if name is None:
+            name, where = os.environ.get(ISA_VARIABLE) or self.best_isa, ISA_VARIABLE
+        if name not in self.available:
+            raise ValueError(f"{where}={name!r}: this CPU's kernels run {', '.join(self.available)}")
+        return name
+
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, fmt: str, out: torch.Tensor, start: int = 0,
+               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, isa: str | None = None) -> None:
+        """`out[:, start:start + n] = x @ W.T (+ bias[start:start + n]) (+ residual[:, start:start + n])` for float32
+        rows `x` `[rows, in]` (contiguous) and the `fmt` weight `W` `[n, in]` held as its blocks `blocks` (`uint8
+        [n, row_bytes]`, contiguous); `out` and `residual` are contiguous `[rows, out_dim]` float32, `bias` `[out_dim]`.
+
+        Raises:
+            ValueError: the operands do not fit each other (the kernel would read out of bounds).
+        """
+        rows, width = x.shape
+        n = blocks.shape[0]
+        if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(fmt, width)
+                or not blocks.is_contiguous() or not x.is_contiguous() or x.dtype != torch.float32
+                or out.shape[0] != rows or not 0 <= start <= out.shape[1] - n or not out.is_contiguous()
+                or (residual is not None and (residual.shape != out.shape or not residual.is_contiguous()))
+                or (bias is not None and bias.shape != (out.shape[1],))):
+            raise ValueError(f"a {fmt} product of {tuple(x.shape)} rows, {tuple(blocks.shape)} blocks into columns "
+                             f"{start}:{start + n} of {tuple(out.shape)} does not fit")
+        step = out.element_size() * start
+        status = self._linear(GGUF_FORMATS[fmt][0], x.data_ptr(), rows, width, blocks.data_ptr(), n,
+                              None if bias is None else bias.data_ptr() + step,
+                              None if residual is None else residual.data_ptr() + step, out.data_ptr() + step,
+                              out.shape[1], ISAS.index(self.isa(isa)))
+        assert status == 0, "dk_quant_linear refused operands the wrapper checked"
+
+    def dequantize(self, blocks: torch.Tensor, fmt: str, width: int, isa: str | None = None) -> torch.Tensor:
+        """The float32 weight `[n, width]` that `fmt` blocks `[n, row_bytes]` hold (gguf-py's `dequantize`, exactly).
+
+        Raises:
+            ValueError: `blocks` are not `fmt` rows of `width` weights.
+        """
+        blocks = blocks.contiguous()
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(fmt, width):
+            raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} blocks are not {fmt} rows of {width} weights")
+        out = torch.empty(blocks.shape[0], width)
+        status = self._dequantize(GGUF_FORMATS[fmt][0], blocks.data_ptr(), blocks.shape[0], width, out.data_ptr(),
+                                  ISAS.index(self.isa(isa)))
+        assert status == 0, "dk_quant_dequantize refused operands the wrapper checked"
+        return out

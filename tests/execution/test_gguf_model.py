@@ -1,0 +1,115 @@
+"""A GGUF model runs its quantized weights as stored: under dtype auto on a CPU the loader keeps the file's blocks
+and the plan multiplies them (`quantization: gguf`), giving the dequantized float32 model's logits, hidden states
+and greedy tokens up to summation order; dtype float32 keeps the dequantized path; asking for `gguf` where it cannot
+run is refused naming the option. The bundled SmolLM2 (Q4_1 with a Q8_0 embedding) is checked the same way (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodekit import LLM, SamplingParams
+from decodekit.api.errors import ConfigError
+from decodekit.core.plugin_manager import get_plugin_manager
+from decodekit.execution.fused.stored_matrices import GgufMatrix
+from decodekit.execution.kernels.native import load_kernels
+from decodekit.execution.runner import ForwardItem
+from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from tests.helpers.gguf_blocks import TINY_GGUF, TinyGgufLoader
+from tests.helpers.reference import random_prompts
+
+kernels = load_kernels()
+needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
+
+
+def _llm(**options) -> LLM:
+    pm = get_plugin_manager(load_entry_points=False)
+    pm.register(TinyGgufLoader(), "tiny-gguf")
+    return LLM(TINY_GGUF, plugin_manager=pm, **options)
+
+
+def _last(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last position's logits and hidden state (the final norm's output) of one forward over `prompt`."""
+    engine = llm.engine
+    engine.allocator.allocate(0, [])
+    engine.allocator.ensure_slots(0, 0, len(prompt))
+    logits, hidden = engine.model.runner.forward_with_hidden(
+        [ForwardItem(prompt, 0, engine.allocator.block_table(0), 1, 1)], [])
+    engine.allocator.free(0)
+    assert hidden is not None
+    return logits[0], hidden[0]
+
+
+@pytest.fixture(scope="module")
+def stored_and_dequantized():
+    return _llm(), _llm(dtype="float32")
+
+
+@needs_kernels
+def test_dtype_auto_runs_the_stored_blocks_and_float32_the_dequantized_model(stored_and_dequantized):
+    stored, dequantized = stored_and_dequantized
+    assert stored.engine.plan.quantization == "gguf"
+    assert stored.engine.plan.stored_formats == {"Q4_0": 2, "Q4_1": 4, "Q4_K": 4, "Q6_K": 2, "Q8_0": 3}
+    assert "GGUF weights as stored" in stored.engine.plan.describe()
+    assert any("multiplied as stored" in reason for reason in stored.engine.plan.reasons)
+    assert stored.engine.plan.compute_dtype == torch.float32 == stored.engine.plan.kv_dtype
+    layer = stored.engine.model.runner.fused.layers[0]
+    assert isinstance(layer.qkv, GgufMatrix) and layer.qkv.formats == ("Q4_0", "Q4_1", "Q8_0")
+    assert dequantized.engine.plan.quantization is None and not dequantized.engine.plan.stored_formats
+
+
+@needs_kernels
+@pytest.mark.parametrize("length", [1, 5, 40])  # decode-sized rows (native), and a prefill past the native rows
+def test_logits_and_hidden_states_are_the_dequantized_models_up_to_summation_order(stored_and_dequantized, length):
+    stored, dequantized = stored_and_dequantized
+    prompt = random_prompts(1, length, length + 1, seed=length)[0]
+    logits, hidden = _last(stored, prompt)
+    want_logits, want_hidden = _last(dequantized, prompt)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-3)
+
+
+@needs_kernels
+def test_greedy_tokens_equal_the_dequantized_models_batched_and_alone(stored_and_dequantized):
+    stored, dequantized = stored_and_dequantized
+    prompts = random_prompts(6, 3, 40, seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    want = [o.token_ids for o in dequantized.generate(prompts, params)]
+    assert [o.token_ids for o in stored.generate(prompts, params)] == want
+    assert stored.generate(prompts[2], params)[0].token_ids == want[2]
+
+
+@needs_kernels
+def test_asking_for_gguf_without_stored_weights_or_where_it_cannot_run_is_refused_naming_the_option():
+    with pytest.raises(ConfigError, match=r"quantization 'gguf': .* brings no GGUF quantized weights"):
+        LLM(tiny_model(), tiny_tokenizer(), quantization="gguf")
+    with pytest.raises(ConfigError, match="quantization 'gguf'"):
+        _llm(quantization="gguf", fused_decoder=False)
+
+
+@needs_kernels
+def test_a_bad_code_path_variable_is_refused_when_the_engine_is_built(monkeypatch):
+    monkeypatch.setenv("DECODEKIT_QUANT_ISA", "avx1024")
+    with pytest.raises(ConfigError, match="DECODEKIT_QUANT_ISA='avx1024'"):
+        _llm()
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_the_bundled_model_runs_its_q4_1_blocks_with_the_dequantized_models_greedy_tokens():
+    """The bundled SmolLM2 (210 Q4_1 weights, a Q8_0 embedding tied to the LM head) loads as stored by default.
+    Agreement with the float32 dequantized model: every greedy token of 8 prompts x 32 tokens (hidden states within
+    1e-3 of each other's, float32 summation order)."""
+    stored, dequantized = LLM(), LLM(dtype="float32")
+    assert stored.engine.plan.stored_formats == {"Q4_1": 210, "Q8_0": 1}
+    prompts = [f"Question {i}: what is {i} times {i + 3}? Answer:" for i in range(6)]
+    prompts += ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    got = [o.token_ids for o in stored.generate(prompts, params)]
+    want = [o.token_ids for o in dequantized.generate(prompts, params)]
+    assert got == want
+    ids = stored.tokenizer("The capital of France is")["input_ids"]
+    logits, hidden = _last(stored, ids)
+    want_logits, want_hidden = _last(dequantized, ids)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-3, atol=1e-3)
+    assert int(logits.argmax()) == int(want_logits.argmax())

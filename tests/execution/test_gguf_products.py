@@ -1,0 +1,126 @@
+"""The native products of GGUF quantized weights (`kernels.quant`, `GgufMatrix`): on every code path this CPU has
+(AVX-512, AVX2 + FMA, portable C), each format's blocks dequantize to exactly gguf-py's float32 weights, and the
+product of 1 to N rows (native up to GGUF_NATIVE_MAX_ROWS, dequantized blocks and BLAS beyond) is the float product
+of those weights up to summation order; bad operands and unknown paths are refused naming what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodekit.api.models import StoredWeight
+from decodekit.execution.fused.stored_matrices import GGUF_NATIVE_MAX_ROWS, GgufMatrix
+from decodekit.execution.kernels.native import load_kernels
+from decodekit.execution.kernels.quant import GGUF_FORMATS, ISA_VARIABLE, row_bytes
+from tests.helpers.gguf_blocks import gguf_dequantize, random_blocks
+
+kernels = load_kernels()
+needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
+ISAS = () if isinstance(kernels, str) else kernels.quant.available
+FORMATS = sorted(GGUF_FORMATS)
+
+
+def _stored(fmt: str, rows: int, width: int, seed: int) -> tuple[StoredWeight, torch.Tensor]:
+    blocks = random_blocks(fmt, rows, width, seed)
+    return StoredWeight(fmt, torch.from_numpy(blocks), (rows, width)), gguf_dequantize(blocks, fmt, width)
+
+
+def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Float32 summation-order error of `x @ weight.T`: a few ulps of the sum of the products' magnitudes."""
+    return (x.abs().double() @ weight.abs().double().t()) * 2e-6 + 1e-30
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_dequantizes_to_exactly_gguf_py_weights_on_every_path(fmt, isa):
+    per_block = GGUF_FORMATS[fmt][1]
+    stored, want = _stored(fmt, 7, 2 * per_block, seed=3)
+    assert torch.equal(kernels.quant.dequantize(stored.data, fmt, 2 * per_block, isa), want)
+
+
+@needs_kernels
+@settings(max_examples=80, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), isa=st.sampled_from(ISAS), rows=st.integers(1, GGUF_NATIVE_MAX_ROWS + 6),
+       blocks=st.integers(1, 3), out=st.lists(st.integers(1, 9), min_size=1, max_size=3), bias=st.booleans(),
+       residual=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_product_of_random_blocks_is_the_float_product_of_their_dequantized_weights(
+        fmt, isa, rows, blocks, out, bias, residual, seed):
+    """Random quants and scales, 1 to 3 blocks per row, one to three stacked parts (output counts that are not a
+    multiple of the kernel's 4-row groups), rows on both sides of GGUF_NATIVE_MAX_ROWS."""
+    width = blocks * GGUF_FORMATS[fmt][1]
+    parts = [_stored(fmt, n, width, seed + i) for i, n in enumerate(out)]
+    weight = torch.cat([w for _, w in parts])
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(weight.shape[0], generator=g) if bias else None
+    matrix = GgufMatrix([s for s, _ in parts], b, kernels, isa)
+    x = torch.randn(rows, width, generator=g)
+    res = torch.randn(rows, weight.shape[0], generator=g) if residual else None
+    want = x.double() @ weight.double().t()
+    if b is not None:
+        want += b.double()
+    if res is not None:
+        want += res.double()
+    assert torch.all((matrix(x, res).double() - want).abs() <= _bound(x, weight) + 1e-6 * want.abs())
+    assert torch.equal(matrix.dequantized(), weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa):
+    """The native tiles (4x1, 2x2, 1x4) sum each output in one order, so a row alone and in a batch agree bit for
+    bit (a request's tokens do not depend on its batch)."""
+    stored, _ = _stored("Q4_1", 23, 64, seed=1)
+    matrix = GgufMatrix([stored], None, kernels, isa)
+    x = torch.randn(GGUF_NATIVE_MAX_ROWS, 64)
+    together = matrix(x)
+    for row in range(x.shape[0]):
+        assert torch.equal(matrix(x[row:row + 1])[0], together[row])
+
+
+@needs_kernels
+def test_the_paths_agree_up_to_summation_order():
+    stored, weight = _stored("Q6_K", 9, 512, seed=2)
+    x = torch.randn(3, 512)
+    results = [GgufMatrix([stored], None, kernels, isa)(x) for isa in ISAS]
+    for result in results[1:]:
+        assert torch.all((result - results[0]).abs().double() <= 2 * _bound(x, weight))
+
+
+def test_a_row_that_is_not_whole_blocks_or_an_unknown_format_is_refused_by_name():
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        row_bytes("Q4_K", 100)
+    with pytest.raises(ValueError, match="'Q5_0'"):
+        row_bytes("Q5_0", 64)
+
+
+@needs_kernels
+def test_operands_that_do_not_fit_are_refused_before_the_kernel_reads_them():
+    stored, _ = _stored("Q8_0", 4, 64, seed=0)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.quant.linear(torch.randn(2, 32), stored.data, "Q8_0", torch.empty(2, 4))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.quant.linear(torch.randn(2, 64), stored.data, "Q8_0", torch.empty(2, 4), start=1)
+    with pytest.raises(ValueError, match="share their input width"):
+        GgufMatrix([stored, _stored("Q8_0", 4, 32, seed=0)[0]], None, kernels)
+
+
+@needs_kernels
+def test_an_unknown_or_missing_code_path_is_refused_naming_where_it_was_asked(monkeypatch):
+    monkeypatch.setenv(ISA_VARIABLE, "neon")
+    with pytest.raises(ValueError, match=f"{ISA_VARIABLE}='neon'"):
+        kernels.quant.isa()
+    with pytest.raises(ValueError, match="isa='sve'"):
+        kernels.quant.isa("sve")
+    monkeypatch.setenv(ISA_VARIABLE, "portable")
+    assert kernels.quant.isa() == "portable"
+
+
+@needs_kernels
+def test_the_variable_forces_a_lower_path_for_matrices_built_after_it(monkeypatch):
+    monkeypatch.setenv(ISA_VARIABLE, "portable")
+    stored, _ = _stored("Q4_0", 4, 32, seed=0)
+    assert GgufMatrix([stored], None, kernels).isa == "portable"
+    assert row_bytes("Q4_0", 32) == stored.data.shape[1]
