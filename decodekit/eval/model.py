@@ -35,9 +35,7 @@ from lm_eval.models.utils import has_bos_prefix
 from decodekit.api.errors import DecodeKitError, RequestError
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import RequestOutput
-
-SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-"""A scoring request: its prompt's logprobs (each token's own, with its rank) and one greedy token, not used."""
+from decodekit.eval.scoring import score_tails
 
 
 @register_model("decodekit")
@@ -111,17 +109,13 @@ class DecodekitLM(TemplateLM):
         """Per (context, continuation) token pair: the continuation's log-probability and whether it is greedy."""
         windows = [(list(context) + list(continuation))[-(self.max_length + 1):] for _, context, continuation
                    in requests]
-        outputs = self._run(windows, [SCORE] * len(windows))
-        results = []
-        for (_, _, continuation), window, output in zip(requests, windows, outputs):
-            entries = (output.prompt_logprobs or [])[len(window) - len(continuation):]
-            tokens = window[len(window) - len(continuation):]
-            chosen = [entry[token] for entry, token in zip(entries, tokens) if entry is not None]
-            if len(chosen) != len(tokens):
-                raise DecodeKitError(f"the engine returned {len(chosen)} prompt logprobs for a continuation of "
-                                     f"{len(tokens)} tokens")
-            results.append((sum(c.logprob for c in chosen), all(c.rank == 1 for c in chosen)))
-        return results
+        scored = score_tails(self.llm, windows, [len(continuation) for _, _, continuation in requests],
+                             on_output=self.on_output)
+        failed = next((s for s in scored if isinstance(s, str)), None)
+        if failed is not None:
+            raise RequestError(f"a loglikelihood request of the evaluation failed: {failed}")
+        return [(sum(c.logprob for c in chosen), all(c.rank == 1 for c in chosen)) for chosen in scored
+                if not isinstance(chosen, str)]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Per text: its log-probability over lm-eval's disjoint rolling windows of `max_length` tokens."""
