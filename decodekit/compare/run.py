@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from decodekit.api.hookspecs import hookimpl
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import RequestOutput
 from decodekit.compare.plan import ComparePlan
@@ -64,6 +65,8 @@ class Engines:
 
     def __init__(self, plugin_manager: Any) -> None:
         self.plugin_manager = plugin_manager
+        self.kv = KvPeak()
+        plugin_manager.register(self.kv, name="decodekit-compare-kv-peak")
         self.key: str | None = None
         self.llm: Any = None
 
@@ -79,16 +82,18 @@ class Engines:
 
 
 class KvPeak:
-    """The most KV blocks in use at once, read from the engine after each output of a run."""
+    """The most KV blocks in use at once during a timed run, read after every engine step (a plugin of the run's
+    plugin manager: `decodekit_step_finished` is called once per step, whether or not the step emitted anything, so
+    strategies that only return final outputs are measured too)."""
 
-    def __init__(self, engine: Any, forward: Callable[[RequestOutput], None] | None) -> None:
-        self.engine, self.forward, self.peak = engine, forward, 0
+    def __init__(self) -> None:
+        self.peak: int | None = None  # None: not measuring
 
-    def __call__(self, output: RequestOutput) -> None:
-        """The engine's `on_output` callback."""
-        self.peak = max(self.peak, int(self.engine.stats()["kv_blocks_used"]))
-        if self.forward is not None:
-            self.forward(output)
+    @hookimpl
+    def decodekit_step_finished(self, engine: Any) -> None:
+        """Note the blocks in use after a step of a timed run."""
+        if self.peak is not None:
+            self.peak = max(self.peak, int(engine.stats()["kv_blocks_used"]))
 
 
 def run_point(plan: ComparePlan, point: Point, engines: Engines,
@@ -98,7 +103,7 @@ def run_point(plan: ComparePlan, point: Point, engines: Engines,
     try:
         llm = engines.get(point.recipe)
         if point.label in plan.requests:
-            _run_prompts(plan, point, llm, result, on_output)
+            _run_prompts(plan, point, engines, llm, result, on_output)
         if plan.tasks and result.ok:
             _run_tasks(plan, point, llm, result)
     except Exception as exc:  # a recipe that fails is reported, and the other points go on
@@ -106,7 +111,7 @@ def run_point(plan: ComparePlan, point: Point, engines: Engines,
     return result
 
 
-def _run_prompts(plan: ComparePlan, point: Point, llm: Any, result: PointResult,
+def _run_prompts(plan: ComparePlan, point: Point, engines: Engines, llm: Any, result: PointResult,
                  on_output: Callable[[RequestOutput], None] | None) -> None:
     requests = plan.requests[point.label]
     distributions = plan.distributions[point.label]
@@ -122,17 +127,18 @@ def _run_prompts(plan: ComparePlan, point: Point, llm: Any, result: PointResult,
             prompts.append(text)
             params.append(sample_params(request.params, sample_seed(plan.seed, i, j, plan.samples),
                                         wants_logprobs and dist == "processed"))
-    kv = KvPeak(llm.engine, on_output)
+    engines.kv.peak = 0
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, on_output=kv, add_special_tokens=special)
+    outputs = llm.generate(prompts, params, on_output=on_output, add_special_tokens=special)
     wall = time.perf_counter() - start
+    kv_peak, engines.kv.peak = engines.kv.peak, None
     failed = [o for o in outputs if o.error is not None]
     if failed:
         result.error = f"{len(failed)} of {len(outputs)} requests failed: {failed[0].error}"
         return
     summary = summarize(outputs, wall)
     result.speed = {key: summary[key] for key in SPEED_KEYS}
-    result.speed.update(kv_blocks_peak=kv.peak, kv_blocks_total=int(llm.engine.stats()["kv_blocks_total"]))
+    result.speed.update(kv_blocks_peak=kv_peak, kv_blocks_total=int(llm.engine.stats()["kv_blocks_total"]))
     model = _model_logprobs(llm, outputs) if wants_model else None
     groups = []
     for i, (request, dist) in enumerate(zip(requests, distributions)):

@@ -32,7 +32,8 @@ def import_lm_eval() -> ModuleType:
 
 
 def task_manager(tasks: list[str], include_path: Path | None = None) -> Any:
-    """lm-eval's `TaskManager` over its own tasks and `include_path`'s, once every name in `tasks` is known to it.
+    """lm-eval's `TaskManager` once every name in `tasks` is known to it: over `include_path`'s tasks alone when
+    they are all there, else over lm-eval's own tasks too.
 
     Raises:
         ConfigError: lm-eval is missing, `include_path` is not a folder, or a task (or group, or tag) is unknown
@@ -45,6 +46,11 @@ def task_manager(tasks: list[str], include_path: Path | None = None) -> Any:
         raise ConfigError("--tasks: give at least one task name")
     if include_path is not None and not include_path.is_dir():
         raise ConfigError(f"--include-path {include_path}: not a folder of task YAML files")
+    if include_path is not None:
+        # lm-eval's own index of ~15,000 task files takes seconds to build: local tasks alone do not need it
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if all(name in local.all_tasks or local.match_tasks([name]) for name in tasks):
+            return local
     manager = TaskManager(include_path=str(include_path) if include_path is not None else None)
     known = manager.all_tasks
     for name in tasks:

@@ -67,11 +67,18 @@ class DecodekitLM(TemplateLM):
     # ---- what lm-eval asks of a model --------------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
-        """The end-of-text token: what an empty context is conditioned on (as the `hf` backend does)."""
+        """The end-of-text token (EOS)."""
         eos = self.tokenizer.eos_token_id
         if eos is None:
-            raise DecodeKitError("the tokenizer has no EOS token, which lm-eval conditions empty contexts on")
+            raise DecodeKitError("the tokenizer has no EOS token, which lm-eval needs")
         return int(eos)
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context and the first rolling window are conditioned on: BOS, else EOS (the `hf`
+        backend's choice)."""
+        bos = self.tokenizer.bos_token_id
+        return int(bos) if bos is not None else self.eot_token_id
 
     @property
     def max_length(self) -> int:

@@ -62,13 +62,14 @@ def write_generation_task(folder: Path, task: str, rows: list[dict[str, str]], m
 
 
 def evaluate(model: Any, model_args: str | None, task_dir: Path, tasks: list[str], **options: Any) -> dict:
-    """lm-eval's `simple_evaluate` on local tasks, seeded, with the samples logged."""
+    """lm-eval's `simple_evaluate` on local tasks, seeded, with the samples logged (lm-eval's own tasks are not
+    indexed: that takes seconds)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    return simple_evaluate(model=model, model_args=model_args, tasks=tasks, log_samples=True,
-                           task_manager=TaskManager(include_path=str(task_dir)), random_seed=0, numpy_random_seed=0,
-                           torch_random_seed=0, fewshot_random_seed=0, **options)
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    return simple_evaluate(model=model, model_args=model_args, tasks=tasks, log_samples=True, task_manager=manager,
+                           random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0, **options)
 
 
 def per_choice(results: dict, task: str = CHOICE_TASK) -> list[list[float]]:
