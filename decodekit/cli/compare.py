@@ -93,7 +93,7 @@ def compare(
             progress.advance(points_bar)
     wall = time.perf_counter() - start
     document = report_document(plan, results, environment=env, machine=machine_line(env), wall_s=wall,
-                               command=["decodekit", "compare", *sys.argv[2:]] if len(sys.argv) > 1 else [])
+                               command=_command(recipe_paths))
     _print_table(document)
     if output is not None:
         write_json(document, output)
@@ -107,6 +107,13 @@ def compare(
         raise typer.Exit(1)
 
 
+def _command(recipe_paths: list[Path]) -> list[str]:
+    """The command line as typed, for the report (the recipes alone when it was not run from a shell)."""
+    if sys.argv[1:2] == ["compare"]:
+        return ["decodekit", *sys.argv[1:]]
+    return ["decodekit", "compare", *(str(p) for p in recipe_paths)]
+
+
 def _print_table(document: dict[str, Any]) -> None:
     """The comparison table, then the Pareto frontiers and the machine."""
     from decodekit.compare.report import comparison_table
@@ -118,12 +125,16 @@ def _print_table(document: dict[str, Any]) -> None:
         rich_table.add_column(header, justify="left" if i == 0 else "right", overflow="fold")
     for label, cells, best, frontier in table.rows:
         name = escape(label) + (" [blue]◆[/]" if frontier else "")
-        if isinstance(cells, str):
-            rich_table.add_row(name, f"[red]{escape(cells)}[/]", *[""] * (len(table.headers) - 2))
+        if isinstance(cells, str):  # the whole message is printed under the table: one line here
+            short = cells if len(cells) <= 40 else cells[:39] + "…"
+            rich_table.add_row(name, f"[red]{escape(short)}[/]", *[""] * (len(table.headers) - 2))
         else:
             rich_table.add_row(name, *(f"[bold green]{escape(c)}[/]" if i in best else escape(c)
                                        for i, c in enumerate(cells)))
     print_table(terminal.console, rich_table)
+    for label, cells, _, _ in table.rows:
+        if isinstance(cells, str):
+            terminal.console.print(f"[red]{escape(label)}[/]: {escape(cells)}", soft_wrap=True, highlight=False)
     for name, view in document["pareto"].items():
         terminal.console.print(f"[dim]frontier tokens/s vs {escape(name)}:[/] {escape(', '.join(view['all']))}",
                                soft_wrap=True, highlight=False)

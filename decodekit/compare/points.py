@@ -131,6 +131,9 @@ def _check_no_new_entry(data: Any, sweep: Sweep, name: str) -> None:
     `--set` would do by appending: that is a different recipe, not a point of this one's sweep."""
     node = data
     for part in sweep.key.split("."):
+        if node is None and part.isdigit():
+            raise ConfigError(f"{sweep.flag}: not a key of recipe {name!r}: it has no list where index {part} "
+                              "would be")
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
                 have = len(node)
@@ -142,7 +145,7 @@ def _check_no_new_entry(data: Any, sweep: Sweep, name: str) -> None:
             node = node.get(part)
         elif isinstance(node, str) and node == part:  # a component named without parameters (`- min_p`)
             node = {}
-        else:
+        elif node is not None:
             return  # a key under a value the recipe leaves to its defaults: pydantic checks it
 
 

@@ -146,7 +146,8 @@ def _run_prompts(plan: ComparePlan, point: Point, engines: Engines, llm: Any, re
         lps = [chosen_logprobs(o, dist) for o in own] if wants_logprobs else None
         groups.append(sample_group(request.prompt, own, lps,
                                    model[i * plan.samples:(i + 1) * plan.samples] if model is not None else None))
-        result.samples.append({"id": request.id, "prompt": request.prompt, "texts": groups[-1].texts})
+        result.samples.append({"id": request.id, "prompt": request.prompt, "texts": groups[-1].texts,
+                               "token_ids": groups[-1].token_ids})
     result.quality = score_metrics(metrics, groups, plan.left_out.get(point.label))
 
 
