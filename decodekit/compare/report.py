@@ -132,8 +132,10 @@ def comparison_table(document: dict[str, Any]) -> Table:
     keys = [key for _, key, _ in SPEED_COLUMNS] + quality
     ok = [p for p in document["points"] if p["status"] == "ok"]
 
+    speed_keys = {key for _, key, _ in SPEED_COLUMNS}
+
     def value(point: dict[str, Any], key: str) -> Any:
-        return point["speed"].get(key) if key in dict((k, 0) for _, k, _ in SPEED_COLUMNS) else figure_value(point, key)
+        return point["speed"].get(key) if key in speed_keys else figure_value(point, key)
 
     best: dict[str, Any] = {}
     for key in keys:

@@ -120,7 +120,8 @@ def _run_prompts(plan: ComparePlan, point: Point, engines: Engines, llm: Any, re
     wants_model = any("model_logprobs" in m.needs for m in metrics)
     texts = render_prompts(point.recipe, llm, requests)
     special = not point.recipe.inputs.chat  # a chat template already holds the special tokens
-    llm.generate(texts, SamplingParams(max_tokens=1, temperature=0), add_special_tokens=special)  # warm, untimed
+    # untimed: every prompt prefilled (and one decode step run) before the timed run, at every point alike
+    llm.generate(texts, SamplingParams(max_tokens=2, temperature=0), add_special_tokens=special)
     prompts, params = [], []
     for i, (request, text, dist) in enumerate(zip(requests, texts, distributions)):
         for j in range(plan.samples):
@@ -169,7 +170,9 @@ def _run_tasks(plan: ComparePlan, point: Point, llm: Any, result: PointResult) -
     from decodekit.eval.model import DecodekitLM
 
     lm = DecodekitLM(recipe=point.recipe, llm=llm)
-    scores = evaluate(lm, plan.tasks, plan.task_manager, limit=plan.limit, seed=plan.seed)
+    # a chat recipe's task prompts go through the chat template too, as its open prompts do
+    scores = evaluate(lm, plan.tasks, plan.task_manager, limit=plan.limit, seed=plan.seed,
+                      apply_chat_template=point.recipe.inputs.chat)
     result.tasks = scores.metrics
     if not result.speed and lm.outputs:  # tasks only: the speed of their generation requests
         summary = summarize(lm.outputs, lm.generation_wall_s)
