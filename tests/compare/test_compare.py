@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import statistics
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
 from decodekit_plugins.metrics import bleu
 from tests.helpers.batch_cases import write_tiny_recipe
+from tests.helpers.browser import chromium
 
 pytest.importorskip("matplotlib", reason="the HTML report needs matplotlib (pip install 'decodekit[eval]')")
 
@@ -190,21 +189,11 @@ def test_kl_and_perplexity_equal_a_direct_computation_with_transformers(folder):
 # ---- the HTML report in a real browser -----------------------------------------------------------------------------
 
 
-def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.skip("chromium is not on PATH (Debian: apt-get install chromium); the browser test needs it")
-    command = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               f"--user-data-dir={profile}", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-
-
 def test_the_html_report_is_self_contained_and_a_headless_browser_draws_it(runs, tmp_path):
     _, document, page = runs[0]
     text = page.read_text(encoding="utf-8")
     assert "<script" not in text and not re.search(r"""(src|href)=["']?(https?:)?//""", text)  # nothing to fetch
-    dom = _chromium("--dump-dom", page.resolve().as_uri(), profile=tmp_path / "profile")
+    dom = chromium("--dump-dom", page.resolve().as_uri(), profile=tmp_path / "profile")
     assert dom.returncode == 0 and "<body" in dom.stdout, dom.stderr[-2000:]
     tradeoffs = len(document["pareto"])  # one plot per quality figure with a better side, here all of them
     assert len(re.findall(r"<svg\b", dom.stdout)) == tradeoffs + 2  # and the lengths and the speed
@@ -212,7 +201,7 @@ def test_the_html_report_is_self_contained_and_a_headless_browser_draws_it(runs,
     assert rows == [p["label"] for p in document["points"]]
     assert "failed: " in dom.stdout and "/nonexistent/model" in dom.stdout
     shot = tmp_path / "compare.png"
-    taken = _chromium(f"--screenshot={shot}", "--window-size=1400,1800", page.resolve().as_uri(),
+    taken = chromium(f"--screenshot={shot}", "--window-size=1400,1800", page.resolve().as_uri(),
                       profile=tmp_path / "profile")
     assert taken.returncode == 0, taken.stderr[-2000:]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -27,15 +27,18 @@ def offline(monkeypatch: Any, folder: Path) -> None:
     monkeypatch.setenv("HF_DATASETS_CACHE", str(folder / "datasets-cache"))
 
 
+def _task_head(folder: Path, task: str, rows: list[dict[str, Any]]) -> str:
+    """Write the task's rows as its JSONL file; the start of its YAML, which reads them (offline)."""
+    (folder / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return (f"task: {task}\ndataset_path: json\n"
+            f"dataset_kwargs:\n  data_files:\n    test: {folder / f'{task}.jsonl'}\ntest_split: test\n")
+
+
 def write_choice_task(folder: Path, task: str = CHOICE_TASK) -> Path:
     """The multiple-choice task over `QUESTIONS` in `folder` (its data and its YAML); returns the folder."""
     rows = [{"question": q, "choices": c, "answer": a} for q, c, a in QUESTIONS]
-    (folder / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / f"{task}.yaml").write_text(
-        f"task: {task}\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {folder / f'{task}.jsonl'}\n"
-        "test_split: test\n"
+        _task_head(folder, task, rows) +
         "output_type: multiple_choice\n"
         "doc_to_text: \"{{question}}\"\n"
         "doc_to_choice: \"{{choices}}\"\n"
@@ -47,12 +50,8 @@ def write_choice_task(folder: Path, task: str = CHOICE_TASK) -> Path:
 def write_generation_task(folder: Path, task: str, rows: list[dict[str, str]], max_gen_toks: int = 8,
                           until: str = "\\n") -> Path:
     """A generation task over `rows` ({"question", "answer"}), scored by exact match, in `folder`."""
-    (folder / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / f"{task}.yaml").write_text(
-        f"task: {task}\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {folder / f'{task}.jsonl'}\n"
-        "test_split: test\n"
+        _task_head(folder, task, rows) +
         "output_type: generate_until\n"
         "doc_to_text: \"{{question}}\"\n"
         "doc_to_target: \"{{answer}}\"\n"
