@@ -61,6 +61,7 @@ import pluggy
 import typer
 
 from decodekit.api.constraints import ConstraintBackend
+from decodekit.api.metrics import Metric
 from decodekit.api.models import ModelLoader
 from decodekit.api.processors import LogitsProcessor
 from decodekit.api.proposer import Proposer
@@ -160,6 +161,15 @@ def decodekit_register_tool_formats(register: Register[type[ToolCallFormat]]) ->
     """Register tool-call formats: how a model family writes tool calls (`decodekit serve --tool-format NAME`).
 
     :param register: ``register(name, cls)`` with a :class:`decodekit.api.tools.ToolCallFormat` subclass.
+    """
+
+
+@hookspec
+def decodekit_register_metrics(register: Register[Metric]) -> None:
+    """Register quality metrics for `decodekit compare` (distinct-n, self-BLEU, a judge, a task's checker, ...).
+
+    :param register: ``register(name, factory)``; ``factory()`` builds a :class:`decodekit.api.metrics.Metric`
+        (its `needs` say what it reads, its `aggregate` how its values fold into the report's figure).
     """
 
 

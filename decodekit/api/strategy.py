@@ -24,6 +24,9 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.processors import BatchView, Stage
 from decodekit.api.sequence import Request, Sequence
 
+TokenDistribution = Literal["processed", "deterministic"] | None
+"""What a strategy's tokens are drawn from (`Strategy.token_distribution`)."""
+
 
 @dataclass
 class StrategyResult:
@@ -194,6 +197,13 @@ class Strategy:
         (default: whenever they read hidden states). The speculative strategy says no when its proposers can
         start mid-prompt (`Proposer.partial_hidden_states`)."""
         return self.reads_hidden_states(options)
+
+    def token_distribution(self, options: BaseModel | None, params: SamplingParams) -> TokenDistribution:
+        """What the tokens of requests with these options are drawn from, for metrics that compare it with the
+        model's own distribution (`decodekit compare`'s KL): "processed" (each token sampled from the distribution
+        `logprobs_mode="processed"` reports), "deterministic" (each choice certain: greedy, beam and contrastive
+        search), or None (not known: the default, and best-of-n, which ranks finished samples)."""
+        return None
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         """How many sequences a request will run at once (for admission limits)."""

@@ -10,6 +10,8 @@ The app is assembled here from one module per command:
     recipe.py       decodekit recipe check RECIPE         a recipe validated and printed resolved
     plugins.py      decodekit plugins                     what the loaded plugins register
     bench.py        decodekit bench [WORKLOAD]            benchmarks; its modes are in bench_modes.py
+    eval.py         decodekit eval RECIPE --tasks T       lm-evaluation-harness tasks with the recipe as the model
+    compare.py      decodekit compare RECIPE...           recipes and sweeps side by side: speed and quality
 
 and what they share: `terminal` (the consoles, `fail`, logging), `context` (plugin manager -> registry -> recipe,
 the set-up of every recipe command) and `summary` (the table `run` and `generate` print).
@@ -26,7 +28,8 @@ import typer
 from rich.markup import escape
 
 from decodekit.api.errors import DecodeKitError
-from decodekit.cli import batch, bench, generate, plugins, recipe, run, serve, terminal, trace
+from decodekit.cli import batch, bench, compare, generate, plugins, recipe, run, serve, terminal, trace
+from decodekit.cli import eval as eval_cmd
 
 app = typer.Typer(help="decodekit: composable decoding strategies on a paged, continuously batched engine.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -41,6 +44,8 @@ app.command()(batch.batch)
 app.add_typer(recipe.app, name="recipe")
 app.command()(plugins.plugins)
 app.command()(bench.bench)
+app.command(name="eval")(eval_cmd.eval_command)
+app.command()(compare.compare)
 
 
 def _third_party_plugins_installed() -> bool:

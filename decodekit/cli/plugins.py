@@ -31,7 +31,8 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
     except DecodeKitError as exc:
         terminal.fail(str(exc))
     pm, registry = context.plugin_manager, context.registry
-    kinds = ("processors", "stopping_criteria", "strategies", "proposers", "constraint_backends", "tool_formats")
+    kinds = ("processors", "stopping_criteria", "strategies", "proposers", "constraint_backends", "tool_formats",
+             "metrics")
     rows: dict[str, dict[str, Any]] = {name: {"origin": origin, **{k: [] for k in kinds}}
                                        for name, origin in plugin_origins(pm).items()}
     for kind in kinds:
@@ -49,7 +50,8 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
     for col in ("plugin", "from", "processors", "stopping criteria", "strategies", "proposers"):
         # every cell is a name to copy into a recipe: in a terminal too narrow, fold it rather than cut it
         table.add_column(col, overflow="fold")
-    for name, row in rows.items():  # constraint backends and tool formats are in --json (more columns wrap at 80)
+    # constraint backends, tool formats and metrics are in --json (more columns wrap at 80)
+    for name, row in rows.items():
         # one name a line: the table stays narrow, and a name never breaks at a wrap between two of them
         table.add_row(name, row["origin"], *("\n".join(e["name"] for e in row[k]) for k in kinds[:4]))
     print_table(terminal.console, table)

@@ -38,6 +38,7 @@ DEFAULT_PLUGINS = (
     "decodekit_plugins.hf_processors",
     "decodekit_plugins.tool_formats",
     "decodekit_plugins.tool_families",
+    "decodekit_plugins.metrics",
 )
 
 

@@ -31,7 +31,7 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.processors import Stage
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
-from decodekit.api.strategy import StepContext, Strategy, StrategyResult
+from decodekit.api.strategy import StepContext, Strategy, StrategyResult, TokenDistribution
 
 _NEG = -1.0e9  # transformers' "impossible" score
 
@@ -339,6 +339,10 @@ class BeamSearchStrategy(Strategy):
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         assert isinstance(options, BeamSearchParams)
         return options.num_beams
+
+    def token_distribution(self, options: BaseModel | None, params: SamplingParams) -> TokenDistribution:
+        """The returned hypotheses are chosen without sampling."""
+        return "deterministic"
 
     def select(self, ctx: StepContext, seqs: list[Sequence], log_probs: torch.Tensor) -> None:
         for rows in by_request(seqs):

@@ -24,7 +24,7 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.processors import Stage
 from decodekit.api.sequence import Sequence
 from decodekit.api.stash import StashKey
-from decodekit.api.strategy import StepContext, Strategy
+from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
 
 
 class ContrastiveSearchParams(BaseModel):
@@ -63,6 +63,10 @@ class ContrastiveSearchStrategy(Strategy):
     def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
         if params.n != 1:
             raise ValueError(f"contrastive search returns one sequence; n must be 1, got {params.n}")
+
+    def token_distribution(self, options: BaseModel | None, params: SamplingParams) -> TokenDistribution:
+        """Each token is the best-scoring candidate: no sampling."""
+        return "deterministic"
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         # each candidate is a row of the forward, as a sequence is: admission reserves room for them

@@ -35,7 +35,7 @@ from decodekit.api.proposer import Proposer, ProposerModel
 from decodekit.api.sampling import select_tokens
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
-from decodekit.api.strategy import StepContext, Strategy
+from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
 
 
 class SpeculativeParams(BaseModel):
@@ -258,6 +258,10 @@ class SpeculativeStrategy(Strategy):
         proposer: Proposer = self.components.get("proposers", name, f"strategy.{self.name}.proposer")
         self.proposers[name] = proposer
         return proposer
+
+    def token_distribution(self, options: BaseModel | None, params: SamplingParams) -> TokenDistribution:
+        """Lossless: the tokens are distributed as the plain strategy's (the processed distribution, or its argmax)."""
+        return "deterministic" if params.greedy else "processed"
 
     def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
         assert isinstance(options, SpeculativeParams)

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from decodekit import hookimpl, select_tokens
 from decodekit.api.params import SamplingParams
 from decodekit.api.sequence import Sequence
-from decodekit.api.strategy import StepContext, Strategy
+from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
 from decodekit_plugins.beam_search import BeamSearchStrategy
 from decodekit_plugins.eagle import EagleProposer
 from decodekit_plugins.speculative import DraftModelProposer, NgramProposer, SpeculativeStrategy
@@ -29,6 +29,10 @@ class SampleStrategy(Strategy):
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         return params.n
+
+    def token_distribution(self, options: BaseModel | None, params: SamplingParams) -> TokenDistribution:
+        """Greedy picks the processed argmax; otherwise each token is drawn from the processed distribution."""
+        return "deterministic" if params.greedy else "processed"
 
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
         rows: list[int] = []

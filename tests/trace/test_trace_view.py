@@ -26,6 +26,7 @@ from decodekit.trace.format import TraceFileError, read_trace, trace_row
 from decodekit.trace.page import PAGE_FILES, html_page, page_file, write_html
 from decodekit.trace.selection import parse_steps, select_requests
 from decodekit.trace.terminal import render_terminal
+from tests.helpers.browser import chromium
 from tests.helpers.reference import random_prompts
 
 ROOT = Path(__file__).parents[2]
@@ -371,22 +372,12 @@ def test_an_unknown_request_or_bad_steps_exit_2(synthetic_trace):
 # ---- a real browser ------------------------------------------------------------------------------------------------
 
 
-def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.skip("chromium is not on PATH (Debian: apt-get install chromium); the browser test needs it")
-    command = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               f"--user-data-dir={profile}", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-
-
 def test_a_headless_browser_builds_the_tokens_and_shows_the_selected_step(synthetic_trace, real_trace, tmp_path):
     requests = read_trace(real_trace) + read_trace(synthetic_trace)
     page = write_html(requests, tmp_path / "trace.html", source="trace.jsonl")
     tokens = sum(len(o.steps) for r in requests for o in r.outputs)
     url = page.resolve().as_uri() + "#request=spec&output=0&token=3"
-    dumped = _chromium("--dump-dom", url, profile=tmp_path / "profile")
+    dumped = chromium("--dump-dom", url, profile=tmp_path / "profile")
     dom = dumped.stdout
     assert dumped.returncode == 0 and "<body" in dom, dumped.stderr[-2000:]
     items = tokens + sum(len(r.outputs) for r in requests)  # every token, and one stop chip per output
@@ -403,12 +394,12 @@ def test_a_headless_browser_builds_the_tokens_and_shows_the_selected_step(synthe
                                                    'new KeyboardEvent("keydown", {key: k})); });</script></body>')
     moved = tmp_path / "keys.html"
     moved.write_text(keys, encoding="utf-8")
-    dom = _chromium("--dump-dom", moved.resolve().as_uri() + "#request=spec&output=0&token=3",
+    dom = chromium("--dump-dom", moved.resolve().as_uri() + "#request=spec&output=0&token=3",
                     profile=tmp_path / "profile").stdout
     selected = re.findall(r'<span class="tok[^"]*\bsel\b[^"]*"[^>]*? title="token (\d+) ', dom)
     assert selected == ["4"], selected  # right, right, left: from token 3 to token 4
     assert "token 4 of 10" in dom[dom.index('<aside id="details"'):]
     shot = tmp_path / "trace.png"
-    taken = _chromium(f"--screenshot={shot}", "--window-size=1280,900", url, profile=tmp_path / "profile")
+    taken = chromium(f"--screenshot={shot}", "--window-size=1280,900", url, profile=tmp_path / "profile")
     assert taken.returncode == 0, taken.stderr[-2000:]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
