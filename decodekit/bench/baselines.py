@@ -99,11 +99,15 @@ class DecodekitSystem(System):
     batch_size: int | None = None  # None: every request at once; else groups of this many, one after another
 
     def __init__(self, model: Any, tokenizer: Any, dtype: Any, engine_options: dict[str, Any]) -> None:
+        """`model` is the shared model object, or a spec (name, .gguf file) that decodekit loads itself: the latter
+        for a GGUF run as stored (`dtype` "auto"), whose quantized weights the shared object does not carry."""
         from decodekit.execution.fused.blocks import fused_decoder_refusal
         from decodekit.llm import LLM
 
         notes: list[str] = []
-        if engine_options.get("fused_decoder") is not False and fused_decoder_refusal(model) is None:
+        if isinstance(model, str):
+            notes.append(f"{model} loaded by decodekit itself, its GGUF weights run as stored")
+        elif engine_options.get("fused_decoder") is not False and fused_decoder_refusal(model) is None:
             # The fused decoder re-lays weights in place; a copy keeps the baselines on the untouched module,
             # exactly as a user's transformers code would run it.
             model = copy.deepcopy(model)

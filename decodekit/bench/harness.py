@@ -15,6 +15,7 @@ import os
 import resource
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -252,9 +253,20 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
         name: functools.partial(build_system, name, hf_model, tokenizer, dtype=loaded.dtype,
                                 batch_size=sizes["batch_size"], engine_options=options) for name in names}
     dtype_name = str(loaded.dtype).removeprefix("torch.")
+    stored = stored_formats(loaded) if options.get("quantization") in (None, "gguf") else ""
+    if stored:
+        # a GGUF under dtype auto: decodekit runs its blocks as stored (it loads the file itself: the shared object
+        # is the dequantized model the baselines run), llama.cpp reads the same file
+        builders["decodekit"] = functools.partial(build_system, "decodekit", model, tokenizer, dtype="auto",
+                                                  batch_size=sizes["batch_size"], engine_options=options)
+        env["weights"] = f"as stored ({stored})"
     for peer_name, spec in zip(peer_names(peers or []), peers or [], strict=True):
-        builders[peer_name] = functools.partial(_build_peer, spec, peer_name, model, dtype_name, options, env)
+        builders[peer_name] = functools.partial(_build_peer, spec, peer_name, model, dtype_name, options, env,
+                                                stored)
     figures, ratios, notes = measure(builders, work, repeats, time_limit_s=time_limit_s, progress=progress)
+    if stored:
+        notes.append(f"decodekit ran the GGUF's weights as stored ({stored}; float32 activations), loading the file "
+                     "itself; the baselines run the dequantized float32 model; llama.cpp reads the same file")
     if peers:
         notes.append("same tokens: the share of requests whose greedy tokens equal decodekit's; common prefix: the "
                      "mean over requests of the share of decodekit's tokens matched before the first difference")
@@ -266,11 +278,19 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
                        options, env, notes)
 
 
+def stored_formats(loaded: Any) -> str:
+    """The formats of the weights `loaded` keeps as its file stores them, most frequent first ("Q4_1, Q8_0"), or ""
+    when it keeps none."""
+    counts = Counter(weight.format for weight in getattr(loaded, "stored", {}).values())
+    return ", ".join(name for name, _ in counts.most_common())
+
+
 def _build_peer(spec: PeerSpec, name: str, model: Any, dtype: str, options: dict[str, Any],
-                env: dict[str, Any]) -> System:
-    """Start a peer on the run's model, dtype and threads; its version and binding go into the machine line."""
+                env: dict[str, Any], stored: str = "") -> System:
+    """Start a peer on the run's model, dtype and threads (and decodekit's weights as stored, when it runs them
+    so); its version and binding go into the machine line."""
     system = build_peer(spec, model=model, dtype=dtype, threads=torch.get_num_threads(),
-                        quantization=options.get("quantization"), name=name)
+                        quantization=options.get("quantization"), name=name, stored=stored)
     describe = getattr(system, "describe", None)
     if callable(describe):
         env.setdefault("peers", {})[name] = describe()

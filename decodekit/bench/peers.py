@@ -598,9 +598,10 @@ class LlamaCppPeer(System):
 
 
 def build_peer(spec: PeerSpec, *, model: Any, dtype: str, threads: int, quantization: str | None = None,
-               name: str | None = None) -> System:
+               name: str | None = None, stored: str = "") -> System:
     """Start the peer `spec` names on decodekit's `model`, in the precision paired with `dtype` (and
-    `quantization`), on `threads` cores.
+    `quantization`), on `threads` cores. With `stored` (the formats of a GGUF's weights decodekit runs as stored),
+    llama.cpp reads that same file as it is.
 
     Raises:
         PeerUnavailable: the model is not one it can read.
@@ -610,10 +611,17 @@ def build_peer(spec: PeerSpec, *, model: Any, dtype: str, threads: int, quantiza
         dtype, quantization = "bfloat16", None
     if spec.kind == "vllm":
         assert spec.python is not None
+        if stored:
+            raise PeerUnavailable(f"vllm peer: vLLM's CPU build has no kernels for GGUF weights as stored "
+                                  f"({stored}); run with --dtype float32 or bfloat16 to compare with it")
         if quantization is not None:
             raise PeerUnavailable(f"vllm peer: no vLLM CPU weight format is paired with decodekit's "
                                   f"quantization={quantization!r}; run it without quantization")
         return VllmPeer(spec.python, vllm_model_folder(model), dtype, threads=threads, name=name or "vllm")
+    if stored:
+        gguf = spec.gguf or str(llama_source_gguf(model))
+        return LlamaCppPeer(spec.python, gguf=gguf, source_gguf=None, precision=f"{stored} (as stored)",
+                            threads=threads, name=name or "llama.cpp")
     source = None if spec.gguf else llama_source_gguf(model)
     return LlamaCppPeer(spec.python, gguf=spec.gguf, source_gguf=source, precision=llama_precision(dtype, quantization),
                         threads=threads, name=name or "llama.cpp")

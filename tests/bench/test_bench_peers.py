@@ -23,6 +23,7 @@ from decodekit.bench.peers import (
     PeerSpec,
     PeerUnavailable,
     VllmPeer,
+    build_peer,
     check_peer,
     core_list,
     parse_peer,
@@ -400,3 +401,43 @@ def test_bench_matrix_runs_a_peer_started_once_in_each_greedy_cell(fake_vllm_pyt
     loads = [line for line in log.read_text().splitlines() if '"llm"' in line]
     assert len(loads) == 1
     assert "vllm tok/s" in matrix_markdown(result) and "peers: vllm (vLLM 0.0-fake" in result.machine
+
+
+def test_a_gguf_run_as_stored_pairs_llama_cpp_with_the_same_file_and_refuses_vllm(monkeypatch):
+    """decodekit running a GGUF's weights as stored (dtype auto) is compared with llama.cpp reading that very file,
+    not a requantized copy; vLLM's CPU build has no such kernels, and says how to compare with it instead."""
+    from decodekit.bench import peers as peers_module
+    from decodekit.models.loader import bundled_gguf_path
+
+    seen: dict[str, object] = {}
+
+    class CapturedLlama:
+        def __init__(self, python: str | None, **options: object) -> None:
+            seen.update(options)
+
+    monkeypatch.setattr(peers_module, "LlamaCppPeer", CapturedLlama)
+    build_peer(PeerSpec("llama.cpp"), model="smollm2-135m-instruct", dtype="float32", threads=2, stored="Q4_1, Q8_0")
+    assert seen["gguf"] == str(bundled_gguf_path()) and seen["source_gguf"] is None
+    assert seen["precision"] == "Q4_1, Q8_0 (as stored)"
+    with pytest.raises(PeerUnavailable, match=r"GGUF weights as stored \(Q4_1\); run with --dtype float32 or bfloat16"):
+        build_peer(PeerSpec("vllm", python=sys.executable), model="smollm2-135m-instruct", dtype="float32",
+                   threads=2, stored="Q4_1")
+
+
+def test_the_stored_formats_of_a_loaded_model_are_named_most_frequent_first():
+    from types import SimpleNamespace
+
+    from decodekit.bench.harness import stored_formats
+
+    weights = {name: SimpleNamespace(format=fmt) for name, fmt in (("a", "Q8_0"), ("b", "Q4_1"), ("c", "Q4_1"))}
+    assert stored_formats(SimpleNamespace(stored=weights)) == "Q4_1, Q8_0"
+    assert stored_formats(SimpleNamespace(stored={})) == "" == stored_formats(object())
+
+
+@pytest.mark.slow
+def test_bench_batch1_on_the_bundled_gguf_under_dtype_auto_runs_it_as_stored():
+    """The bundled model under dtype auto (on a CPU where the kernels build): decodekit's column runs the Q4_1
+    blocks as stored, and the result says so."""
+    result = run_benchmark("batch1", output_len=4, prompt_len=8, repeats=1, baselines=(), num_threads=1)
+    assert result.systems["decodekit"].error is None
+    assert any("as stored (Q4_1" in note for note in result.notes)
