@@ -64,6 +64,7 @@ from decodekit.api.constraints import ConstraintBackend
 from decodekit.api.models import ModelLoader
 from decodekit.api.processors import LogitsProcessor
 from decodekit.api.proposer import Proposer
+from decodekit.api.reasoning import ReasoningFormat
 from decodekit.api.sequence import Request, RequestOutput
 from decodekit.api.stopping import StoppingCriterion
 from decodekit.api.strategy import Strategy
@@ -160,6 +161,14 @@ def decodekit_register_tool_formats(register: Register[type[ToolCallFormat]]) ->
     """Register tool-call formats: how a model family writes tool calls (`decodekit serve --tool-format NAME`).
 
     :param register: ``register(name, cls)`` with a :class:`decodekit.api.tools.ToolCallFormat` subclass.
+    """
+
+
+@hookspec
+def decodekit_register_reasoning_formats(register: Register[type[ReasoningFormat]]) -> None:
+    """Register reasoning formats: how a model family marks the phases of its output (`reasoning: {format: NAME}`).
+
+    :param register: ``register(name, cls)`` with a :class:`decodekit.api.reasoning.ReasoningFormat` subclass.
     """
 
 

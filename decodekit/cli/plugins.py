@@ -31,7 +31,8 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
     except DecodeKitError as exc:
         terminal.fail(str(exc))
     pm, registry = context.plugin_manager, context.registry
-    kinds = ("processors", "stopping_criteria", "strategies", "proposers", "constraint_backends", "tool_formats")
+    kinds = ("processors", "stopping_criteria", "strategies", "proposers", "constraint_backends", "tool_formats",
+             "reasoning_formats")
     rows: dict[str, dict[str, Any]] = {name: {"origin": origin, **{k: [] for k in kinds}}
                                        for name, origin in plugin_origins(pm).items()}
     for kind in kinds:

@@ -37,6 +37,7 @@ DEFAULT_PLUGINS = (
     "decodekit_plugins.structured",
     "decodekit_plugins.hf_processors",
     "decodekit_plugins.tool_formats",
+    "decodekit_plugins.reasoning_formats",
 )
 
 

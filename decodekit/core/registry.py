@@ -22,7 +22,8 @@ from decodekit.api.errors import PluginError
 from decodekit.api.models import ModelLoader
 
 _SINGULAR = {"processors": "processor", "stopping_criteria": "stopping criterion", "strategies": "strategy",
-             "proposers": "proposer", "constraint_backends": "constraint backend", "tool_formats": "tool format"}
+             "proposers": "proposer", "constraint_backends": "constraint backend", "tool_formats": "tool format",
+             "reasoning_formats": "reasoning format"}
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class Entry:
 
 @dataclass
 class Registry:
-    """Every processor, stopping criterion, strategy, proposer, constraint backend, tool-call format and model loader
-    the loaded plugins provide."""
+    """Every processor, stopping criterion, strategy, proposer, constraint backend, tool-call format, reasoning format
+    and model loader the loaded plugins provide."""
 
     processors: dict[str, Entry] = field(default_factory=dict)
     stopping_criteria: dict[str, Entry] = field(default_factory=dict)
@@ -57,6 +58,7 @@ class Registry:
     proposers: dict[str, Entry] = field(default_factory=dict)
     constraint_backends: dict[str, Entry] = field(default_factory=dict)
     tool_formats: dict[str, Entry] = field(default_factory=dict)
+    reasoning_formats: dict[str, Entry] = field(default_factory=dict)
     model_loaders: list[ModelLoader] = field(default_factory=list)
 
     @classmethod
@@ -71,6 +73,7 @@ class Registry:
             ("decodekit_register_proposers", registry.proposers),
             ("decodekit_register_constraint_backends", registry.constraint_backends),
             ("decodekit_register_tool_formats", registry.tool_formats),
+            ("decodekit_register_reasoning_formats", registry.reasoning_formats),
         ):
             caller = getattr(pm.hook, hook)
             caller(register=_registrar(table, hook, plugin_finder(caller), order))
@@ -79,7 +82,7 @@ class Registry:
 
     def get(self, kind: str, name: str) -> Entry:
         """Look up a component by kind ("processors", "stopping_criteria", "strategies", "proposers",
-        "constraint_backends", "tool_formats") and name."""
+        "constraint_backends", "tool_formats", "reasoning_formats") and name."""
         table: dict[str, Entry] = getattr(self, kind)
         if name not in table:
             known = sorted(table)
