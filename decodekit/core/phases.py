@@ -288,6 +288,24 @@ ARGMAX = ArgmaxProcessor()
 """The greedy phase's stage."""
 
 
+def usable_draft(state: PhaseState, draft: list[int]) -> int:
+    """How many leading tokens of a draft to keep: up to the first forced position the draft departs from (the
+    forced marker begins there, and verification could accept nothing past it), and before a second change of phase
+    (a phase re-entered within one draft would have its stages see only the tokens since it was re-entered)."""
+    cursor, changes = state.cursor.copy(), 0
+    for i, token in enumerate(draft):
+        must = cursor.forced_token
+        if must is not None and must != token:
+            return i
+        before = cursor.phase
+        cursor.step(state.program, token)
+        if cursor.phase != before:
+            changes += 1
+            if changes > 1:
+                return i
+    return len(draft)
+
+
 def phase_state(seq: Any) -> PhaseState | None:
     """The phase state of a sequence whose request has phases, else None."""
     plan = seq.request.plan
