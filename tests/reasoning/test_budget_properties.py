@@ -15,8 +15,9 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from decodekit import LLM, SamplingParams
+from decodekit import LLM, Proposer, SamplingParams, hookimpl
 from decodekit.models.draft_head import DraftHead, DraftHeadConfig, save_head
+from decodekit.testing import plugin_manager
 from tests.helpers.reasoning_models import think_tokenizer, tiny_qwen3
 
 WORDS = ["OK", " answer", " now", ".", " time", "!", " The", " end", "\n"]
@@ -165,16 +166,29 @@ def test_seeded_phase_sampling_gives_the_same_tokens_alone_and_batched(llm, tok,
     check_output(tok, alone.token_ids, alone.text, alone.finish_reason, budget, wrap, False)
 
 
-def test_a_draft_that_crosses_the_budget_is_cut_where_the_forced_marker_begins(llm, tok, monkeypatch):
-    """The n-gram proposer drafts the prompt's continuation past the budget of 3: with the cut, no draft that
-    reaches the forced `</think>` disagrees with it there; without it (patched out), some do, and verification
-    rejects them, so both runs give the same tokens."""
+class RepeatLast(Proposer):
+    """Drafts the sequence's last token k times: a draft that crosses a forced marker without agreeing with it."""
+
+    name = "repeat_last"
+
+    def propose(self, ctx, seqs, ks, options):
+        return [[seq.token_ids[-1]] * k for seq, k in zip(seqs, ks)], [None] * len(seqs)
+
+
+class RepeatLastPlugin:
+    @hookimpl
+    def decodekit_register_proposers(self, register):
+        register(RepeatLast.name, RepeatLast)
+
+
+def test_a_draft_that_crosses_the_budget_is_cut_where_the_forced_marker_begins(model, tok, monkeypatch):
+    """Drafts that reach the forced `</think>` (budget 3) disagreeing with it are cut there before scoring; with the
+    cut patched out they reach verification, which rejects them: both runs give the same tokens."""
     from decodekit.core.stages import propose
 
-    end, think = tok.convert_tokens_to_ids("</think>"), tok.convert_tokens_to_ids("<think>")
-    phrase = tok.encode("The quick brown fox jumps over the lazy dog.")
-    echo = [*phrase, think, *phrase, think]  # n-gram lookup drafts the phrase again from the first token on
-    strategy = llm.engine.components.get("strategies", "speculative")
+    end = tok.convert_tokens_to_ids("</think>")
+    engine = LLM(model, tok, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager(RepeatLastPlugin()))
+    strategy = engine.engine.components.get("strategies", "speculative")
     original = strategy.select
 
     def run() -> tuple[list[int], list[tuple[int, list[int]]]]:
@@ -185,12 +199,9 @@ def test_a_draft_that_crosses_the_budget_is_cut_where_the_forced_marker_begins(l
             return original(ctx, seqs, logits)
 
         strategy.select = record
-        try:
-            params = SamplingParams(max_tokens=16, temperature=0, reasoning=reasoning(3, "", 0.0, answer=False),
-                                    strategy=spec("ngram"))
-            return llm.generate([echo], params)[0].token_ids, seen
-        finally:
-            strategy.select = original
+        params = SamplingParams(max_tokens=12, temperature=0, reasoning=reasoning(3, "", 0.0, answer=False),
+                                strategy=spec("repeat_last"))
+        return engine.generate(prompts(tok, True)[:1], params)[0].token_ids, seen
 
     def crossing(seen: list[tuple[int, list[int]]]) -> list[int]:
         return [draft[3 - n] for n, draft in seen if n <= 3 < n + len(draft)]
@@ -199,5 +210,5 @@ def test_a_draft_that_crosses_the_budget_is_cut_where_the_forced_marker_begins(l
     monkeypatch.setattr(propose, "usable_draft", lambda state, draft: len(draft))
     uncut_ids, uncut_seen = run()
     assert cut_ids == uncut_ids and cut_ids[3] == end
-    assert any(token != end for token in crossing(uncut_seen))
-    assert all(token == end for token in crossing(cut_seen))
+    assert crossing(uncut_seen) and all(token != end for token in crossing(uncut_seen))
+    assert not crossing(cut_seen)
