@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from decodekit.api.components import PlanError
 from decodekit.api.errors import PluginError
 from decodekit.api.params import ComponentSpec, PhaseParams, ReasoningParams, SamplingParams
@@ -28,8 +30,8 @@ def plan_phases(params: SamplingParams, reasoning: ReasoningParams, fmt_lookup: 
     """The request's phases; raises `PlanError` naming the offending key."""
     try:
         fmt: ReasoningFormat = fmt_lookup(reasoning.format)()
-    except (PluginError, PlanError) as exc:
-        raise PlanError("reasoning.format", str(exc).split(": ", 1)[-1]) from None
+    except PluginError as exc:
+        raise PlanError("reasoning.format", str(exc)) from None
     configured = reasoning.phases
     for name in configured:
         if name not in fmt.phases:
@@ -42,8 +44,10 @@ def plan_phases(params: SamplingParams, reasoning: ReasoningParams, fmt_lookup: 
         _check_budget(fmt, name, settings)
         try:
             phase_params = params.for_phase(settings)
-        except ValueError as exc:  # a ValidationError: the phase's sampling value is out of range
-            raise PlanError(f"reasoning.{name}.sampling", str(exc).split("\n", 2)[-1].strip()) from None
+        except ValidationError as exc:  # the phase's sampling value is out of range
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise PlanError(f"reasoning.{name}.sampling.{where}", error["msg"]) from None
         own = [(spec, f"reasoning.{name}.processors[{i}]") for i, spec in enumerate(settings.processors)]
         stages = pipeline(phase_params, listed + own)
         if phase_params.temperature == 0.0 and not params.greedy:
