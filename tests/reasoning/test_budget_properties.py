@@ -70,7 +70,7 @@ def prompts(tok: Any, opened: bool) -> list[list[int]]:
     think = tok.convert_tokens_to_ids("<think>")
     base = [tok.encode(text) for text in ("The quick brown fox. The quick brown fox.", "Hello world! Hello world!",
                                           "Paged attention stores keys. Paged attention")]
-    return [ids + [think] if opened else ids for ids in base]
+    return [[*ids, think] if opened else ids for ids in base]
 
 
 def reasoning(budget: int, wrap: str, bias: float, answer: bool = True) -> dict[str, Any]:
