@@ -10,10 +10,12 @@ import torch
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 
 THINK_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\nEffort: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
-"""Qwen3's chat template, cut down: the model opens `<think>` itself, unless `enable_thinking` is false."""
+"""Qwen3's chat template, cut down: the model opens `<think>` itself, unless `enable_thinking` is false (and, for
+the tests of `reasoning_effort`, a system line with it when given)."""
 
 HARMONY_TEMPLATE = (
     "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
@@ -61,3 +63,11 @@ def tiny_gpt_oss(tokenizer: Any, seed: int = 0) -> Any:
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     return model.eval()
+
+
+def save_tiny_qwen3(folder: Any) -> Any:
+    """The tiny Qwen3 and its `<think>` tokenizer saved as an HF folder (for recipes and the server)."""
+    tok = think_tokenizer()
+    tiny_qwen3(tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
