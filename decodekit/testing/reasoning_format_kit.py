@@ -57,7 +57,9 @@ def check_reasoning_format(format_class: type[ReasoningFormat], *plugins: object
         raise ConformanceError(f"{fmt.name}: another format is registered under this name ({known.factory!r})")
     requests = 0
     closing = fmt.closing(fmt.begins)
-    for budget in budgets if closing is not None else ():
+    for budget in budgets:
+        if closing is None:
+            break
         rules = {"format": fmt.name, fmt.begins: {"budget": budget, "wrap_up": WRAP_UP}}
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, skip_special_tokens=False,
                                 reasoning=rules)
