@@ -141,7 +141,8 @@ class PhaseParams(StrictParams):
 
     budget: int | None = Field(None, ge=0, description="Most tokens the model writes in this phase; then the "
                                "wrap-up message and the format's end marker are forced. None: no limit.")
-    wrap_up: str = Field("", description="Text forced before the end marker when the budget ends the phase.")
+    wrap_up: str = Field("", description="Text forced before the end marker when the budget ends the phase (a "
+                         "recipe may set it for the budgets requests set).")
     sampling: dict[str, Any] = Field(default_factory=dict, description="This phase's own sampling fields ("
                                      + ", ".join(PHASE_SAMPLING_FIELDS) + "), over the request's.")
     processors: list[ComponentSpec] = Field(default_factory=list, description="Processors applied in this phase "
@@ -153,8 +154,6 @@ class PhaseParams(StrictParams):
         if unknown:
             raise ValueError(f"sampling: {', '.join(unknown)} apply to the whole request, not to one phase (a phase "
                              f"sets {', '.join(PHASE_SAMPLING_FIELDS)})")
-        if self.wrap_up and self.budget is None:
-            raise ValueError("wrap_up is forced when the budget runs out: set a budget too")
         return self
 
 
