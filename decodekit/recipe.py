@@ -39,7 +39,7 @@ from pydantic import (
 
 from decodekit.api.config import TARGET_DRAFT, EngineConfig
 from decodekit.api.errors import ConfigError, DecodeKitError, RecipeError
-from decodekit.api.params import SAMPLING_ALIASES, ComponentSpec, SamplingParams
+from decodekit.api.params import SAMPLING_ALIASES, ComponentSpec, ReasoningParams, SamplingParams
 from decodekit.core.plan import Components, Plan
 from decodekit.core.registry import Registry
 from decodekit.recipe_syntax import apply_override, format_validation_errors, parse_yaml, read_text_capped
@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # the plan imports torch; `decodekit --help` reads recipes' f
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 COMPONENT_KEYS = ("processors", "stopping", "strategy")
+TOP_LEVEL_KEYS = (*COMPONENT_KEYS, "reasoning")
+"""`SamplingParams` fields a recipe sets at its top level, not under `sampling`."""
 MAX_RECIPE_BYTES = 1 << 20
 """A recipe file larger than this (1 MiB) is refused before parsing; recipes are hand-written, prompts go in files."""
 _SPECS: TypeAdapter[list[ComponentSpec]] = TypeAdapter(list[ComponentSpec])
@@ -120,6 +122,9 @@ class Recipe(_Section):
     processors: list[ComponentSpec] = Field(default_factory=list, description="Logits processors, in order.")
     stopping: list[ComponentSpec] = Field(default_factory=list, description="Extra stopping criteria.")
     strategy: ComponentSpec | None = Field(None, description="Search strategy (default: sample).")
+    reasoning: ReasoningParams | None = Field(None, description="Phase-aware decoding for a reasoning model: its "
+                                              "format, and per phase (thinking, answer) a budget, a wrap-up message, "
+                                              "sampling and processors (docs/reasoning.md).")
     inputs: InputsConfig = Field(default_factory=InputsConfig, description="The prompts.")
     outputs: OutputsConfig = Field(default_factory=OutputsConfig, description="What to write and report.")
 
@@ -160,7 +165,7 @@ class Recipe(_Section):
     @field_validator("sampling")
     @classmethod
     def _components_at_top_level(cls, value: SamplingParams) -> SamplingParams:
-        misplaced = sorted(value.model_fields_set & set(COMPONENT_KEYS))
+        misplaced = sorted(value.model_fields_set & set(TOP_LEVEL_KEYS))
         if misplaced:
             raise ValueError(f"set {', '.join(misplaced)} at the recipe's top level, not under sampling")
         return value
@@ -179,7 +184,8 @@ class Recipe(_Section):
         """The `SamplingParams` every request starts from: `sampling` plus processors, stopping and strategy."""
         fields = self.sampling.model_dump(exclude_unset=True)
         return SamplingParams.model_validate(
-            {**fields, "processors": self.processors, "stopping": self.stopping, "strategy": self.strategy})
+            {**fields, "processors": self.processors, "stopping": self.stopping, "strategy": self.strategy,
+             "reasoning": self.reasoning})
 
     def params_for(self, override: Mapping[str, Any] | None = None, sampling_key: str = "") -> SamplingParams:
         """A request's parameters: the recipe's defaults with `override` merged over them (see `merge_params`;
@@ -230,6 +236,8 @@ def merge_params(base: SamplingParams, override: Mapping[str, Any], sampling_key
         if alias in override and not (alias == "do_sample" and override[alias] is True):
             fields.pop(target, None)
     fields.update({k: v for k, v in override.items() if k not in COMPONENT_KEYS})
+    if base.reasoning is not None and isinstance(override.get("reasoning"), Mapping):
+        fields["reasoning"] = merge_reasoning(base.reasoning, override["reasoning"])
     merged: dict[str, Any] = {
         "processors": _merge_specs(base.processors, override.get("processors"), "processors"),
         "stopping": _merge_specs(base.stopping, override.get("stopping"), "stopping"),
@@ -242,6 +250,20 @@ def merge_params(base: SamplingParams, override: Mapping[str, Any], sampling_key
     except ValidationError as exc:
         prefix = (sampling_key,) if sampling_key else ()
         raise RecipeError(format_validation_errors(exc, SamplingParams, prefix=prefix)) from None
+
+
+def merge_reasoning(base: ReasoningParams, override: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's `reasoning` over the recipe's: `format` replaced, each phase's settings merged key by key (its
+    `processors` appended to the recipe's, its `sampling` merged field by field)."""
+    merged: dict[str, Any] = base.model_dump()
+    for key, value in override.items():
+        phase = merged.get(key)
+        if key == "format" or not isinstance(value, Mapping) or not isinstance(phase, dict):
+            merged[key] = value
+            continue
+        merged[key] = {**phase, **value, "sampling": {**phase["sampling"], **dict(value.get("sampling") or {})},
+                       "processors": [*phase["processors"], *list(value.get("processors") or [])]}
+    return merged
 
 
 def _merge_specs(base: list[ComponentSpec], override: Any, key: str) -> list[ComponentSpec]:

@@ -62,6 +62,8 @@ class InputLine(BaseModel):
     processors: list[Any] | None = Field(None, description="Processors merged over the recipe's, by name.")
     stopping: list[Any] | None = Field(None, description="Stopping criteria merged over the recipe's, by name.")
     strategy: Any = Field(None, description="A strategy replacing the recipe's.")
+    reasoning: dict[str, Any] | None = Field(None, description="Reasoning settings merged over the recipe's, per "
+                                             "phase (docs/reasoning.md).")
 
     def overrides(self) -> dict[str, Any]:
         """The line's overrides in `Recipe.params_for` form."""
@@ -69,7 +71,7 @@ class InputLine(BaseModel):
         if misplaced:
             raise RecipeError(f"sampling: set {', '.join(misplaced)} next to sampling, not inside it")
         out = dict(self.sampling)
-        for key in COMPONENT_KEYS:
+        for key in (*COMPONENT_KEYS, "reasoning"):
             if key in self.model_fields_set:
                 out[key] = getattr(self, key)
         return out

@@ -83,7 +83,9 @@ class EngineConfig(BaseModel):
         "auto", description="How bf16 weights (quantization: bf16, which a bfloat16 model on a CPU gets) multiply "
         "steps of 8 rows or more (batches, prefill): 'bf16' on the CPU's bf16 dot products (oneDNN's bf16 GEMM: "
         "activations rounded to bf16 at each product's input, float32 accumulation, as vLLM's and transformers' bf16 "
-        "run; 2-3x the float32-arithmetic products on AVX512-BF16); 'float32' in float32 arithmetic (the bf16 "
+        "run; 2-3x the float32-arithmetic products on AVX512-BF16; with a bf16 KV pool on AVX512-BF16 the decode "
+        "steps' attention multiplies on bf16 dot products too, query and probabilities rounded to bf16); 'float32' in "
+        "float32 arithmetic (the bf16 "
         "weights' exact products: tokens equal a float32 run of the bf16-rounded model). 'auto': bf16 for a "
         "bfloat16 model on a CPU with bf16 dot products (AVX512-BF16 or AMX), float32 otherwise (and for "
         "quantization: bf16 of a float32 model). Fewer rows always run float32 arithmetic.")

@@ -65,6 +65,7 @@ from decodekit.api.metrics import Metric
 from decodekit.api.models import ModelLoader
 from decodekit.api.processors import LogitsProcessor
 from decodekit.api.proposer import Proposer
+from decodekit.api.reasoning import ReasoningFormat
 from decodekit.api.sequence import Request, RequestOutput
 from decodekit.api.stopping import StoppingCriterion
 from decodekit.api.strategy import Strategy
@@ -170,6 +171,14 @@ def decodekit_register_metrics(register: Register[Metric]) -> None:
 
     :param register: ``register(name, factory)``; ``factory()`` builds a :class:`decodekit.api.metrics.Metric`
         (its `needs` say what it reads, its `aggregate` how its values fold into the report's figure).
+    """
+
+
+@hookspec
+def decodekit_register_reasoning_formats(register: Register[type[ReasoningFormat]]) -> None:
+    """Register reasoning formats: how a model family marks the phases of its output (`reasoning: {format: NAME}`).
+
+    :param register: ``register(name, cls)`` with a :class:`decodekit.api.reasoning.ReasoningFormat` subclass.
     """
 
 

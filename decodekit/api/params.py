@@ -128,6 +128,54 @@ def _alias_schema(schema: dict[str, Any]) -> None:
                        *({"not": {"required": [alias, target]}} for alias, target in SAMPLING_ALIASES.items())]
 
 
+PHASE_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+"""The `SamplingParams` fields a reasoning phase may set for itself (`PhaseParams.sampling`); the others (max
+tokens, seed, stop strings, n, ...) belong to the whole request."""
+
+
+class PhaseParams(StrictParams):
+    """One phase of a reasoning request (`thinking`, `answer`, ...): its own sampling, processors and budget.
+
+    Example (recipe): `thinking: {budget: 256, wrap_up: "\\nTime to answer.\\n", sampling: {temperature: 1.0}}`
+    """
+
+    budget: int | None = Field(None, ge=0, description="Most tokens the model writes in this phase; then the "
+                               "wrap-up message and the format's end marker are forced. None: no limit.")
+    wrap_up: str = Field("", description="Text forced before the end marker when the budget ends the phase (a "
+                         "recipe may set it for the budgets requests set).")
+    sampling: dict[str, Any] = Field(default_factory=dict, description="This phase's own sampling fields ("
+                                     + ", ".join(PHASE_SAMPLING_FIELDS) + "), over the request's.")
+    processors: list[ComponentSpec] = Field(default_factory=list, description="Processors applied in this phase "
+                                            "only (after the request's own), e.g. a constraint on the answer.")
+
+    @model_validator(mode="after")
+    def _check(self) -> PhaseParams:
+        unknown = sorted(set(self.sampling) - set(PHASE_SAMPLING_FIELDS))
+        if unknown:
+            raise ValueError(f"sampling: {', '.join(unknown)} apply to the whole request, not to one phase (a phase "
+                             f"sets {', '.join(PHASE_SAMPLING_FIELDS)})")
+        return self
+
+
+class ReasoningParams(BaseModel):
+    """Phase-aware decoding for a reasoning model: its format, and each phase's settings by name.
+
+    Example (recipe): `reasoning: {format: think_tags, thinking: {budget: 256}, answer: {sampling: {temperature:
+    0.7}}}`. Every key other than `format` names a phase of the format (`thinking`, `answer`, ...).
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    __pydantic_extra__: dict[str, PhaseParams] = Field(init=False)
+
+    format: str = Field("think_tags", description="A registered reasoning format: think_tags (Qwen3, DeepSeek-R1, "
+                        "SmolLM3), harmony (gpt-oss).")
+
+    @property
+    def phases(self) -> dict[str, PhaseParams]:
+        """The phases' settings, by phase name."""
+        return dict(self.__pydantic_extra__ or {})
+
+
 MAX_LOGPROBS = 20
 """The most alternatives `SamplingParams.logprobs` may ask for per token (vLLM's default `max_logprobs`)."""
 
@@ -185,6 +233,10 @@ class SamplingParams(BaseModel):
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Parameters for processors, stopping criteria or strategies from plugins."
     )
+    reasoning: ReasoningParams | None = Field(
+        None, description="Phase-aware decoding for reasoning models: each phase (thinking, answer) with its own "
+                          "sampling, processors and budget (docs/reasoning.md)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -207,5 +259,15 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        """True when the request decodes by argmax."""
-        return self.temperature == 0.0
+        """True when the request decodes by argmax: its temperature is 0, and so is every reasoning phase's."""
+        if self.temperature != 0.0:
+            return False
+        return self.reasoning is None or all(
+            p.sampling.get("temperature", 0.0) == 0.0 for p in self.reasoning.phases.values())
+
+    def for_phase(self, phase: PhaseParams | None) -> SamplingParams:
+        """These parameters with one reasoning phase's sampling fields over them (validated: a bad value raises
+        `ValidationError` naming the field)."""
+        if phase is None or not phase.sampling:
+            return self
+        return SamplingParams.model_validate({**dict(self), **phase.sampling})

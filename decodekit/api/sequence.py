@@ -197,6 +197,10 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per generated token (`SamplingParams.logprobs`)
     trace: list[dict[str, Any]] | None = None  # the decoding trace (`SamplingParams.trace`, `decodekit.core.trace`)
     tool_calls: list[ToolCall] | None = None  # the calls read back from `text` (`LLM.chat(..., tools=...)`)
+    # a reasoning request (`SamplingParams.reasoning`): `text` is then the answer, this the thinking (markers removed)
+    reasoning_text: str | None = None
+    # ... and how many generated tokens were the thinking's, its markers included (the rest are the answer's)
+    reasoning_token_count: int | None = None
 
 
 @dataclass
@@ -213,6 +217,7 @@ class RequestOutput:
     delta_text: list[str] = field(default_factory=list)
     delta_token_ids: list[list[int]] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (None for the first)
+    delta_reasoning_text: list[str] | None = None  # a reasoning request's new thinking (`delta_text`: its answer)
 
     @property
     def text(self) -> str:

@@ -188,7 +188,8 @@ def uses_chat_template(recipe: Recipe, row: InputRow) -> bool:
     return recipe.inputs.chat or (isinstance(row.data, dict) and row.data.get("messages") is not None)
 
 
-OUTPUT_KEYS = ("id", "text", "token_ids", "finish_reason", "stop_reason", "usage", "choices", "error")
+OUTPUT_KEYS = ("id", "text", "token_ids", "finish_reason", "stop_reason", "usage", "choices", "error", "reasoning_text",
+               "reasoning_tokens")
 """Every output row has these keys (null where they do not apply), so JSONL and Parquet rows share one shape."""
 
 
@@ -210,6 +211,9 @@ def output_row(row: InputRow, output: RequestOutput | None = None, error: str | 
         "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
                   "total_tokens": len(output.prompt_token_ids) + completion_tokens},
     })
+    first = output.outputs[0] if output.outputs else None
+    if first is not None and first.reasoning_text is not None:  # a reasoning row: `text` is the answer
+        out["reasoning_text"], out["reasoning_tokens"] = first.reasoning_text, first.reasoning_token_count
     if len(output.outputs) > 1:
         out["choices"] = [{"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
                            "finish_reason": o.finish_reason, "score": o.score,
@@ -229,5 +233,6 @@ def output_schema() -> Any:
                         ("finish_reason", pa.string()), ("score", pa.float64()),
                         ("cumulative_logprob", pa.float64())])
     fields = {"id": pa.string(), "text": pa.string(), "token_ids": tokens, "finish_reason": pa.string(),
-              "stop_reason": pa.string(), "usage": usage, "choices": pa.list_(choice), "error": pa.string()}
+              "stop_reason": pa.string(), "usage": usage, "choices": pa.list_(choice), "error": pa.string(),
+              "reasoning_text": pa.string(), "reasoning_tokens": pa.int64()}
     return pa.schema([(key, fields[key]) for key in OUTPUT_KEYS])

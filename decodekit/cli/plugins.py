@@ -32,7 +32,7 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="Print JSON (wi
         terminal.fail(str(exc))
     pm, registry = context.plugin_manager, context.registry
     kinds = ("processors", "stopping_criteria", "strategies", "proposers", "constraint_backends", "tool_formats",
-             "metrics")
+             "metrics", "reasoning_formats")
     rows: dict[str, dict[str, Any]] = {name: {"origin": origin, **{k: [] for k in kinds}}
                                        for name, origin in plugin_origins(pm).items()}
     for kind in kinds:

@@ -18,6 +18,11 @@ def trim(seq: Sequence, budget: int) -> None:
         del seq.draft_token_ids[max(0, budget - seq.num_uncomputed) :]
 
 
+def cut(seq: Sequence, keep: int) -> None:
+    """Keep only the first `keep` draft tokens (a reasoning request's draft past a forced marker)."""
+    del seq.draft_token_ids[keep:]
+
+
 def clear(seq: Sequence) -> None:
     """Forget the draft (verified, or its sequence preempted)."""
     seq.draft_token_ids = []

@@ -32,6 +32,8 @@ from decodekit.api.processors import LogitsProcessor, Stage
 from decodekit.api.sequence import Sequence
 from decodekit.api.stopping import StopDecision, StoppingCriterion
 from decodekit.api.strategy import Strategy
+from decodekit.core.phase_plan import plan_phases
+from decodekit.core.phases import ROUTER, PhaseProgram
 from decodekit.core.registry import Registry
 
 GREEDY_FIELD_PROCESSOR = "temperature"
@@ -57,12 +59,15 @@ class CriterionStage:
 @dataclass(frozen=True)
 class Plan:
     """A request's resolved components: processor stages in order, stopping criteria in the order they are checked
-    (the default ones its parameters switch on, then the ones it names), and the strategy."""
+    (the default ones its parameters switch on, then the ones it names), the strategy, and a reasoning request's
+    phases (`decodekit.core.phases`)."""
 
     stages: tuple[Stage, ...]
     criteria: tuple[CriterionStage, ...]
     strategy: Strategy
     strategy_options: BaseModel | None = None
+    phases: PhaseProgram | None = None
+    """A reasoning request's phases (its one stage is then the phase router), else None."""
 
 
 @dataclass
@@ -127,30 +132,17 @@ class Components:
 
     def resolve(self, params: SamplingParams) -> Plan:
         """Build a request's plan; raise `PlanError` naming the offending key."""
-        stages: list[Stage] = []
-        listed: set[str] = set()
-        for i, spec in enumerate(params.processors):
-            path = f"processors[{i}].{spec.name}"
-            proc = self.get("processors", spec.name, f"processors[{i}]")
-            options = validate_options(proc, spec.params, path)
-            self.check_options(proc, options, path)
-            stages.append(Stage(proc, options))
-            listed.add(spec.name)
-        for proc in self.implied_processors():
-            implied = proc.from_sampling_params(params)
-            # temperature 0 implies no stage (greedy takes the argmax), yet it is a temperature set in the sampling
-            # parameters all the same: a listed temperature would be silently overridden by greedy decoding
-            greedy_conflict = proc.name == GREEDY_FIELD_PROCESSOR and params.greedy
-            if implied is None and not greedy_conflict:
-                continue
-            if proc.name in listed:
-                hint = (" (sampling.temperature is 0: greedy decoding, which the listed temperature cannot change; "
-                        "give the temperature in one place)" if greedy_conflict else "")
-                raise PlanError(f"processors.{proc.name}",
-                                "set either in the sampling parameters or in the processors list, not both" + hint)
-            if implied is None:
-                continue
-            stages.append(Stage(proc, implied))
+        phases: PhaseProgram | None = None
+        if params.reasoning is not None:
+            tokenizer = self.info.tokenizer if self.info is not None else None
+            phases = plan_phases(params, params.reasoning,
+                                 lambda name: self.registry.get("reasoning_formats", name).factory,
+                                 self._pipeline, tokenizer)
+            stages = [Stage(ROUTER, phases)]
+            checked = tuple(stage for rt in phases.phases.values() for stage in rt.stages)
+        else:
+            stages = self._pipeline(params, [(spec, f"processors[{i}]") for i, spec in enumerate(params.processors)])
+            checked = tuple(stages)
         criteria = [CriterionStage(crit, default=True) for crit in self.default_criteria() if crit.is_active(params)]
         for i, spec in enumerate(params.stopping):
             path = f"stopping[{i}].{spec.name}"
@@ -163,7 +155,36 @@ class Components:
         strategy_options = validate_options(strategy, spec.params, f"strategy.{spec.name}")
         self.check_options(strategy, strategy_options, f"strategy.{spec.name}")
         try:
-            strategy.check_compatible(strategy_options, params, tuple(stages))
+            strategy.check_compatible(strategy_options, params, checked)
         except ValueError as exc:
             raise PlanError(f"strategy.{spec.name}", str(exc)) from None
-        return Plan(tuple(stages), tuple(criteria), strategy, strategy_options)
+        return Plan(tuple(stages), tuple(criteria), strategy, strategy_options, phases)
+
+    def _pipeline(self, params: SamplingParams, listed: list[tuple[ComponentSpec, str]]) -> list[Stage]:
+        """One pipeline: the listed processors in order (each spec with its key path), then the default processors
+        the sampling fields switch on."""
+        stages: list[Stage] = []
+        names: set[str] = set()
+        for spec, at in listed:
+            path = f"{at}.{spec.name}"
+            proc = self.get("processors", spec.name, at)
+            options = validate_options(proc, spec.params, path)
+            self.check_options(proc, options, path)
+            stages.append(Stage(proc, options))
+            names.add(spec.name)
+        for proc in self.implied_processors():
+            implied = proc.from_sampling_params(params)
+            # temperature 0 implies no stage (greedy takes the argmax), yet it is a temperature set in the sampling
+            # parameters all the same: a listed temperature would be silently overridden by greedy decoding
+            greedy_conflict = proc.name == GREEDY_FIELD_PROCESSOR and params.temperature == 0.0
+            if implied is None and not greedy_conflict:
+                continue
+            if proc.name in names:
+                hint = (" (sampling.temperature is 0: greedy decoding, which the listed temperature cannot change; "
+                        "give the temperature in one place)" if greedy_conflict else "")
+                raise PlanError(f"processors.{proc.name}",
+                                "set either in the sampling parameters or in the processors list, not both" + hint)
+            if implied is None:
+                continue
+            stages.append(Stage(proc, implied))
+        return stages

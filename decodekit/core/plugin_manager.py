@@ -39,6 +39,7 @@ DEFAULT_PLUGINS = (
     "decodekit_plugins.tool_formats",
     "decodekit_plugins.tool_families",
     "decodekit_plugins.metrics",
+    "decodekit_plugins.reasoning_formats",
 )
 
 

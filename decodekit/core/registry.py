@@ -23,7 +23,8 @@ from decodekit.api.models import ModelLoader
 
 _SINGULAR = {"processors": "processor", "stopping_criteria": "stopping criterion", "strategies": "strategy",
              "proposers": "proposer", "constraint_backends": "constraint backend", "tool_formats": "tool format",
-             "metrics": "metric"}
+             "metrics": "metric",
+             "reasoning_formats": "reasoning format"}
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,8 @@ class Entry:
 
 @dataclass
 class Registry:
-    """Every processor, stopping criterion, strategy, proposer, constraint backend, tool-call format, quality metric
-    and model loader the loaded plugins provide."""
+    """Every processor, stopping criterion, strategy, proposer, constraint backend, tool-call format, reasoning
+    format, quality metric and model loader the loaded plugins provide."""
 
     processors: dict[str, Entry] = field(default_factory=dict)
     stopping_criteria: dict[str, Entry] = field(default_factory=dict)
@@ -59,6 +60,7 @@ class Registry:
     constraint_backends: dict[str, Entry] = field(default_factory=dict)
     tool_formats: dict[str, Entry] = field(default_factory=dict)
     metrics: dict[str, Entry] = field(default_factory=dict)
+    reasoning_formats: dict[str, Entry] = field(default_factory=dict)
     model_loaders: list[ModelLoader] = field(default_factory=list)
 
     @classmethod
@@ -74,6 +76,7 @@ class Registry:
             ("decodekit_register_constraint_backends", registry.constraint_backends),
             ("decodekit_register_tool_formats", registry.tool_formats),
             ("decodekit_register_metrics", registry.metrics),
+            ("decodekit_register_reasoning_formats", registry.reasoning_formats),
         ):
             caller = getattr(pm.hook, hook)
             caller(register=_registrar(table, hook, plugin_finder(caller), order))
@@ -82,7 +85,7 @@ class Registry:
 
     def get(self, kind: str, name: str) -> Entry:
         """Look up a component by kind ("processors", "stopping_criteria", "strategies", "proposers",
-        "constraint_backends", "tool_formats", "metrics") and name."""
+        "constraint_backends", "tool_formats", "metrics", "reasoning_formats") and name."""
         table: dict[str, Entry] = getattr(self, kind)
         if name not in table:
             known = sorted(table)

@@ -15,7 +15,9 @@ Each event is a JSON-ready dict appended to `seq.trace`:
   p, "index": i, "score": s}` (this beam continues beam p of the previous step and is beam i now, with running
   score s; a finished hypothesis has `"index": null` and `"final_score"`) and `"beams": {"candidates": [{"parent",
   "token", "text", "score", "fate": "kept" | "finished" | "dropped"}, ...], "pruned": [...]}` (the request's whole
-  step, shared by its beams; `pruned`: the previous step's beams with no continuation kept as a beam).
+  step, shared by its beams; `pruned`: the previous step's beams with no continuation kept as a beam). A reasoning
+  request's token events name the token's `"phase"` (`thinking`, `answer`, ... or `marker`) and carry `"forced":
+  true` where its phase's budget (or the format's opening) forced it.
 - the stop event, last: `{"finished": reason, "stop_reason": ..., "criterion": name}` (the stopping criterion, the
   strategy or `max_model_len` that finished the sequence), `{"finished": "error", "error": message}` or
   `{"finished": "abort"}`.
@@ -31,6 +33,7 @@ import torch
 
 from decodekit.api.sequence import Sequence
 from decodekit.core.logprobs import row_source, token_text
+from decodekit.core.phases import PhaseState, phase_state
 
 Stages = list[dict[str, Any]]
 
@@ -97,6 +100,7 @@ def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, l
         if seq.trace is None:
             seq.trace = []
         first_index = seq.num_generated - count
+        phases = phase_state(seq)
         for j, token in enumerate(seq.token_ids[-count:]):
             if j < count - 1:
                 how = "draft accepted"
@@ -108,6 +112,8 @@ def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, l
                                      "chosen_by": how,
                                      "strategy": seq.request.plan.strategy.name,
                                      "stages": _with_chosen(rows[j], token) if j < len(rows) else []}
+            if phases is not None:
+                _phase_facts(event, phases, first_index + j)
             if j == 0 and proposed:
                 event["drafts"] = {"proposed": list(proposed), "proposed_text": [token_text(tokenizer, t)
                                                                                  for t in proposed],
@@ -115,6 +121,14 @@ def record_tokens(stages: dict[Sequence, list[Stages]], drafts: dict[Sequence, l
             if j == 0 and notes and seq in notes:
                 _merge(event, notes[seq])
             seq.trace.append(event)
+
+
+def _phase_facts(event: dict[str, Any], state: PhaseState, index: int) -> None:
+    """A reasoning request's token: the phase it was written in (or `marker`), and whether it was forced."""
+    if index < len(state.labels):
+        event["phase"] = state.labels[index] or "marker"
+    if index in state.forced_at:
+        event["forced"] = True
 
 
 def _with_chosen(stages: Stages, token: int) -> Stages:

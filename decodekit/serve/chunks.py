@@ -17,6 +17,7 @@ from decodekit.serve.protocol import (
     DeltaMessage,
     Usage,
 )
+from decodekit.serve.reasoning import delta_fields
 from decodekit.serve.tool_calls import read_output
 
 
@@ -68,12 +69,15 @@ class ChunkStream:
                 cursor.started = True
                 events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(role="assistant",
                                                                                                 content=""))))
-            if not delta and not new_entries and finish is None:
+            thinking = delta_fields(output, i) if self.chat else {}
+            if not delta and not thinking and not new_entries and finish is None:
                 continue
             extras = choice_extras(c) if finish is not None else {}
             if self.chat and self.prepared.tools is not None:
                 # a tool-calling output is read back whole: its text or its calls come in the finishing chunk
                 if finish is None:
+                    if thinking:  # the thinking streams; the answer is read back whole at the end
+                        events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(**thinking))))
                     continue
                 content, calls = read_output(self.prepared.tools, c.text)
                 for number, call in enumerate(calls):
@@ -82,14 +86,16 @@ class ChunkStream:
                 if self.prepared.top_logprobs is not None:
                     logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)
                 events.append(self._chat_chunk(ChatChoice(
-                    index=index, delta=DeltaMessage(content=content, tool_calls=calls or None), logprobs=logprobs,
+                    index=index, delta=DeltaMessage(content=content, tool_calls=calls or None, **thinking),
+                    logprobs=logprobs,
                     finish_reason="tool_calls" if calls else finish, **extras)))
             elif self.chat:
                 logprobs = None
                 if self.prepared.top_logprobs is not None:
                     logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)
-                events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(content=delta),
-                                                               logprobs=logprobs, finish_reason=finish, **extras)))
+                message = DeltaMessage(content=delta if delta or not thinking else None, **thinking)
+                events.append(self._chat_chunk(ChatChoice(index=index, delta=message, logprobs=logprobs,
+                                                          finish_reason=finish, **extras)))
             else:
                 legacy = None
                 if self.prepared.top_logprobs is not None:

@@ -42,6 +42,7 @@ from decodekit.serve.protocol import (
     Usage,
     check_extra_fields,
 )
+from decodekit.serve.reasoning import apply_reasoning, message_fields, template_kwargs, token_details
 from decodekit.serve.tool_calls import plan_request, read_output
 from decodekit.tool_calling import ToolPlan, template_text
 
@@ -132,7 +133,7 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
         if request.tools and request.tool_choice != "none":
             raise APIError(400, "tools: this server has no tool-call format", param="tools")
         prompt = render_chat(tokenizer, request.messages, request.add_generation_prompt,
-                             request.continue_final_message, request.chat_template_kwargs)
+                             request.continue_final_message, template_kwargs(request))
     else:
         plan, messages, tools_for_template = plan_request(request, tool_format, template_text(tokenizer))
         if plan is not None:
@@ -141,11 +142,12 @@ def prepare_chat(request: ChatCompletionRequest, recipe: Recipe, tokenizer: Any,
                     if origins.get(f"processors:{p.name}") != "response_format"]
             overrides["processors"] = [*kept, plan.processor()]
             origins[f"processors:{overrides['processors'][-1].name}"] = "tools"
-        template_kwargs = dict(request.chat_template_kwargs or {})
+        variables = template_kwargs(request)
         if tools_for_template is not None:  # the format leaves the tools to the model's own chat template
-            template_kwargs["tools"] = tools_for_template
+            variables["tools"] = tools_for_template
         prompt = render_conversation(tokenizer, messages, request.add_generation_prompt,
-                                     request.continue_final_message, template_kwargs)
+                                     request.continue_final_message, variables)
+    apply_reasoning(request, recipe, overrides, origins)
     return PreparedRequest([prompt], _params(recipe, overrides, origins, "messages"), False, origins, "messages", top,
                            _include_usage(request), prompt_logprobs=request.prompt_logprobs, ignored_fields=ignored,
                            continuous_usage=_continuous_usage(request), tools=plan)
@@ -185,6 +187,7 @@ def prepare_completion(request: CompletionRequest, recipe: Recipe, tokenizer: An
         if echo:  # the prompt's logprobs too, with as many alternatives (a larger prompt_logprobs keeps its own)
             overrides["prompt_logprobs"] = max(request.logprobs, request.prompt_logprobs or 0)
             origins["prompt_logprobs"] = "logprobs"
+    apply_reasoning(request, recipe, overrides, origins)
     params = _params(recipe, overrides, origins, "prompt")
     if echo and params.n > 1:
         raise APIError(400, f"echo: one choice per prompt; the recipe's n is {params.n} (send n: 1)", param="echo")
@@ -371,7 +374,8 @@ def usage(outputs: Sequence[RequestOutput], generated: bool = True) -> Usage:
     generated nothing: `max_tokens: 0`)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 completion_tokens_details=token_details(outputs))
 
 
 def choice_extras(choice: CompletionOutput) -> dict[str, Any]:
@@ -387,10 +391,10 @@ def chat_response(response_id: str, created: int, model: str, output: RequestOut
         logprobs = None
         if prepared.top_logprobs is not None:
             logprobs = chat_logprobs(c.token_ids, c.logprobs or [], prepared.top_logprobs)
-        message, finish = AssistantMessage(content=c.text), c.finish_reason
+        message, finish = AssistantMessage(content=c.text, **message_fields(c)), c.finish_reason
         if prepared.tools is not None:
             content, calls = read_output(prepared.tools, c.text)
-            message = AssistantMessage(content=content, tool_calls=calls or None)
+            message = AssistantMessage(content=content, tool_calls=calls or None, **message_fields(c))
             finish = "tool_calls" if calls else finish
         choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish,
                                   **choice_extras(c)))

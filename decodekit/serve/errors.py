@@ -98,6 +98,10 @@ def param_of(message: str, params: SamplingParams | None, origins: Mapping[str, 
         return kind
     if message.startswith("strategy"):
         return "strategy"
+    if message.startswith("reasoning"):  # the field that set the key (`thinking_token_budget`, ...), else `reasoning`
+        path = message.split(":", 1)[0]
+        keys = sorted((k for k in origins if k.startswith("reasoning") and path.startswith(k)), key=len)
+        return origins[keys[-1]] if keys else "reasoning"
     if message.startswith(("the prompt", "request needs")):  # too long, not tokenizable, too big for the KV cache
         return prompt_field
     field = _FIELD.match(message)

@@ -34,7 +34,7 @@ IGNORED_FIELDS = frozenset({
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     # field -> the values that ask for nothing (accepted); any other value is refused with a 400 naming the field
     "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
-    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
+    "audio": (), "modalities": (["text"],), "prediction": (), "web_search_options": (),
     "verbosity": (), "suffix": (), "best_of": (1,),
 }
 """OpenAI request fields that would change decoding and are not implemented, with the values that are harmless
@@ -219,6 +219,10 @@ class SamplingFields(WireModel):
         None, description="Logprobs of the model's distribution (raw) or of the one each token was drawn from.")
     prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The prompt tokens' logprobs, "
                                         "with this many alternatives each (vLLM's field).")
+    thinking_token_budget: Int | None = Field(None, ge=0, description="Most tokens of thinking, then the end of "
+                                              "the thinking is forced (vLLM's field; docs/reasoning.md).")
+    reasoning: dict[str, Any] | None = Field(None, description="Phase-aware decoding, as a recipe's `reasoning:` "
+                                             "(format, and per phase: budget, wrap_up, sampling, processors).")
 
 
 class TextPart(BaseModel):
@@ -312,6 +316,8 @@ class ChatCompletionRequest(SamplingFields):
                                          "model continues it (with add_generation_prompt: false).")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="More variables for the chat template "
                                                         "(e.g. enable_thinking).")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="Given to the chat template (gpt-oss writes it into its system message).")
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
@@ -341,12 +347,19 @@ def _omit_none(value: Any) -> bool:
     return value is None
 
 
+class CompletionTokensDetails(BaseModel):
+    """`usage.completion_tokens_details`: how many of the completion's tokens were the thinking's."""
+
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     """Token counts of a response (every choice's tokens count)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=_omit_none)
 
 
 class TopLogprob(BaseModel):
@@ -422,6 +435,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)  # a reasoning request's thinking
+    reasoning: str | None = Field(None, exclude_if=_omit_none)  # the same, by vLLM's newer name
 
 
 class DeltaMessage(BaseModel):
@@ -430,6 +445,8 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
     tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
+    reasoning: str | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatChoice(ChoiceExtras):

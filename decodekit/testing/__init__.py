@@ -11,6 +11,7 @@ The package's parts, one module each:
   (`engine_harness`): `stopping_kit` (`check_stopping_criterion`), `proposer_kit` (`check_proposer`) and
   `strategy_kit` (`check_strategy`), each returning a `KitReport` of what it exercised; and the tool-call format
   kit (`tool_format_kit`: `check_tool_format`), which checks a format's constraint and reading back on a tiny engine;
+  the reasoning-format kit (`reasoning_format_kit`: `check_reasoning_format`): markers, split, budget on an engine;
 - the ready-made parts (`parts`): `tiny_llm` (an `LLM` on a tiny random model with your plugin registered),
   `plugin_manager`, `apply_processors` (named processors run on logits as the engine runs them), and the tiny model
   and tokenizer (`tiny_model`, `tiny_tokenizer`, `TINY_VOCAB_SIZE`, `TINY_EOS_TOKEN_ID`).
@@ -41,6 +42,7 @@ from decodekit.testing.processor_checks import (
 from decodekit.testing.processor_inputs import DEFAULT_VOCAB, Case, batch_views, cases, histories, logits_tensors
 from decodekit.testing.processor_kit import check_processor
 from decodekit.testing.proposer_kit import check_proposer
+from decodekit.testing.reasoning_format_kit import check_reasoning_format
 from decodekit.testing.stopping_kit import check_stopping_criterion
 from decodekit.testing.strategy_kit import check_strategy
 from decodekit.testing.tool_format_kit import check_tool_format, constraint_admits
@@ -66,6 +68,7 @@ __all__ = [
     "check_no_nan",
     "check_processor",
     "check_proposer",
+    "check_reasoning_format",
     "check_shape_and_dtype",
     "check_state_not_changed",
     "check_stopping_criterion",

@@ -32,7 +32,7 @@ except ModuleNotFoundError:  # Python 3.10: the TOML blocks go unchecked there
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = [DOCS / "writing-plugins.md", *sorted((DOCS / "plugins").glob("*.md"))]
 KIND_PAGES = ["processors", "stopping-criteria", "strategies", "proposers", "constraint-backends", "model-loaders",
-              "cli-commands", "tool-formats", "metrics"]
+              "cli-commands", "tool-formats", "metrics", "reasoning-formats"]
 MAX_NOT_RUN = 2  # per page: "not run" is for the odd fragment, not a way around the tests
 
 _BLOCK = re.compile(r"(?:<!--\s*(?P<mark>module|not run)\s*:\s*(?P<arg>[^>]*?)\s*-->\s*\n)?"

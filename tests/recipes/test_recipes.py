@@ -66,7 +66,7 @@ def test_unknown_top_level_key_suggests_the_close_one_and_lists_the_known(tmp_pa
     message = _error(tmp_path, "model: m\nsamplng: {temperature: 0}\n")
     assert message.endswith("x.yaml: samplng: unknown key 'samplng' (did you mean 'sampling'?); known keys: "
                             "description, model, dtype, device, draft, engine, sampling, processors, stopping, "
-                            "strategy, inputs, outputs")
+                            "strategy, reasoning, inputs, outputs")
 
 
 def test_unknown_nested_key_lists_that_section_s_keys(tmp_path):

@@ -183,3 +183,23 @@ def test_the_cli_refuses_ray_options_without_ray_and_a_bad_recipe_key(recipe_pat
                                       "--set", "sampling.temprature=1"])
     assert result.exit_code == 2 and "temprature" in result.output
     assert not out.exists()
+
+
+def test_a_row_with_reasoning_gets_its_thinking_apart_and_its_budget(tmp_path):
+    from tests.helpers.reasoning_models import save_tiny_qwen3, think_tokenizer
+
+    save_tiny_qwen3(tmp_path / "qwen3")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tmp_path / 'qwen3'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 16MiB}}\n"
+                      "sampling: {temperature: 0, max_tokens: 16, ignore_eos: true}\n"
+                      "reasoning: {format: think_tags, thinking: {wrap_up: ' OK'}}\n")
+    rows = [{"id": "a", "prompt": "Hello<think>", "reasoning": {"thinking": {"budget": 3}}},
+            {"id": "b", "prompt": "Hello<think>", "reasoning": {"thinking": {"budget": -1}}},
+            {"id": "c", "prompt": "Hello"}]
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    run_batch(load_recipe(recipe), tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+    a, b, c = read_jsonl(tmp_path / "out.jsonl")
+    wrap = len(think_tokenizer().encode(" OK", add_special_tokens=False))
+    assert a["reasoning_tokens"] == 3 + wrap + 1 and a["reasoning_text"].endswith(" OK")  # 3 tokens, ` OK`, `</think>`
+    assert "reasoning.thinking.budget" in b["error"]
+    assert c["reasoning_text"] is not None and c["error"] is None

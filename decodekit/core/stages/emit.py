@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from decodekit.api.sequence import CompletionOutput, Request, RequestOutput, Sequence, TokenLogprobs
+from decodekit.core.phase_outputs import PhaseText, decoded_split
+from decodekit.core.phases import phase_state
 from decodekit.core.step_context import StepRecord
 
 
@@ -21,6 +23,7 @@ from decodekit.core.step_context import StepRecord
 class _StreamCursor:
     text_len: int = 0  # characters already streamed
     token_count: int = 0  # generated tokens already streamed
+    phases: PhaseText | None = None  # a reasoning request's text split so far (`decodekit.core.phase_outputs`)
 
 
 class OutputEmitter:
@@ -76,22 +79,38 @@ class OutputEmitter:
                                  r.stop_reason, score=r.score, **_recorded(request, r.sequence))
                 for i, r in enumerate(request.results)
             ]
+            if request.plan is not None and request.plan.phases is not None:
+                for out, result in zip(outputs, request.results):
+                    _split_result(request, result, out, self.tokenizer)
             return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
                                  request.metrics, request.error, [o.text for o in outputs],
-                                 [o.token_ids for o in outputs], _prompt_logprobs(request))
+                                 [o.token_ids for o in outputs], _prompt_logprobs(request),
+                                 [o.reasoning_text or "" for o in outputs] if outputs and
+                                 outputs[0].reasoning_text is not None else None)
         cursors = self._cursors.setdefault(request.request_id, {})
         outputs, deltas, delta_ids = [], [], []
+        phased = request.plan is not None and request.plan.phases is not None
+        thinking: list[str] | None = [] if phased else None
         for index, seq in enumerate(request.sequences):
             cursor = cursors.setdefault(seq.seq_id, _StreamCursor())
             visible = seq.text[: max(0, len(seq.text) - self._holdback(seq))]
-            deltas.append(visible[cursor.text_len :])
             delta_ids.append(seq.generated_ids[cursor.token_count :])
-            cursor.text_len = max(cursor.text_len, len(visible))
             cursor.token_count = seq.num_generated
-            outputs.append(CompletionOutput(index, visible if not seq.finished else seq.text, seq.generated_ids,
-                                            seq.finish_reason, seq.stop_reason, **_recorded(request, seq)))
+            output = CompletionOutput(index, visible if not seq.finished else seq.text, seq.generated_ids,
+                                      seq.finish_reason, seq.stop_reason, **_recorded(request, seq))
+            if thinking is not None:  # the answer streams as the text, the thinking apart
+                split = cursor.phases = cursor.phases or PhaseText()
+                reasoning, answer = split.advance(seq, seq.text if seq.finished else visible, seq.finished)
+                deltas.append(answer)
+                thinking.append(reasoning)
+                output.text, output.reasoning_text = split.answer, split.reasoning
+                output.reasoning_token_count = split.reasoning_tokens
+            else:
+                deltas.append(visible[cursor.text_len :])
+                cursor.text_len = max(cursor.text_len, len(visible))
+            outputs.append(output)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, final,
-                             request.metrics, request.error, deltas, delta_ids, _prompt_logprobs(request))
+                             request.metrics, request.error, deltas, delta_ids, _prompt_logprobs(request), thinking)
 
 
 def _result_text(request: Request, result: Any, tokenizer: Any, skip_special_tokens: bool) -> str:
@@ -102,6 +121,21 @@ def _result_text(request: Request, result: Any, tokenizer: Any, skip_special_tok
             and list(result.token_ids) == seq.generated_ids):
         return str(seq.text)
     return str(tokenizer.decode(result.token_ids, skip_special_tokens=skip_special_tokens))
+
+
+def _split_result(request: Request, result: Any, out: CompletionOutput, tokenizer: Any) -> None:
+    """A reasoning request's result split into its answer (`text`) and its thinking: from its sequence's text where
+    that is the result's text (as `_result_text` decides), else by decoding each phase's tokens."""
+    seq = result.sequence
+    state = phase_state(seq) if seq is not None else None
+    if state is None:
+        return
+    if out.text == seq.text and list(result.token_ids) == seq.generated_ids:
+        split = PhaseText()
+        split.advance(seq, seq.text, final=True)
+    else:
+        split = decoded_split(state, list(result.token_ids), tokenizer, request.params.skip_special_tokens)
+    out.text, out.reasoning_text, out.reasoning_token_count = split.answer, split.reasoning, split.reasoning_tokens
 
 
 def _recorded(request: Request, seq: Sequence | None) -> dict[str, Any]:

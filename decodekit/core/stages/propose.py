@@ -1,7 +1,8 @@
 """The propose stage: strategies that speculate draft tokens for their decode-ready sequences.
 
 It runs before scheduling, because a draft is work to schedule: each draft token is one more position scored in
-this step's forward. A strategy that does not override `Strategy.propose` is never called here.
+this step's forward. A strategy that does not override `Strategy.propose` is never called here. A reasoning
+request's draft is cut where it departs from the tokens its phases force (`decodekit.core.phases.usable_draft`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import defaultdict
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import StepContext, Strategy
 from decodekit.core import drafts
+from decodekit.core.phases import phase_state, usable_draft
 from decodekit.core.stages import Failure
 
 log = logging.getLogger("decodekit.engine")
@@ -54,4 +56,9 @@ def propose(running: list[Request], ctx: StepContext) -> list[Failure]:
                     for seq in part:
                         drafts.clear(seq)
                     failures.append((part[0].request, f"{strategy.name} failed to propose: {exc!r}"))
+        for seq in seqs:  # a reasoning request's draft stops where it departs from a forced marker
+            if seq.draft_token_ids and seq.request.plan.phases is not None:
+                phases = phase_state(seq)
+                if phases is not None:
+                    drafts.cut(seq, usable_draft(phases, seq.draft_token_ids))
     return failures

@@ -16,6 +16,7 @@ import time
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stopping import StopDecision
 from decodekit.core.logprobs import trim_logprobs
+from decodekit.core.phase_outputs import record_text_end
 from decodekit.core.scheduler import Scheduler
 from decodekit.core.stages import Failure
 from decodekit.core.step_context import StepRecord
@@ -84,6 +85,8 @@ class StopStage:
     def _check(self, seq: Sequence, record: StepRecord) -> bool:
         request = seq.request
         append_text(seq)
+        if request.plan.phases is not None:  # a reasoning request: where each token's text ends, to split it
+            record_text_end(seq)
         # A stop on this token beats a length limit on the same token (vLLM's order: EOS, stop ids, stop strings,
         # then max_tokens), so a criterion's text trimming is not lost to max_tokens.
         length: tuple[StopDecision, str] | None = None
