@@ -1,9 +1,10 @@
 """The Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), the default of OpenAI's newer clients, for
 text: a text or a list of messages as `input`, `instructions`, `previous_response_id` (the earlier turns kept in
-memory, a bounded number of responses), `text.format` (free text, a JSON object, or a JSON schema), and streamed
-events in OpenAI's order (`response.created` ... `response.output_text.delta` ... `response.completed`), and
-function tools: `tools` (`{"type": "function", "name", "parameters", ...}`), `tool_choice`, `parallel_tool_calls`,
-`function_call` output items, and `function_call` / `function_call_output` items in the input (an agent's loop).
+memory, a bounded number of responses), `text.format` (free text, a JSON object, or a JSON schema), and function
+tools: `tools` (`{"type": "function", "name", "parameters", ...}`), `tool_choice`, `parallel_tool_calls`,
+`function_call` output items (after a message item holding the text the model wrote before its calls), and
+`function_call` / `function_call_output` items in the input (an agent's loop). The streamed events are
+`serve.responses_stream`'s.
 
 A request becomes a chat completion request (`to_chat`) and runs exactly as one: the same recipe defaults, fields,
 constraints, tool calling and field policy; decodekit's own fields (`top_k`, `processors`, `strategy`, ...) go next to
