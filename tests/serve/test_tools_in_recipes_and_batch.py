@@ -66,6 +66,19 @@ def test_decodekit_run_with_a_recipes_tools_writes_the_calls_llm_chat_gives(reci
         assert [(c.name, c.arguments) for c in alone.tool_calls or []] == calls
 
 
+def test_the_shipped_tool_calls_recipe_runs_end_to_end_on_a_tiny_model(recipe_path, tmp_path):
+    shipped = Path(__file__).parents[2] / "recipes" / "tool_calls.yaml"
+    out = tmp_path / "shipped.jsonl"
+    result = CliRunner().invoke(app, ["run", str(shipped), "--set", f"model={recipe_path.parent / 'tiny'}",
+                                      "--set", "sampling.max_tokens=200", "--output", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    tools = yaml.safe_load(shipped.read_text())["inputs"]["tools"]
+    for row in read_jsonl(out):
+        assert row["finish_reason"] == "tool_calls" and len(row["tool_calls"]) == 1
+        call = row["tool_calls"][0]
+        jsonschema.validate(json.loads(call["arguments"]), tools[0]["function"]["parameters"])
+
+
 ROWS: list[Any] = [
     {"id": "own", "messages": ASK, "tools": [WEATHER, CLOCK],
      "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
