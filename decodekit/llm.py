@@ -9,7 +9,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -21,6 +21,9 @@ from decodekit.core.engine import Engine
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
+
+if TYPE_CHECKING:
+    from decodekit.tool_calling import ToolPlan
 
 Prompt = str | list[int] | Mapping[str, Any]
 """Text, token ids, or vLLM's prompt dicts: `{"prompt": text}` (`TextPrompt`), `{"prompt_token_ids": ids}`
@@ -207,6 +210,28 @@ class LLM:
             RequestError: bad tools, `tool_choice` or tool messages (the message names the field).
             ConfigError: an unknown `tool_format` (the known ones named).
         """
+        conversations: list[list[Message]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages)  # type: ignore[assignment]
+        chats = [self.chat_prompt(conv, tools, tool_choice, parallel_tool_calls, tool_format)
+                 for conv in conversations]
+        plan = chats[0][1] if chats else None
+        if plan is not None:
+            given = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(chats)
+            params = [plan.constrain(p) for p in given]
+        # the template already holds the special tokens
+        outputs = self.generate([prompt for prompt, _ in chats], params, add_special_tokens=False)
+        return [plan.read_into(o) for o in outputs] if plan is not None else outputs
+
+    def chat_prompt(self, messages: list[Message], tools: Sequence[Mapping[str, Any]] | None = None,
+                    tool_choice: str | Mapping[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+                    tool_format: str = "auto") -> tuple[str, ToolPlan | None]:
+        """A conversation's prompt, and with `tools` its tool plan (as `chat` takes them; None: no tool calling):
+        generate with `plan.constrain(params)` and read a finished output's calls with `plan.read_into(output)`.
+
+        Raises:
+            RequestError: bad tools, `tool_choice` or tool messages (the message names the field).
+            ConfigError: an unknown `tool_format`.
+        """
         from decodekit.tool_calling import (
             choose_format,
             conversation,
@@ -217,31 +242,12 @@ class LLM:
             tool_specs,
         )
 
-        conversations: list[list[Message]] = (
-            [messages] if messages and isinstance(messages[0], dict) else messages)  # type: ignore[assignment]
-        with_tools = tools is not None or any(m.get("role") == "tool" or m.get("tool_calls")
-                                              for conv in conversations for m in conv)
-        if not with_tools:
-            prompts = [self.apply_chat_template(conv) for conv in conversations]
-            # the template already holds the special tokens
-            return self.generate(prompts, params, add_special_tokens=False)
+        if tools is None and not any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            return self.apply_chat_template(messages), None
         template = template_text(self.tokenizer)
         fmt = choose_format(tool_format, formats_of(self.engine.registry), template)
         plan = plan_tools(tool_specs(tools or []), tool_choice, parallel_tool_calls, fmt, template)
-        prompts = [self.apply_chat_template(conversation(conv, fmt(), plan), template_tools(plan, tools or []))
-                   for conv in conversations]
-        if plan is not None:
-            constraint = plan.processor()
-            given = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
-            params = [p.model_copy(update={"processors": [*p.processors, constraint]}) for p in given]
-        outputs = self.generate(prompts, params, add_special_tokens=False)
-        if plan is not None:
-            for output in outputs:
-                for choice in output.outputs:
-                    calls = plan.read(choice.text).calls
-                    if calls:
-                        choice.tool_calls, choice.finish_reason = calls, "tool_calls"
-        return outputs
+        return self.apply_chat_template(conversation(messages, fmt(), plan), template_tools(plan, tools or [])), plan
 
 
 class AsyncLLM:

@@ -89,12 +89,40 @@ class InputsConfig(_Section):
         None, description="A .jsonl (one request object per line) or .txt (one prompt per line) file, relative to "
         "the recipe file.")
 
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Function tools every chat prompt may call (OpenAI's shape: {type: function, function: "
+        "{name, description, parameters}}); calls are constrained to parse and validate (with chat: true).")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="With tools: auto (text or calls, the default), required, none, or {type: function, "
+        "function: {name: ...}}.")
+    parallel_tool_calls: bool | None = Field(None, description="With tools: false allows one call per reply.")
+    tool_format: str = Field("auto", description="The tool-call format calls are written in (a registered one: "
+                             "json, hermes, llama3_json, mistral, ...); auto: the model's chat template's, else json.")
+
     @field_validator("system")
     @classmethod
     def _system_needs_chat(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None and info.data.get("chat") is False:
             raise ValueError("a system prompt needs chat: true (it goes into the chat template)")
         return value
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> InputsConfig:
+        from decodekit.tool_calling import ToolRequestError, choose_tools, tool_specs
+
+        if self.tools is None:
+            if self.tool_choice not in (None, "none"):
+                raise ValueError("tool_choice: asks for a tool call, but there are no tools")
+            return self
+        if not self.chat:
+            raise ValueError("tools need chat: true (the chat template renders the conversation the calls end)")
+        try:
+            specs = tool_specs(self.tools)
+            if self.tool_choice != "none":
+                choose_tools(specs, self.tool_choice)
+        except ToolRequestError as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
 
 class OutputsConfig(_Section):

@@ -23,6 +23,7 @@ from decodekit.bench.metrics import percentiles, request_latencies
 from decodekit.core.plan import Components
 from decodekit.recipe import COMPONENT_KEYS, Recipe, plain_params
 from decodekit.recipe_syntax import format_validation_errors, read_text_capped
+from decodekit.tool_calling import ToolPlan, calls_row
 from decodekit.trace.format import trace_row as format_trace_row
 
 MAX_PROMPTS_FILE_BYTES = 64 << 20
@@ -172,12 +173,16 @@ class RunResult:
     strategy_wall_s: float | None = None  # mean over the recipe-strategy runs of the comparison
 
 
-def render_prompts(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest]) -> list[str]:
-    """The prompt texts the engine gets: chat-templated (with the system prompt) when `inputs.chat`."""
+def render_prompts(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest]) -> tuple[list[str], ToolPlan | None]:
+    """The prompt texts the engine gets: chat-templated (with the system prompt) when `inputs.chat`; and with
+    `inputs.tools` the tool plan every request calls them under (None: no tool calling)."""
     if not recipe.inputs.chat:
-        return [r.prompt for r in requests]
-    system = [{"role": "system", "content": recipe.inputs.system}] if recipe.inputs.system else []
-    return [llm.apply_chat_template([*system, {"role": "user", "content": r.prompt}]) for r in requests]
+        return [r.prompt for r in requests], None
+    inputs = recipe.inputs
+    system = [{"role": "system", "content": inputs.system}] if inputs.system else []
+    chats = [llm.chat_prompt([*system, {"role": "user", "content": r.prompt}], inputs.tools, inputs.tool_choice,
+                             inputs.parallel_tool_calls, inputs.tool_format) for r in requests]
+    return [prompt for prompt, _ in chats], chats[0][1] if chats else None
 
 
 def run_recipe(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest],
@@ -185,16 +190,18 @@ def run_recipe(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest],
     """Generate every request in one continuous batch; with `outputs.compare_plain`, run them again with the
     plain `sample` strategy. Before a comparison, an untimed warm-up prefills every prompt (one token each), so
     both timed runs find the prompts in the prefix cache and first-call costs favour neither: the ratio compares
-    decoding."""
-    texts = render_prompts(recipe, llm, requests)
+    decoding. With `inputs.tools`, outputs are constrained to the tools' calls and read back (`tool_calls`)."""
+    texts, plan = render_prompts(recipe, llm, requests)
     # A chat template already holds the special tokens (BOS); adding them again would change the prompt.
     options = {"add_special_tokens": not recipe.inputs.chat, "on_output": on_output}
-    params = [r.params for r in requests]
+    params = [plan.constrain(r.params) if plan is not None else r.params for r in requests]
     if recipe.outputs.compare_plain and texts:
         warm_up = SamplingParams(max_tokens=1, temperature=0)
         llm.generate(texts, warm_up, add_special_tokens=not recipe.inputs.chat)
     start = time.perf_counter()
     outputs = llm.generate(texts, params, **options)
+    if plan is not None:
+        outputs = [plan.read_into(o) for o in outputs]
     result = RunResult(list(requests), outputs, time.perf_counter() - start)
     if recipe.outputs.compare_plain:
         # A B B A: the recipe's run, two plain runs, the recipe's strategy again (outputs discarded). On a noisy
@@ -227,6 +234,8 @@ def output_row(request: RecipeRequest, output: RequestOutput) -> dict[str, Any]:
                   "total_tokens": len(output.prompt_token_ids) + completion_tokens},
         "metrics": output.metrics.as_dict(),
     }
+    if output.outputs and output.outputs[0].tool_calls:
+        row["tool_calls"] = calls_row(output.outputs[0].tool_calls)
     if len(output.outputs) > 1:
         row["choices"] = [{"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, "score": o.score,

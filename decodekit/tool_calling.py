@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from decodekit.api.errors import ConfigError, RequestError
-from decodekit.api.params import ComponentSpec
+from decodekit.api.params import ComponentSpec, SamplingParams
+from decodekit.api.sequence import RequestOutput
 from decodekit.api.tools import ParsedOutput, ToolCall, ToolCallFormat, ToolMode, ToolSpec, detect_tool_format
 
 
@@ -53,11 +54,32 @@ class ToolPlan:
         """A finished output read back: its text, or its calls."""
         return self.format.parse(text)
 
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the calls' constraint added after its own processors."""
+        return params.model_copy(update={"processors": [*params.processors, self.processor()]})
+
+    def read_into(self, output: RequestOutput) -> RequestOutput:
+        """A finished output with each choice's calls read back into its `tool_calls` (finish reason
+        `tool_calls`); a choice that reads back as text is left as it is."""
+        for choice in output.outputs:
+            calls = self.read(choice.text).calls
+            if calls:
+                choice.tool_calls, choice.finish_reason = calls, "tool_calls"
+        return output
+
     def system_prompt(self) -> str | None:
         """The format's description of the tools (None: the chat template is given `tools=`)."""
         if self.template_renders_tools:
             return None
         return self.format.system_prompt(self.tools, self.mode, self.parallel)
+
+
+def calls_row(calls: Sequence[ToolCall] | None) -> list[dict[str, str]] | None:
+    """Calls as an output row holds them (`decodekit run --output`, batch outputs): `{"name", "arguments"}`, the
+    arguments as JSON text (OpenAI's shape); None for no calls."""
+    if not calls:
+        return None
+    return [{"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)} for c in calls]
 
 
 def tool_specs(tools: Sequence[Mapping[str, Any]]) -> list[ToolSpec]:
@@ -95,24 +117,35 @@ def plan_tools(tools: list[ToolSpec], choice: str | Mapping[str, Any] | None, pa
     """
     if choice == "none" or (choice is None and not tools):
         return None
+    tools, mode = choose_tools(tools, choice)
+    signature = format_class.template_signature
+    own_template = bool(chat_template and signature and signature in chat_template and "tools" in chat_template)
+    return ToolPlan(format_class(), tools, mode, parallel is not False, own_template)
+
+
+def choose_tools(tools: list[ToolSpec], choice: str | Mapping[str, Any] | None) -> tuple[list[ToolSpec], ToolMode]:
+    """The tools a request may call under `choice` (`auto`, `required` or a named function; not `none`) and the
+    mode.
+
+    Raises:
+        ToolRequestError: a `tool_choice` naming a function the request does not offer, or asking for calls with
+            no tools.
+    """
     if not tools:
         raise ToolRequestError("tool_choice: asks for a tool call, but the request offers no tools",
                                param="tool_choice")
-    mode: ToolMode = "auto"
     if choice == "required":
-        mode = "required"
-    elif isinstance(choice, Mapping):
+        return tools, "required"
+    if isinstance(choice, Mapping):
         wanted = (choice.get("function") or {}).get("name")
         if wanted not in [t.name for t in tools]:
             raise ToolRequestError(f"tool_choice: function {wanted!r} is not one of the request's tools "
                                    f"{[t.name for t in tools]}", param="tool_choice")
-        tools, mode = [t for t in tools if t.name == wanted], "required"
-    elif choice not in (None, "auto"):
+        return [t for t in tools if t.name == wanted], "required"
+    if choice not in (None, "auto"):
         raise ToolRequestError(f"tool_choice: none, auto, required or a named function, got {choice!r}",
                                param="tool_choice")
-    signature = format_class.template_signature
-    own_template = bool(chat_template and signature and signature in chat_template and "tools" in chat_template)
-    return ToolPlan(format_class(), tools, mode, parallel is not False, own_template)
+    return tools, "auto"
 
 
 def choose_format(name: str, formats: Mapping[str, type[ToolCallFormat]], chat_template: str | None

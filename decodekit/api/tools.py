@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from decodekit.api.constraints import ConstraintSpec
+from decodekit.api.partial_calls import PartialOutput
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,14 @@ class ToolCallFormat(ABC):
     @abstractmethod
     def parse(self, text: str) -> ParsedOutput:
         """A finished output read back. An output that does not parse (cut by `max_tokens`) is text."""
+
+    def partial(self, text: str) -> PartialOutput:
+        """An unfinished output read as far as it goes, for streaming: the content sure to be kept and the calls
+        started (`decodekit.api.partial_calls` has the readers). Read again as the text grows, content and each call's
+        arguments only grow by appending, and on the finished text they are `parse`'s content and the calls'
+        arguments as written (so the streamed deltas add up to the finished reading). The default reads nothing: a
+        format without it streams its output whole when it ends."""
+        return PartialOutput()
 
     @abstractmethod
     def assistant_content(self, content: str | None, calls: list[ToolCall]) -> str:

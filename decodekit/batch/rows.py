@@ -5,6 +5,12 @@ A row is a prompt or a chat conversation, with optional per-row overrides of the
 
     {"id": "q1", "prompt": "Name three rivers.", "sampling": {"max_tokens": 32}}
     {"id": "q2", "messages": [{"role": "user", "content": "Hi!"}], "strategy": {"beam_search": {"num_beams": 4}}}
+    {"id": "q3", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [{"type": "function",
+     "function": {"name": "get_weather", "parameters": {...}}}], "tool_choice": "required"}
+
+A chat row may offer function tools (OpenAI's shapes: `tools`, `tool_choice`, `parallel_tool_calls`, and assistant
+`tool_calls` and `role: tool` messages in its conversation), else it gets the recipe's `inputs.tools`; its calls are
+constrained to parse and validate, and come back in the output row's `tool_calls`.
 
 A row without an id gets its 1-based position in the input (`"7"`). Ids join outputs to inputs, so they must be
 unique. A row that cannot run (bad JSON, an unknown processor, a prompt longer than the context) gets an output
@@ -28,6 +34,7 @@ from decodekit.api.sequence import RequestOutput
 from decodekit.core.plan import Components
 from decodekit.recipe import Recipe
 from decodekit.recipe_runner import InputLine, parse_line
+from decodekit.tool_calling import ToolPlan, calls_row
 
 INPUT_SUFFIXES = (".jsonl", ".parquet", ".txt")
 """The dataset kinds `decodekit batch` reads (and, but for .txt, writes)."""
@@ -38,8 +45,14 @@ class BatchRow(InputLine):
     templated; the recipe's system prompt is added when they have none), an optional id, and overrides."""
 
     prompt: str | None = Field(None, min_length=1, description="The prompt text.")  # type: ignore[assignment]
-    messages: list[dict[str, str]] | None = Field(
-        None, min_length=1, description="A chat conversation: {role, content} objects, ending with the user's turn.")
+    messages: list[dict[str, Any]] | None = Field(
+        None, min_length=1, description="A chat conversation: {role, content} objects (and assistant tool_calls, "
+        "role: tool results), ending with the user's or a tool's turn.")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Function tools the reply may call (OpenAI's shape), instead of the recipe's inputs.tools.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="auto, required, none or {type: function, function: {name: ...}}.")
+    parallel_tool_calls: bool | None = Field(None, description="false: one call at most.")
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> BatchRow:
@@ -151,36 +164,45 @@ def _row_id(value: Any, index: int) -> str:
 
 @dataclass
 class PreparedRow:
-    """A row ready for the engine: the prompt text it gets and its parameters."""
+    """A row ready for the engine: the prompt text it gets, its parameters, and its tool plan (None: no tools)."""
 
     row: InputRow
     text: str
     params: SamplingParams
+    tools: ToolPlan | None = None
 
 
 def prepare_row(recipe: Recipe, components: Components, llm: Any, row: InputRow) -> PreparedRow:
-    """Validate a row and merge its overrides over the recipe's defaults; render its prompt.
+    """Validate a row and merge its overrides over the recipe's defaults; render its prompt (with its tools: the
+    calls' constraint added to its parameters).
 
     Raises:
         DecodeKitError: the row is not an object of `BatchRow`'s shape, names an unknown plugin or bad parameters,
-            or the tokenizer has no chat template for its messages.
+            offers bad tools or tool messages, or the tokenizer has no chat template for its messages.
     """
     item, params = parse_line(recipe, components, row.data, BatchRow)
-    return PreparedRow(row, render_row(recipe, llm, item), params)
+    text, plan = render_row(recipe, llm, item)
+    return PreparedRow(row, text, plan.constrain(params) if plan is not None else params, plan)
 
 
-def render_row(recipe: Recipe, llm: Any, item: BatchRow) -> str:
-    """The text the engine gets for a row (see `BatchRow`)."""
-    if item.messages is not None:
-        messages = list(item.messages)
-        if recipe.inputs.system and not any(m.get("role") == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": recipe.inputs.system})
-        return str(llm.apply_chat_template(messages))
-    assert item.prompt is not None  # the validator guarantees one of the two
-    if not recipe.inputs.chat:
-        return item.prompt
-    system = [{"role": "system", "content": recipe.inputs.system}] if recipe.inputs.system else []
-    return str(llm.apply_chat_template([*system, {"role": "user", "content": item.prompt}]))
+def render_row(recipe: Recipe, llm: Any, item: BatchRow) -> tuple[str, ToolPlan | None]:
+    """The text the engine gets for a row (see `BatchRow`), and its tool plan."""
+    inputs = recipe.inputs
+    if item.messages is None and not inputs.chat:
+        if item.tools is not None:
+            raise RecipeError("tools: a prompt row calls tools only under a chat recipe (inputs.chat: true); give "
+                              "the row messages")
+        assert item.prompt is not None  # the validator guarantees one of the two
+        return item.prompt, None
+    messages = list(item.messages) if item.messages is not None else [{"role": "user", "content": item.prompt}]
+    if inputs.system and not any(m.get("role") == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": inputs.system})
+    own = item.tools is not None
+    tools = item.tools if own else inputs.tools
+    choice = item.tool_choice if own or item.tool_choice is not None else inputs.tool_choice
+    parallel = item.parallel_tool_calls if item.parallel_tool_calls is not None else inputs.parallel_tool_calls
+    text, plan = llm.chat_prompt(messages, tools, choice, parallel, inputs.tool_format)
+    return str(text), plan
 
 
 def uses_chat_template(recipe: Recipe, row: InputRow) -> bool:
@@ -188,14 +210,15 @@ def uses_chat_template(recipe: Recipe, row: InputRow) -> bool:
     return recipe.inputs.chat or (isinstance(row.data, dict) and row.data.get("messages") is not None)
 
 
-OUTPUT_KEYS = ("id", "text", "token_ids", "finish_reason", "stop_reason", "usage", "choices", "error", "reasoning_text",
-               "reasoning_tokens")
+OUTPUT_KEYS = ("id", "text", "token_ids", "finish_reason", "stop_reason", "usage", "tool_calls", "choices", "error",
+               "reasoning_text", "reasoning_tokens")
 """Every output row has these keys (null where they do not apply), so JSONL and Parquet rows share one shape."""
 
 
 def output_row(row: InputRow, output: RequestOutput | None = None, error: str | None = None) -> dict[str, Any]:
-    """The output row of an input row: the generated text and tokens, finish reason, usage and (for requests that
-    return several) every choice; or, for a row that could not run or failed, `error`."""
+    """The output row of an input row: the generated text and tokens, finish reason, usage, the calls read back (a
+    row with tools whose reply called them: `{"name", "arguments"}`, the arguments as JSON text) and (for requests
+    that return several) every choice; or, for a row that could not run or failed, `error`."""
     out: dict[str, Any] = dict.fromkeys(OUTPUT_KEYS)
     out["id"] = row.id
     if output is None or output.error is not None:
@@ -210,6 +233,7 @@ def output_row(row: InputRow, output: RequestOutput | None = None, error: str | 
         else str(output.outputs[0].stop_reason),
         "usage": {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion_tokens,
                   "total_tokens": len(output.prompt_token_ids) + completion_tokens},
+        "tool_calls": calls_row(output.outputs[0].tool_calls) if output.outputs else None,
     })
     first = output.outputs[0] if output.outputs else None
     if first is not None and first.reasoning_text is not None:  # a reasoning row: `text` is the answer
@@ -233,6 +257,8 @@ def output_schema() -> Any:
                         ("finish_reason", pa.string()), ("score", pa.float64()),
                         ("cumulative_logprob", pa.float64())])
     fields = {"id": pa.string(), "text": pa.string(), "token_ids": tokens, "finish_reason": pa.string(),
-              "stop_reason": pa.string(), "usage": usage, "choices": pa.list_(choice), "error": pa.string(),
+              "stop_reason": pa.string(), "usage": usage,
+              "tool_calls": pa.list_(pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+              "choices": pa.list_(choice), "error": pa.string(),
               "reasoning_text": pa.string(), "reasoning_tokens": pa.int64()}
     return pa.schema([(key, fields[key]) for key in OUTPUT_KEYS])

@@ -21,6 +21,7 @@ from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.core.registry import Registry
 from decodekit.llm import AsyncLLM
 from decodekit.recipe import Recipe
+from decodekit.tool_calling import ToolPlan
 
 
 class BatchWorker:
@@ -46,7 +47,7 @@ class BatchWorker:
         pending = iter(rows)
         order: list[InputRow] = []  # admitted rows, in input order, not yet yielded
         done: dict[int, dict[str, Any]] = {}
-        running: dict[str, InputRow] = {}
+        running: dict[str, tuple[InputRow, ToolPlan | None]] = {}
         exhausted = False
         while True:
             while not exhausted and len(running) < self.window and len(order) < 4 * self.window:
@@ -66,8 +67,8 @@ class BatchWorker:
                 continue
             for out in engine.step():
                 if out.finished and out.request_id in running:
-                    row = running.pop(out.request_id)
-                    done[row.index] = output_row(row, out)
+                    row, plan = running.pop(out.request_id)
+                    done[row.index] = output_row(row, plan.read_into(out) if plan is not None else out)
 
     async def run_async(self, rows: Sequence[InputRow], engine: AsyncLLM) -> list[dict[str, Any]]:
         """Every output row of `rows`, in their order, generated through `engine` (an `AsyncLLM` over this worker's
@@ -85,9 +86,11 @@ class BatchWorker:
                 final = out
         except DecodeKitError as exc:
             return output_row(row, error=str(exc))
+        if final is not None and prepared.tools is not None:
+            prepared.tools.read_into(final)
         return output_row(row, final)
 
-    def _start(self, row: InputRow, running: dict[str, InputRow]) -> dict[str, Any] | None:
+    def _start(self, row: InputRow, running: dict[str, tuple[InputRow, ToolPlan | None]]) -> dict[str, Any] | None:
         try:
             prepared = prepare_row(self.recipe, self.components, self.llm, row)
             request_id = f"batch-{row.id}-{uuid.uuid4().hex[:8]}"
@@ -95,7 +98,7 @@ class BatchWorker:
                                         add_special_tokens=not uses_chat_template(self.recipe, row))
         except DecodeKitError as exc:
             return output_row(row, error=str(exc))
-        running[request_id] = row
+        running[request_id] = (row, prepared.tools)
         return None
 
 

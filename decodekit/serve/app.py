@@ -54,6 +54,7 @@ from decodekit.serve.protocol import (
     may_hold_surrogates,
 )
 from decodekit.serve.responses_api import ResponseBuilder, ResponsesRequest, ResponseStore, Turn, to_chat
+from decodekit.serve.responses_stream import ResponseEvents
 from decodekit.serve.service import RequestGroup, ServingEngine
 from decodekit.serve.streaming import ClientGone, EventStream, unless_disconnected
 from decodekit.serve.tokenizer_api import (
@@ -321,47 +322,37 @@ async def _respond_responses(request: Request, service: ServingEngine, prepared:
         await group.close()
         raise
 
-    def finish(final: RequestOutput) -> dict[str, Any]:
+    def finish(final: RequestOutput, message: tuple[str | None, list[ToolCallOut]] | None = None) -> dict[str, Any]:
+        # `message`: a stream's reading of the output (its calls keep the ids they streamed with)
         text = final.outputs[0].text
         calls: list[ToolCallOut] = []
-        if prepared.tools is not None:  # tool calling: the output reads back as text or calls
-            content, calls = read_output(prepared.tools, text)
+        if prepared.tools is not None:  # tool calling: the output reads back as text, calls, or text then calls
+            content, calls = message if message is not None else read_output(prepared.tools, text)
             text = content or ""
         body = built.body("completed", text=text, output=final, calls=calls)
         if store is not None:
             answer: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
-                answer = {"role": "assistant", "content": None, "tool_calls": [c.model_dump(exclude_none=True)
-                                                                               for c in calls]}
+                answer = {"role": "assistant", "content": text or None,
+                          "tool_calls": [c.model_dump(exclude_none=True) for c in calls]}
             store.put(built.response_id, Turn([*conversation, answer], body))
         return body
 
     if built.request.stream:
         async def events() -> AsyncGenerator[str, None]:
-            # with tools the output is text or calls, known only when it ends: its items are sent then
-            whole = prepared.tools is not None
+            stream = ResponseEvents(built, prepared.tools)
             try:
-                for event in built.opening_events(message=not whole):
+                for event in stream.opening():
                     yield event
                 async for _, out in group.outputs():
                     if out.error is not None:
                         yield sse(json.dumps(error_body(f"the request failed while generating: {out.error}",
                                                         "server_error")))
                         return
-                    delta = out.delta_text[0] if out.delta_text else ""
-                    if delta and not whole:
-                        yield built.delta_event(delta)
+                    for event in stream.step(out):
+                        yield event
                     if out.finished:
-                        final = finish(out)
-                        if final["output"][0]["type"] == "function_call":
-                            closing = built.call_events(final)
-                        elif whole:
-                            text = final["output"][0]["content"][0]["text"]
-                            closing = [*built.message_events(), built.delta_event(text),
-                                       *built.closing_events(final)]
-                        else:
-                            closing = built.closing_events(final)
-                        for event in closing:
+                        for event in stream.closing(finish(out, stream.message)):
                             yield event
             finally:
                 await group.close()

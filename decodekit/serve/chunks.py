@@ -1,10 +1,12 @@
 """Streamed chat and completions chunks: engine outputs become server-sent events, one chunk per choice that changed
-(a tool-calling output whole in its finishing chunk), the usage chunk, and `[DONE]`."""
+(a tool-calling output's content and call deltas as `serve.tool_stream` reads them), the usage chunk, and
+`[DONE]`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from decodekit.api.sequence import RequestOutput
 from decodekit.serve.convert import PreparedRequest, choice_bases, choice_extras, usage
@@ -15,10 +17,12 @@ from decodekit.serve.protocol import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    FunctionCallDelta,
+    ToolCallDelta,
     Usage,
 )
 from decodekit.serve.reasoning import delta_fields
-from decodekit.serve.tool_calls import read_output
+from decodekit.serve.tool_stream import ToolCallStream
 
 
 @dataclass
@@ -27,6 +31,7 @@ class _Cursor:
     tokens: int = 0  # tokens whose logprobs were sent
     started: bool = False
     finished: bool = False
+    tools: ToolCallStream | None = None  # a tool-calling choice's stream
 
 
 class ChunkStream:
@@ -67,28 +72,20 @@ class ChunkStream:
             finish = c.finish_reason if c.finish_reason is not None and not cursor.finished else None
             if self.chat and not cursor.started:
                 cursor.started = True
-                events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(role="assistant",
-                                                                                                content=""))))
+                # a tool-calling message may turn out to be calls only (content null, as the unstreamed one)
+                opening = DeltaMessage(role="assistant", content="" if self.prepared.tools is None else None)
+                events.append(self._chat_chunk(ChatChoice(index=index, delta=opening)))
             thinking = delta_fields(output, i) if self.chat else {}
             if not delta and not thinking and not new_entries and finish is None:
                 continue
             extras = choice_extras(c) if finish is not None else {}
             if self.chat and self.prepared.tools is not None:
-                # a tool-calling output is read back whole: its text or its calls come in the finishing chunk
-                if finish is None:
-                    if thinking:  # the thinking streams; the answer is read back whole at the end
-                        events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(**thinking))))
-                    continue
-                content, calls = read_output(self.prepared.tools, c.text)
-                for number, call in enumerate(calls):
-                    call.index = number
-                logprobs = None
-                if self.prepared.top_logprobs is not None:
-                    logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)
-                events.append(self._chat_chunk(ChatChoice(
-                    index=index, delta=DeltaMessage(content=content, tool_calls=calls or None, **thinking),
-                    logprobs=logprobs,
-                    finish_reason="tool_calls" if calls else finish, **extras)))
+                if thinking:  # a reasoning request's thinking streams apart; the calls read the answer only
+                    events.append(self._chat_chunk(ChatChoice(index=index, delta=DeltaMessage(**thinking))))
+                sent = self._tool_chunks(index, cursor, c.text, finish, new_tokens, new_entries, extras)
+                events += sent
+                if not sent:
+                    continue  # nothing to send yet (a part of a marker, a name half written): logprobs wait too
             elif self.chat:
                 logprobs = None
                 if self.prepared.top_logprobs is not None:
@@ -106,6 +103,35 @@ class ChunkStream:
             cursor.tokens = len(c.token_ids)
             cursor.finished = cursor.finished or finish is not None
         return events
+
+    def _tool_chunks(self, index: int, cursor: _Cursor, text: str, finish: str | None, new_tokens: list[int],
+                     new_entries: list[Any], extras: dict[str, Any]) -> list[str]:
+        """A tool-calling choice's chunks for this step: its new content, each call's first delta and its arguments'
+        new fragment (one chunk each, the step's logprobs on the first), and when it ends a last chunk with the
+        finish reason (`tool_calls` when it reads back as calls)."""
+        if cursor.tools is None:
+            assert self.prepared.tools is not None  # only tool-calling requests come here
+            cursor.tools = ToolCallStream(self.prepared.tools)
+        delta = cursor.tools.update(text, finish is not None)
+        messages = [DeltaMessage(content=delta.content)] if delta.content else []
+        messages += [DeltaMessage(tool_calls=[ToolCallDelta(
+            index=d.index, id=d.id, type="function" if d.id else None,
+            function=FunctionCallDelta(name=d.name, arguments=d.arguments))]) for d in delta.calls]
+        if finish is not None:
+            messages.append(DeltaMessage())
+            message = cursor.tools.message
+            if message is not None and message[1]:
+                finish = "tool_calls"
+        chunks = []
+        for number, piece in enumerate(messages):
+            logprobs = None
+            if number == 0 and self.prepared.top_logprobs is not None:
+                logprobs = chat_logprobs(new_tokens, new_entries, self.prepared.top_logprobs)
+            last = finish is not None and number == len(messages) - 1
+            chunks.append(self._chat_chunk(ChatChoice(index=index, delta=piece, logprobs=logprobs,
+                                                      finish_reason=finish if last else None,
+                                                      **(extras if last else {}))))
+        return chunks
 
     def usage_event(self) -> str:
         """The last chunk of `stream_options.include_usage`: no choices, the usage of every prompt."""

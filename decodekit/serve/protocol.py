@@ -421,12 +421,29 @@ class FunctionCallOut(BaseModel):
 
 
 class ToolCallOut(BaseModel):
-    """A tool call of a generated message (`index` set in streamed deltas)."""
+    """A tool call of a generated message."""
 
-    index: int | None = Field(None, exclude_if=_omit_none)
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallOut
+
+
+class FunctionCallDelta(BaseModel):
+    """What a streamed chunk adds to a call's function: its name (on the call's first delta) or a fragment of its
+    arguments' JSON text."""
+
+    name: str | None = Field(None, exclude_if=_omit_none)
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """What a streamed chunk adds to call `index` of a message: its first delta carries `id`, `type` and the name
+    (with empty arguments), the later ones fragments of the arguments (OpenAI's shape)."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_omit_none)
+    function: FunctionCallDelta
 
 
 class AssistantMessage(BaseModel):
@@ -444,7 +461,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
-    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_omit_none)
     reasoning_content: str | None = Field(None, exclude_if=_omit_none)
     reasoning: str | None = Field(None, exclude_if=_omit_none)
 

@@ -1,9 +1,10 @@
 """The Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), the default of OpenAI's newer clients, for
 text: a text or a list of messages as `input`, `instructions`, `previous_response_id` (the earlier turns kept in
-memory, a bounded number of responses), `text.format` (free text, a JSON object, or a JSON schema), and streamed
-events in OpenAI's order (`response.created` ... `response.output_text.delta` ... `response.completed`), and
-function tools: `tools` (`{"type": "function", "name", "parameters", ...}`), `tool_choice`, `parallel_tool_calls`,
-`function_call` output items, and `function_call` / `function_call_output` items in the input (an agent's loop).
+memory, a bounded number of responses), `text.format` (free text, a JSON object, or a JSON schema), and function
+tools: `tools` (`{"type": "function", "name", "parameters", ...}`), `tool_choice`, `parallel_tool_calls`,
+`function_call` output items (after a message item holding the text the model wrote before its calls), and
+`function_call` / `function_call_output` items in the input (an agent's loop). The streamed events are
+`serve.responses_stream`'s.
 
 A request becomes a chat completion request (`to_chat`) and runs exactly as one: the same recipe defaults, fields,
 constraints, tool calling and field policy; decodekit's own fields (`top_k`, `processors`, `strategy`, ...) go next to
@@ -213,12 +214,12 @@ class ResponseBuilder:
     response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
-    sequence: int = 0
 
     def body(self, status: str, text: str | None = None, output: RequestOutput | None = None,
              calls: list[Any] | None = None) -> dict[str, Any]:
-        """The response object: `in_progress` (no output yet), or finished with the message (or, with `calls`, the
-        model's `function_call` items) and the usage."""
+        """The response object: `in_progress` (no output yet), or finished with its items and the usage: the message
+        (its `text`), and with `calls` the model's `function_call` items after it (the message left out when the
+        model wrote no text before its calls)."""
         request = self.request
         fmt = request.text.format if request.text is not None and request.text.format is not None else None
         body: dict[str, Any] = {
@@ -235,8 +236,9 @@ class ResponseBuilder:
         }
         if output is not None:
             choice = output.outputs[0]
-            body["output"] = ([self.function_call(call) for call in calls] if calls else
-                              [self.message(text if text is not None else choice.text, "completed")])
+            text = text if text is not None else choice.text
+            message = [self.message(text, "completed")] if text or not calls else []
+            body["output"] = message + [self.function_call(call) for call in calls or []]
             if choice.finish_reason == "length":
                 body["status"] = "incomplete"
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -254,57 +256,10 @@ class ResponseBuilder:
 
     def function_call(self, call: Any) -> dict[str, Any]:
         """A `function_call` output item (`call` is the chat endpoint's `ToolCallOut`)."""
-        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
+        return {"type": "function_call", "id": self.function_call_id(call.id), "call_id": call.id,
                 "name": call.function.name, "arguments": call.function.arguments, "status": "completed"}
 
-    def event(self, kind: str, **fields: Any) -> str:
-        """One server-sent event of the stream (`event:` names its type, as OpenAI sends them)."""
-        data = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
-
-    def opening_events(self, message: bool = True) -> list[str]:
-        """The events before the first text: created, in progress, and (unless the output may be calls, known only
-        when it ends) the message and its text part added."""
-        started = self.body("in_progress")
-        events = [self.event("response.created", response=started),
-                  self.event("response.in_progress", response=started)]
-        return events + (self.message_events() if message else [])
-
-    def message_events(self) -> list[str]:
-        """The message item and its text part added."""
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
-                self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
-                           part=part)]
-
-    def call_events(self, final: dict[str, Any]) -> list[str]:
-        """Each `function_call` item added, its arguments (whole), done; then the response completed."""
-        events = []
-        for index, item in enumerate(final["output"]):
-            events += [self.event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                          "status": "in_progress"}),
-                       self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=item["arguments"]),
-                       self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  arguments=item["arguments"]),
-                       self.event("response.output_item.done", output_index=index, item=item)]
-        return [*events, self.event("response.completed", response=final)]
-
-    def delta_event(self, delta: str) -> str:
-        """A piece of the text."""
-        return self.event("response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0,
-                          delta=delta, logprobs=[])
-
-    def closing_events(self, final: dict[str, Any]) -> list[str]:
-        """The events after the last text: the text, part and message done, then the response completed (also when it
-        ended at `max_output_tokens`: its `status` says `incomplete`; clients, the `openai` SDK's stream helpers and
-        the openai-agents SDK among them, wait for `response.completed`, as vLLM sends it)."""
-        item = final["output"][0]
-        part = item["content"][0]
-        return [self.event("response.output_text.done", item_id=self.message_id, output_index=0, content_index=0,
-                           text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", item_id=self.message_id, output_index=0, content_index=0,
-                           part=part),
-                self.event("response.output_item.done", output_index=0, item=item),
-                self.event("response.completed", response=final)]
+    @staticmethod
+    def function_call_id(call_id: str) -> str:
+        """The `function_call` item's id of a call (`fc_...` of its `call_...`): one id however often it is sent."""
+        return f"fc_{call_id.removeprefix('call_')}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from decodekit.api.tools import ToolCallFormat
@@ -47,11 +47,25 @@ def plan_request(request: ChatCompletionRequest, format_class: type[ToolCallForm
         raise APIError(400, str(exc), param=exc.param) from None
 
 
-def read_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCallOut]]:
+def read_output(plan: ToolPlan, text: str, ids: Sequence[str] = ()) -> tuple[str | None, list[ToolCallOut]]:
     """A finished output's message: its text (under `auto`, what a format with a marker wrote before its calls, or
-    None), and its calls (each with a new id, arguments as JSON text)."""
+    None), and its calls, each with its id (`ids`: those a stream gave the first calls; new ones for the rest) and
+    its arguments as JSON text: as the model wrote them (what a stream sent), else (a format that does not read
+    partial outputs) written anew."""
     parsed = plan.read(text)
-    calls = [ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}",
-                         function=FunctionCallOut(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)))
-             for c in parsed.calls]
+    written = plan.format.partial(text).calls
+    calls = []
+    for i, call in enumerate(parsed.calls):
+        arguments = json.dumps(call.arguments, ensure_ascii=False)
+        if i < len(written) and written[i].name == call.name and _same_json(written[i].arguments, call.arguments):
+            arguments = written[i].arguments
+        call_id = ids[i] if i < len(ids) else f"call_{uuid.uuid4().hex[:24]}"
+        calls.append(ToolCallOut(id=call_id, function=FunctionCallOut(name=call.name, arguments=arguments)))
     return parsed.content, calls
+
+
+def _same_json(text: str, value: Any) -> bool:
+    try:
+        return bool(json.loads(text) == value)
+    except ValueError:
+        return False

@@ -6,20 +6,24 @@ writes under that constraint reads back as calls only, of the offered tools, wit
 schemas (one call when not parallel); under `auto` it reads back as text or such calls; an assistant message written
 back (`assistant_content`) reads back as the same calls, and the constraint admits it; a text answer, as the format
 writes one, is admitted under `auto` and refused under `required`; and a tool result (`tool_result`) is a message
-with a role and text content. For a format with a `marker`, `auto` must be lazy: free texts (with `<`, brackets,
+with a role and text content. An output read while it grows (`partial`, at every prefix) only grows (content and
+each call's arguments by appending) and ends as its finished reading (content, and calls whose arguments text
+parses to the parsed arguments). For a format with a `marker`, `auto` must be lazy: free texts (with `<`, brackets,
 braces, a part of the marker) are admitted whole, text before calls is admitted and read back as the content, and
 the marker followed by anything but a call is refused.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jsonschema
 
 from decodekit.api.constraints import ConstraintSpec, get_backend
 from decodekit.api.params import SamplingParams
-from decodekit.api.tools import ToolCall, ToolCallFormat, ToolMode, ToolSpec
+from decodekit.api.partial_calls import PartialOutput
+from decodekit.api.tools import ParsedOutput, ToolCall, ToolCallFormat, ToolMode, ToolSpec
 from decodekit.testing.engine_harness import KitReport
 from decodekit.testing.errors import ConformanceError
 from decodekit.testing.parts import tiny_llm
@@ -52,15 +56,18 @@ def check_tool_format(format_class: type[ToolCallFormat], *plugins: object, max_
     llm = tiny_llm(*plugins)
     fmt = format_class()
     tools_seen: dict[str, tuple[list[ToolSpec], list[ToolCall]]] = {}
+    modes: tuple[ToolMode, ...] = ("required", "auto")
+    cases = [(tools, mode, parallel) for tools in tool_sets or TOOL_SETS for mode in modes
+             for parallel in (False, True)]
+    outputs = iter(_generate(llm, fmt, cases, max_tokens))
     for tools in tool_sets or TOOL_SETS:
         schemas = {t.name: t.parameters for t in tools}
-        modes: tuple[ToolMode, ...] = ("required", "auto")
         for mode in modes:
             for parallel in (False, True):
                 prompt = fmt.system_prompt(tools, mode, parallel)
                 if prompt is not None and not isinstance(prompt, str):
                     raise ConformanceError(f"{fmt.name}: system_prompt must give a text or None, got {prompt!r}")
-                text, finish = _generate(llm, fmt, tools, mode, parallel, max_tokens)
+                text, finish = next(outputs)
                 requests += 1
                 parsed = fmt.parse(text)
                 if mode == "required" and (parsed.content is not None or not parsed.calls):
@@ -81,6 +88,7 @@ def check_tool_format(format_class: type[ToolCallFormat], *plugins: object, max_
                 if not parallel and len(parsed.calls) > 1:
                     raise ConformanceError(f"{fmt.name}: {len(parsed.calls)} calls with parallel false "
                                            f"(output {text!r})")
+                _check_partial(fmt, text, parsed, finish)
                 spec = fmt.constraint(tools, mode, parallel)
                 if parsed.calls:
                     tools_seen.setdefault(f"{mode}/{parallel}", (tools, parsed.calls))
@@ -132,6 +140,33 @@ def _check_lazy(llm: Any, fmt: ToolCallFormat, seen: dict[str, tuple[list[ToolSp
             raise ConformanceError(f"{fmt.name}: under auto the constraint refuses text before calls: {written!r}")
 
 
+def _check_partial(fmt: ToolCallFormat, text: str, parsed: ParsedOutput, finish: str | None) -> None:
+    """Read at every prefix, the output only grows, and (unless the budget cut it) ends as its finished reading
+    (formats that read partial outputs; the default reads nothing and streams the output whole at its end)."""
+    previous = PartialOutput()
+    for end in range(len(text) + 1):
+        now = fmt.partial(text[:end])
+        grown = now.content.startswith(previous.content) and len(now.calls) >= len(previous.calls) and all(
+            b.arguments.startswith(a.arguments) and a.name in (None, b.name) for a, b in zip(previous.calls, now.calls))
+        if not grown:
+            raise ConformanceError(f"{fmt.name}: partial({text[:end]!r}) = {now!r} takes back what "
+                                   f"partial({text[:end - 1]!r}) = {previous!r} read (streamed text only grows)")
+        previous = now
+    if previous == PartialOutput() or not parsed.calls or finish == "length":
+        return
+    if not (parsed.content or "").startswith(previous.content) or \
+            [(c.name, _loaded(c.arguments)) for c in previous.calls] != [(c.name, c.arguments) for c in parsed.calls]:
+        raise ConformanceError(f"{fmt.name}: the finished output {text!r} reads as {parsed!r}, but partial reads it "
+                               f"as {previous!r} (the streamed calls would differ from the finished ones)")
+
+
+def _loaded(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def constraint_admits(llm: Any, spec: ConstraintSpec, text: str) -> bool:
     """Whether the constraint takes `text` whole, token by token as the engine's tokenizer writes it, and ends there
     (compiled by the engine's default backend, llguidance, for `llm`'s engine)."""
@@ -143,24 +178,27 @@ def constraint_admits(llm: Any, spec: ConstraintSpec, text: str) -> bool:
     return bool(matcher.consume(ids)) and bool(matcher.is_accepting())
 
 
-def _generate(llm: Any, fmt: ToolCallFormat, tools: list[ToolSpec], mode: ToolMode, parallel: bool,
-              max_tokens: int) -> tuple[str, str | None]:
-    """What the tiny model writes under the format's constraint (the prompt is short: the tiny model's context is
-    512 tokens, and the constraint alone decides what is valid), and why it ended."""
+def _generate(llm: Any, fmt: ToolCallFormat, cases: list[tuple[list[ToolSpec], ToolMode, bool]],
+              max_tokens: int) -> list[tuple[str, str | None]]:
+    """What the tiny model writes under the format's constraint for each case (tools, mode, parallel), all in one
+    batch (greedy outputs do not depend on the batch), and why each ended. The prompt is short: the tiny model's
+    context is 512 tokens, and the constraint alone decides what is valid."""
     from decodekit.tool_calling import ToolPlan
 
-    plan = ToolPlan(fmt, tools, mode, parallel)
-    try:
-        processor = plan.processor()
-    except Exception as exc:
-        raise ConformanceError(f"{fmt.name}: the constraint is not one the engine can apply: {exc}") from None
-    processors: list[Any] = [processor]
-    if mode == "auto" and fmt.marker:
-        # a random model seldom writes a marker by itself: pushed toward it, it starts calls under the lazy
-        # constraint (which then carries each to its end), so `auto` is checked with calls, not only free text
-        processors.insert(0, {"logit_bias": {"bias_strings": {fmt.marker: 8.0}}})
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, processors=processors)
-    output = llm.generate(["user: call a tool\nassistant:"], params)[0]
-    if output.error is not None:
-        raise ConformanceError(f"{fmt.name}: the constrained request failed: {output.error}")
-    return str(output.outputs[0].text), output.outputs[0].finish_reason
+    params = []
+    for tools, mode, parallel in cases:
+        try:
+            processor = ToolPlan(fmt, tools, mode, parallel).processor()
+        except Exception as exc:
+            raise ConformanceError(f"{fmt.name}: the constraint is not one the engine can apply: {exc}") from None
+        processors: list[Any] = [processor]
+        if mode == "auto" and fmt.marker:
+            # a random model seldom writes a marker by itself: pushed toward it, it starts calls under the lazy
+            # constraint (which then carries each to its end), so `auto` is checked with calls, not only free text
+            processors.insert(0, {"logit_bias": {"bias_strings": {fmt.marker: 8.0}}})
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0, processors=processors))
+    outputs = llm.generate(["user: call a tool\nassistant:"] * len(cases), params)
+    for output in outputs:
+        if output.error is not None:
+            raise ConformanceError(f"{fmt.name}: the constrained request failed: {output.error}")
+    return [(str(o.outputs[0].text), o.outputs[0].finish_reason) for o in outputs]

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from decodekit import hookimpl
 from decodekit.api.constraints import ConstraintSpec
+from decodekit.api.partial_calls import PartialOutput, held_content, partial_calls
 from decodekit.api.tools import ParsedOutput, ToolCall, ToolCallFormat, ToolMode, ToolSpec, marked_calls
 
 JSON_SPACING = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -34,8 +35,9 @@ def _call_object(tool: ToolSpec, arguments_key: str) -> dict[str, Any]:
 
 
 def _before(text: str, marker: str) -> str | None:
-    """The text before the first call (None when blank)."""
-    head = text.split(marker, 1)[0].strip()
+    """The text before the first call, less the whitespace that ends it (None when blank): as `held_content` streams
+    it."""
+    head = text.split(marker, 1)[0].rstrip()
     return head or None
 
 
@@ -80,6 +82,14 @@ class HermesToolFormat(ToolCallFormat):
                 return ParsedOutput(text)
             calls.append(ToolCall(str(value.get("name")), value["arguments"]))
         return ParsedOutput(_before(text, self.marker), calls)
+
+    def partial(self, text: str) -> PartialOutput:
+        start = text.find(self.marker)
+        content = held_content(text, [self.marker])
+        if start < 0:
+            return PartialOutput(content)
+        calls = partial_calls(text, start + len(self.marker), "arguments", "\n</tool_call>\n<tool_call>")
+        return PartialOutput(content, calls)
 
     def assistant_content(self, content: str | None, calls: list[ToolCall]) -> str:
         blocks = "\n".join(f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments}, ensure_ascii=False)}"
@@ -137,6 +147,14 @@ class Llama3JsonToolFormat(ToolCallFormat):
             position = end + 2
         return ParsedOutput(_before(body, self.marker), calls)
 
+    def partial(self, text: str) -> PartialOutput:
+        body = text.replace(self.PYTHON_TAG, "")
+        content = held_content(body, [self.marker, self.PYTHON_TAG])
+        start = body.find(self.marker)
+        if start < 0:
+            return PartialOutput(content)
+        return PartialOutput(content, partial_calls(body, start, "parameters", ";"))
+
     def assistant_content(self, content: str | None, calls: list[ToolCall]) -> str:
         written = "; ".join(json.dumps({"name": c.name, "parameters": c.arguments}, ensure_ascii=False)
                             for c in calls)
@@ -179,6 +197,14 @@ class MistralToolFormat(ToolCallFormat):
                                                   for c in value):
             return ParsedOutput(text)
         return ParsedOutput(_before(text, self.marker), [ToolCall(str(c.get("name")), c["arguments"]) for c in value])
+
+    def partial(self, text: str) -> PartialOutput:
+        content = held_content(text, [self.marker])
+        start = text.find(self.marker)
+        if start < 0:
+            return PartialOutput(content)
+        opening = text.find("[", start + len(self.marker))
+        return PartialOutput(content, partial_calls(text, opening + 1, "arguments", ",") if opening >= 0 else [])
 
     def assistant_content(self, content: str | None, calls: list[ToolCall]) -> str:
         if not calls:

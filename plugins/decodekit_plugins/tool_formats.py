@@ -15,6 +15,7 @@ from typing import Any
 
 from decodekit import hookimpl
 from decodekit.api.constraints import ConstraintSpec
+from decodekit.api.partial_calls import PartialOutput, partial_calls, partial_string, skip_space
 from decodekit.api.tools import ParsedOutput, ToolCall, ToolCallFormat, ToolMode, ToolSpec
 
 
@@ -54,7 +55,9 @@ class JsonToolFormat(ToolCallFormat):
         try:
             value = json.loads(text)
         except ValueError:
-            return ParsedOutput(text)
+            # a text answer cut by max_tokens reads back as the text it got to (as it streamed); anything else as is
+            response = self._response(text)
+            return ParsedOutput(response if response is not None else text)
         if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
             calls = [ToolCall(c["name"], c["arguments"]) for c in value["tool_calls"]
                      if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)]
@@ -62,6 +65,36 @@ class JsonToolFormat(ToolCallFormat):
         if isinstance(value, dict) and isinstance(value.get("response"), str):
             return ParsedOutput(value["response"])
         return ParsedOutput(text)
+
+    def partial(self, text: str) -> PartialOutput:
+        response = self._response(text)
+        if response is not None:
+            return PartialOutput(response)
+        start = self._value_of(text, "tool_calls")
+        if start is None or not text.startswith("[", start):
+            return PartialOutput()
+        return PartialOutput(calls=partial_calls(text, start + 1, "arguments", ","))
+
+    @staticmethod
+    def _value_of(text: str, key: str) -> int | None:
+        """Where the value of the object's first key starts, when that key is `key` (else None)."""
+        i = skip_space(text, 0)
+        if not text.startswith("{", i):
+            return None
+        i = skip_space(text, i + 1)
+        if not text.startswith(json.dumps(key), i):
+            return None
+        i = skip_space(text, i + len(key) + 2)
+        if not text.startswith(":", i):
+            return None
+        return skip_space(text, i + 1)
+
+    def _response(self, text: str) -> str | None:
+        """The text answer (`{"response": ...}`) as far as written; None when the output is not one."""
+        start = self._value_of(text, "response")
+        if start is None or not text.startswith('"', start):
+            return None
+        return partial_string(text, start)[0]
 
     def assistant_content(self, content: str | None, calls: list[ToolCall]) -> str:
         if calls:

@@ -26,15 +26,16 @@ def write_tiny_recipe(folder: Path, extra: str = "", max_tokens: int = 10) -> Pa
     return recipe
 
 
-def write_tiny_tools_recipe(folder: Path, max_tokens: int = 96) -> Path:
+def write_tiny_tools_recipe(folder: Path, max_tokens: int = 96, extra: str = "") -> Path:
     """A recipe over a tiny random Llama with room for tools' descriptions (a 4096-token context: its tokenizer spends
-    about a token per character) and a chat template: greedy, `max_tokens` tokens. The model is `folder / "tiny"`."""
+    about a token per character) and a chat template: greedy, `max_tokens` tokens, then `extra` (YAML). The model is
+    `folder / "tiny"`."""
     from tests.helpers.tiny_folders import save_tiny_llama
 
     save_tiny_llama(folder / "tiny", chat_template=TEMPLATE, max_position_embeddings=4096)
     recipe = folder / "tiny.yaml"
     recipe.write_text(f"model: {folder / 'tiny'}\ndtype: float32\ndevice: cpu\nengine: {{kv_cache_memory: 64MiB}}\n"
-                      f"sampling: {{temperature: 0, max_tokens: {max_tokens}}}\n")
+                      f"sampling: {{temperature: 0, max_tokens: {max_tokens}}}\n{extra}")
     return recipe
 
 

@@ -70,11 +70,26 @@ def test_under_auto_any_text_without_the_marker_is_admitted_whole(llm, fmt, text
     assert constraint_admits(llm, fmt().constraint(TOOLS, "auto", parallel), text)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fmt=st.sampled_from(FAMILIES), seed=st.integers(0, 2**31 - 1), push=st.floats(2.0, 12.0),
-       max_tokens=st.integers(16, 96), parallel=st.booleans())
+_STARTED_CALLS = given(fmt=st.sampled_from(FAMILIES), seed=st.integers(0, 2**31 - 1), push=st.floats(2.0, 12.0),
+                       max_tokens=st.integers(16, 96), parallel=st.booleans())
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@_STARTED_CALLS
 def test_under_auto_a_started_call_completes_validly_or_stops_at_the_budget(llm, fmt, seed, push, max_tokens,
                                                                              parallel):
+    _check_a_started_call(llm, fmt, seed, push, max_tokens, parallel)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@_STARTED_CALLS
+def test_under_auto_a_started_call_completes_validly_or_stops_at_the_budget_many_examples(
+        llm, fmt, seed, push, max_tokens, parallel):
+    _check_a_started_call(llm, fmt, seed, push, max_tokens, parallel)
+
+
+def _check_a_started_call(llm: LLM, fmt: Any, seed: int, push: float, max_tokens: int, parallel: bool) -> None:
     # sampling pushed toward the marker's tokens (a bias placed before the constraint), so calls start often and
     # at random points; whatever the model writes after the marker, the constraint must carry it to a valid call
     plan = ToolPlan(fmt(), TOOLS, "auto", parallel)
@@ -87,7 +102,7 @@ def test_under_auto_a_started_call_completes_validly_or_stops_at_the_budget(llm,
         assert parsed.calls == [] and parsed.content == text  # free text, read back as it is
         return
     head = text.split(marker, 1)[0]
-    assert parsed.content == (head.strip() or None) or out.finish_reason == "length"
+    assert parsed.content == (head.rstrip() or None) or out.finish_reason == "length"
     if out.finish_reason == "length" and not parsed.calls:
         return  # cut mid-call: nothing is read back as a call
     assert parsed.calls and (parallel or len(parsed.calls) == 1), text

@@ -101,17 +101,52 @@ def test_auto_answers_in_text_or_calls_and_none_never_calls(client):
     assert none.choices[0].message.content == plain.choices[0].message.content
 
 
-def test_a_streamed_call_arrives_in_openais_delta_shape_and_equals_the_unstreamed_one(client, served):
-    kwargs = {"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required",
-              "parallel_tool_calls": False}
-    unstreamed = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-    chunks = list(client.chat.completions.create(**kwargs, stream=True))
-    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and [d.index for d in deltas[0]] == list(range(len(deltas[0])))
-    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas[0]] == \
-        [(u.function.name, json.loads(u.function.arguments)) for u in unstreamed]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+CHOICES = ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"]
+_CALL = r'\{"name": "[a-z_]+", "arguments": \{[^{}]*\}\}'
+TWO_CALLS = {"processors": [{"regex": {"pattern": rf'\{{"tool_calls": \[{_CALL}, {_CALL}\]\}}'}}]}
+"""With the tools' own constraint, exactly two calls: this random model left alone repeats calls until max_tokens."""
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one", "parallel"])
+@pytest.mark.parametrize("choice", CHOICES, ids=["required", "named", "auto"])
+def test_streamed_calls_add_up_to_the_unstreamed_ones(client, served, choice, parallel):
+    kwargs: dict[str, Any] = {"model": "tiny", "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": choice,
+                              "parallel_tool_calls": parallel, "max_tokens": 160}
+    if parallel:
+        kwargs["extra_body"] = TWO_CALLS
+    unstreamed = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:  # the openai client's own accumulation of the deltas
+        chunks = list(stream)
+        streamed = stream.current_completion_snapshot.choices[0]
+    assert streamed.finish_reason == unstreamed.finish_reason
+    if parallel:
+        assert len(unstreamed.message.tool_calls) == 2
+    assert streamed.message.content == unstreamed.message.content
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == \
+        [(c.function.name, c.function.arguments) for c in unstreamed.message.tool_calls or []]
+    deltas = [d for c in chunks if c.type == "chunk" and c.chunk.choices
+              for d in c.chunk.choices[0].delta.tool_calls or []]
+    for call in streamed.message.tool_calls or []:  # OpenAI's shape: a call's first delta, then its fragments
+        index = next(d for d in deltas if d.id == call.id).index
+        first, *rest = [d for d in deltas if d.index == index]
+        assert (first.id, first.type, first.function.name, first.function.arguments) == \
+            (call.id, "function", call.function.name, "")
+        assert rest and all(d.id is None and d.function.name is None for d in rest)
+        assert "".join(d.function.arguments for d in rest) == call.function.arguments
     served.wait_idle()
+
+
+def test_a_long_argument_streams_in_many_fragments(client):
+    note = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 40, "maxLength": 60}},
+        "required": ["text"], "additionalProperties": False}}}
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[note], tool_choice="required",
+                                                 parallel_tool_calls=False, max_tokens=200, stream=True))
+    fragments = [d.function.arguments for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []
+                 if d.id is None]
+    arguments = json.loads("".join(fragments))
+    assert len(fragments) > 10 and 40 <= len(arguments["text"]) <= 60
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and chunks[-1].choices[0].delta.tool_calls is None
 
 
 def test_a_conversation_with_calls_and_their_results_continues(client):
