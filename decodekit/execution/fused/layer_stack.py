@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -45,9 +45,6 @@ from decodekit.execution.kernels.native import (
     NativeKernels,
 )
 from decodekit.execution.kernels.quant import GGUF_FORMATS, ISAS
-
-if TYPE_CHECKING:
-    from decodekit.execution.fused.decoder import _FusedLayer
 
 STACK_VARIABLE = "DECODEKIT_NATIVE_STACK"
 """Set to 0 (false, no, off) to run every step's layers one native call at a time."""
@@ -171,8 +168,9 @@ def _describe_matrix(matrix: Any) -> tuple[StackMatrix, int]:
     raise ValueError(f"a {type(matrix).__name__} product")
 
 
-def _describe_layer(layer: _FusedLayer) -> tuple[StackLayer, int]:
-    """The descriptor of one layer and the most rows its products take natively.
+def _describe_layer(layer: Any) -> tuple[StackLayer, int]:
+    """The descriptor of one of the fused decoder's layers (its `_FusedLayer`, which imports this module, hence
+    `Any`) and the most rows its products take natively.
 
     Raises:
         ValueError: the layer is not the plain Llama block, or a product or norm is not what the kernels read.
@@ -208,7 +206,7 @@ class NativeLayerStack:
     attention plan has no long chunk.
     """
 
-    def __init__(self, layers: Sequence[_FusedLayer], native: NativeKernels) -> None:
+    def __init__(self, layers: Sequence[Any], native: NativeKernels) -> None:
         """Describe `layers` (kept alive by the decoder, which owns them).
 
         Raises:
@@ -233,7 +231,7 @@ class NativeLayerStack:
         self._value_pools = (_p * len(described))()
 
     @classmethod
-    def build(cls, layers: Sequence[_FusedLayer], native: NativeKernels) -> NativeLayerStack | None:
+    def build(cls, layers: Sequence[Any], native: NativeKernels) -> NativeLayerStack | None:
         """The stack of `layers`, or None where one is not the plain Llama block on native products."""
         try:
             return cls(layers, native)
