@@ -319,6 +319,8 @@ class FusedDecoder:
 
         With a `plan` (and native kernels) the step's small ops run natively; the runner makes one for every step
         whose short-query sequences bring at most `runner.NATIVE_MAX_TOKENS` tokens (long chunks in it get SDPA).
+        A step the `native_stack` takes (few rows, no long chunk) runs every layer in one native call instead of
+        `_native_layer` per layer, with the same result bit for bit.
         """
         hidden = self.embed_tokens(input_ids).to(self.dtype)  # [T, hidden]
         ropes = self._rope_tables(hidden, positions)
