@@ -23,6 +23,7 @@ from decodekit.api.models import LoadedModel, StoredWeight
 from decodekit.execution.attention.gpu import kernel_available
 from decodekit.execution.attention.kv_cache import PagedKVCache, needs_capped_attention, uniform_window
 from decodekit.execution.fused.blocks import GEMMA_ARCHITECTURES, fused_decoder_refusal
+from decodekit.execution.fused.layer_stack import stack_max_rows, stack_refusal
 from decodekit.execution.fused.stored_matrices import STORED_QUANTIZATION
 from decodekit.execution.fused.weight_matrices import (
     BF16_GEMM_MIN_ROWS,
@@ -83,6 +84,9 @@ class ExecutionPlan:
     stored_formats: dict[str, int] = field(default_factory=dict)
     """With `quantization: gguf`: the formats of the weights multiplied as the file stores them, and how many of
     each."""
+    native_stack: int = 0
+    """The most rows of a step whose whole stack of layers runs in one native call (`fused.layer_stack`); 0: every
+    step runs layer by layer."""
 
     def describe(self) -> str:
         """How the model runs, in one line (`decodekit recipe check` prints it)."""
@@ -104,6 +108,9 @@ class ExecutionPlan:
             parts.append("CUDA graphs")
         dtype = str(self.compute_dtype).removeprefix("torch.")
         parts += [f"{dtype} activations", f"{str(self.kv_dtype).removeprefix('torch.')} KV cache"]
+        if self.native_stack:
+            rows = "one row" if self.native_stack == 1 else f"up to {self.native_stack} rows"
+            parts.append(f"the layers of steps of {rows} in one native call")
         return ", ".join(parts)
 
     def for_model(self, loaded: LoadedModel) -> ExecutionPlan:
@@ -222,10 +229,25 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
         config = config.model_copy(update={"quantization": quantization})  # float32 activations (`_compute_dtype`)
     elif config.quantization == STORED_QUANTIZATION:
         config = config.model_copy(update={"quantization": None})  # asked, and refused above
+    stack = _native_stack_rows(loaded, kernels, quantization, bf16_gemm, reasons) if fused else 0
     return ExecutionPlan(config, geometry, max_model_len, uniform_window(loaded.model), fused, kernels, prepack,
                          quantization, bf16_gemm, relay, graphs, _compute_dtype(loaded, config),
                          kv_cache_dtype(loaded, config), tuple(reasons), draft,
-                         formats if quantization == STORED_QUANTIZATION else {})
+                         formats if quantization == STORED_QUANTIZATION else {}, stack)
+
+
+def _native_stack_rows(loaded: LoadedModel, kernels: NativeKernels | None, quantization: str | None,
+                       bf16_gemm: bool, reasons: list[str]) -> int:
+    """The most rows of a step the fused decoder runs as one native call for its whole layer stack
+    (`fused.layer_stack`: at batch 1 that replaces ~8 ctypes calls per layer and their Python glue), 0 for none: on
+    the native kernels, for the plain Llama block; why not where they run but the block is another."""
+    if kernels is None:
+        return 0
+    refusal = stack_refusal(loaded.model)
+    if refusal is not None:
+        reasons.append(f"layers one native call at a time: {refusal}")
+        return 0
+    return stack_max_rows(quantization, bf16_gemm)
 
 
 def _stored_weights(formats: dict[str, int], fused: bool, kernels: NativeKernels | None, reasons: list[str],

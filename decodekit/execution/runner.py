@@ -49,8 +49,8 @@ class ModelRunner:
         self.device = kv_cache.pool.device
         self._config = model.config
         # `stored`: the weights the model's file stores, which `quantization: gguf` multiplies as they are
-        self.fused = (FusedDecoder(model, plan.prepack, plan.kernels, plan.quantization, plan.bf16_gemm, stored)
-                      if plan.fused else None)
+        self.fused = (FusedDecoder(model, plan.prepack, plan.kernels, plan.quantization, plan.bf16_gemm, stored,
+                                   native_stack=plan.native_stack > 0) if plan.fused else None)
         # the GPU path: short queries attended in place by the token-table kernel, uniform steps from CUDA graphs
         capped = needs_capped_attention(text_config(model), plan.max_model_len) or has_attention_sinks(model)
         self.by_token = kernel_available(self.device) and not capped

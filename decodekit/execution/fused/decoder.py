@@ -58,6 +58,7 @@ from decodekit.execution.fused.blocks import (
     projections,
     qkv_bias_of,
 )
+from decodekit.execution.fused.layer_stack import NativeLayerStack
 from decodekit.execution.fused.stored_matrices import (
     STORED_QUANTIZATION,
     LayerMatrix,
@@ -72,11 +73,7 @@ from decodekit.execution.fused.weight_matrices import (
     quantized_matrix,
 )
 from decodekit.execution.kernels import gpu_ops
-from decodekit.execution.kernels.native import DecodeAttentionPlan, NativeKernels
-
-# SiLU-gating of more rows than this stays in torch: its `exp` is vectorized (and threaded), the native one is a
-# scalar `expf` per element, which only wins while dispatch dominates.
-NATIVE_GATING_MAX_ROWS = 64
+from decodekit.execution.kernels.native import NATIVE_GATING_MAX_ROWS, DecodeAttentionPlan, NativeKernels
 
 
 @dataclass
@@ -200,6 +197,10 @@ class FusedDecoder:
     "bf16") makes compressed copies of them and leaves the model as it is. Call it with the packed tokens of one
     engine step (the cache's layout must be set) to get logits for `logit_index`.
 
+    With `native_stack` (and native kernels), steps of a few rows run the whole stack of layers in one native call
+    (`layer_stack.NativeLayerStack`, bit for bit the per-layer path) where every layer is the plain Llama block;
+    `self.native_stack` is then that stack, and setting it to None runs every step layer by layer.
+
     Raises:
         ValueError: the model is not fusable (see `fused_decoder_refusal`), or a quantization is asked without native
             kernels.
@@ -207,7 +208,7 @@ class FusedDecoder:
 
     def __init__(self, model: Any, prepack: bool = False, native: NativeKernels | None = None,
                  quantization: str | None = None, bf16_gemm: bool = False,
-                 stored: dict[str, StoredWeight] | None = None) -> None:
+                 stored: dict[str, StoredWeight] | None = None, native_stack: bool = False) -> None:
         reason = fused_decoder_refusal(model)
         if reason is not None:
             raise ValueError(f"the fused decoder cannot run this model: {reason}")
@@ -254,13 +255,16 @@ class FusedDecoder:
             with torch.no_grad():
                 self.layers = [self._quantize(layer, make, gemma, by_type) for layer in base.layers]
                 self.lm_head: LayerMatrix = make([model.lm_head], None)
-            return
-        with torch.no_grad():
-            self.layers = [self._fuse(layer, prepack, native, gemma, by_type) for layer in base.layers]
-            head = model.lm_head
-            # A tied head shares the embedding's Parameter: re-laying it makes embedding lookups strided reads
-            # (~2 ms per 256 prompt tokens here) but saves a second vocabulary-sized matrix.
-            self.lm_head = Matrix(relay_column_major(head, self.embed_tokens), None, prepack, native)
+        else:
+            with torch.no_grad():
+                self.layers = [self._fuse(layer, prepack, native, gemma, by_type) for layer in base.layers]
+                head = model.lm_head
+                # A tied head shares the embedding's Parameter: re-laying it makes embedding lookups strided reads
+                # (~2 ms per 256 prompt tokens here) but saves a second vocabulary-sized matrix.
+                self.lm_head = Matrix(relay_column_major(head, self.embed_tokens), None, prepack, native)
+        self.native_stack: NativeLayerStack | None = (
+            NativeLayerStack.build(self.layers, native) if native_stack and native is not None and not self.gpu_ops
+            else None)
 
     @staticmethod
     def _quantize(layer: Any, make: StackMaker, gemma: bool, rope_by_type: bool) -> _FusedLayer:
@@ -315,21 +319,31 @@ class FusedDecoder:
 
         With a `plan` (and native kernels) the step's small ops run natively; the runner makes one for every step
         whose short-query sequences bring at most `runner.NATIVE_MAX_TOKENS` tokens (long chunks in it get SDPA).
+        A step the `native_stack` takes (few rows, no long chunk) runs every layer in one native call instead of
+        `_native_layer` per layer, with the same result bit for bit.
         """
         hidden = self.embed_tokens(input_ids).to(self.dtype)  # [T, hidden]
         ropes = self._rope_tables(hidden, positions)
         tokens = hidden.shape[0]
         native = self.native
         if native is not None and plan is not None:
-            table: str | None = None
             # a step whose products run on the bf16 GEMM takes bf16 inputs (the norms and the gating round them in
             # their own pass) and attends on bf16 dot products (a bf16 pool, AVX512-BF16)
             bf16_step = self.bf16_gemm and tokens >= BF16_GEMM_MIN_ROWS
-            for index, layer in enumerate(self.layers):
-                if index == 0 or layer.rope != table:
-                    table = layer.rope
-                    plan.set_rope(ropes[table][0][:, 0], ropes[table][1][:, 0])
-                hidden = self._native_layer(native, index, layer, hidden, cache, plan, bf16_step)
+            stack = self.native_stack
+            stacked = None
+            if stack is not None and not bf16_step and stack.takes(tokens, plan):
+                plan.set_rope(ropes[None][0][:, 0], ropes[None][1][:, 0])  # the plain block has one table
+                stacked = stack.run(hidden, cache, plan)
+            if stacked is not None:
+                hidden = stacked
+            else:
+                table: str | None = None
+                for index, layer in enumerate(self.layers):
+                    if index == 0 or layer.rope != table:
+                        table = layer.rope
+                        plan.set_rope(ropes[table][0][:, 0], ropes[table][1][:, 0])
+                    hidden = self._native_layer(native, index, layer, hidden, cache, plan, bf16_step)
             if hidden_index is not None:
                 self.last_hidden = native.rms_norm(hidden.index_select(0, hidden_index), self.final_norm,
                                                    self.final_eps)

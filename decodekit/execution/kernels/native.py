@@ -44,8 +44,8 @@ from decodekit.models.loader import cache_dir
 
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
 # The library's sources: the small ops, attention, float/bf16/int8 products; the GGUF quantized products
-# (`kernels.quant` binds those).
-SOURCES = (SOURCE, SOURCE.with_name("quant.c"))
+# (`kernels.quant` binds those); the fused decoder's layer stack in one call (`fused.layer_stack` describes it).
+SOURCES = (SOURCE, SOURCE.with_name("quant.c"), SOURCE.with_name("layers.c"))
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
 # bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
@@ -62,6 +62,9 @@ SERIAL_FLAGS = ["-Wno-unknown-pragmas"]
 PARALLEL_MIN_KEYS = 512
 # Rows `dk_gemv` multiplies with a column-major weight (GEMV_MAX_ROWS in kernels.c).
 GEMV_MAX_ROWS = 8
+# SiLU-gating of more rows than this stays in torch: its `exp` is vectorized (and threaded), the native one is a
+# scalar `expf` per element, which only wins while dispatch dominates.
+NATIVE_GATING_MAX_ROWS = 64
 # The KV pool elements the native attention reads and writes (`kv_cache_dtype`).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -71,7 +74,7 @@ log = logging.getLogger("decodekit.runner")
 # there (a reason for the torch fallback) rather than failing later.
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
-           "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa")
+           "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -229,6 +232,11 @@ class NativeKernels:
         self._gemv = lib.dk_gemv
         self._gemv.argtypes = [_p, _i, _p, _i, _i, _i, _p, _p, _p]
         self._gemv.restype = ctypes.c_int
+        # the whole layer stack of a step in one call: (layers, count, tokens, hidden_dim, hidden, out, key_pools,
+        # value_pools, attention, scratch) -> status, the structures `fused.layer_stack` fills (see `layers.c`)
+        self.layer_stack = lib.dk_layer_stack
+        self.layer_stack.argtypes = [_p, _i, _i, _i, _p, _p, _p, _p, _p, _p]
+        self.layer_stack.restype = ctypes.c_int
         self.quant = QuantKernels(lib)  # GGUF quantized weights multiplied as stored
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
         # keys per tile of the tiled attention (16 built for AVX-512, 8 for AVX2 + FMA; 0: key by key only), for head
