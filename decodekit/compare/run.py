@@ -118,7 +118,7 @@ def _run_prompts(plan: ComparePlan, point: Point, engines: Engines, llm: Any, re
     metrics = plan.metrics_for(point.label)
     wants_logprobs = any("logprobs" in m.needs for m in metrics)
     wants_model = any("model_logprobs" in m.needs for m in metrics)
-    texts = render_prompts(point.recipe, llm, requests)
+    texts, tools = render_prompts(point.recipe, llm, requests)  # a recipe's tools constrain its samples too
     special = not point.recipe.inputs.chat  # a chat template already holds the special tokens
     # untimed: every prompt prefilled (and one decode step run) before the timed run, at every point alike
     llm.generate(texts, SamplingParams(max_tokens=2, temperature=0), add_special_tokens=special)
@@ -126,8 +126,9 @@ def _run_prompts(plan: ComparePlan, point: Point, engines: Engines, llm: Any, re
     for i, (request, text, dist) in enumerate(zip(requests, texts, distributions)):
         for j in range(plan.samples):
             prompts.append(text)
-            params.append(sample_params(request.params, sample_seed(plan.seed, i, j, plan.samples),
-                                        wants_logprobs and dist == "processed"))
+            sampled = sample_params(request.params, sample_seed(plan.seed, i, j, plan.samples),
+                                    wants_logprobs and dist == "processed")
+            params.append(tools.constrain(sampled) if tools is not None else sampled)
     engines.kv.peak = 0
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_output=on_output, add_special_tokens=special)
