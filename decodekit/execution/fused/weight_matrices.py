@@ -187,7 +187,6 @@ class Bf16Matrix:
         out = dequantized_mm(x, residual, self.out_dim, blocks)
         return out if self.bias is None else out.add_(self.bias)
 
-
     def takes_bf16(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs on the bf16 GEMM (its input rounded to bf16, its output bf16): a
         caller that has the input in float32 may round it in the pass that makes it (`NativeKernels.rms_norm`)."""
