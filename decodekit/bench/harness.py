@@ -15,7 +15,6 @@ import os
 import resource
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from decodekit.bench.progress import BenchProgress
 from decodekit.bench.report import BenchResult, SystemFigures, summarize
 from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
+from decodekit.models.gguf_weights import stored_formats as count_stored_formats
 
 log = logging.getLogger("decodekit.bench")
 
@@ -281,8 +281,8 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
 def stored_formats(loaded: Any) -> str:
     """The formats of the weights `loaded` keeps as its file stores them, most frequent first ("Q4_1, Q8_0"), or ""
     when it keeps none."""
-    counts = Counter(weight.format for weight in getattr(loaded, "stored", {}).values())
-    return ", ".join(name for name, _ in counts.most_common())
+    counts = count_stored_formats(getattr(loaded, "stored", {}))
+    return ", ".join(sorted(counts, key=lambda name: -counts[name]))
 
 
 def _build_peer(spec: PeerSpec, name: str, model: Any, dtype: str, options: dict[str, Any],

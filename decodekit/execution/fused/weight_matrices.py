@@ -177,7 +177,8 @@ class Bf16Matrix:
             if self.bias is None and residual is None:
                 return product.to(torch.float32)
             return self.native.widen_add(product, self.bias, residual)
-        x = x.to(torch.float32)
+        if x.dtype != torch.float32:  # bf16 rows meant for the GEMM (only `takes_bf16` callers send them)
+            x = x.float()
         if rows <= BF16_NATIVE_MAX_ROWS:
             return self.native.linear_bf16(x, self.panels, self.out_dim, self.bias, residual)
         step = DEQUANTIZE_BLOCK // PANEL
