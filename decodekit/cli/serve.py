@@ -40,6 +40,9 @@ def serve(
                                                "vLLM.")] = False,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
                                                         "(repeatable).")] = None,
+    tensor_parallel: Annotated[int | None, typer.Option(
+        "--tensor-parallel", min=1, help="Split the model over this many processes on this machine (the recipe's "
+        "engine.tensor_parallel_size; gloo on CPUs, NCCL on GPUs); the heads must divide by it.")] = None,
     use_ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve deployment of replicas, each with "
                                           "its own engine (needs decodekit[ray]).")] = False,
     ray_address: Annotated[str | None, typer.Option(help="With --ray: the cluster to join (`auto`, "
@@ -70,6 +73,12 @@ def serve(
         terminal.fail("--ray-address, --replicas, --max-replicas and --cpus-per-replica need --ray")
     try:
         context = load_context()
+        if tensor_parallel is not None:
+            if use_ray:
+                terminal.fail("--tensor-parallel splits one engine's model over this machine's processes; with "
+                              "--ray each replica is its own engine (set engine.tensor_parallel_size in the recipe "
+                              "for split replicas)")
+            overrides = [*(overrides or []), f"engine.tensor_parallel_size={tensor_parallel}"]
         recipe = context.load_recipe(recipe_path, overrides)
         if use_ray:
             from decodekit.serve.ray_serve import ReplicaOptions, import_serve

@@ -66,10 +66,14 @@ def shard_refusal(model: Any, world_size: int) -> str | None:
     sizes = {"attention heads": heads, "key/value heads": kv_heads, "MLP width (intermediate_size)": intermediate}
     bad = [f"{value} {name}" for name, value in sizes.items() if value % world_size]
     if bad:
-        listed = ", ".join(f"{value} {name}" for name, value in sizes.items())
+        listed = _listing([f"{value} {name}" for name, value in sizes.items()])
         return (f"tensor_parallel_size {world_size}: the model's {listed} must each divide by {world_size}, "
-                f"and {' and '.join(bad)} do not")
+                f"and {_listing(bad)} {'does' if len(bad) == 1 else 'do'} not")
     return None
+
+
+def _listing(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 def _rows(weight: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

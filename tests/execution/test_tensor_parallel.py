@@ -1,0 +1,169 @@
+"""Tensor parallelism (`execution/parallel`): a model split over 2 ranks of 1 thread with gloo gives the tokens
+1 rank gives, for every strategy mixed in one batch; models that do not split are refused at load naming the
+numbers; a worker killed mid-run fails the requests with an error and the engine stops stepping it; the
+all-reduce bytes are what the Megatron split says they are.
+
+Each 2-rank engine spawns one worker process (a few seconds to import torch there), so the exactness runs are
+few and each covers a whole mixed batch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodekit import LLM, SamplingParams
+from decodekit.api.errors import ConfigError
+from decodekit.execution.parallel.shard import shard_model, shard_refusal
+from decodekit.models.tiny import tiny_model
+from tests.helpers.reference import random_prompts
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _mixed_batch() -> tuple[list[list[int]], list[SamplingParams]]:
+    """One batch of every kind of request: greedy, beams, n > 1 seeded sampling, speculative (n-gram, draft), a
+    JSON-schema constraint."""
+    prompts = [(p * 3)[:24] for p in random_prompts(6, 4, 9, seed=5)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0, strategy={"beam_search": {"num_beams": 3,
+                                                                               "num_return_sequences": 2}}),
+        SamplingParams(max_tokens=10, temperature=0.9, n=3, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                       strategy={"speculative": {"proposer": "ngram", "num_speculative_tokens": 3}}),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                       strategy={"speculative": {"proposer": "draft", "num_speculative_tokens": 3}}),
+        SamplingParams(max_tokens=16, temperature=0, processors=[{"json_schema": {"schema": SCHEMA}}]),
+    ]
+    return prompts, params
+
+
+def _tokens(outputs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in out.outputs] for out in outputs]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decoder", "transformers-forward"])
+def test_two_ranks_give_one_ranks_tokens_for_every_strategy_in_one_batch(tokenizer, fused):
+    torch.set_num_threads(1)
+    prompts, params = _mixed_batch()
+    options = dict(fused_decoder=fused, kv_cache_memory="8MiB", block_size=4)
+    one = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("llama", seed=3), **options).generate(prompts, params)
+    split = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("llama", seed=3), tensor_parallel_size=2, **options)
+    try:
+        two = split.generate(prompts, params)
+        comm = split.engine.model.runner.comm
+    finally:
+        split.close()
+    assert [o.error for o in two] == [None] * len(prompts)
+    assert _tokens(two) == _tokens(one)
+    assert len(two[2].outputs) == 3 and len(two[1].outputs) == 2
+    # Megatron's split: one all-reduce of [tokens, hidden] float32 after o and one after down, per layer
+    config = split.engine.loaded.model.config
+    assert comm.all_reduces == 2 * config.num_hidden_layers * comm.steps
+    assert comm.all_reduce_bytes == 2 * config.num_hidden_layers * config.hidden_size * 4 * comm.tokens
+
+
+def test_heads_that_do_not_divide_are_refused_at_load_naming_the_numbers(tokenizer):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 3: the model's 4 attention heads, 2 key/value "
+                                          r"heads and 128 MLP width \(intermediate_size\) must each divide by 3, "
+                                          r"and 4 attention heads, 2 key/value heads and 128 MLP width "
+                                          r"\(intermediate_size\) do not"):
+        LLM(tiny_model("llama"), tokenizer, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match=r"must each divide by 4, and 90 MLP width \(intermediate_size\) does not"):
+        LLM(tiny_model("llama", num_key_value_heads=4, intermediate_size=90), tokenizer, tensor_parallel_size=4)
+
+
+def test_a_quantized_split_model_is_refused_naming_the_option(tokenizer):
+    with pytest.raises(ConfigError, match="quantization 'int8'.*tensor_parallel_size 2"):
+        LLM(tiny_model("llama"), tokenizer, tensor_parallel_size=2, quantization="int8")
+
+
+def test_a_killed_worker_fails_the_requests_with_an_error_and_frees_the_engine(tokenizer):
+    torch.set_num_threads(1)
+    llm = LLM(tiny_model("llama"), tokenizer, tensor_parallel_size=2, kv_cache_memory="8MiB", block_size=4)
+    engine = llm.engine
+    try:
+        for i, prompt in enumerate(random_prompts(4, 4, 9, seed=1)):
+            engine.add_request(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                               request_id=f"r{i}")
+        engine.step()
+        engine.step()
+        worker = engine.model.runner._workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        finals = {}
+        deadline = time.monotonic() + 30
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the engine hung after its worker died"
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert sorted(finals) == ["r0", "r1", "r2", "r3"]
+        for out in finals.values():
+            assert out.outputs[0].finish_reason == "error"
+            assert "tensor-parallel rank 1" in out.error and "exited with code -9" in out.error
+        # the engine refuses every later step with the same error, at once
+        started = time.monotonic()
+        late = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+        assert "tensor-parallel rank 1" in late[0].error and time.monotonic() - started < 10
+    finally:
+        llm.close()
+
+
+@settings(max_examples=12, deadline=None)
+@given(ranks=st.sampled_from([1, 2, 4]), tokens=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_shards_put_back_together_are_the_whole_layer(ranks, tokens, seed):
+    """Column-parallel q/k/v and gate/up outputs concatenated, and row-parallel o and down outputs summed, over
+    the shards equal the whole layer's (the split loses and repeats nothing)."""
+    whole = tiny_model("llama", num_key_value_heads=4, seed=seed % 7)
+    assert shard_refusal(whole, ranks) is None
+    shards = []
+    for rank in range(ranks):
+        shard = tiny_model("llama", num_key_value_heads=4, seed=seed % 7)
+        shard_model(shard, rank, ranks)
+        shards.append(shard.model.layers[0])
+    layer = whole.model.layers[0]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=gen)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        parts = [getattr(s.self_attn, name)(x) for s in shards]
+        torch.testing.assert_close(torch.cat(parts, dim=-1), getattr(layer.self_attn, name)(x))
+    for name in ("gate_proj", "up_proj"):
+        parts = [getattr(s.mlp, name)(x) for s in shards]
+        torch.testing.assert_close(torch.cat(parts, dim=-1), getattr(layer.mlp, name)(x))
+    heads = torch.randn(tokens, 64, generator=gen)
+    width = torch.randn(tokens, 128, generator=gen)
+    o_parts = [s.self_attn.o_proj(h) for s, h in zip(shards, heads.chunk(ranks, dim=-1))]
+    torch.testing.assert_close(torch.stack(o_parts).sum(0), layer.self_attn.o_proj(heads))
+    down_parts = [s.mlp.down_proj(w) for s, w in zip(shards, width.chunk(ranks, dim=-1))]
+    torch.testing.assert_close(torch.stack(down_parts).sum(0), layer.mlp.down_proj(width))
+
+
+def test_one_rank_starts_no_process_and_keeps_the_plain_runner(tokenizer):
+    llm = LLM(tiny_model("llama"), tokenizer, tensor_parallel_size=1)
+    assert type(llm.engine.model.runner).__name__ == "ModelRunner"
+    assert llm.engine.plan.tensor_parallel == 1
+
+
+@pytest.mark.slow
+def test_three_ranks_give_one_ranks_tokens_on_the_bundled_model():
+    """SmolLM2-135M has 9 heads and 3 KV heads: it splits by 3, and 2 is refused naming them."""
+    torch.set_num_threads(1)
+    with pytest.raises(ConfigError, match="9 attention heads, 3 key/value heads and 1536 MLP width.*divide by 2, "
+                                          "and 9 attention heads and 3 key/value heads do not"):
+        LLM("smollm2-135m-instruct", dtype="float32", device="cpu", tensor_parallel_size=2)
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    one = LLM("smollm2-135m-instruct", dtype="float32", device="cpu").generate(prompts, params)
+    split = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", tensor_parallel_size=3)
+    try:
+        three = split.generate(prompts, params)
+    finally:
+        split.close()
+    assert [o.error for o in three] == [None] * 3
+    assert _tokens(three) == _tokens(one)
