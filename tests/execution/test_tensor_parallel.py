@@ -81,7 +81,7 @@ def test_heads_that_do_not_divide_are_refused_at_load_naming_the_numbers(tokeniz
 
 
 def test_a_quantized_split_model_is_refused_naming_the_option(tokenizer):
-    with pytest.raises(ConfigError, match="quantization 'int8'.*tensor_parallel_size 2"):
+    with pytest.raises(ConfigError, match=r"quantization 'int8'.*tensor_parallel_size 2"):
         LLM(tiny_model("llama"), tokenizer, tensor_parallel_size=2, quantization="int8")
 
 
@@ -154,7 +154,7 @@ def test_one_rank_starts_no_process_and_keeps_the_plain_runner(tokenizer):
 def test_three_ranks_give_one_ranks_tokens_on_the_bundled_model():
     """SmolLM2-135M has 9 heads and 3 KV heads: it splits by 3, and 2 is refused naming them."""
     torch.set_num_threads(1)
-    with pytest.raises(ConfigError, match="9 attention heads, 3 key/value heads and 1536 MLP width.*divide by 2, "
+    with pytest.raises(ConfigError, match=r"9 attention heads, 3 key/value heads and 1536 MLP width.*divide by 2, "
                                           "and 9 attention heads and 3 key/value heads do not"):
         LLM("smollm2-135m-instruct", dtype="float32", device="cpu", tensor_parallel_size=2)
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
