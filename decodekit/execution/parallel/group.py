@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -72,27 +73,30 @@ def leave_group() -> None:
 
 @dataclass
 class CommCounter:
-    """What this rank's collectives moved: all-reduce payload bytes and calls, broadcast bytes, steps.
+    """What this rank's collectives moved: all-reduce payload bytes, calls and the seconds spent in them, broadcast
+    bytes, steps and their tokens.
 
     Counted as the payload each rank contributes (a ring all-reduce of `b` bytes over N ranks sends
     `2 (N - 1) / N * b` bytes per rank on the wire; `docs/scale-out.md` turns one into the other)."""
 
     all_reduce_bytes: int = 0
     all_reduces: int = 0
+    all_reduce_s: float = 0.0
     broadcast_bytes: int = 0
     steps: int = 0
     tokens: int = 0
-    per_step: list[int] = field(default_factory=list)
 
     def reset(self) -> None:
         """Start counting from zero."""
         self.all_reduce_bytes = self.all_reduces = self.broadcast_bytes = self.steps = self.tokens = 0
-        self.per_step.clear()
+        self.all_reduce_s = 0.0
 
 
 def all_reduce(tensor: torch.Tensor, counter: CommCounter) -> torch.Tensor:
     """Sum `tensor` over the ranks, in place, counting its bytes; returns it."""
+    start = time.perf_counter()
     dist.all_reduce(tensor)
+    counter.all_reduce_s += time.perf_counter() - start
     counter.all_reduce_bytes += tensor.numel() * tensor.element_size()
     counter.all_reduces += 1
     return tensor

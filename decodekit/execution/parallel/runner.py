@@ -151,7 +151,6 @@ class TensorParallelRunner:
         if self.dead is not None:
             self._stop()
             raise EngineDeadError(self.dead)
-        before = self.comm.all_reduce_bytes
         try:
             broadcast_object((items, block_copies), self.device, self.comm)
             out = self._runner.forward_with_hidden(items, block_copies)
@@ -162,7 +161,6 @@ class TensorParallelRunner:
             raise EngineDeadError(self.dead) from exc
         self.comm.steps += 1
         self.comm.tokens += sum(len(it.token_ids) for it in items)
-        self.comm.per_step.append(self.comm.all_reduce_bytes - before)
         return out
 
     def _stop(self) -> None:
