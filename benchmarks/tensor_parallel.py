@@ -38,7 +38,8 @@ def _round(llm: LLM, batch: int, tokens: int) -> tuple[list[float], float]:
     total = 0.0
     while engine.has_unfinished_requests():
         decoding = all(seq.num_computed_tokens >= seq.num_prompt_tokens
-                       for seq in engine.scheduler.running) and not engine.scheduler.waiting
+                       for request in engine.scheduler.running for seq in request.sequences
+                       ) and not engine.scheduler.waiting
         start = time.perf_counter()
         engine.step()
         took = time.perf_counter() - start

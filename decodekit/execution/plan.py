@@ -267,7 +267,7 @@ def _tensor_parallel(loaded: LoadedModel, config: EngineConfig, geometry: ModelG
     if config.cuda_graphs:
         raise ConfigError(f"cuda_graphs: the graphs capture one process's forward, not one split over "
                           f"tensor_parallel_size {ranks} ranks; set cuda_graphs to false or leave it unset")
-    reasons.append(f"split over {ranks} ranks: the layers run one at a time, without CUDA graphs or re-laid linears")
+    reasons.append("tensor parallel: the layers run one at a time, without CUDA graphs or re-laid linears")
     return replace(geometry, num_kv_heads=geometry.num_kv_heads // ranks)
 
 

@@ -13,16 +13,22 @@ import os
 import signal
 import time
 
+import openai
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
+from decodekit.cli import app
 from decodekit.execution.parallel.shard import shard_model, shard_refusal
 from decodekit.models.tiny import tiny_model
+from decodekit.recipe import load_recipe
+from tests.helpers.batch_cases import write_tiny_recipe
 from tests.helpers.reference import random_prompts
+from tests.helpers.served import Served
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -167,3 +173,28 @@ def test_three_ranks_give_one_ranks_tokens_on_the_bundled_model():
         split.close()
     assert [o.error for o in three] == [None] * 3
     assert _tokens(three) == _tokens(one)
+
+
+def test_serve_tensor_parallel_refuses_heads_that_do_not_divide_in_one_line(tmp_path):
+    recipe = write_tiny_recipe(tmp_path)
+    result = CliRunner().invoke(app, ["serve", str(recipe), "--tensor-parallel", "3"])
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: tensor_parallel_size 3: the model's 4 attention heads")
+
+
+def test_the_server_answers_over_a_split_model_and_says_so_when_a_worker_dies(tmp_path):
+    torch.set_num_threads(1)
+    recipe = load_recipe(write_tiny_recipe(tmp_path), ["engine.tensor_parallel_size=2"])
+    served = Served(recipe)
+    try:
+        client = served.client()
+        first = client.completions.create(model=recipe.model, prompt="hello", max_tokens=4)
+        assert first.choices[0].finish_reason == "length"
+        worker = served.engine.model.runner._workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        with pytest.raises(openai.APIError, match="tensor-parallel rank 1 .* exited with code -9"):
+            client.completions.create(model=recipe.model, prompt="hello again", max_tokens=4)
+    finally:
+        served.stop()
+    assert served.engine.model.runner._workers.processes == []  # the server's shutdown stopped the engine's ranks
