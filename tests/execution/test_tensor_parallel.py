@@ -193,7 +193,7 @@ def test_the_server_answers_over_a_split_model_and_says_so_when_a_worker_dies(tm
         worker = served.engine.model.runner._workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
-        with pytest.raises(openai.APIError, match="tensor-parallel rank 1 .* exited with code -9"):
+        with pytest.raises(openai.APIError, match=r"tensor-parallel rank 1 .* exited with code -9"):
             client.completions.create(model=recipe.model, prompt="hello again", max_tokens=4)
     finally:
         served.stop()
