@@ -198,3 +198,19 @@ def test_the_server_answers_over_a_split_model_and_says_so_when_a_worker_dies(tm
     finally:
         served.stop()
     assert served.engine.model.runner._workers.processes == []  # the server's shutdown stopped the engine's ranks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_ranks_on_cuda_give_one_ranks_tokens_for_every_strategy_in_one_batch(tokenizer):
+    """NCCL where the machine has a GPU per rank, else both ranks on one GPU over gloo."""
+    prompts, params = _mixed_batch()
+    options = dict(device="cuda", dtype="float32", fused_decoder=True, kv_cache_memory="8MiB", block_size=4)
+    one = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("llama", seed=3), **options).generate(prompts, params)
+    split = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("llama", seed=3), tensor_parallel_size=2, **options)
+    try:
+        two = split.generate(prompts, params)
+    finally:
+        split.close()
+    assert [o.error for o in two] == [None] * len(prompts)
+    assert _tokens(two) == _tokens(one)

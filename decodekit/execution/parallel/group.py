@@ -33,9 +33,13 @@ class GroupAddress:
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL for CUDA devices, gloo for everything else (CPUs)."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, world_size: int) -> str:
+    """NCCL where every rank has a CUDA device of its own; gloo elsewhere: CPUs, and more ranks than CUDA devices
+    (NCCL refuses two ranks on one device; gloo all-reduces CUDA tensors through the host, which is how one GPU
+    runs 2 ranks for an exactness check)."""
+    if device.type == "cuda" and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
 
 
 def group_address(world_size: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> GroupAddress:
@@ -43,7 +47,7 @@ def group_address(world_size: int, device: torch.device, timeout_s: float = DEFA
     127.0.0.1 and a port the OS says is free now."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "0")) or _free_port(host)
-    return GroupAddress(host, port, world_size, backend_for(device), timeout_s)
+    return GroupAddress(host, port, world_size, backend_for(device, world_size), timeout_s)
 
 
 def _free_port(host: str) -> int:
