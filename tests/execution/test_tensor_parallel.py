@@ -33,6 +33,15 @@ from tests.helpers.served import Served
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Each rank on 1 thread (the workers take rank 0's count), as the 2-core machine allows; restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _mixed_batch() -> tuple[list[list[int]], list[SamplingParams]]:
     """One batch of every kind of request: greedy, beams, n > 1 seeded sampling, speculative (n-gram, draft), a
     JSON-schema constraint."""
@@ -57,7 +66,6 @@ def _tokens(outputs) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-decoder", "transformers-forward"])
 def test_two_ranks_give_one_ranks_tokens_for_every_strategy_in_one_batch(tokenizer, fused):
-    torch.set_num_threads(1)
     prompts, params = _mixed_batch()
     options = dict(fused_decoder=fused, kv_cache_memory="8MiB", block_size=4)
     one = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("llama", seed=3), **options).generate(prompts, params)
@@ -92,7 +100,6 @@ def test_a_quantized_split_model_is_refused_naming_the_option(tokenizer):
 
 
 def test_a_killed_worker_fails_the_requests_with_an_error_and_frees_the_engine(tokenizer):
-    torch.set_num_threads(1)
     llm = LLM(tiny_model("llama"), tokenizer, tensor_parallel_size=2, kv_cache_memory="8MiB", block_size=4)
     engine = llm.engine
     try:
@@ -101,7 +108,7 @@ def test_a_killed_worker_fails_the_requests_with_an_error_and_frees_the_engine(t
                                request_id=f"r{i}")
         engine.step()
         engine.step()
-        worker = engine.model.runner._workers.processes[0]
+        worker = engine.model.runner.workers[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
         finals = {}
@@ -117,6 +124,26 @@ def test_a_killed_worker_fails_the_requests_with_an_error_and_frees_the_engine(t
         started = time.monotonic()
         late = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
         assert "tensor-parallel rank 1" in late[0].error and time.monotonic() - started < 10
+    finally:
+        llm.close()
+
+
+def test_a_hung_worker_times_the_collective_out_and_fails_the_requests(tokenizer, monkeypatch):
+    monkeypatch.setattr("decodekit.execution.parallel.group.DEFAULT_TIMEOUT_S", 5.0)
+    llm = LLM(tiny_model("llama"), tokenizer, tensor_parallel_size=2, kv_cache_memory="8MiB", block_size=4)
+    engine = llm.engine
+    try:
+        engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                           request_id="r0")
+        engine.step()
+        worker = engine.model.runner.workers[0]
+        os.kill(worker.pid, signal.SIGSTOP)  # alive, but answering nothing
+        started = time.monotonic()
+        outputs = engine.step()
+        assert time.monotonic() - started < 30
+        assert [o.request_id for o in outputs if o.finished] == ["r0"]
+        assert "a tensor-parallel collective failed" in outputs[0].error
+        assert engine.model.runner.workers == [] and not worker.is_alive()  # the hung worker was killed
     finally:
         llm.close()
 
@@ -159,7 +186,6 @@ def test_one_rank_starts_no_process_and_keeps_the_plain_runner(tokenizer):
 @pytest.mark.slow
 def test_three_ranks_give_one_ranks_tokens_on_the_bundled_model():
     """SmolLM2-135M has 9 heads and 3 KV heads: it splits by 3, and 2 is refused naming them."""
-    torch.set_num_threads(1)
     with pytest.raises(ConfigError, match=r"9 attention heads, 3 key/value heads and 1536 MLP width.*divide by 2, "
                                           "and 9 attention heads and 3 key/value heads do not"):
         LLM("smollm2-135m-instruct", dtype="float32", device="cpu", tensor_parallel_size=2)
@@ -183,21 +209,20 @@ def test_serve_tensor_parallel_refuses_heads_that_do_not_divide_in_one_line(tmp_
 
 
 def test_the_server_answers_over_a_split_model_and_says_so_when_a_worker_dies(tmp_path):
-    torch.set_num_threads(1)
     recipe = load_recipe(write_tiny_recipe(tmp_path), ["engine.tensor_parallel_size=2"])
     served = Served(recipe)
     try:
         client = served.client()
         first = client.completions.create(model=recipe.model, prompt="hello", max_tokens=4)
         assert first.choices[0].finish_reason == "length"
-        worker = served.engine.model.runner._workers.processes[0]
+        worker = served.engine.model.runner.workers[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
         with pytest.raises(openai.APIError, match=r"tensor-parallel rank 1 .* exited with code -9"):
             client.completions.create(model=recipe.model, prompt="hello again", max_tokens=4)
     finally:
         served.stop()
-    assert served.engine.model.runner._workers.processes == []  # the server's shutdown stopped the engine's ranks
+    assert served.engine.model.runner.workers == []  # the server's shutdown stopped the engine's ranks
 
 
 @pytest.mark.cuda

@@ -42,12 +42,13 @@ def backend_for(device: torch.device, world_size: int) -> str:
     return "gloo"
 
 
-def group_address(world_size: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> GroupAddress:
+def group_address(world_size: int, device: torch.device, timeout_s: float | None = None) -> GroupAddress:
     """Rank 0's address for a new group: `MASTER_ADDR`/`MASTER_PORT` from the environment where set, else
-    127.0.0.1 and a port the OS says is free now."""
+    127.0.0.1 and a port the OS says is free now; collectives time out after `timeout_s` (default
+    `DEFAULT_TIMEOUT_S`, read now)."""
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "0")) or _free_port(host)
-    return GroupAddress(host, port, world_size, backend_for(device, world_size), timeout_s)
+    return GroupAddress(host, port, world_size, backend_for(device, world_size), timeout_s or DEFAULT_TIMEOUT_S)
 
 
 def _free_port(host: str) -> int:

@@ -61,10 +61,11 @@ class _Workers:
             except Exception as exc:  # a worker already gone: it is terminated below
                 log.info("tensor-parallel stop message failed: %r", exc)
         for process in self.processes:
-            process.join(timeout=10 if stop else 0)
-            if process.is_alive():
-                process.terminate()
+            if stop:
                 process.join(timeout=10)
+            if process.is_alive():  # after a failure (or a worker that does not stop): a hung or stopped
+                process.kill()      # (SIGSTOP) worker would sit on SIGTERM, not on SIGKILL
+                process.join(timeout=5)
         if self.joined:
             leave_group()
             self.joined = False
@@ -133,6 +134,11 @@ class TensorParallelRunner:
             if error is not None:
                 raise EngineDeadError(f"tensor-parallel rank {rank} failed to load its shard:\n{error}")
             ready += 1
+
+    @property
+    def workers(self) -> list[Any]:
+        """The worker processes still held (ranks 1..N-1 in order; empty once stopped)."""
+        return list(self._workers.processes)
 
     def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """`ModelRunner.forward` over the split model."""
