@@ -26,6 +26,7 @@ from decodekit.cli import app
 from decodekit.execution.parallel.shard import shard_model, shard_refusal
 from decodekit.models.tiny import tiny_model
 from decodekit.recipe import load_recipe
+from tests.execution.test_phi3_fused import phi3
 from tests.helpers.batch_cases import write_tiny_recipe
 from tests.helpers.reference import random_prompts
 from tests.helpers.served import Served
@@ -82,6 +83,25 @@ def test_two_ranks_give_one_ranks_tokens_for_every_strategy_in_one_batch(tokeniz
     config = split.engine.loaded.model.config
     assert comm.all_reduces == 2 * config.num_hidden_layers * comm.steps
     assert comm.all_reduce_bytes == 2 * config.num_hidden_layers * config.hidden_size * 4 * comm.tokens
+
+
+def test_phi3s_fused_projections_split_over_two_ranks_give_one_ranks_tokens(tokenizer):
+    """Phi-3's q/k/v and gate/up come as one linear each (cut part by part), with a 9-token sliding window; prompts
+    longer than the window, chunked prefill, n-gram verification."""
+    prompts = [(p * 4)[:30] for p in random_prompts(4, 4, 9, seed=2)]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                             strategy={"speculative": {"proposer": "ngram", "num_speculative_tokens": 3}})] * 2
+    options = dict(fused_decoder=True, kv_cache_memory="8MiB", block_size=4, max_num_batched_tokens=24)
+    one = LLM(phi3(), tokenizer, **options).generate(prompts, params)
+    split = LLM(phi3(), tokenizer, tensor_parallel_size=2, **options)
+    try:
+        assert [(layer.q_heads, layer.kv_heads, layer.intermediate, layer.window)
+                for layer in split.engine.model.runner.fused.layers] == [(2, 1, 64, 9)] * 2
+        two = split.generate(prompts, params)
+    finally:
+        split.close()
+    assert _tokens(two) == _tokens(one)
 
 
 def test_heads_that_do_not_divide_are_refused_at_load_naming_the_numbers(tokenizer):
