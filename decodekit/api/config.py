@@ -105,6 +105,13 @@ class EngineConfig(BaseModel):
         "scheduler, the plugins and the front-ends; ranks 1..N-1 are worker processes. kv_cache_memory is per rank. "
         "The heads, the KV heads and the MLP width must divide by N. 1: one process, nothing distributed.")
 
+    tensor_parallel_backend: Literal["mp", "ray"] = Field(
+        "mp", description="How ranks 1..N-1 of tensor_parallel_size start: 'mp', processes on this machine "
+        "(torch.multiprocessing, the model handed over through shared memory); 'ray', Ray actors in a placement "
+        "group of one bundle per rank (PACK: this node first, then the cluster's others), on the Ray cluster this "
+        "process is connected to (else RAY_ADDRESS's, else a local one), the model handed over through Ray's "
+        "object store (needs decodekit[ray]).")
+
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _parse_memory(cls, value: int | str) -> int:

@@ -10,6 +10,7 @@ few and each covers a whole mixed batch.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -259,3 +260,27 @@ def test_two_ranks_on_cuda_give_one_ranks_tokens_for_every_strategy_in_one_batch
         split.close()
     assert [o.error for o in two] == [None] * len(prompts)
     assert _tokens(two) == _tokens(one)
+
+
+def test_ranks_as_ray_actors_give_one_ranks_tokens_and_a_killed_actor_fails_the_requests(tokenizer):
+    """`tensor_parallel_backend: ray` on a local Ray cluster: the worker rank is an actor of a placement group."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'decodekit[ray]')")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        prompts, params = _mixed_batch()
+        options = dict(kv_cache_memory="8MiB", block_size=4)
+        one = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("llama", seed=3), **options).generate(prompts,
+                                                                                                           params)
+        split = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("llama", seed=3), tensor_parallel_size=2,
+                    tensor_parallel_backend="ray", **options)
+        try:
+            assert _tokens(split.generate(prompts, params)) == _tokens(one)
+            ray.kill(split.engine.model.runner.workers[0].actor)
+            late = split.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+            assert re.search(r"tensor-parallel rank 1 \(pid \d+\) stopped \(\w*ActorDiedError", late[0].error)
+        finally:
+            split.close()
+        assert ray.util.placement_group_table() == {} or all(
+            group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
+    finally:
+        ray.shutdown()

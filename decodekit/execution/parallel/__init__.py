@@ -8,6 +8,7 @@
   transformers' own forward);
 - `worker.py`: the loop ranks 1..N-1 run: take the step's inputs rank 0 broadcasts, run the same forward on their
   shard of the weights and of the KV pool;
+- `ray_ranks.py`: the same workers as Ray actors placed by a placement group (`tensor_parallel_backend: ray`);
 - `runner.py`: rank 0's side (`TensorParallelRunner`): start the workers, broadcast each step's inputs, run rank 0's
   shard, watch the workers (a dead one fails the step and every later one with `EngineDeadError`).
 

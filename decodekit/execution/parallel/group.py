@@ -42,11 +42,12 @@ def backend_for(device: torch.device, world_size: int) -> str:
     return "gloo"
 
 
-def group_address(world_size: int, device: torch.device, timeout_s: float | None = None) -> GroupAddress:
-    """Rank 0's address for a new group: `MASTER_ADDR`/`MASTER_PORT` from the environment where set, else
-    127.0.0.1 and a port the OS says is free now; collectives time out after `timeout_s` (default
-    `DEFAULT_TIMEOUT_S`, read now)."""
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+def group_address(world_size: int, device: torch.device, timeout_s: float | None = None,
+                  host: str | None = None) -> GroupAddress:
+    """Rank 0's address for a new group: `host` (else `MASTER_ADDR`, else 127.0.0.1) and `MASTER_PORT` where set,
+    else a port the OS says is free now; collectives time out after `timeout_s` (default `DEFAULT_TIMEOUT_S`, read
+    now)."""
+    host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT", "0")) or _free_port(host)
     return GroupAddress(host, port, world_size, backend_for(device, world_size), timeout_s or DEFAULT_TIMEOUT_S)
 

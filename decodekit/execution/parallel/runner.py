@@ -30,6 +30,7 @@ from decodekit.execution.parallel.group import (
     join_group,
     leave_group,
 )
+from decodekit.execution.parallel.ray_ranks import RayRank, node_address, remove_group, start_ray_ranks
 from decodekit.execution.parallel.worker import WorkerSpec, build_rank, worker_main
 from decodekit.execution.plan import ExecutionPlan
 
@@ -40,17 +41,20 @@ START_TIMEOUT_S = 600.0
 
 
 class _Workers:
-    """The worker processes and whether the group is joined; closed once (by `close`, or at exit)."""
+    """The worker ranks (processes, or Ray actors seen as processes: `ray_ranks.RayRank`) and whether the group is
+    joined; closed once (by `close`, or at exit)."""
 
-    def __init__(self, processes: list[Any]) -> None:
+    def __init__(self, processes: list[Any], placement: Any = None) -> None:
         self.processes = processes
+        self.placement = placement  # a Ray placement group to remove at the end
         self.joined = False
 
     def dead(self) -> str | None:
         """Which worker has exited, and how, or None while all run."""
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
-                return f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+                how = process.exit_text() if isinstance(process, RayRank) else f"exited with code {process.exitcode}"
+                return f"tensor-parallel rank {rank} (pid {process.pid}) {how}"
         return None
 
     def close(self, device: torch.device, stop: bool) -> None:
@@ -70,6 +74,9 @@ class _Workers:
             leave_group()
             self.joined = False
         self.processes = []
+        if self.placement is not None:
+            remove_group(self.placement)
+            self.placement = None
 
 
 class TensorParallelRunner:
@@ -89,18 +96,28 @@ class TensorParallelRunner:
         ranks = plan.tensor_parallel
         self.comm = CommCounter()
         self.dead: str | None = None
-        address = group_address(ranks, loaded.device)
-        context = mp.get_context("spawn")
-        status = context.Queue()
-        processes = []
-        for rank in range(1, ranks):
-            spec = WorkerSpec(rank, address, loaded.model, loaded.name, loaded.dtype, loaded.device, loaded.owned,
-                              plan.config, num_blocks, torch.get_num_threads())
-            process = context.Process(target=worker_main, args=(spec, status), daemon=True,
-                                      name=f"decodekit-tp-rank{rank}")
-            process.start()  # pickles the unsplit model now (its tensors move to shared memory)
-            processes.append(process)
-        self._workers = _Workers(processes)
+        on_ray = plan.config.tensor_parallel_backend == "ray"
+        address = group_address(ranks, loaded.device, host=node_address() if on_ray else None)
+        specs = [WorkerSpec(rank, address, None if on_ray else loaded.model, loaded.name, loaded.dtype,
+                            loaded.device, loaded.owned, plan.config, num_blocks, torch.get_num_threads())
+                 for rank in range(1, ranks)]
+        status: Any = None
+        if on_ray:  # the actors build their shards before rank 0 cuts its own out of the module
+            try:
+                processes, placement = start_ray_ranks(specs, loaded.model, loaded.device.type == "cuda",
+                                                       START_TIMEOUT_S)
+            except RuntimeError as exc:
+                raise EngineDeadError(str(exc)) from exc
+            self._workers = _Workers(list(processes), placement)
+        else:
+            context = mp.get_context("spawn")
+            status = context.Queue()
+            self._workers = _Workers([])
+            for spec in specs:
+                process = context.Process(target=worker_main, args=(spec, status), daemon=True,
+                                          name=f"decodekit-tp-rank{spec.rank}")
+                process.start()  # pickles the unsplit model now (its tensors move to shared memory)
+                self._workers.processes.append(process)
         self.kv_cache: PagedKVCache
         self.kv_cache, self._runner = build_rank(loaded, plan, num_blocks, 0, self.comm, in_place)
         self.device = self._runner.device
@@ -108,14 +125,15 @@ class TensorParallelRunner:
         self.model = self._runner.model
         self._finalizer = weakref.finalize(self, self._workers.close, self.device, True)
         try:
-            self._await_workers(status, ranks - 1)
+            if status is not None:
+                self._await_workers(status, ranks - 1)
             join_group(address, 0)
         except BaseException:
             self._finalizer()
             raise
         self._workers.joined = True
-        log.info("tensor parallel: %d ranks (%s), rank 0 here, workers %s", ranks, address.backend,
-                 [p.pid for p in processes])
+        log.info("tensor parallel: %d ranks (%s%s), rank 0 here, workers %s", ranks, address.backend,
+                 ", on Ray" if on_ray else "", [p.pid for p in self._workers.processes])
 
     def _await_workers(self, status: Any, count: int) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

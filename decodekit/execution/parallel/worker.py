@@ -74,17 +74,29 @@ def build_rank(loaded: LoadedModel, plan: ExecutionPlan, num_blocks: int, rank: 
 
 
 def worker_main(spec: WorkerSpec, status: Any) -> None:
-    """A worker rank's life: build its shard, say so on `status` (None, or the error), join the group, then run
-    each step rank 0 broadcasts until it broadcasts None (or the group fails: rank 0 is gone)."""
-    torch.set_num_threads(spec.threads)
+    """A worker process's life: build its shard, say so on `status` (`(rank, None)`, or the error), then serve the
+    steps (`serve_steps`)."""
     try:
-        loaded = LoadedModel(spec.model, None, spec.name, spec.dtype, spec.device, spec.owned)
-        plan = plan_execution(loaded, spec.config)  # the same choices rank 0 made for the same model and options
-        _, runner = build_rank(loaded, plan, spec.num_blocks, spec.rank, CommCounter(), in_place=True)
+        runner = build_worker(spec)
     except Exception:  # whatever fails here is reported to rank 0, which refuses to start
         status.put((spec.rank, traceback.format_exc()))
         return
     status.put((spec.rank, None))
+    serve_steps(spec, runner)
+
+
+def build_worker(spec: WorkerSpec, model: Any = None) -> ModelRunner:
+    """A worker's shard and runner, from `spec` (or `model`, where the spec travels without it: a Ray actor gets it
+    from the object store)."""
+    torch.set_num_threads(spec.threads)
+    loaded = LoadedModel(spec.model if model is None else model, None, spec.name, spec.dtype, spec.device, spec.owned)
+    plan = plan_execution(loaded, spec.config)  # the same choices rank 0 made for the same model and options
+    return build_rank(loaded, plan, spec.num_blocks, spec.rank, CommCounter(), in_place=True)[1]
+
+
+def serve_steps(spec: WorkerSpec, runner: ModelRunner) -> None:
+    """Join the group, then run each step rank 0 broadcasts until it broadcasts None (or the group fails: rank 0
+    is gone)."""
     join_group(spec.address, spec.rank)
     try:
         with torch.inference_mode():
