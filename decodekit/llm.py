@@ -132,6 +132,10 @@ class LLM:
                                    draft=draft, draft_dtype=draft_dtype, **engine_options)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (a model split by `tensor_parallel_size`; also done at exit)."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -98,6 +98,20 @@ class EngineConfig(BaseModel):
         "values are rounded to bf16 when written and attended in float32. On a GPU the pool holds the activations' "
         "dtype.")
 
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Split the model over this many processes on this machine (tensor parallelism, "
+        "Megatron-style: each rank holds 1/N of every layer's attention heads, KV heads and MLP width, and its share "
+        "of the KV pool; torch.distributed with gloo on CPUs, NCCL on GPUs). Rank 0 (this process) runs the "
+        "scheduler, the plugins and the front-ends; ranks 1..N-1 are worker processes. kv_cache_memory is per rank. "
+        "The heads, the KV heads and the MLP width must divide by N. 1: one process, nothing distributed.")
+
+    tensor_parallel_backend: Literal["mp", "ray"] = Field(
+        "mp", description="How ranks 1..N-1 of tensor_parallel_size start: 'mp', processes on this machine "
+        "(torch.multiprocessing, the model handed over through shared memory); 'ray', Ray actors in a placement "
+        "group of one bundle per rank (PACK: this node first, then the cluster's others), on the Ray cluster this "
+        "process is connected to (else RAY_ADDRESS's, else a local one), the model handed over through Ray's "
+        "object store (needs decodekit[ray]).")
+
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _parse_memory(cls, value: int | str) -> int:

@@ -40,6 +40,13 @@ def serve(
                                                "vLLM.")] = False,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value "
                                                         "(repeatable).")] = None,
+    tensor_parallel: Annotated[int | None, typer.Option(
+        "--tensor-parallel", min=1, help="Split the model over this many processes on this machine (the recipe's "
+        "engine.tensor_parallel_size; gloo on CPUs, NCCL on GPUs); the heads must divide by it.")] = None,
+    tensor_parallel_backend: Annotated[str | None, typer.Option(
+        "--tensor-parallel-backend", help="With --tensor-parallel: how the other ranks start: mp (processes on this "
+        "machine) or ray (Ray actors in a placement group, across the cluster's machines; needs decodekit[ray]).")
+    ] = None,
     use_ray: Annotated[bool, typer.Option("--ray", help="Serve as a Ray Serve deployment of replicas, each with "
                                           "its own engine (needs decodekit[ray]).")] = False,
     ray_address: Annotated[str | None, typer.Option(help="With --ray: the cluster to join (`auto`, "
@@ -70,6 +77,15 @@ def serve(
         terminal.fail("--ray-address, --replicas, --max-replicas and --cpus-per-replica need --ray")
     try:
         context = load_context()
+        if tensor_parallel_backend is not None and tensor_parallel is None:
+            terminal.fail("--tensor-parallel-backend needs --tensor-parallel")
+        if tensor_parallel is not None:
+            if use_ray:
+                terminal.fail("--tensor-parallel splits this server's one engine; --ray serves replicas of their own "
+                              "engines on Ray Serve (for ranks placed on a Ray cluster: --tensor-parallel-backend ray)")
+            overrides = [*(overrides or []), f"engine.tensor_parallel_size={tensor_parallel}"]
+            if tensor_parallel_backend is not None:
+                overrides.append(f"engine.tensor_parallel_backend={tensor_parallel_backend}")
         recipe = context.load_recipe(recipe_path, overrides)
         if use_ray:
             from decodekit.serve.ray_serve import ReplicaOptions, import_serve

@@ -166,6 +166,10 @@ class Engine:
         self.hooks.step_finished(outputs)
         return outputs
 
+    def close(self) -> None:
+        """Stop the worker processes of a model split over ranks (`tensor_parallel_size`); nothing otherwise."""
+        self.model.close()
+
     def _fail(self, failures: list[Failure]) -> None:
         for request, error in failures:
             self.lifecycle.fail(request, error)

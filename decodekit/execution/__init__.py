@@ -11,7 +11,7 @@ The face the engine uses, and the only names `decodekit.core` imports from this 
 
 Inside: `attention/` (the paged KV pool, the attention functions, the attention probe), `fused/` (the fused decoder,
 its weight matrices, re-laid linears), `kernels/` (native C for the CPU, Triton for the GPU), `cuda_graphs.py`,
-`runner.py` (the forward), `geometry.py`, `blocks.py`.
+`runner.py` (the forward), `geometry.py`, `blocks.py`, `parallel/` (a model split over ranks: `tensor_parallel_size`).
 """
 
 from decodekit.execution.blocks import BlockAllocator

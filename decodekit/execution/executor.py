@@ -21,6 +21,7 @@ from decodekit.execution.blocks import BlockAllocator
 from decodekit.execution.fused.decoder import release_layer_weights
 from decodekit.execution.fused.relaid_linears import relay_linears
 from decodekit.execution.items import ForwardItem
+from decodekit.execution.parallel.runner import TensorParallelRunner
 from decodekit.execution.plan import ExecutionPlan, RelayPlan
 from decodekit.execution.runner import ModelRunner
 
@@ -44,6 +45,15 @@ class ModelExecutor:
         geometry, config = plan.geometry, plan.config
         self.plan = plan
         self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self._cached: dict[int, int] = {}  # a proposer's sequences: tokens whose keys/values are stored
+        self._tokens: dict[int, list[int]] = {}  # ... and those tokens, for the prefix cache's block hashes
+        self.runner: ModelRunner | TensorParallelRunner
+        if plan.tensor_parallel > 1:
+            # split over ranks: rank 0's shard and pool, the workers started (`execution.parallel`); the module is
+            # cut in place only where nothing else reads it whole
+            self.runner = TensorParallelRunner(loaded, plan, num_blocks, in_place=release_sources and loaded.owned)
+            self.kv_cache = self.runner.kv_cache
+            return
         self.kv_cache = PagedKVCache(geometry.num_layers, num_blocks, config.block_size, geometry.num_kv_heads,
                                      geometry.head_dim, plan.kv_dtype, loaded.device)
         if plan.relay is not None:
@@ -54,8 +64,11 @@ class ModelExecutor:
             freed = release_layer_weights(loaded.model)
             log.info("%s: the module's layer weights (%.0f MiB) freed; the fused decoder's %s copies serve them",
                      loaded.name, freed / 2**20, fused.quantization)
-        self._cached: dict[int, int] = {}  # a proposer's sequences: tokens whose keys/values are stored
-        self._tokens: dict[int, list[int]] = {}  # ... and those tokens, for the prefix cache's block hashes
+
+    def close(self) -> None:
+        """Stop what the model runs on besides this process (a split model's worker ranks); nothing otherwise."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.close()
 
     def run(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]
             ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from decodekit.execution.fused.weight_matrices import (
 )
 from decodekit.execution.geometry import ModelGeometry, model_geometry, text_config
 from decodekit.execution.kernels.native import NativeKernels, load_kernels
+from decodekit.execution.parallel.shard import shard_refusal
 from decodekit.models.gguf_weights import stored_formats
 from decodekit.models.loader import cpu_has_bf16_dot_products
 
@@ -87,6 +88,9 @@ class ExecutionPlan:
     native_stack: int = 0
     """The most rows of a step whose whole stack of layers runs in one native call (`fused.layer_stack`); 0: every
     step runs layer by layer."""
+    tensor_parallel: int = 1
+    """How many ranks the model is split over (`execution.parallel`); `geometry` is then one rank's (its share of
+    the KV heads), and so are the KV pool's blocks."""
 
     def describe(self) -> str:
         """How the model runs, in one line (`decodekit recipe check` prints it)."""
@@ -111,11 +115,14 @@ class ExecutionPlan:
         if self.native_stack:
             rows = "one row" if self.native_stack == 1 else f"up to {self.native_stack} rows"
             parts.append(f"the layers of steps of {rows} in one native call")
+        if self.tensor_parallel > 1:
+            parts.append(f"split over {self.tensor_parallel} ranks (tensor parallel)")
         return ", ".join(parts)
 
     def for_model(self, loaded: LoadedModel) -> ExecutionPlan:
         """The plan of another model (a proposer's own) under this plan's options."""
-        return plan_model(loaded, self.config, fused_decoder_refusal(loaded.model))
+        config = self.config.model_copy(update={"tensor_parallel_size": 1})  # a proposer's model runs unsplit
+        return plan_model(loaded, config, fused_decoder_refusal(loaded.model))
 
     def kv_block_bytes(self) -> int:
         """The bytes of one KV block of this model (every layer's keys and values of `block_size` tokens)."""
@@ -187,7 +194,8 @@ def plan_execution(loaded: LoadedModel, config: EngineConfig, draft: LoadedModel
         UnsupportedModelError: the model cannot be paged.
     """
     refusal = fused_decoder_refusal(loaded.model)
-    config = _bf16_weights_on_cpu(loaded, config, refusal)
+    if config.tensor_parallel_size == 1:  # a split model keeps its own weights (`_tensor_parallel`)
+        config = _bf16_weights_on_cpu(loaded, config, refusal)
     draft_plan = None
     if draft is not None:
         # the draft's options are checked now: a draft the fused decoder cannot take is refused when the engine is
@@ -203,6 +211,9 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
     a draft's options); `refusal` is `fused_decoder_refusal(loaded.model)`."""
     reasons: list[str] = []
     geometry = model_geometry(loaded.model, refusal, probe=not _is_skeleton(loaded.model))
+    ranks = config.tensor_parallel_size
+    if ranks > 1:
+        geometry = _tensor_parallel(loaded, config, geometry, reasons)
     max_model_len = min(config.max_model_len or geometry.max_model_len, geometry.max_model_len)
     quantization: str | None = config.quantization
     # quantized copies leave the module's own weights alone, so a model object passed in can be quantized in the
@@ -214,7 +225,7 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
     kernels = _wants_native_kernels(loaded, config.native_kernels, quantization is not None, reasons) if fused else None
     if quantization is not None and fused and kernels is None:
         raise ConfigError(_quantization_refusal(quantization, loaded))
-    formats = stored_formats(loaded.stored)
+    formats = stored_formats(loaded.stored) if ranks == 1 else {}
     if quantization == STORED_QUANTIZATION and not formats:
         raise ConfigError(f"quantization {STORED_QUANTIZATION!r}: {loaded.name} brings no GGUF quantized weights to "
                           "multiply as stored (a .gguf file, or the bundled model, loaded with dtype auto on a CPU "
@@ -223,17 +234,41 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
         quantization = _stored_weights(formats, fused, kernels, reasons, asked=quantization is not None)
     prepack = quantization is None and _wants_prepacking(loaded, config.prepack_weights, reasons)
     bf16_gemm = _wants_bf16_gemm(loaded, config)
-    relay = None if fused else _plan_relaid_linears(loaded, config, prepack, bf16_gemm)
-    graphs = _wants_cuda_graphs(loaded, config.cuda_graphs, fused, max_model_len, reasons)
+    relay = None if fused or ranks > 1 else _plan_relaid_linears(loaded, config, prepack, bf16_gemm)
+    graphs = ranks == 1 and _wants_cuda_graphs(loaded, config.cuda_graphs, fused, max_model_len, reasons)
     if quantization == STORED_QUANTIZATION:
         config = config.model_copy(update={"quantization": quantization})  # float32 activations (`_compute_dtype`)
     elif config.quantization == STORED_QUANTIZATION:
         config = config.model_copy(update={"quantization": None})  # asked, and refused above
-    stack = _native_stack_rows(loaded, kernels, quantization, bf16_gemm, reasons) if fused else 0
+    stack = _native_stack_rows(loaded, kernels, quantization, bf16_gemm, reasons) if fused and ranks == 1 else 0
     return ExecutionPlan(config, geometry, max_model_len, uniform_window(loaded.model), fused, kernels, prepack,
                          quantization, bf16_gemm, relay, graphs, _compute_dtype(loaded, config),
                          kv_cache_dtype(loaded, config), tuple(reasons), draft,
-                         formats if quantization == STORED_QUANTIZATION else {}, stack)
+                         formats if quantization == STORED_QUANTIZATION else {}, stack, ranks)
+
+
+def _tensor_parallel(loaded: LoadedModel, config: EngineConfig, geometry: ModelGeometry, reasons: list[str]
+                     ) -> ModelGeometry:
+    """One rank's geometry of a model split over `config.tensor_parallel_size` ranks (its share of the KV heads),
+    and what the split turns off: the native layer stack and CUDA graphs (their products are not the row-parallel
+    ones with an all-reduce), re-laid linear layers and GGUF weights as stored.
+
+    Raises:
+        ConfigError: the heads, KV heads or MLP width do not divide by the ranks (the numbers named), the model is
+            not made of the Llama block's linear layers, or a `quantization` or `cuda_graphs: true` is asked.
+    """
+    ranks = config.tensor_parallel_size
+    refusal = shard_refusal(loaded.model, ranks)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    if config.quantization is not None:
+        raise ConfigError(f"quantization {config.quantization!r}: a model split over tensor_parallel_size {ranks} "
+                          "ranks multiplies its own weights' shards; leave quantization unset")
+    if config.cuda_graphs:
+        raise ConfigError(f"cuda_graphs: the graphs capture one process's forward, not one split over "
+                          f"tensor_parallel_size {ranks} ranks; set cuda_graphs to false or leave it unset")
+    reasons.append("tensor parallel: the layers run one at a time, without CUDA graphs or re-laid linears")
+    return replace(geometry, num_kv_heads=geometry.num_kv_heads // ranks)
 
 
 def _native_stack_rows(loaded: LoadedModel, kernels: NativeKernels | None, quantization: str | None,
@@ -483,9 +518,11 @@ def _draft_config(config: EngineConfig, draft: LoadedModel, target: LoadedModel,
     # and gets re-laid linears only where decodekit loaded it (the target's `native_kernels: true` is not consent to
     # re-lay a draft object passed in)
     native = config.native_kernels if fused else (False if config.native_kernels is False else None)
+    # the draft runs unsplit on rank 0 (`tensor_parallel_size` 1)
     return config.model_copy(update={"fused_decoder": fused, "native_kernels": native,
                                      "quantization": config.draft_quantization,
-                                     "cuda_graphs": config.cuda_graphs if fused else None})
+                                     "cuda_graphs": config.cuda_graphs if fused else None,
+                                     "tensor_parallel_size": 1})
 
 
 def _quantization_refusal(quantization: str, loaded: LoadedModel) -> str:

@@ -79,8 +79,9 @@ class ServingEngine:
         return RequestGroup(self, prompts, params, add_special_tokens)
 
     def shutdown(self) -> None:
-        """Stop the engine thread."""
+        """Stop the engine thread, then the engine's worker processes (a model split over ranks)."""
         self.llm.shutdown()
+        self.engine.close()
 
 
 class RequestGroup:
