@@ -28,8 +28,9 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
                   const float* bias, const float* residual, float* out, int64_t out_dim);
 int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t row_major,
             const float* bias, const float* residual, float* y);
-int dk_quant_linear(int64_t kind, const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out_rows,
-                    const float* bias, const float* residual, float* out, int64_t ld, int64_t isa);
+int dk_quant_linear_parts(int64_t parts, const int64_t* kinds, const uint8_t* const* blocks, const int64_t* starts,
+                          const int64_t* part_rows, const float* x, int64_t rows, int64_t in, const float* bias,
+                          const float* residual, float* out, int64_t ld, int64_t isa);
 
 /* A matrix's kind: which product multiplies it (`layer_stack.py` mirrors these). */
 enum { DK_STACK_GEMV = 0, DK_STACK_BF16 = 1, DK_STACK_I8 = 2, DK_STACK_QUANT = 3 };
@@ -104,15 +105,9 @@ static int stack_product(const dk_stack_matrix* m, const float* x, int64_t rows,
         case DK_STACK_I8:
             dk_linear_i8(x, rows, m->in, (const int8_t*)m->weight, m->scale, m->bias, residual, out, m->out);
             return 0;
-        case DK_STACK_QUANT:
-            for (int64_t p = 0; p < m->parts; ++p) {
-                int64_t start = m->part_start[p];
-                if (dk_quant_linear(m->part_kind[p], x, rows, m->in, m->part_blocks[p], m->part_rows[p],
-                                    m->bias != 0 ? m->bias + start : 0, residual != 0 ? residual + start : 0,
-                                    out + start, m->out, m->isa) != 0)
-                    return -1;
-            }
-            return 0;
+        case DK_STACK_QUANT:  /* every part in one parallel region */
+            return dk_quant_linear_parts(m->parts, m->part_kind, m->part_blocks, m->part_start, m->part_rows, x, rows,
+                                         m->in, m->bias, residual, out, m->out, m->isa) != 0 ? -1 : 0;
         default:
             return -1;
     }
