@@ -15,6 +15,11 @@ one hidden probe per candidate, a sequence that shares its blocks copy-on-write 
 pending token. The probes are scheduled together (all or none) in place of the sequence; when the strategy accepts
 one, the sequence takes over that probe's blocks (its key and value are kept, not recomputed) and the others are
 freed. Anything that ends, frees or preempts the sequence drops its probes.
+
+Draft trees (`seq.draft_branches`) use the same probes, one per branch, each with its branch as its draft: all
+are scheduled (all or none) in place of the sequence, and when the strategy accepts a branch the sequence adopts
+that probe's blocks and rolls them back to the accepted prefix (`accept_branch`). A tree whose rows do not fit in
+the step's token budget is verified as its first branch alone (`drafts.flatten`).
 """
 
 from __future__ import annotations
@@ -138,8 +143,9 @@ class Scheduler:
             self.free_sequence(seq)
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Release one sequence's blocks (it finished, or its request is done), and its candidates'."""
-        if seq.candidate_token_ids:
+        """Release one sequence's blocks (it finished, or its request is done), and its candidates' (or its draft
+        tree's probes)."""
+        if seq.candidate_token_ids or seq in self.probes:
             self.drop_candidates(seq)
         if self.allocator.has(seq.seq_id):
             self.allocator.free(seq.seq_id)
@@ -179,6 +185,46 @@ class Scheduler:
         self.drop_candidates(seq)
         self.allocator.adopt(seq.seq_id, chosen.seq_id)
         seq.num_computed_tokens = chosen.num_computed_tokens
+
+    def accept_branch(self, seq: Sequence, index: int, num_valid: int) -> None:
+        """`seq` keeps branch `index` of its draft tree: it takes over that branch's probe's blocks, cut back to its
+        first `num_valid` tokens (the rejected tail of the branch is released); the other probes are freed."""
+        probes = self.probes[seq]
+        chosen = probes[index]
+        if chosen.num_pending != 0:
+            raise ValueError("a draft tree's branch can be accepted only after the forward that verified it")
+        del self.probe_parent[chosen]
+        self.probes[seq] = [p for p in probes if p is not chosen]
+        self.drop_candidates(seq)
+        self.allocator.adopt(seq.seq_id, chosen.seq_id)
+        seq.num_computed_tokens = chosen.num_computed_tokens
+        self.rollback(seq, num_valid)
+
+    def _schedule_branches(self, request: Request, seq: Sequence, out: SchedulerOutput) -> int:
+        """Schedule one probe per branch of `seq`'s draft tree (each verifying its branch; all or none); return
+        the tokens used. The caller checked that they fit in the budget."""
+        probes = self.probes.get(seq)
+        if probes is None:
+            probes = []
+            for branch in seq.draft_branches:
+                probe = Sequence(seq.request, list(seq.token_ids), seq.num_prompt_tokens,
+                                 status=SequenceStatus.RUNNING, num_computed_tokens=seq.num_computed_tokens,
+                                 draft_token_ids=list(branch))
+                self.allocator.fork(seq.seq_id, probe.seq_id)
+                probes.append(probe)
+                self.probe_parent[probe] = seq
+            self.probes[seq] = probes
+        start = seq.num_computed_tokens
+        while sum(self.allocator.blocks_to_write(p.seq_id, start, start + p.num_pending) for p in probes) \
+                > self.allocator.num_free_blocks:
+            victim = self._victim()
+            self._preempt(victim, out)
+            if victim is request:
+                return 0
+        for probe in probes:
+            self.allocator.ensure_slots(probe.seq_id, start, start + probe.num_pending)
+            out.scheduled.append(ScheduledSequence(probe, probe.num_pending))
+        return sum(p.num_pending for p in probes)
 
     def scored_parents(self, seqs: list[Sequence]) -> list[Sequence]:
         """`seqs` with each run of a sequence's candidate probes replaced by that sequence (once)."""
@@ -269,6 +315,12 @@ class Scheduler:
                         break
                     continue
                 if seq.finished or budget == 0:
+                    continue
+                drafts.flatten(seq, budget)
+                if seq.draft_branches:
+                    budget -= self._schedule_branches(request, seq, out)
+                    if request not in self.running:
+                        break
                     continue
                 if not self.allocator.has(seq.seq_id) and not self._attach_follower(request, seq):
                     continue
