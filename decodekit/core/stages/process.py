@@ -2,7 +2,8 @@
 
 A sequence scores `1 + len(draft)` positions (speculative verification); row j sees the sequence's history after
 its first j draft tokens. A sequence with a draft tree scores `1 + len(branch)` positions per branch, each branch's
-rows with their own fork of the processor states (`ProcessedRows.branch_states`). `ProcessStage.run` turns a step's `ScoredRows` into `ProcessedRows`: per strategy, the
+rows with their own fork of the processor states (`ProcessedRows.branch_states`).
+`ProcessStage.run` turns a step's `ScoredRows` into `ProcessedRows`: per strategy, the
 scores its `select` receives (`Strategy.scores`: the rows after each request's processors, the processors applied
 to log-probabilities, or the raw logits), the processed rows of requests asking for `processed` logprobs, and the
 per-stage candidates of traced requests. A strategy with raw scores may call `ctx.process` itself, which adds to
