@@ -210,7 +210,13 @@ def propose_with_trees(proposer: Proposer, ctx: StepContext, items: list[tuple[S
                 drafts[n], qs[n] = draft, q
             continue
         shape = seqs[0].request.plan.strategy_options.tree
-        for n, tree in zip(part, proposer.propose_tree(ctx, seqs, ks, options, shape)):
+        proposed = proposer.propose_tree(ctx, seqs, ks, options, shape)
+        if len(proposed) != len(part):
+            raise ValueError(f"proposer {proposer.name!r} returned {len(proposed)} trees for {len(part)} sequences")
+        for n, k, tree in zip(part, ks, proposed):
+            if [len(p) for p in tree.probs] != [len(b) for b in tree.branches]:
+                raise ValueError(f"proposer {proposer.name!r} returned a tree whose probs do not match its branches")
+            tree = DraftTree([b[:k] for b in tree.branches], [p[:k] for p in tree.probs])  # never past k
             if len(tree.branches) > 1:
                 trees[n] = tree
             elif tree.branches:  # a chain: verified as a plain draft

@@ -7,6 +7,8 @@ from functools import cache
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.api.draft_tree import DraftTree, branch_row_starts, count_nodes
@@ -217,3 +219,26 @@ def test_the_proposer_kit_passes_the_draft_proposer_with_trees(draft):
     report = check_proposer("draft", draft=_near_draft() if draft == "near" else None,
                             strategy_options={"tree": {"width": 3, "max_nodes": 12, "threshold": 0.9}})
     assert report.draft_tokens > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4), min_size=1, max_size=5),
+       st.integers(0, 2**31 - 1))
+def test_greedy_tree_acceptance_keeps_a_path_of_the_tree_at_least_as_long_as_its_first_branch_alone(branches, seed):
+    """Whatever the tree and the target: the kept path is a prefix of the branch returned, each kept token is the
+    target's argmax where it was verified, and a tree never accepts fewer tokens than its first branch would."""
+    tree = DraftTree(branches, [[None] * len(b) for b in branches])
+    rows = torch.randn(sum(1 + len(b) for b in branches), VOCAB, generator=torch.Generator().manual_seed(seed))
+    starts = branch_row_starts(branches)
+    for b, branch in enumerate(branches):  # one target: a position's row depends only on its history
+        for j in range(1 + len(branch)):
+            first = next(c for c, other in enumerate(branches) if other[:j] == branch[:j] and len(other) >= j)
+            rows[starts[b] + j] = rows[starts[first] + j]
+    kept, accepted, token = accept_tree(tree, rows, True, None)
+    path = branches[kept][:accepted]
+    assert all(int(rows[starts[kept] + j].argmax()) == t for j, t in enumerate(path))
+    assert token == int(rows[starts[kept] + accepted].argmax())
+    chain = 0
+    while chain < len(branches[0]) and branches[0][chain] == int(rows[chain].argmax()):
+        chain += 1
+    assert accepted >= chain
