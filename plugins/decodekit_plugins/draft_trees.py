@@ -193,7 +193,8 @@ def propose_with_trees(proposer: Proposer, ctx: StepContext, items: list[tuple[S
                        ) -> tuple[list[list[int]], list[torch.Tensor | None], list[DraftTree | None]]:
     """Run `proposer` on `(seq, k, options)` items: a tree for the requests that ask for one (`tree:`) where the
     proposer can draft trees (one call per tree shape), a plain draft for the others. Returns, per item, a plain
-    draft and its distributions (a tree of one branch becomes one), and the tree where it has several branches."""
+    draft (a tree of one branch becomes one) with its first branch's distributions, and the tree where it has several
+    branches."""
     drafts: list[list[int]] = [[] for _ in items]
     qs: list[torch.Tensor | None] = [None] * len(items)
     trees: list[DraftTree | None] = [None] * len(items)
@@ -217,10 +218,14 @@ def propose_with_trees(proposer: Proposer, ctx: StepContext, items: list[tuple[S
             if [len(p) for p in tree.probs] != [len(b) for b in tree.branches]:
                 raise ValueError(f"proposer {proposer.name!r} returned a tree whose probs do not match its branches")
             tree = DraftTree([b[:k] for b in tree.branches], [p[:k] for p in tree.probs])  # never past k
+            if not tree.branches:
+                continue
+            # the first branch's distributions: a tree verified as its first branch alone (a chain, or past the
+            # step's budget: `drafts.flatten`) needs them for the plain rule
+            probs = tree.probs[0]
+            qs[n] = None if any(p is None for p in probs) else torch.stack(probs)  # type: ignore[misc]
             if len(tree.branches) > 1:
                 trees[n] = tree
-            elif tree.branches:  # a chain: verified as a plain draft
+            else:
                 drafts[n] = tree.branches[0]
-                probs = tree.probs[0]
-                qs[n] = None if any(p is None for p in probs) else torch.stack(probs)  # type: ignore[misc]
     return drafts, qs, trees

@@ -242,3 +242,20 @@ def test_greedy_tree_acceptance_keeps_a_path_of_the_tree_at_least_as_long_as_its
     while chain < len(branches[0]) and branches[0][chain] == int(rows[chain].argmax()):
         chain += 1
     assert accepted >= chain
+
+
+def test_seeded_sampled_trees_with_stateful_processors_give_the_same_tokens_alone_and_batched(tree_llm):
+    """Mirostat keeps per-position values while scoring and a JSON schema advances a matcher over each draft: every
+    branch is scored with its own fork of the states, and a seeded request draws the same tokens either way."""
+    prompts = random_prompts(4, 3, 20, seed=21)
+    kinds = [{"processors": [{"mirostat": {"tau": 3.0, "eta": 0.2}}]},
+             {"processors": [{"json_schema": {"schema": SCHEMA}}]},
+             {"processors": [{"repetition_penalty": {"penalty": 1.2}}], "top_k": 20}, {}]
+    params = [_tree(3, 12, 1.0, max_tokens=14, temperature=0.9, seed=70 + i, ignore_eos=True, **kind)
+              for i, kind in enumerate(kinds)]
+    batched = tree_llm.generate(prompts, params)
+    alone = [tree_llm.generate([p], q)[0] for p, q in zip(prompts, params)]
+    assert [o.error for o in batched] == [None] * len(prompts)
+    assert [o.token_ids for o in alone] == [o.token_ids for o in batched]
+    assert sum(o.metrics.num_draft_tokens for o in batched) > 0
+    _no_blocks_held(tree_llm)
