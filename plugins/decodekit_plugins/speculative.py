@@ -18,6 +18,9 @@ Proposers:
 A `fallback` proposer chains a second one per step: it drafts for the sequences the first leaves without a draft
 (`proposer: ngram` with `prompt_lookup_min: 2` where the context offers a real match, `fallback: draft` elsewhere).
 Each request's outputs count drafted and accepted tokens per proposer (`metrics.proposer_tokens`).
+
+With `tree: {width, max_nodes, threshold}`, a proposer that `supports_tree` (`draft`) drafts a tree of branches where
+it is unsure, all verified in one forward (`decodekit_plugins.draft_trees`; docs/speculative.md, "Draft trees").
 """
 
 from __future__ import annotations
