@@ -5,7 +5,9 @@
   and batch 8 (the prompts submitted together, cycled to 8). Configurations: n-gram (k 4, adaptive), an int8 copy of
   the target as draft (k 4), and n-gram on two-token matches chained to the int8 draft (k 4, drafting nothing while
   4 or more sequences run), the trained draft head shipped for the bundled model (`eagle`, k 2) and n-gram chained to
-  it (k 3, paused likewise); recipes/speculative.yaml uses n-gram chained to the int8 draft. Each row gives the
+  it (k 3, paused likewise), and the int8 draft drafting a tree (k 6, width 2, up to 16 nodes, branching where its
+  probability is below 0.8: `docs/speculative.md`, "Draft trees"); recipes/speculative.yaml uses n-gram chained to
+  the int8 draft. Each row gives the
   median of per-repeat ratios to plain with their range, acceptance per proposer, and whether the output equalled
   plain's token for token.
 - `beam`: 16 summarization requests (prompts of about 40 to 220 tokens) with 4 beams, decodekit's in-engine beam
@@ -48,9 +50,11 @@ CHAINED = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "f
 TRAINED_HEAD = {"proposer": "eagle", "num_speculative_tokens": 2}
 CHAINED_HEAD = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "eagle",
                 "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+INT8_DRAFT_TREE = {**INT8_DRAFT, "tree": {"width": 2, "max_nodes": 16, "threshold": 0.8}}
 SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM, "int8 draft": INT8_DRAFT,
                                                   "ngram + int8 draft": CHAINED, "trained head": TRAINED_HEAD,
-                                                  "ngram + trained head": CHAINED_HEAD}
+                                                  "ngram + trained head": CHAINED_HEAD,
+                                                  "int8 draft tree": INT8_DRAFT_TREE}
 
 
 def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:

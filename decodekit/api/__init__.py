@@ -9,7 +9,8 @@ the engine underneath is rearranged.
 - `stopping`: `StoppingCriterion`, `StopDecision`;
 - `strategy`: `Strategy`, `StepContext`, `StrategyResult`;
 - `proposer`: `Proposer` (speculative decoding's drafters) and `ProposerModel`, the KV cache and forward a
-  proposer may open for its own model;
+  proposer may open for its own model; `draft_tree`: `DraftTree` and `TreeShape`, the drafts a proposer with
+  `supports_tree` returns;
 - `constraints`: the structured-output backend interface (`bitmask`: the token masks backends fill);
 - `sequence`: `Request`, `Sequence` and the outputs, as plugins see them; `stash`: typed per-plugin state;
 - `components`: `ComponentInfo`, what `setup` receives; `models`: the model-loader contract;

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 from pydantic import BaseModel
 
+from decodekit.api.draft_tree import DraftTree, TreeShape
 from decodekit.api.sequence import Sequence
 from decodekit.api.strategy import HiddenStates, StepContext
 
@@ -120,6 +121,16 @@ class Proposer:
                 options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Draft up to `ks[i]` tokens for `seqs[i]` (with `options[i]`, its validated `Params`)."""
         raise NotImplementedError
+
+    supports_tree: ClassVar[bool] = False
+    """The proposer can draft a tree of branches (`propose_tree`): a request's `tree:` option of the `speculative`
+    strategy is refused with a proposer that cannot."""
+
+    def propose_tree(self, ctx: StepContext, seqs: list[Sequence], ks: list[int], options: list[Any],
+                     shape: TreeShape) -> list[DraftTree]:
+        """Draft a tree of depth up to `ks[i]` for `seqs[i]`, shaped by `shape` (proposers with `supports_tree`):
+        its branches and, per token, the distribution it was drawn from (`decodekit.api.draft_tree.DraftTree`)."""
+        raise NotImplementedError(f"proposer {self.name!r} cannot draft a tree")
 
     def observe(self, seq: Sequence, states: HiddenStates, num_valid: int) -> None:
         """After each target forward of `seq` (proposers with `hidden_states = True` only, before `rollback`):

@@ -101,7 +101,7 @@ class Sequence:
     | `request`, `seq_id`, `num_prompt_tokens` | set when the sequence is made (never change) |
     | `token_ids`, `processor_states`, `generator` | the step context (`append_token`, `accept_draft`, `fork`) |
     | `status`, `num_computed_tokens` | the scheduler (admission, preemption, forward progress, rollback) |
-    | `draft_token_ids` | a strategy's `propose`; the engine trims and clears it in `core/drafts.py` only |
+    | `draft_token_ids`, `draft_branches` | a strategy's `propose`; the engine changes them in `core/drafts.py` only |
     | `candidate_token_ids` | the step context (`score_candidates`, `accept_candidate`) and the scheduler |
     | `detokenizer`, `text`, `new_text_len` | the stop stage (`core/stages/stop.py`), which detokenizes each token |
     | `finish_reason`, `stop_reason` | request lifecycle (`core/requests.py`) when the sequence finishes |
@@ -125,6 +125,8 @@ class Sequence:
     stash: Stash = field(default_factory=Stash)  # typed per-plugin state (`StashKey`s)
     state: dict[str, Any] = field(default_factory=dict)  # untyped per-plugin state (kept for existing plugins)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed, not yet verified (speculative decoding)
+    # a draft tree's root-to-leaf branches, each verified as a probe in the next forward (`decodekit.api.draft_tree`)
+    draft_branches: list[list[int]] = field(default_factory=list)
     # sibling next tokens scored side by side in the next forward (`StepContext.score_candidates`)
     candidate_token_ids: list[int] = field(default_factory=list)
     processor_states: list[Any] = field(default_factory=list)  # one per stage of the request's plan
@@ -155,7 +157,10 @@ class Sequence:
     @property
     def num_scored_positions(self) -> int:
         """Rows of scores this sequence gets when its pending work completes: one, plus one per draft token; or,
-        when it has candidates (`StepContext.score_candidates`), one per candidate (each the position after it)."""
+        when it has candidates (`StepContext.score_candidates`), one per candidate (each the position after it); with
+        a draft tree, `1 + len(branch)` per branch, branch after branch."""
+        if self.draft_branches:
+            return sum(1 + len(branch) for branch in self.draft_branches)
         return len(self.candidate_token_ids) or 1 + len(self.draft_token_ids)
 
     @property

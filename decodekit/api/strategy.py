@@ -98,6 +98,14 @@ class StepContext(Protocol):
         acceptance (`RequestMetrics.proposer_tokens`)."""
         ...
 
+    def accept_branch(self, seq: Sequence, branch: int, num_accepted: int, token_id: int,
+                      proposer: str | None = None) -> None:
+        """For a sequence verified with a draft tree (`seq.draft_branches`): keep the first `num_accepted` tokens of
+        branch `branch`, then append `token_id`. The sequence adopts that branch's KV blocks (the rest of the tree
+        is freed) and the processor states its rows were scored with; its logprobs and trace read that branch's
+        rows."""
+        ...
+
     def fork(self, seq: Sequence, seed: int | None = None) -> Sequence:
         """A new running sequence of the same request sharing `seq`'s tokens and KV blocks (copy-on-write),
         processor states and stash; `seed` gives it its own seeded generator (else it samples from the global

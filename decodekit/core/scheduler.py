@@ -15,6 +15,11 @@ one hidden probe per candidate, a sequence that shares its blocks copy-on-write 
 pending token. The probes are scheduled together (all or none) in place of the sequence; when the strategy accepts
 one, the sequence takes over that probe's blocks (its key and value are kept, not recomputed) and the others are
 freed. Anything that ends, frees or preempts the sequence drops its probes.
+
+Draft trees (`seq.draft_branches`) use the same probes, one per branch, each with its branch as its draft: all
+are scheduled (all or none) in place of the sequence, and when the strategy accepts a branch the sequence adopts
+that probe's blocks and rolls them back to the accepted prefix (`accept_branch`). A tree whose rows do not fit in
+the step's token budget is verified as its first branch alone (`drafts.flatten`).
 """
 
 from __future__ import annotations
@@ -138,8 +143,9 @@ class Scheduler:
             self.free_sequence(seq)
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Release one sequence's blocks (it finished, or its request is done), and its candidates'."""
-        if seq.candidate_token_ids:
+        """Release one sequence's blocks (it finished, or its request is done), and its candidates' (or its draft
+        tree's probes)."""
+        if seq.candidate_token_ids or seq in self.probes:
             self.drop_candidates(seq)
         if self.allocator.has(seq.seq_id):
             self.allocator.free(seq.seq_id)
@@ -170,15 +176,37 @@ class Scheduler:
     def accept_candidate(self, seq: Sequence, index: int) -> None:
         """`seq` keeps its `index`-th candidate's key and value: it takes over that probe's blocks (the token itself
         is appended by the step context); the other probes are freed."""
+        self._adopt_probe(seq, index)
+
+    def _adopt_probe(self, seq: Sequence, index: int) -> None:
+        """`seq` takes over probe `index`'s blocks and computed tokens; its other probes are freed."""
         probes = self.probes[seq]
         chosen = probes[index]
-        if chosen.num_computed_tokens != len(chosen.token_ids):
-            raise ValueError("candidates can be accepted only after the forward that scored them")
+        if chosen.num_pending != 0:
+            raise ValueError("candidates and draft-tree branches can be accepted only after the forward that scored "
+                             "them")
         del self.probe_parent[chosen]
         self.probes[seq] = [p for p in probes if p is not chosen]
         self.drop_candidates(seq)
         self.allocator.adopt(seq.seq_id, chosen.seq_id)
         seq.num_computed_tokens = chosen.num_computed_tokens
+
+    def accept_branch(self, seq: Sequence, index: int, num_valid: int) -> None:
+        """`seq` keeps branch `index` of its draft tree: it takes over that branch's probe's blocks, cut back to its
+        first `num_valid` tokens (the rejected tail of the branch is released); the other probes are freed."""
+        self._adopt_probe(seq, index)
+        self.rollback(seq, num_valid)
+
+    def _add_branch_probes(self, seq: Sequence) -> None:
+        """One probe per branch of `seq`'s draft tree, each a fork of `seq` with that branch as its draft."""
+        probes = []
+        for branch in seq.draft_branches:
+            probe = Sequence(seq.request, list(seq.token_ids), seq.num_prompt_tokens, status=SequenceStatus.RUNNING,
+                             num_computed_tokens=seq.num_computed_tokens, draft_token_ids=list(branch))
+            self.allocator.fork(seq.seq_id, probe.seq_id)
+            probes.append(probe)
+            self.probe_parent[probe] = seq
+        self.probes[seq] = probes
 
     def scored_parents(self, seqs: list[Sequence]) -> list[Sequence]:
         """`seqs` with each run of a sequence's candidate probes replaced by that sequence (once)."""
@@ -192,21 +220,22 @@ class Scheduler:
         return out
 
     def _schedule_probes(self, request: Request, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """Schedule all of `seq`'s probes (one token each) or none; return the tokens used."""
+        """Schedule all of `seq`'s probes (a candidate's one token each, or a branch's tokens) or none; return the
+        tokens used."""
         probes = self.probes[seq]
-        if len(probes) > budget:
+        if sum(p.num_pending for p in probes) > budget:
             return 0
         start = seq.num_computed_tokens
-        while sum(self.allocator.blocks_to_write(p.seq_id, start, start + 1) for p in probes) \
+        while sum(self.allocator.blocks_to_write(p.seq_id, start, start + p.num_pending) for p in probes) \
                 > self.allocator.num_free_blocks:
             victim = self._victim()
             self._preempt(victim, out)
             if victim is request:
                 return 0
         for probe in probes:
-            self.allocator.ensure_slots(probe.seq_id, start, start + 1)
-            out.scheduled.append(ScheduledSequence(probe, 1))
-        return len(probes)
+            self.allocator.ensure_slots(probe.seq_id, start, start + probe.num_pending)
+            out.scheduled.append(ScheduledSequence(probe, probe.num_pending))
+        return sum(p.num_pending for p in probes)
 
     def finish_sequence(self, seq: Sequence) -> None:
         """Mark a sequence finished and release its blocks."""
@@ -269,6 +298,14 @@ class Scheduler:
                         break
                     continue
                 if seq.finished or budget == 0:
+                    continue
+                drafts.flatten(seq, budget)
+                if seq.draft_branches:
+                    if seq not in self.probes:
+                        self._add_branch_probes(seq)
+                    budget -= self._schedule_probes(request, seq, budget, out)
+                    if request not in self.running:
+                        break
                     continue
                 if not self.allocator.has(seq.seq_id) and not self._attach_follower(request, seq):
                     continue

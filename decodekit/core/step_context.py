@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from decodekit.api.draft_tree import branch_row_starts, count_nodes
 from decodekit.api.errors import ProcessorError
 from decodekit.api.processors import BatchView, fork_states, update_states
 from decodekit.api.sequence import Request, Sequence
@@ -32,6 +33,17 @@ class CandidateOrigin:
     raw: torch.Tensor | None = None
     processed: torch.Tensor | None = None
     trace: Any = None
+
+
+def _count_draft(seq: Sequence, drafted: int, accepted: int, proposer: str | None) -> None:
+    """Count a verified draft (or draft tree: its nodes) in the request's metrics, per proposer when named."""
+    metrics = seq.request.metrics
+    metrics.num_draft_tokens += drafted
+    metrics.num_accepted_tokens += accepted
+    if proposer is not None and drafted:
+        counts = metrics.proposer_tokens.setdefault(proposer, {"drafted": 0, "accepted": 0})
+        counts["drafted"] += drafted
+        counts["accepted"] += accepted
 
 
 def fork_seed(request_seed: int, fork_number: int) -> int:
@@ -62,6 +74,9 @@ class StepRecord:
     accepted_from: dict[Sequence, CandidateOrigin] = field(default_factory=dict)
     """Each sequence that accepted a candidate this step, and the row of scores that candidate was chosen from (a
     step earlier): its logprobs and trace event read that row, not this step's."""
+    branch_rows: dict[Sequence, tuple[int, list[int]]] = field(default_factory=dict)
+    """Each sequence that accepted a branch of its draft tree this step: where that branch's rows start among the
+    sequence's scored rows, and the branch's tokens (its logprobs and trace read those rows)."""
 
     def requests(self) -> list[Request]:
         """The requests whose sequences got tokens this step, each once, in order."""
@@ -128,7 +143,7 @@ class EngineStepContext:
         self._append(seq, [token_id])
 
     def _drop_candidates(self, seq: Sequence) -> None:
-        if seq.candidate_token_ids:
+        if seq.candidate_token_ids or seq in self.scheduler.probes:
             self.scheduler.drop_candidates(seq)
         self.origins.pop(seq, None)
 
@@ -191,19 +206,36 @@ class EngineStepContext:
 
     def accept_draft(self, seq: Sequence, num_accepted: int, token_id: int, proposer: str | None = None) -> None:
         """Keep `num_accepted` draft tokens then `token_id`; roll the rest of the draft back out of the cache."""
+        if seq.draft_branches:
+            raise ValueError("accept_draft: the sequence was verified with a draft tree; use accept_branch")
         self._drop_candidates(seq)
         proposed = seq.draft_token_ids
         kept = proposed[:num_accepted]
-        metrics = seq.request.metrics
-        metrics.num_draft_tokens += len(proposed)
-        metrics.num_accepted_tokens += num_accepted
-        if proposer is not None and proposed:
-            counts = metrics.proposer_tokens.setdefault(proposer, {"drafted": 0, "accepted": 0})
-            counts["drafted"] += len(proposed)
-            counts["accepted"] += num_accepted
+        _count_draft(seq, len(proposed), num_accepted, proposer)
         drafts.clear(seq)
         self.scheduler.rollback(seq, len(seq.token_ids) + num_accepted)
         self._append(seq, [*kept, token_id])
+
+    def accept_branch(self, seq: Sequence, branch: int, num_accepted: int, token_id: int,
+                      proposer: str | None = None) -> None:
+        """Keep `num_accepted` tokens of branch `branch` of `seq`'s draft tree, then `token_id`: the sequence
+        adopts that branch's blocks (cut to what it keeps) and the processor states its rows were scored with."""
+        branches = seq.draft_branches
+        if not branches:
+            raise ValueError("accept_branch: the sequence has no draft tree")
+        if not 0 <= branch < len(branches):
+            raise ValueError(f"accept_branch: branch {branch} is not one of the {len(branches)} branches")
+        path = branches[branch]
+        if not 0 <= num_accepted <= len(path):
+            raise ValueError(f"accept_branch: {num_accepted} accepted tokens, but branch {branch} has {len(path)}")
+        _count_draft(seq, count_nodes(branches), num_accepted, proposer)
+        scored = self.processed.branch_states.get(seq) if self.processed is not None else None
+        if scored is not None:
+            seq.processor_states = scored[branch]
+        self.record.branch_rows[seq] = (branch_row_starts(branches)[branch], list(path))
+        drafts.clear(seq)
+        self.scheduler.accept_branch(seq, branch, len(seq.token_ids) + num_accepted)
+        self._append(seq, [*path[:num_accepted], token_id])
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> None:
         # States first: if a stateful processor refuses the tokens, the sequence is left as it was.

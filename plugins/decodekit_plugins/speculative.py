@@ -18,6 +18,9 @@ Proposers:
 A `fallback` proposer chains a second one per step: it drafts for the sequences the first leaves without a draft
 (`proposer: ngram` with `prompt_lookup_min: 2` where the context offers a real match, `fallback: draft` elsewhere).
 Each request's outputs count drafted and accepted tokens per proposer (`metrics.proposer_tokens`).
+
+With `tree: {width, max_nodes, threshold}`, a proposer that `supports_tree` (`draft`) drafts a tree of branches where
+it is unsure, all verified in one forward (`decodekit_plugins.draft_trees`; docs/speculative.md, "Draft trees").
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from decodekit.api.components import ComponentInfo, ComponentLookup, validate_options
+from decodekit.api.draft_tree import DraftTree, TreeShape
 from decodekit.api.params import SamplingParams
 from decodekit.api.processors import Stage
 from decodekit.api.proposer import Proposer, ProposerModel
@@ -36,6 +40,7 @@ from decodekit.api.sampling import select_tokens
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
 from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
+from decodekit_plugins.draft_trees import accept_tree, draft_tree, propose_with_trees, tree_rollback
 
 
 class SpeculativeParams(BaseModel):
@@ -53,6 +58,9 @@ class SpeculativeParams(BaseModel):
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="Draft tokens per step (k), or the start of k.")
     adaptive: bool = Field(False, description="Adapt k per sequence: +2 when all are accepted, -1 otherwise.")
     max_speculative_tokens: int = Field(10, ge=1, le=32, description="Upper bound for adaptive k.")
+    tree: TreeShape | None = Field(
+        None, description="Draft a tree of branches where the proposer is unsure, verified in one forward "
+        "(`decodekit_plugins.draft_trees`; proposers with `supports_tree`): `{width, max_nodes, threshold}`.")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="Draft nothing in steps where at least this many sequences run (vLLM's name): a "
         "large batch keeps the products busy, so verifying drafts costs more than it saves.")
@@ -126,10 +134,12 @@ class DraftModelProposer(Proposer):
 
     name = "draft"
     needs_draft = True
+    supports_tree = True
 
     def __init__(self) -> None:
         self.info: ComponentInfo | None = None
         self.model: ProposerModel | None = None
+        self.tree_roots: dict[int, tuple[int, list[int]]] = {}  # what a tree left in each sequence's cache
 
     def setup(self, info: ComponentInfo) -> None:
         self.info = info
@@ -175,13 +185,20 @@ class DraftModelProposer(Proposer):
                     qs[i].append(probs[r])
         return drafts, [torch.stack(q) if q else None for q in qs]
 
+    def propose_tree(self, ctx: StepContext, seqs: list[Sequence], ks: list[int], options: list[Any],
+                     shape: TreeShape) -> list[DraftTree]:
+        """A tree per sequence: branches where the draft model is unsure (`decodekit_plugins.draft_trees`)."""
+        return draft_tree(self._model(), ctx, seqs, ks, shape, self.tree_roots)
+
     def rollback(self, seq: Sequence, num_valid: int) -> None:
-        """Keep only the first `num_valid` tokens of `seq` in the draft's cache."""
+        """Keep only the first `num_valid` tokens of `seq` in the draft's cache (fewer where a tree's sibling
+        branch was kept: the cache holds the tree's first branch)."""
         if self.model is not None:
-            self.model.truncate(seq.seq_id, num_valid)
+            self.model.truncate(seq.seq_id, tree_rollback(self.tree_roots, seq, num_valid))
 
     def release(self, seq: Sequence) -> None:
         """Free a finished sequence's draft blocks."""
+        self.tree_roots.pop(seq.seq_id, None)
         if self.model is not None:
             self.model.release(seq.seq_id)
 
@@ -217,6 +234,7 @@ def accept_sampled(draft: list[int], rows: torch.Tensor, q: torch.Tensor | None,
 
 _K = StashKey[int]()  # a sequence's current number of draft tokens (adaptive k)
 _Q = StashKey["torch.Tensor | None"]()  # the probabilities the sequence's draft was sampled from (None: deterministic)
+_TREE = StashKey[DraftTree]()  # the draft tree the sequence's branches came from (its tokens' distributions)
 _BY = StashKey[str]()  # the proposer that drafted the sequence's current draft (with a fallback, either link)
 
 
@@ -273,6 +291,9 @@ class SpeculativeStrategy(Strategy):
         options._proposer_params = validate_options(proposer, options.proposer_options,
                                                    f"strategy.{self.name}.proposer_options")
         proposer.check(options._proposer_params)
+        if options.tree is not None and not proposer.supports_tree:
+            raise ValueError(f"strategy.{self.name}.tree: proposer {options.proposer!r} cannot draft a tree "
+                             "(a proposer with supports_tree can, e.g. 'draft'); remove `tree` or name another")
         if options.fallback is not None:
             assert self.components is not None
             fallback: Proposer = self.components.get("proposers", options.fallback, f"strategy.{self.name}.fallback")
@@ -280,6 +301,9 @@ class SpeculativeStrategy(Strategy):
             options._fallback_params = validate_options(fallback, options.fallback_options,
                                                        f"strategy.{self.name}.fallback_options")
             fallback.check(options._fallback_params)
+        if options.tree is not None and self.reads_hidden_states(options):
+            raise ValueError(f"strategy.{self.name}.tree: a proposer that reads the target's hidden states cannot "
+                             "be chained with a draft tree; remove `tree` or the hidden-state proposer")
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
@@ -304,14 +328,17 @@ class SpeculativeStrategy(Strategy):
         """Run each proposer on its sequences; return the undrafted ones grouped by their fallback proposer."""
         fallbacks: dict[str, list[tuple[Sequence, int, Any]]] = {}
         for name, items in groups.items():
-            drafts, qs = self._proposer(name).propose(ctx, [s for s, _, _ in items], [k for _, k, _ in items],
-                                                     [o for _, _, o in items])
-            for (seq, k, _), draft, q in zip(items, drafts, qs):
+            drafts, qs, trees = propose_with_trees(self._proposer(name), ctx, items)
+            for (seq, k, _), draft, q, tree in zip(items, drafts, qs, trees):
                 seq.draft_token_ids = list(draft[:k])
                 seq.stash[_Q] = q
                 seq.stash[_BY] = name
+                if tree is not None:
+                    seq.draft_branches = [list(b) for b in tree.branches]
+                    seq.stash[_TREE] = tree
                 options = seq.request.plan.strategy_options
-                if not seq.draft_token_ids and options.fallback is not None and name == options.proposer:
+                if not seq.draft_token_ids and not seq.draft_branches and options.fallback is not None \
+                        and name == options.proposer:
                     fallbacks.setdefault(options.fallback, []).append((seq, k, options._fallback_params))
         return fallbacks
 
@@ -319,6 +346,9 @@ class SpeculativeStrategy(Strategy):
         argmax = logits.argmax(dim=-1).tolist()
         offset = 0
         for seq in seqs:
+            if seq.draft_branches:
+                offset += self._select_tree(ctx, seq, logits[offset : offset + seq.num_scored_positions])
+                continue
             draft = list(seq.draft_token_ids)
             if seq.greedy:
                 best = argmax[offset : offset + len(draft) + 1]
@@ -341,6 +371,21 @@ class SpeculativeStrategy(Strategy):
                 if states is not None and proposer.hidden_states:
                     proposer.observe(seq, states, valid)
                 proposer.rollback(seq, valid)
+
+    def _select_tree(self, ctx: StepContext, seq: Sequence, rows: torch.Tensor) -> int:
+        """Verify `seq`'s draft tree (`decodekit_plugins.draft_trees.accept_tree`), keep the accepted branch;
+        return the rows it used."""
+        tree = seq.stash[_TREE]
+        branch, accepted, token = accept_tree(tree, rows, seq.greedy, seq.generator)
+        self._adapt(seq, max(len(b) for b in tree.branches), accepted)
+        valid = len(seq.token_ids) + accepted
+        drafted_by = seq.stash.get(_BY, None)
+        ctx.accept_branch(seq, branch, accepted, token, drafted_by)
+        if seq.request.params.trace is not None:
+            ctx.note(seq, drafts={"proposer": drafted_by, "tree_branches": len(tree.branches), "branch": branch})
+        for proposer in self.proposers.values():
+            proposer.rollback(seq, valid)
+        return rows.shape[0]
 
     @staticmethod
     def _adapt(seq: Sequence, proposed: int, accepted: int) -> None:

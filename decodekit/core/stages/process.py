@@ -1,7 +1,9 @@
 """The process stage: each request's logits processors, in its own order, over the rows of its scored positions.
 
 A sequence scores `1 + len(draft)` positions (speculative verification); row j sees the sequence's history after
-its first j draft tokens. `ProcessStage.run` turns a step's `ScoredRows` into `ProcessedRows`: per strategy, the
+its first j draft tokens. A sequence with a draft tree scores `1 + len(branch)` positions per branch, each branch's
+rows with their own fork of the processor states (`ProcessedRows.branch_states`).
+`ProcessStage.run` turns a step's `ScoredRows` into `ProcessedRows`: per strategy, the
 scores its `select` receives (`Strategy.scores`: the rows after each request's processors, the processors applied
 to log-probabilities, or the raw logits), the processed rows of requests asking for `processed` logprobs, and the
 per-stage candidates of traced requests. A strategy with raw scores may call `ctx.process` itself, which adds to
@@ -23,7 +25,14 @@ from typing import Any
 
 import torch
 
-from decodekit.api.processors import BatchView, ProcessorError, Stage, apply_processors, check_processed_rows
+from decodekit.api.processors import (
+    BatchView,
+    ProcessorError,
+    Stage,
+    apply_processors,
+    check_processed_rows,
+    fork_states,
+)
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import Strategy
 from decodekit.core import drafts
@@ -66,6 +75,10 @@ class ProcessedRows:
     """The per-stage candidates of each traced sequence's rows (`decodekit.core.trace`)."""
     failures: list[Failure] = field(default_factory=list)
     """Requests whose processors failed (or left a row with nothing to choose), with the processor named."""
+    branch_states: dict[Sequence, list[list[Any]]] = field(default_factory=dict)
+    """Per sequence verified with a draft tree, the processor states each branch's rows were scored with (branch 0
+    the sequence's own, the others forks of them): the sequence takes its accepted branch's
+    (`StepContext.accept_branch`), so a processor that keeps per-position state while scoring sees its own branch."""
 
 
 class Processing:
@@ -143,6 +156,8 @@ class Processing:
         view = self.batch_view(seqs)
         positions = [seq for seq in seqs for _ in range(seq.num_scored_positions)]
         pipelines, greedy, states = _pipelines(positions)
+        if any(seq.draft_branches for seq in seqs):
+            states = _branch_states(seqs, out)
         observer = observer_for(logits, positions, self.tokenizer)
         processed = apply_processors(logits, view, pipelines, greedy, states, observe=observer)
         check_processed_rows(logits, processed, view, pipelines, greedy, states)
@@ -194,6 +209,24 @@ class Processing:
         """The requests whose processors failed in `process_after`, and why; forgets them."""
         faults, self.faults = list(self.faults.items()), {}
         return faults
+
+
+def _branch_states(seqs: list[Sequence], out: ProcessedRows) -> list[list[Any]]:
+    """Each row's processor states when some sequences have draft trees: a tree's branches after the first get
+    forks of the sequence's states (stateful processors group a sequence's rows by state object and keep
+    per-position values in it, so each branch must have its own), recorded in `out.branch_states`."""
+    states: list[list[Any]] = []
+    for seq in seqs:
+        if not seq.draft_branches:
+            states.extend([seq.processor_states] * seq.num_scored_positions)
+            continue
+        stages = seq.request.plan.stages
+        per_branch = [seq.processor_states] + [fork_states(stages, seq.processor_states)
+                                               for _ in seq.draft_branches[1:]]
+        out.branch_states[seq] = per_branch
+        for branch, branch_states in zip(seq.draft_branches, per_branch):
+            states.extend([branch_states] * (1 + len(branch)))
+    return states
 
 
 def _pipelines(rows: list[Sequence]) -> tuple[list[tuple[Stage, ...]], list[bool], list[list[Any]]]:

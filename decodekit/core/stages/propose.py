@@ -57,8 +57,10 @@ def propose(running: list[Request], ctx: StepContext) -> list[Failure]:
                         drafts.clear(seq)
                     failures.append((part[0].request, f"{strategy.name} failed to propose: {exc!r}"))
         for seq in seqs:  # a reasoning request's draft stops where it departs from a forced marker
-            if seq.draft_token_ids and seq.request.plan.phases is not None:
+            if (seq.draft_token_ids or seq.draft_branches) and seq.request.plan.phases is not None:
                 phases = phase_state(seq)
                 if phases is not None:
                     drafts.cut(seq, usable_draft(phases, seq.draft_token_ids))
+                    for b, branch in enumerate(seq.draft_branches):  # each branch of a draft tree alike
+                        drafts.cut_branch(seq, b, usable_draft(phases, branch))
     return failures

@@ -70,8 +70,21 @@ def select(scored: ScoredRows, processed: ProcessedRows, ctx: EngineStepContext,
                     log.warning("request %s failed in %s: %r", request.request_id, strategy.name, exc)
                     failures.append((request, f"{strategy.name} failed: {exc!r}"))
     for seq in rows:
+        if seq.draft_branches and seq in ctx.scheduler.probes:  # a tree no strategy call accepted a branch of
+            ctx.scheduler.drop_candidates(seq)
         drafts.clear(seq)
     raw_rows = scored.rows_by_sequence(wants_logprobs) if any(wants_logprobs(seq) for seq in rows) else {}
+    for seq, (start, branch) in ctx.record.branch_rows.items():
+        # a draft tree's accepted branch: its tokens read that branch's rows, not the tree's first ones
+        end = start + 1 + len(branch)
+        if seq in raw_rows:
+            raw_rows[seq] = raw_rows[seq][start:end]
+        if seq in processed.kept:
+            processed.kept[seq] = processed.kept[seq][start:end]
+        if seq in processed.trace_rows:
+            processed.trace_rows[seq] = processed.trace_rows[seq][start:end]
+        if seq in proposed:
+            proposed[seq] = branch
     for seq, origin in ctx.record.accepted_from.items():
         # an accepted candidate was chosen from a row of an earlier step (`StepContext.score_candidates`)
         proposed.pop(seq, None)
