@@ -1,0 +1,514 @@
+"""The composition matrix (issue 44 item 4): every control the registry holds (each processor, stopping criterion,
+constraint kind, tool-call format and reasoning format) x every decoding mode (greedy, seeded sampling, n > 1, and
+each other registered strategy: best-of, beam search, ...) x every proposer (and "none"), generated from the
+registry, so a component a plugin adds is in the matrix by being installed.
+
+A cell runs on tiny in-process models (a Llama target, a Qwen2 draft, a random EAGLE head, the target's own int8
+copy) through the kits' `Harness` (a step budget; every KV block, the engine's and the proposers' models', free at
+the end), and ends in one `Outcome`:
+- "Y": it ran, and held every rule that applies: without a proposer, a seeded or greedy request gives the same
+  outputs alone and batched; with one, greedy gives exactly the non-speculative run's outputs (and the same
+  processor stages in its trace, token by token) and seeded sampling the same outputs alone and batched; the trace
+  agrees with the outputs (one event per token, the finish reason, drafts and acceptances adding up to the metrics).
+- "refused": the engine refused the request when planning it, with the reason (a strategy's `check_compatible`).
+- "skipped": the part is not installed here (a constraint backend), with the reason.
+Anything else (a request that fails while running, outputs that differ, a control missing from the trace) raises
+`ConformanceError`: no cell is silently dropped.
+
+Where a component needs parameters, they come from its own `example` attribute (a mapping of its parameters) when it
+declares one, else from `EXAMPLES` below, else from its defaults; a component with required parameters and none of
+these fails the matrix, saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import NoRepeatNGramLogitsProcessor
+
+from decodekit import SamplingParams, hf_logits_processor
+from decodekit.api.errors import DecodeKitError
+from decodekit.api.sequence import RequestOutput
+from decodekit.api.tools import ToolSpec
+from decodekit.core.plan import Components
+from decodekit.core.registry import Registry
+from decodekit.models.tiny import tiny_model
+from decodekit.testing.engine_harness import Harness, compare_outputs, plan_error, run_alone
+from decodekit.testing.errors import ConformanceError
+from decodekit.testing.parts import plugin_manager
+from decodekit.tool_calling import ToolPlan
+from tests.helpers.reasoning_models import HARMONY_TOKENS
+
+# ---- the parameters of components that need some ---------------------------------------------------------------------
+_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+           "required": ["name", "age"]}
+EXAMPLES: dict[str, Callable[[], dict[str, Any]]] = {
+    # SamplingParams fields (the default processors: switched on by their field)
+    "temperature": lambda: {"temperature": 0.7},
+    "top_k": lambda: {"top_k": 5},
+    "top_p": lambda: {"top_p": 0.8},
+    "min_p": lambda: {"min_p": 0.2},
+    "min_tokens": lambda: {"min_tokens": 6, "ignore_eos": False, "stop_token_ids": list(range(3, 60))},
+    # processors with required parameters
+    "hf_logits_processor": lambda: {"processors": [hf_logits_processor(NoRepeatNGramLogitsProcessor(2))]},
+    "repetition_penalty": lambda: {"processors": [{"repetition_penalty": {"penalty": 1.5}}]},
+    "presence_penalty": lambda: {"processors": [{"presence_penalty": {"penalty": 1.0}}]},
+    "frequency_penalty": lambda: {"processors": [{"frequency_penalty": {"penalty": 0.8}}]},
+    "no_repeat_ngram": lambda: {"processors": [{"no_repeat_ngram": {"ngram_size": 2}}]},
+    "typical_p": lambda: {"processors": [{"typical_p": {"mass": 0.8}}]},
+    "top_n_sigma": lambda: {"processors": [{"top_n_sigma": {"n": 1.0}}]},
+    "epsilon": lambda: {"processors": [{"epsilon": {"epsilon": 0.01}}]},
+    "eta": lambda: {"processors": [{"eta": {"epsilon": 0.2}}]},
+    "logit_bias": lambda: {"processors": [{"logit_bias": {"bias": {str(i): 4.0 for i in range(40, 48)}}}]},
+    "bad_words": lambda: {"processors": [{"bad_words": {"words_ids": [[i] for i in range(40, 200)]}}]},
+    "allowed_token_ids": lambda: {"processors": [{"allowed_token_ids": {"token_ids": list(range(40, 52))}}]},
+    "xtc": lambda: {"processors": [{"xtc": {"threshold": 0.05, "probability": 0.5}}]},
+    "dynamic_temperature": lambda: {"processors": [{"dynamic_temperature": {"temperature": 1.0, "delta": 0.5}}]},
+    # constraints (the structured-output library's kinds)
+    "json_schema": lambda: {"processors": [{"json_schema": {"schema": _SCHEMA}}]},
+    "regex": lambda: {"processors": [{"regex": {"pattern": r"[a-d]{2,5}-[0-9]{1,4}"}}]},
+    "grammar": lambda: {"processors": [{"grammar": {"grammar": 'start: "(" item ("," item)* ")"\n'
+                                                               'item: /[a-c]{1,3}/'}}]},
+    "choice": lambda: {"processors": [{"choice": {"choices": ["alpha", "beta", "gamma delta"]}}]},
+    # stopping criteria
+    "eos": lambda: {"ignore_eos": False},
+    "stop_token_ids": lambda: {"stop_token_ids": list(range(3, 60))},
+    "stop_strings": lambda: {"stop": ["e", "a"]},
+    "time_limit": lambda: {"stopping": [{"time_limit": {"seconds": 600}}]},
+}
+"""Parameters for the shipped components that need some, as `SamplingParams` fields (a component's own `example`
+wins). Each is chosen to bite on the tiny random model: penalties and biases change its argmax, stop ids and
+strings end requests mid-way."""
+
+PROPOSER_OPTIONS: dict[str, Callable[[MatrixModels], dict[str, Any]]] = {
+    "eagle": lambda models: {"head": str(models.head_path)},
+}
+"""`proposer_options` for proposers that need a file of this run's (a head fitted to the tiny target)."""
+
+STRATEGY_OPTIONS: dict[str, dict[str, Any]] = {
+    "beam_search": {"num_beams": 3},
+    "diverse_beam_search": {"num_beams": 4, "num_beam_groups": 2},
+    "best_of": {"best_of": 3},
+}
+"""Smaller than the defaults, where that keeps a cell fast (the parameters are the strategies' own)."""
+
+BASE: dict[str, Any] = {"max_tokens": 10, "ignore_eos": True, "trace": 2}
+"""What every cell's request sets before its mode and control (the trace is asked for everywhere: it is checked)."""
+
+
+# ---- the axes ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Control:
+    """One component switched on in a request: `update` sets its `SamplingParams` fields."""
+
+    kind: Literal["processor", "constraint", "stopping", "tools", "reasoning"]
+    name: str
+    update: Callable[[], dict[str, Any]]
+    opening: str = ""  # text the prompt ends with (a reasoning format's opening marker)
+    stage: str | None = None  # the processor stage the trace must show for it
+    argmax_invariant: bool = False  # its stage may be left out of greedy rows (it cannot change the argmax)
+    missing: str | None = None  # why it cannot run here (not installed)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+@dataclass(frozen=True, eq=False)
+class Mode:
+    """How a request decodes without speculation: greedy, seeded sampling, n > 1, or another strategy."""
+
+    name: str
+    update: dict[str, Any]
+    speculates: bool  # whether a proposer can drive this mode (plain decoding modes; not beams, best-of, ...)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A strategy that takes a proposer, the proposer, and which engine it runs on ("int8": the target's own int8
+    copy as the draft model)."""
+
+    strategy: str
+    proposer: str
+    engine: Literal["main", "int8"] = "main"
+
+    @property
+    def label(self) -> str:
+        suffix = " (int8 self-draft)" if self.engine == "int8" else ""
+        name = self.proposer if self.strategy == "speculative" else f"{self.strategy}/{self.proposer}"
+        return name + suffix
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One control under one mode, with a speculation or without (None)."""
+
+    control: Control
+    mode: Mode
+    speculation: Speculation | None
+
+    @property
+    def id(self) -> str:
+        spec = self.speculation.label if self.speculation else "plain"
+        return f"{self.control.label}-{self.mode.name}-{spec}".replace(" ", "_")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a cell did: "Y" (ran and held every rule), "refused" (with the engine's reason) or "skipped"."""
+
+    status: Literal["Y", "refused", "skipped"]
+    reason: str = ""
+
+
+def registry() -> Registry:
+    """The registry of decodekit's plugins and every installed third-party plugin."""
+    return Registry.from_plugin_manager(plugin_manager(entry_points=True))
+
+
+def _params_example(entry: Any) -> dict[str, Any] | None:
+    """A component's own `example` parameters, or {} when its parameters all have defaults, or None."""
+    example = getattr(entry.factory, "example", None)
+    if isinstance(example, dict):
+        return example
+    model = entry.params_model
+    if model is None or not any(f.is_required() for f in model.model_fields.values()):
+        return {}
+    return None
+
+
+def _no_example(kind: str, name: str) -> Callable[[], dict[str, Any]]:
+    def fail() -> dict[str, Any]:
+        raise ConformanceError(f"{kind} {name!r} needs parameters: declare `example` (a mapping of its parameters) on "
+                               "it, or add it to EXAMPLES in tests/helpers/composition_matrix.py")
+    return fail
+
+
+def _processor_update(name: str, entry: Any) -> Callable[[], dict[str, Any]]:
+    if name in EXAMPLES and getattr(entry.factory, "example", None) is None:
+        return EXAMPLES[name]
+    example = _params_example(entry)
+    if example is None:
+        return _no_example("processor", name)
+    return lambda: {"processors": [{name: example}]}
+
+
+def _backend_missing(loader: Callable[[], Any]) -> str | None:
+    try:
+        loader()
+    except ImportError as exc:
+        return f"not installed here ({exc})"
+    return None
+
+
+def controls(reg: Registry) -> list[Control]:
+    """Every processor, constraint kind (with each installed backend), stopping criterion, tool-call format and
+    reasoning format in the registry, each with parameters that make it bite."""
+    constraint_kinds = {name for name, entry in reg.processors.items()
+                        if entry.params_model is not None and "backend" in entry.params_model.model_fields}
+    out: list[Control] = []
+    for name, entry in reg.processors.items():
+        kind: Literal["processor", "constraint"] = "constraint" if name in constraint_kinds else "processor"
+        out.append(Control(kind, name, _processor_update(name, entry), stage=name,
+                           argmax_invariant=getattr(entry.factory, "argmax_invariant", False)))
+    default_backend = next(iter(reg.processors[k].params_model.model_fields["backend"].default
+                                for k in sorted(constraint_kinds)), None)
+    for backend, entry in reg.constraint_backends.items():
+        if backend == default_backend:
+            continue
+        missing = _backend_missing(entry.factory)
+        for kind_name in sorted(constraint_kinds):
+            base = _processor_update(kind_name, reg.processors[kind_name])
+            out.append(Control("constraint", f"{kind_name}@{backend}", _with_backend(base, backend), stage=kind_name,
+                               missing=missing))
+    for name, entry in reg.stopping_criteria.items():
+        update = EXAMPLES.get(name)
+        if update is None:
+            example = _params_example(entry)
+            update = _no_example("stopping criterion", name) if example is None else (
+                lambda n=name, e=example: {"stopping": [{n: e}]})
+        out.append(Control("stopping", name, update))
+    tool = ToolSpec("lookup", "Look a word up.", {"type": "object", "properties": {"word": {
+        "type": "string", "maxLength": 5}}, "required": ["word"]})
+    for name, entry in reg.tool_formats.items():
+        spec = ToolPlan(entry.factory(), [tool], "required", False).processor()
+        out.append(Control("tools", name, lambda s=spec: {"processors": [s]}, stage=spec.name))
+    for name, entry in reg.reasoning_formats.items():
+        fmt = entry.factory()
+        opening = next(t.marker for t in fmt.transitions if t.to == fmt.phases[0])
+        out.append(Control("reasoning", name, lambda n=name, p=fmt.phases[0]: {
+            "reasoning": {"format": n, p: {"budget": 3, "wrap_up": "ok"}}}, opening=opening))
+    return out
+
+
+def _with_backend(base: Callable[[], dict[str, Any]], backend: str) -> Callable[[], dict[str, Any]]:
+    def update() -> dict[str, Any]:
+        data = base()
+        ((name, params),) = data["processors"][0].items()
+        return {**data, "processors": [{name: {**params, "backend": backend}}]}
+    return update
+
+
+def modes(reg: Registry) -> list[Mode]:
+    """Greedy, seeded sampling and n = 2 (plain decoding, what proposers drive), then every other registered strategy
+    that takes no proposer, with its default (or `STRATEGY_OPTIONS`) parameters, seeded where it samples."""
+    # greedy requests carry a seed too: a processor that draws (xtc) keys its draws on the seed and position, so
+    # even its greedy tokens are the same with speculation as without
+    out = [Mode("greedy", {"temperature": 0.0, "seed": 10}, True),
+           Mode("seeded", {"temperature": 0.9, "seed": 11}, True),
+           Mode("n=2", {"temperature": 0.9, "seed": 12, "n": 2}, True)]
+    components = Components(reg)
+    for name, entry in reg.strategies.items():
+        if name == "sample" or _takes_proposer(entry):
+            continue
+        options = STRATEGY_OPTIONS.get(name)
+        if options is None:
+            options = _params_example(entry)
+        if options is None:
+            raise ConformanceError(f"strategy {name!r} needs parameters: declare `example` on it or add it to "
+                                   "STRATEGY_OPTIONS in tests/helpers/composition_matrix.py")
+        # sampled where the strategy samples, greedy where it is deterministic (beams refuse a temperature)
+        candidates = [{"temperature": 0.9, "seed": 13}, {"temperature": 0.0, "seed": 13},
+                      {"temperature": 0.0, "seed": 13, "ignore_eos": False}]
+        update = next((c for c in candidates if _plans(components, {**BASE, **c, "strategy": {name: options}})),
+                      candidates[0])
+        out.append(Mode(name, {**update, "strategy": {name: options}}, False))
+    return out
+
+
+def _plans(components: Components, update: dict[str, Any]) -> bool:
+    try:
+        components.resolve(SamplingParams(**update))
+    except (DecodeKitError, ValueError):
+        return False
+    return True
+
+
+def _takes_proposer(entry: Any) -> bool:
+    model = entry.params_model
+    return model is not None and "proposer" in model.model_fields
+
+
+def speculations(reg: Registry) -> list[Speculation]:
+    """Every registered proposer under every strategy that takes one; a proposer that needs a draft model runs
+    twice: with a smaller model, and with the target's own int8 copy."""
+    out = []
+    for strategy, s_entry in reg.strategies.items():
+        if not _takes_proposer(s_entry):
+            continue
+        for proposer, p_entry in reg.proposers.items():
+            out.append(Speculation(strategy, proposer))
+            if getattr(p_entry.factory, "needs_draft", False):
+                out.append(Speculation(strategy, proposer, "int8"))
+    return out
+
+
+def all_cells(reg: Registry) -> list[Cell]:
+    """The whole matrix: every control under every mode without speculation, and under every speculation in the
+    modes a proposer drives."""
+    cs, ms, ss = controls(reg), modes(reg), speculations(reg)
+    plain = [Cell(c, m, None) for c in cs for m in ms]
+    spec = [Cell(c, m, s) for c in cs for m in ms if m.speculates for s in ss]
+    return plain + spec
+
+
+def fast_cells(reg: Registry) -> list[Cell]:
+    """A subset in which every control, mode and speculation appears at least once: control i under mode i (mod
+    the modes) without speculation, and under speculation i (mod) in a mode proposers drive."""
+    cs, ms, ss = controls(reg), modes(reg), speculations(reg)
+    spec_modes = [m for m in ms if m.speculates]
+    rows = max(len(cs), len(ms), len(ss))
+    cells = []
+    for i in range(rows):
+        control = cs[i % len(cs)]
+        cells.append(Cell(control, ms[i % len(ms)], None))
+        cells.append(Cell(control, spec_modes[i % len(spec_modes)], ss[i % len(ss)]))
+    return list(dict.fromkeys(cells))
+
+
+# ---- the models and engines ---------------------------------------------------------------------------------------
+@dataclass
+class MatrixModels:
+    """The tiny models every cell shares: a tokenizer with every reasoning format's markers, a Llama target, a
+    Qwen2 draft of the same vocabulary, an EAGLE head fitted to the target, and one engine per draft setting."""
+
+    tokenizer: Any
+    target: Any
+    draft: Any
+    head_path: Path
+    plugins: tuple[object, ...] = ()  # plugins the engines register beside decodekit's own
+    engines: dict[str, Harness] = dataclasses.field(default_factory=dict)
+
+    def with_plugins(self, *plugins: object) -> MatrixModels:
+        """The same models, with engines (built when first used) that also register `plugins`."""
+        return dataclasses.replace(self, plugins=plugins, engines={})
+
+    def harness(self, engine: str) -> Harness:
+        """The engine for `engine` ("main": the Qwen2 draft; "int8": the target's own int8 copy), built once."""
+        if engine not in self.engines:
+            options: dict[str, Any] = {"draft": self.draft}
+            if engine == "int8":
+                options = {"draft": "target", "draft_quantization": "int8"}
+            self.engines[engine] = Harness.build(self.plugins, f"matrix ({engine} engine)", target=self.target,
+                                                 tokenizer=self.tokenizer, **options)
+        return self.engines[engine]
+
+
+def matrix_tokenizer() -> Any:
+    """The tiny tokenizer with Qwen3's `<think>` markers and gpt-oss's harmony tokens, so every reasoning format
+    shipped has its markers as tokens."""
+    from decodekit.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])
+    tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    return tok
+
+
+def build_models(folder: Path) -> MatrixModels:
+    """The shared tiny models (the head file is written into `folder`)."""
+    from tests.strategies.test_eagle import _random_head
+
+    tok = matrix_tokenizer()
+    target = tiny_model("llama", vocab_size=len(tok), seed=0)
+    draft = tiny_model("qwen2", vocab_size=len(tok), seed=3)
+    head_path = folder / "matrix-head.safetensors"
+    _random_head(target, head_path, draft_vocab=120, seed=2)
+    return MatrixModels(tok, target, draft, head_path)
+
+
+# ---- running a cell -------------------------------------------------------------------------------------------------
+def prompts(models: MatrixModels, control: Control) -> list[list[int]]:
+    """Three prompts: two repetitive (prompt lookup finds matches), one not; ending in the control's opening."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(3):
+        ids = torch.randint(3, 380, (int(torch.randint(5, 9, (1,), generator=g)),), generator=g).tolist()
+        out.append((ids * 4)[:20] if i != 1 else ids)
+    if control.opening:
+        tail = models.tokenizer.encode(control.opening, add_special_tokens=False)
+        out = [p + tail for p in out]
+    return out
+
+
+def cell_params(cell: Cell, with_speculation: bool = True) -> SamplingParams:
+    """The request of a cell (without its speculation when asked: the non-speculative reference)."""
+    data: dict[str, Any] = dict(BASE)
+    data.update(cell.mode.update)
+    data.update(cell.control.update())
+    if with_speculation and cell.speculation is not None:
+        options = PROPOSER_OPTIONS.get(cell.speculation.proposer, lambda _: {})
+        data["strategy"] = {cell.speculation.strategy: {
+            "proposer": cell.speculation.proposer, "num_speculative_tokens": 3,
+            "proposer_options": options(_MODELS[0]) if _MODELS else {}}}
+    return SamplingParams(**data)
+
+
+_MODELS: list[MatrixModels] = []  # the models of the running matrix (proposer options read their files)
+_FILLER = SamplingParams(max_tokens=BASE["max_tokens"], temperature=0.8, seed=99, ignore_eos=True)
+
+
+def run_cell(models: MatrixModels, cell: Cell, references: dict[str, list[RequestOutput]]) -> Outcome:
+    """Run one cell; return its outcome, or raise `ConformanceError` saying which rule it broke."""
+    _MODELS[:] = [models]
+    if cell.control.missing:
+        return Outcome("skipped", cell.control.missing)
+    harness = models.harness(cell.speculation.engine if cell.speculation else "main")
+    harness.who = f"cell {cell.id}"
+    params = cell_params(cell)
+    refused = plan_error(harness, params)
+    if refused is not None:
+        return Outcome("refused", refused)
+    ps = prompts(models, cell.control)
+    # batched beside requests of other kinds: a plain seeded one and (with speculation) the same control unspeculated
+    batch_prompts = [*ps, ps[0]]
+    batch_params = [params] * len(ps) + [_FILLER]
+    batched = harness.generate(batch_prompts, batch_params, "batched")[: len(ps)]
+    for out in batched:
+        check_trace(harness, cell, out)
+    if cell.speculation is not None and params.greedy:  # (a control may make a greedy mode sample: temperature)
+        plain = reference(models, cell, references)
+        compare_outputs(harness, "is not lossless: speculative greedy gives other outputs than plain greedy", plain,
+                        batched, [params] * len(ps), ("plain", "speculative"))
+        for p_out, s_out in zip(plain, batched):
+            _same_stages(harness, p_out, s_out)
+        return Outcome("Y")
+    alone = run_alone(harness, ps, [params] * len(ps))
+    compare_outputs(harness, "gives a request different outputs alone and batched", alone, batched,
+                    [params] * len(ps), ("alone", "batched"), scores=True)
+    return Outcome("Y")
+
+
+def reference(models: MatrixModels, cell: Cell, references: dict[str, list[RequestOutput]]) -> list[RequestOutput]:
+    """The cell's control and mode without speculation, batched on the main engine (computed once per pair)."""
+    key = f"{cell.control.label}|{cell.mode.name}"
+    if key not in references:
+        harness = models.harness("main")
+        ps = prompts(models, cell.control)
+        params = cell_params(cell, with_speculation=False)
+        references[key] = harness.generate([*ps, ps[0]], [params] * len(ps) + [_FILLER], "plain reference")[: len(ps)]
+    return references[key]
+
+
+def _stages(out: RequestOutput) -> list[list[list[str]]]:
+    return [[[s["stage"] for s in e.get("stages", [])] for e in c.trace or [] if "token" in e] for c in out.outputs]
+
+
+def _same_stages(harness: Harness, plain: RequestOutput, spec: RequestOutput) -> None:
+    """Token by token, the speculative trace went through the same processor stages as the plain one."""
+    if _stages(plain) != _stages(spec):
+        raise harness.fail("ran other processor stages under speculation than without (a control was lost)",
+                           f"plain {_stages(plain)[0][:3]} vs speculative {_stages(spec)[0][:3]}")
+
+
+def check_trace(harness: Harness, cell: Cell, out: RequestOutput) -> None:
+    """The trace agrees with the outputs: one token event per token in order, the finish reason last, the control's
+    processor stage on every token it processed, drafts and acceptances adding up to the metrics."""
+    drafted = accepted = 0
+    for k, completion in enumerate(out.outputs):
+        trace = completion.trace
+        if trace is None:
+            raise harness.fail("returned no trace for a request that asked for one", f"output {k}")
+        events = [e for e in trace if "token" in e]
+        if [e["token"] for e in events] != list(completion.token_ids):
+            raise harness.fail("traced other tokens than it returned", f"output {k}: "
+                               f"{[e['token'] for e in events]} vs {list(completion.token_ids)}")
+        if trace[-1].get("finished") != completion.finish_reason:
+            raise harness.fail("ended its trace with another finish reason than the output's",
+                               f"output {k}: {trace[-1]} vs {completion.finish_reason!r}")
+        stage = cell.control.stage
+        if stage is not None and not (cell.control.argmax_invariant and _greedy(out)):
+            missing = [e["index"] for e in events if "stages" in e and e.get("phase") is None
+                       and stage not in [s["stage"] for s in e["stages"]]]
+            if missing:
+                raise harness.fail(f"did not run the control's processor {stage!r} on every token (lost)",
+                                   f"output {k}, tokens {missing}")
+        for e in events:
+            if "drafts" in e:
+                drafted += len(e["drafts"]["proposed"])
+                accepted += e["drafts"]["accepted"]
+    counted = (out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens)
+    if cell.speculation is not None and len(out.outputs) == 1 and (drafted, accepted) != counted:
+        raise harness.fail("traced other drafts than its metrics count",
+                           f"trace {drafted} drafted / {accepted} accepted, metrics {counted[0]} / {counted[1]}")
+
+
+def _greedy(out: RequestOutput) -> bool:
+    return out.outputs[0].trace is not None and all(
+        e.get("chosen_by") in ("argmax", "draft accepted") for e in out.outputs[0].trace if "token" in e)
+
+
+def run_cells(models: MatrixModels, cells: Iterable[Cell]) -> dict[Cell, Outcome]:
+    """Run every cell (raising at the first that breaks a rule)."""
+    references: dict[str, list[RequestOutput]] = {}
+    return {cell: run_cell(models, cell, references) for cell in cells}
+
+
+__all__ = ["EXAMPLES", "Cell", "Control", "MatrixModels", "Mode", "Outcome", "Speculation", "all_cells",
+           "build_models", "controls", "fast_cells", "modes", "run_cell", "run_cells", "speculations"]
