@@ -512,3 +512,66 @@ def run_cells(models: MatrixModels, cells: Iterable[Cell]) -> dict[Cell, Outcome
 
 __all__ = ["EXAMPLES", "Cell", "Control", "MatrixModels", "Mode", "Outcome", "Speculation", "all_cells",
            "build_models", "controls", "fast_cells", "modes", "run_cell", "run_cells", "speculations"]
+
+
+# ---- the table in docs/speculative.md -------------------------------------------------------------------------------
+HEADING = "## Composition matrix"
+
+PEERS = Path(__file__).with_name("composition_peers.md")
+"""The table against vLLM, SGLang, llama.cpp and TensorRT-LLM (hand-written: what their trackers say, with links)."""
+
+
+def render(outcomes: dict[Cell, Outcome]) -> str:
+    """The "Composition matrix" section: counts, the speculative table (controls x proposer and mode), the strategy
+    table (controls x modes without a proposer), the refusals' reasons, and the peers' table."""
+    reasons: dict[str, int] = {}
+
+    def mark(outcome: Outcome | None) -> str:
+        if outcome is None:
+            return ""
+        if outcome.status == "Y":
+            return "Y"
+        number = reasons.setdefault(f"{outcome.status}: {outcome.reason}", len(reasons) + 1)
+        return f"{'R' if outcome.status == 'refused' else 'S'}{number}"
+
+    by_key = {(c.control.label, c.mode.name, c.speculation.label if c.speculation else None): o
+              for c, o in outcomes.items()}
+    controls = list(dict.fromkeys(c.control.label for c in outcomes))
+    spec_cols = list(dict.fromkeys((c.speculation.label, c.mode.name) for c in outcomes if c.speculation))
+    plain_cols = list(dict.fromkeys(c.mode.name for c in outcomes if c.speculation is None))
+    counts = {s: sum(o.status == s for o in outcomes.values()) for s in ("Y", "refused", "skipped")}
+    lines = [HEADING, "",
+             "Generated from the registry by `python tools/composition_matrix.py --write` (the same cells as "
+             "`pytest tests/strategies/test_composition_matrix.py -m matrix`), on tiny in-process models. **Y**: ran, "
+             "greedy output equal to the non-speculative run, seeded output equal alone and batched, the trace "
+             "consistent (every token, the finish reason, the control's processor stage, drafts adding up to the "
+             "metrics). **R*n***: refused when the request is planned, with reason *n* below. **S*n***: the part "
+             "is not installed here. A cell that does neither fails the test: there are no silent drops.", "",
+             f"Cells: {len(outcomes)}: {counts['Y']} ran (Y), {counts['refused']} refused with a reason, "
+             f"{counts['skipped']} skipped (not installed), 0 silent drops.", "",
+             "### Under speculation (proposer / mode)", "",
+             "| control | " + " | ".join(f"{s} / {m}" for s, m in spec_cols) + " |",
+             "|---|" + "---|" * len(spec_cols)]
+    for control in controls:
+        lines.append(f"| {control} | " + " | ".join(mark(by_key.get((control, m, s))) for s, m in spec_cols) + " |")
+    lines += ["", "### Without a proposer (mode or strategy)", "",
+              "| control | " + " | ".join(plain_cols) + " |", "|---|" + "---|" * len(plain_cols)]
+    for control in controls:
+        lines.append(f"| {control} | " + " | ".join(mark(by_key.get((control, m, None))) for m in plain_cols) + " |")
+    lines += ["", "Reasons:", ""]
+    lines += [f"{n}. {reason.replace('|', '/')}" for reason, n in reasons.items()]
+    return "\n".join(lines) + "\n\n" + PEERS.read_text()
+
+
+def write_section(path: Path, section: str) -> None:
+    """Put `section` in the markdown file at `path` in place of its "Composition matrix" heading's section (up to
+    the next heading of the same level), or at its end; other headings stay as they are."""
+    text = path.read_text() if path.exists() else "# Speculative decoding\n\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == HEADING), None)
+    if start is None:
+        path.write_text(text.rstrip("\n") + "\n\n" + section)
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    rest = "".join(lines[end:])
+    path.write_text("".join(lines[:start]) + section + ("\n" + rest if rest else ""))

@@ -200,3 +200,19 @@ def _two_token_distribution(models: cm.MatrixModels, prompt: list[int], params: 
                                             prompt_lens=[len(prompt)] * len(allowed), tokenizer=models.tokenizer),
                            dim=-1)
     return p1[allowed][:, None] * p2[:, allowed]
+
+
+def test_the_table_replaces_only_its_own_section_and_counts_every_cell(models, tmp_path):
+    cells = [c for c in FAST if c.control.name in ("repetition_penalty", "logit_bias")]
+    with torch.inference_mode(False):
+        outcomes = cm.run_cells(models, cells)
+    section = cm.render(outcomes)
+    ran, refused = (sum(o.status == s for o in outcomes.values()) for s in ("Y", "refused"))
+    assert f"Cells: {len(cells)}: {ran} ran (Y), {refused} refused with a reason" in section
+    doc = tmp_path / "speculative.md"
+    doc.write_text("# Speculative decoding\n\n## Draft trees\n\ntrees\n\n## Composition matrix\n\nold\n\n## After\n\nx\n")
+    cm.write_section(doc, section)
+    text = doc.read_text()
+    assert "old" not in text and text.count("## Composition matrix") == 1
+    assert "## Draft trees\n\ntrees" in text and text.rstrip().endswith("## After\n\nx")
+    assert "[#26330](https://github.com/sgl-project/sglang/issues/26330)" in text
