@@ -210,7 +210,8 @@ def test_the_table_replaces_only_its_own_section_and_counts_every_cell(models, t
     ran, refused = (sum(o.status == s for o in outcomes.values()) for s in ("Y", "refused"))
     assert f"Cells: {len(cells)}: {ran} ran (Y), {refused} refused with a reason" in section
     doc = tmp_path / "speculative.md"
-    doc.write_text("# Speculative decoding\n\n## Draft trees\n\ntrees\n\n## Composition matrix\n\nold\n\n## After\n\nx\n")
+    doc.write_text("# Speculative decoding\n\n## Draft trees\n\ntrees\n\n## Composition matrix\n\nold\n\n"
+                   "## After\n\nx\n")
     cm.write_section(doc, section)
     text = doc.read_text()
     assert "old" not in text and text.count("## Composition matrix") == 1
