@@ -44,10 +44,7 @@ from decodekit.testing.parts import plugin_manager
 from decodekit.tool_calling import ToolPlan
 from tests.helpers.reasoning_models import HARMONY_TOKENS
 
-# ---- the parameters of components that need some ---------------------------------------------------------------------
-_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-           "required": ["name", "age"]}
+# ---- the parameters of components that need some ------------------------------------------------------------------
 EXAMPLES: dict[str, Callable[[], dict[str, Any]]] = {
     # SamplingParams fields (the default processors: switched on by their field)
     "temperature": lambda: {"temperature": 0.7},
@@ -55,36 +52,17 @@ EXAMPLES: dict[str, Callable[[], dict[str, Any]]] = {
     "top_p": lambda: {"top_p": 0.8},
     "min_p": lambda: {"min_p": 0.2},
     "min_tokens": lambda: {"min_tokens": 6, "ignore_eos": False, "stop_token_ids": list(range(3, 60))},
-    # processors with required parameters
+    # a parameter that is a Python object (transformers' processor instance), which a class attribute cannot hold
     "hf_logits_processor": lambda: {"processors": [hf_logits_processor(NoRepeatNGramLogitsProcessor(2))]},
-    "repetition_penalty": lambda: {"processors": [{"repetition_penalty": {"penalty": 1.5}}]},
-    "presence_penalty": lambda: {"processors": [{"presence_penalty": {"penalty": 1.0}}]},
-    "frequency_penalty": lambda: {"processors": [{"frequency_penalty": {"penalty": 0.8}}]},
-    "no_repeat_ngram": lambda: {"processors": [{"no_repeat_ngram": {"ngram_size": 2}}]},
-    "typical_p": lambda: {"processors": [{"typical_p": {"mass": 0.8}}]},
-    "top_n_sigma": lambda: {"processors": [{"top_n_sigma": {"n": 1.0}}]},
-    "epsilon": lambda: {"processors": [{"epsilon": {"epsilon": 0.01}}]},
-    "eta": lambda: {"processors": [{"eta": {"epsilon": 0.2}}]},
-    "logit_bias": lambda: {"processors": [{"logit_bias": {"bias": {str(i): 4.0 for i in range(40, 48)}}}]},
-    "bad_words": lambda: {"processors": [{"bad_words": {"words_ids": [[i] for i in range(40, 200)]}}]},
-    "allowed_token_ids": lambda: {"processors": [{"allowed_token_ids": {"token_ids": list(range(40, 52))}}]},
-    "xtc": lambda: {"processors": [{"xtc": {"threshold": 0.05, "probability": 0.5}}]},
-    "dynamic_temperature": lambda: {"processors": [{"dynamic_temperature": {"temperature": 1.0, "delta": 0.5}}]},
-    # constraints (the structured-output library's kinds)
-    "json_schema": lambda: {"processors": [{"json_schema": {"schema": _SCHEMA}}]},
-    "regex": lambda: {"processors": [{"regex": {"pattern": r"[a-d]{2,5}-[0-9]{1,4}"}}]},
-    "grammar": lambda: {"processors": [{"grammar": {"grammar": 'start: "(" item ("," item)* ")"\n'
-                                                               'item: /[a-c]{1,3}/'}}]},
-    "choice": lambda: {"processors": [{"choice": {"choices": ["alpha", "beta", "gamma delta"]}}]},
     # stopping criteria
     "eos": lambda: {"ignore_eos": False},
     "stop_token_ids": lambda: {"stop_token_ids": list(range(3, 60))},
     "stop_strings": lambda: {"stop": ["e", "a"]},
-    "time_limit": lambda: {"stopping": [{"time_limit": {"seconds": 600}}]},
 }
-"""Parameters for the shipped components that need some, as `SamplingParams` fields (a component's own `example`
-wins). Each is chosen to bite on the tiny random model: penalties and biases change its argmax, stop ids and
-strings end requests mid-way."""
+"""Parameters for shipped components that a request switches on by its `SamplingParams` fields (the default
+processors and stopping criteria) or that cannot declare an `example` (a Python object); the others declare their
+own (`LogitsProcessor.example`, `StoppingCriterion.example`). Each bites on the tiny random model: stop ids and
+strings end requests mid-way, min_tokens holds them back."""
 
 PROPOSER_OPTIONS: dict[str, Callable[[MatrixModels], dict[str, Any]]] = {
     "eagle": lambda models: {"head": str(models.head_path)},
@@ -228,11 +206,13 @@ def controls(reg: Registry) -> list[Control]:
             out.append(Control("constraint", f"{kind_name}@{backend}", _with_backend(base, backend), stage=kind_name,
                                missing=missing))
     for name, entry in reg.stopping_criteria.items():
-        update = EXAMPLES.get(name)
-        if update is None:
-            example = _params_example(entry)
-            update = _no_example("stopping criterion", name) if example is None else (
-                lambda n=name, e=example: {"stopping": [{n: e}]})
+        example = _params_example(entry)
+        if getattr(entry.factory, "example", None) is None and name in EXAMPLES:
+            update = EXAMPLES[name]
+        elif example is None:
+            update = _no_example("stopping criterion", name)
+        else:
+            update = lambda n=name, e=example: {"stopping": [{n: e}]}  # noqa: E731
         out.append(Control("stopping", name, update))
     tool = ToolSpec("lookup", "Look a word up.", {"type": "object", "properties": {"word": {
         "type": "string", "maxLength": 5}}, "required": ["word"]})

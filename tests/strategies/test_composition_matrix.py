@@ -76,6 +76,33 @@ def test_the_fast_subset_has_every_control_mode_and_speculation_of_the_registry(
     assert {s.engine for s in specs if s.proposer == "draft"} == {"main", "int8"}  # the int8 self-draft too
 
 
+NO_EFFECT_ON_GREEDY = {
+    "eos": "the tiny model does not write its EOS within the cells' 10 tokens",
+    "max_tokens": "it is the request's own limit, on in every cell",
+    "time_limit": "600 s is never reached",
+}
+"""Controls that do not change a greedy output on the matrix's model, and why (argmax-invariant processors aside)."""
+
+
+def test_every_control_changes_the_greedy_output_so_no_cell_is_vacuous(models):
+    """Each control's example parameters change plain greedy decoding on the matrix's model (except the ones that
+    cannot: argmax-invariant processors, and `NO_EFFECT_ON_GREEDY`): a speculative greedy cell equal to the plain
+    run then proves the control applied under speculation, not that it did nothing in either."""
+    greedy = next(m for m in cm.modes(REGISTRY) if m.name == "greedy")
+    harness = models.harness("main")
+    idle = []
+    with torch.inference_mode(False):
+        for control in cm.controls(REGISTRY):
+            if control.missing or control.argmax_invariant:
+                continue
+            ps = cm.prompts(models, control)
+            with_it = harness.generate(ps, [cm.cell_params(cm.Cell(control, greedy, None))] * len(ps), "with")
+            without = harness.generate(ps, [SamplingParams(**{**cm.BASE, **greedy.update})] * len(ps), "without")
+            if [o.outputs[0].token_ids for o in with_it] == [o.outputs[0].token_ids for o in without]:
+                idle.append(control.name)
+    assert sorted(idle) == sorted(NO_EFFECT_ON_GREEDY)
+
+
 class _EchoProposer(Proposer):
     """Proposes the sequence's last token again, k times (a third party's proposer, for the matrix)."""
 
