@@ -115,12 +115,14 @@ class Speculation:
     strategy: str
     proposer: str
     engine: Literal["main", "int8"] = "main"
+    fallback: str | None = None  # a second proposer chained after the first (`fallback`)
 
     @property
     def label(self) -> str:
         suffix = " (int8 self-draft)" if self.engine == "int8" else ""
+        chain = f"→{self.fallback}" if self.fallback else ""
         name = self.proposer if self.strategy == "speculative" else f"{self.strategy}/{self.proposer}"
-        return name + suffix
+        return name + chain + suffix
 
 
 @dataclass(frozen=True)
@@ -277,7 +279,9 @@ def _takes_proposer(entry: Any) -> bool:
 
 def speculations(reg: Registry) -> list[Speculation]:
     """Every registered proposer under every strategy that takes one; a proposer that needs a draft model runs
-    twice: with a smaller model, and with the target's own int8 copy."""
+    twice: with a smaller model, and with the target's own int8 copy. Where the strategy chains proposers
+    (`fallback`), each model-free proposer (no draft model, no hidden states: prompt lookup) is chained to each
+    other proposer too."""
     out = []
     for strategy, s_entry in reg.strategies.items():
         if not _takes_proposer(s_entry):
@@ -286,6 +290,12 @@ def speculations(reg: Registry) -> list[Speculation]:
             out.append(Speculation(strategy, proposer))
             if getattr(p_entry.factory, "needs_draft", False):
                 out.append(Speculation(strategy, proposer, "int8"))
+        if "fallback" not in s_entry.params_model.model_fields:
+            continue
+        free = [name for name, entry in reg.proposers.items() if not getattr(entry.factory, "needs_draft", False)
+                and not getattr(entry.factory, "hidden_states", False) and _params_example(entry) == {}]
+        out += [Speculation(strategy, first, fallback=second) for first in free for second in reg.proposers
+                if second != first]
     return out
 
 
@@ -377,31 +387,49 @@ def prompts(models: MatrixModels, control: Control) -> list[list[int]]:
     return out
 
 
-def cell_params(cell: Cell, with_speculation: bool = True) -> SamplingParams:
-    """The request of a cell (without its speculation when asked: the non-speculative reference)."""
+def cell_params(cell: Cell, models: MatrixModels | None = None, with_speculation: bool = True) -> SamplingParams:
+    """The request of a cell (without its speculation when asked: the non-speculative reference); `models` gives
+    the files proposers read (needed for a cell with such a proposer)."""
     data: dict[str, Any] = dict(BASE)
     data.update(cell.mode.update)
     data.update(cell.control.update())
     if with_speculation and cell.speculation is not None:
-        options = PROPOSER_OPTIONS.get(cell.speculation.proposer, lambda _: {})
-        data["strategy"] = {cell.speculation.strategy: {
-            "proposer": cell.speculation.proposer, "num_speculative_tokens": 3,
-            "proposer_options": options(_MODELS[0]) if _MODELS else {}}}
+        data["strategy"] = strategy_spec(cell.speculation, models)
     return SamplingParams(**data)
 
 
-_MODELS: list[MatrixModels] = []  # the models of the running matrix (proposer options read their files)
+def strategy_spec(spec: Speculation, models: MatrixModels | None, k: int = 3) -> dict[str, Any]:
+    """`SamplingParams.strategy` for a speculation drafting `k` tokens a step."""
+    options = {"proposer": spec.proposer, "num_speculative_tokens": k,
+               "proposer_options": _proposer_options(spec.proposer, models, chained=spec.fallback is not None)}
+    if spec.fallback is not None:
+        options.update(fallback=spec.fallback, fallback_options=_proposer_options(spec.fallback, models))
+    return {spec.strategy: options}
+
+
+CHAIN_OPTIONS: dict[str, dict[str, Any]] = {"ngram": {"prompt_lookup_min": 2}}
+"""A chain's first link's options: prompt lookup of two tokens or more, so the second link drafts where the context
+offers no real match (without it, a one-token match is nearly always found)."""
+
+
+def _proposer_options(name: str, models: MatrixModels | None, chained: bool = False) -> dict[str, Any]:
+    if chained and name in CHAIN_OPTIONS:
+        return CHAIN_OPTIONS[name]
+    if name not in PROPOSER_OPTIONS:
+        return {}
+    if models is None:
+        raise ValueError(f"proposer {name!r} reads a file of the matrix's models: pass `models`")
+    return PROPOSER_OPTIONS[name](models)
 _FILLER = SamplingParams(max_tokens=BASE["max_tokens"], temperature=0.8, seed=99, ignore_eos=True)
 
 
 def run_cell(models: MatrixModels, cell: Cell, references: dict[str, list[RequestOutput]]) -> Outcome:
     """Run one cell; return its outcome, or raise `ConformanceError` saying which rule it broke."""
-    _MODELS[:] = [models]
     if cell.control.missing:
         return Outcome("skipped", cell.control.missing)
     harness = models.harness(cell.speculation.engine if cell.speculation else "main")
     harness.who = f"cell {cell.id}"
-    params = cell_params(cell)
+    params = cell_params(cell, models)
     refused = plan_error(harness, params)
     if refused is not None:
         return Outcome("refused", refused)
@@ -431,7 +459,7 @@ def reference(models: MatrixModels, cell: Cell, references: dict[str, list[Reque
     if key not in references:
         harness = models.harness("main")
         ps = prompts(models, cell.control)
-        params = cell_params(cell, with_speculation=False)
+        params = cell_params(cell, models, with_speculation=False)
         references[key] = harness.generate([*ps, ps[0]], [params] * len(ps) + [_FILLER], "plain reference")[: len(ps)]
     return references[key]
 

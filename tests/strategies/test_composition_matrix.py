@@ -73,6 +73,7 @@ def test_the_fast_subset_has_every_control_mode_and_speculation_of_the_registry(
     assert set(REGISTRY.tool_formats) | set(REGISTRY.reasoning_formats) <= names
     assert {s.proposer for s in specs} == set(REGISTRY.proposers)
     assert {"greedy", "seeded", "n=2", "beam_search", "best_of"} <= {m.name for m in modes}
+    assert {s.label for s in specs if s.fallback} >= {"ngram→draft", "ngram→eagle"}  # chained proposers
     assert {s.engine for s in specs if s.proposer == "draft"} == {"main", "int8"}  # the int8 self-draft too
 
 
@@ -166,7 +167,8 @@ def test_a_plugins_processor_and_proposer_are_in_the_matrix_by_being_registered(
     assert boost and any(c.speculation and c.speculation.proposer == "echo_matrix" for c in cells)
     assert cm.cell_params(boost[0]).processors[0].params == _Boost.example  # its own example parameters
     with_plugin = models.with_plugins(plugin)
-    ran = [cm.run_cell(with_plugin, c, {}) for c in boost if c.speculation and c.speculation.proposer == "echo_matrix"]
+    assert any(c.speculation and c.speculation.label == "ngram→echo_matrix" for c in cells)  # chained too
+    ran = [cm.run_cell(with_plugin, c, {}) for c in boost if c.speculation and c.speculation.label == "echo_matrix"]
     assert [o.status for o in ran] == ["Y", "Y", "refused"]  # greedy, seeded; n = 2 refused by speculative
 
 
@@ -196,11 +198,10 @@ def test_speculative_sampling_under_processors_draws_the_targets_two_token_distr
                               {"repetition_penalty": {"penalty": 2.0}}], "temperature": 1.5}
     prompt = [40, 41, 42, 43, 40, 41, 42, 43, 40]
     harness = models.harness(spec.engine)
-    options = cm.PROPOSER_OPTIONS.get(spec.proposer, lambda _: {})(models)
     draws = 1500
     # three tokens, so that the second is drafted (no draft runs past max_tokens) and verified
-    params = [SamplingParams(max_tokens=3, ignore_eos=True, seed=10_000 + i, **control, strategy={spec.strategy: {
-        "proposer": spec.proposer, "num_speculative_tokens": 2, "proposer_options": options}}) for i in range(draws)]
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, seed=10_000 + i, **control,
+                             strategy=cm.strategy_spec(spec, models, k=2)) for i in range(draws)]
     counts = torch.zeros(len(allowed), len(allowed))
     drafted = 0
     with torch.inference_mode(False):
