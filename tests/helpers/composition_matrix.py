@@ -1,7 +1,8 @@
 """The composition matrix (issue 44 item 4): every control the registry holds (each processor, stopping criterion,
 constraint kind, tool-call format and reasoning format) x every decoding mode (greedy, seeded sampling, n > 1, and
-each other registered strategy: best-of, beam search, ...) x every proposer (and "none"), generated from the
-registry, so a component a plugin adds is in the matrix by being installed.
+each other registered strategy: best-of, beam search, ...) x every proposer (and "none", and model-free proposers
+chained to each other one), generated from the registry, so a component a plugin adds is in the matrix by being
+installed.
 
 A cell runs on tiny in-process models (a Llama target, a Qwen2 draft, a random EAGLE head, the target's own int8
 copy) through the kits' `Harness` (a step budget; every KV block, the engine's and the proposers' models', free at
@@ -37,7 +38,7 @@ from decodekit.api.sequence import RequestOutput
 from decodekit.api.tools import ToolSpec
 from decodekit.core.plan import Components
 from decodekit.core.registry import Registry
-from decodekit.models.tiny import tiny_model
+from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from decodekit.testing.engine_harness import Harness, compare_outputs, plan_error, run_alone
 from decodekit.testing.errors import ConformanceError
 from decodekit.testing.parts import plugin_manager
@@ -353,8 +354,6 @@ class MatrixModels:
 def matrix_tokenizer() -> Any:
     """The tiny tokenizer with Qwen3's `<think>` markers and gpt-oss's harmony tokens, so every reasoning format
     shipped has its markers as tokens."""
-    from decodekit.models.tiny import tiny_tokenizer
-
     tok = tiny_tokenizer()
     tok.add_tokens(["<think>", "</think>"])
     tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
@@ -549,8 +548,9 @@ def render(outcomes: dict[Cell, Outcome]) -> str:
     plain_cols = list(dict.fromkeys(c.mode.name for c in outcomes if c.speculation is None))
     counts = {s: sum(o.status == s for o in outcomes.values()) for s in ("Y", "refused", "skipped")}
     lines = [HEADING, "",
-             "Generated from the registry by `python tools/composition_matrix.py --write` (the same cells as "
-             "`pytest tests/strategies/test_composition_matrix.py -m matrix`), on tiny in-process models. **Y**: ran, "
+             "Generated from the registry by `make matrix` (`pytest tests/strategies/test_composition_matrix.py -m "
+             "matrix`, then `python tools/composition_matrix.py --write`), on tiny in-process models; the default "
+             "test run takes a subset in which every component appears. **Y**: ran, "
              "greedy output equal to the non-speculative run, seeded output equal alone and batched, the trace "
              "consistent (every token, the finish reason, the control's processor stage, drafts adding up to the "
              "metrics). **R*n***: refused when the request is planned, with reason *n* below. **S*n***: the part "
