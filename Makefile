@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Elsewhere: `make TORCH_SPEC=torch setup` to take your platform's build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench matrix
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# the whole composition matrix (the default run takes a subset), then its table in docs/speculative.md
+matrix: setup
+	$(PY) -m pytest -q -m matrix tests/strategies/test_composition_matrix.py
+	$(PY) tools/composition_matrix.py --write
 
 lint: setup
 	$(VENV)/bin/ruff check .

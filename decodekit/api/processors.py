@@ -133,6 +133,9 @@ class LogitsProcessor:
             where every stage after it in their pipeline is argmax-invariant too).
         stateful: the processor keeps per-sequence state (`init_state`/`update_state`/`fork_state`).
         in_place: the processor may modify its input tensor (it says so; the engine then hands it a copy).
+        example: parameters with which it visibly changes decoding (its `Params` as a mapping; None: its defaults
+            do). The composition matrix (`tests/strategies/test_composition_matrix.py`) runs it with them under
+            every strategy and proposer, so a processor a plugin installs is checked there without a table entry.
 
     Example:
         >>> class Ban(LogitsProcessor):
@@ -151,6 +154,7 @@ class LogitsProcessor:
     argmax_invariant: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
     in_place: ClassVar[bool] = False
+    example: ClassVar[dict[str, Any] | None] = None
 
     @classmethod
     def from_sampling_params(cls, params: SamplingParams) -> BaseModel | None:

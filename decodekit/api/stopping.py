@@ -28,6 +28,9 @@ class StopDecision:
 class StoppingCriterion:
     """Base class of stopping criteria. Built once per engine; `check` runs after every token of its rows.
 
+    `example` (optional): parameters with which it can stop a request (its `Params` as a mapping), for the
+    composition matrix (`tests/strategies/test_composition_matrix.py`), as `LogitsProcessor.example`.
+
     Example:
         >>> class NewlineCount(StoppingCriterion):
         ...     name = "newlines"
@@ -39,6 +42,7 @@ class StoppingCriterion:
 
     name: ClassVar[str] = "criterion"
     Params: ClassVar[type[BaseModel] | None] = None
+    example: ClassVar[dict[str, Any] | None] = None
 
     def is_active(self, params: SamplingParams) -> bool:
         """For default criteria: whether a request with these parameters uses this criterion."""

@@ -140,11 +140,16 @@ class Harness:
     requests: int = 0
 
     @classmethod
-    def build(cls, plugins: Sequence[object], who: str, draft: Any = None) -> Harness:
-        target = shared_tiny_model("llama", 0)
-        draft_model = target if isinstance(draft, str) and draft == "target" else draft
-        llm = LLM(target, _tokenizer(), plugin_manager=plugin_manager(*plugins), device="cpu", draft=draft_model,
-                  kv_cache_memory="16MiB", block_size=4, max_num_seqs=64)
+    def build(cls, plugins: Sequence[object], who: str, draft: Any = None, *, target: Any = None,
+              tokenizer: Any = None, **engine_options: Any) -> Harness:
+        """A fresh engine on `target` (default: the shared tiny Llama) and `tokenizer` (default: the tiny one);
+        `draft="target"` drafts with the target itself, or with its quantized copy when `draft_quantization` is
+        among the `engine_options`."""
+        target = shared_tiny_model("llama", 0) if target is None else target
+        self_copy = isinstance(draft, str) and draft == "target" and "draft_quantization" not in engine_options
+        options = {"kv_cache_memory": "16MiB", "block_size": 4, "max_num_seqs": 64, **engine_options}
+        llm = LLM(target, _tokenizer() if tokenizer is None else tokenizer, plugin_manager=plugin_manager(*plugins),
+                  device="cpu", draft=target if self_copy else draft, **options)
         harness = cls(llm, who)
         info = llm.engine.components.info
         if info is not None and info.open_model is not None:

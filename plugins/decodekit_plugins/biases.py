@@ -8,7 +8,7 @@ token ids with the engine's tokenizer, given to `setup`, once per distinct strin
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -69,6 +69,7 @@ class LogitBiasProcessor(_UsesTokenizer):
     """
 
     name = "logit_bias"
+    example: ClassVar[dict[str, Any]] = {"bias": {str(i): 4.0 for i in range(40, 48)}}
 
     class Params(StrictParams):
         bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
@@ -114,6 +115,7 @@ class BadWordsProcessor(_UsesTokenizer):
     """
 
     name = "bad_words"
+    example: ClassVar[dict[str, Any]] = {"words_ids": [[i] for i in range(40, 200)]}
 
     class Params(StrictParams):
         words_ids: list[Annotated[list[TokenId], Field(min_length=1)]] = Field(
@@ -161,6 +163,7 @@ class AllowedTokenIdsProcessor(_UsesTokenizer):
     """
 
     name = "allowed_token_ids"
+    example: ClassVar[dict[str, Any]] = {"token_ids": list(range(40, 52))}
 
     class Params(StrictParams):
         token_ids: list[TokenId] = Field(min_length=1, description="The only token ids that may be generated.")

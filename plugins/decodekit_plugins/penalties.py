@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import torch
 from pydantic import Field, StringConstraints
@@ -65,6 +65,7 @@ class RepetitionPenaltyProcessor(LogitsProcessor):
     """
 
     name = "repetition_penalty"
+    example: ClassVar[dict[str, Any]] = {"penalty": 1.5}
 
     class Params(StrictParams):
         penalty: float = Field(gt=0.0, description="Above 1 discourages repeats, below 1 encourages them.")
@@ -81,6 +82,7 @@ class PresencePenaltyProcessor(LogitsProcessor):
     """
 
     name = "presence_penalty"
+    example: ClassVar[dict[str, Any]] = {"penalty": 1.0}
 
     class Params(StrictParams):
         penalty: float = Field(ge=-2.0, le=2.0, description="Subtracted once per generated token id (OpenAI range).")
@@ -97,6 +99,7 @@ class FrequencyPenaltyProcessor(LogitsProcessor):
     """
 
     name = "frequency_penalty"
+    example: ClassVar[dict[str, Any]] = {"penalty": 0.8}
 
     class Params(StrictParams):
         penalty: float = Field(ge=-2.0, le=2.0, description="Subtracted per occurrence in the generated tokens.")
@@ -133,6 +136,7 @@ class NoRepeatNGramProcessor(LogitsProcessor):
     """
 
     name = "no_repeat_ngram"
+    example: ClassVar[dict[str, Any]] = {"ngram_size": 2}
 
     class Params(StrictParams):
         ngram_size: int = Field(ge=1, description="Length of the n-grams that may occur only once.")
@@ -188,6 +192,7 @@ class DryProcessor(LogitsProcessor):
     """
 
     name = "dry"
+    example: ClassVar[dict[str, Any]] = {"multiplier": 2.0, "allowed_length": 1, "sequence_breakers": []}
 
     class Params(StrictParams):
         multiplier: float = Field(0.8, ge=0.0, description="Penalty scale; 0 turns DRY off.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -95,6 +95,7 @@ class TimeLimitCriterion(StoppingCriterion):
     """
 
     name = "time_limit"
+    example: ClassVar[dict[str, Any]] = {"seconds": 600}
 
     class Params(BaseModel):
         """Parameters of `time_limit`."""

@@ -27,7 +27,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import ConfigDict, Field, field_validator
@@ -217,6 +217,10 @@ class JsonSchemaProcessor(ConstraintProcessor):
     """
 
     name = "json_schema"
+    example: ClassVar[dict[str, Any]] = {"schema": {
+        "type": "object", "required": ["name", "age"],
+        "properties": {"name": {"type": "string", "maxLength": 6},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 99}}}}
 
     class Params(_Params, JsonOptions):
         schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema (a mapping, or JSON text).")
@@ -265,6 +269,7 @@ class RegexProcessor(ConstraintProcessor):
     """
 
     name = "regex"
+    example: ClassVar[dict[str, Any]] = {"pattern": r"[a-d]{2,5}-[0-9]{1,4}"}
 
     class Params(_Params):
         pattern: str = Field(description="The regular expression the whole output must match.")
@@ -280,6 +285,7 @@ class GrammarProcessor(ConstraintProcessor):
     """
 
     name = "grammar"
+    example: ClassVar[dict[str, Any]] = {"grammar": 'start: "(" item ("," item)* ")"\nitem: /[a-c]{1,3}/'}
 
     class Params(_Params):
         grammar: str = Field(description="The grammar text.")
@@ -296,6 +302,7 @@ class ChoiceProcessor(ConstraintProcessor):
     """
 
     name = "choice"
+    example: ClassVar[dict[str, Any]] = {"choices": ["alpha", "beta", "gamma delta"]}
 
     class Params(_Params):
         choices: list[str] = Field(min_length=1, description="The allowed outputs.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
@@ -72,6 +72,7 @@ class TypicalPProcessor(LogitsProcessor):
     """
 
     name = "typical_p"
+    example: ClassVar[dict[str, Any]] = {"mass": 0.8}
 
     class Params(StrictParams):
         mass: float = Field(gt=0.0, lt=1.0, description="Probability mass of the most typical tokens to keep.")
@@ -99,6 +100,7 @@ class TopNSigmaProcessor(LogitsProcessor):
     """
 
     name = "top_n_sigma"
+    example: ClassVar[dict[str, Any]] = {"n": 1.0}
     argmax_invariant = True
 
     class Params(StrictParams):
@@ -121,6 +123,7 @@ class EpsilonProcessor(LogitsProcessor):
     """
 
     name = "epsilon"
+    example: ClassVar[dict[str, Any]] = {"epsilon": 0.01}
     argmax_invariant = True
 
     class Params(StrictParams):
@@ -139,6 +142,7 @@ class EtaProcessor(LogitsProcessor):
     """
 
     name = "eta"
+    example: ClassVar[dict[str, Any]] = {"epsilon": 0.2}
     argmax_invariant = True
 
     class Params(StrictParams):
@@ -167,6 +171,7 @@ class XTCProcessor(LogitsProcessor):
     """
 
     name = "xtc"
+    example: ClassVar[dict[str, Any]] = {"threshold": 0.05, "probability": 0.5}
 
     class Params(StrictParams):
         threshold: float = Field(0.1, ge=0.0, le=1.0, description="Probability at which a token is a top choice.")
@@ -198,6 +203,7 @@ class DynamicTemperatureProcessor(LogitsProcessor):
     """
 
     name = "dynamic_temperature"
+    example: ClassVar[dict[str, Any]] = {"temperature": 1.0, "delta": 0.5}
     argmax_invariant = True
 
     class Params(StrictParams):
