@@ -13,10 +13,12 @@ Proposers:
 - `draft`: a smaller causal LM with the target's tokenizer (the engine's `draft` model), or an int8 copy of the
   target (`draft: {model: target, quantization: int8}`), with its own paged KV cache; it sees the request's
   processors too, so a draft equal to the target is accepted 100%;
-- `eagle` (`decodekit_plugins.eagle`): a trained draft head over the target's own last hidden states.
+- `eagle` (`decodekit_plugins.eagle`): a trained draft head over the target's own last hidden states;
+- `suffix` (`decodekit_plugins.suffix`): suffix decoding, drafts from suffix tries over the request and recent outputs.
 
-A `fallback` proposer chains a second one per step: it drafts for the sequences the first leaves without a draft
-(`proposer: ngram` with `prompt_lookup_min: 2` where the context offers a real match, `fallback: draft` elsewhere).
+`fallback` chains more proposers per step: each drafts for the sequences the links before it left without a draft
+(`proposer: ngram` with `prompt_lookup_min: 2` where the context offers a real match, `fallback: [suffix, draft]`
+elsewhere): the first link that proposes something drafts that sequence in that step.
 Each request's outputs count drafted and accepted tokens per proposer (`metrics.proposer_tokens`).
 """
 
@@ -45,11 +47,12 @@ class SpeculativeParams(BaseModel):
 
     proposer: str = Field("ngram", description="A registered proposer: 'ngram' (prompt lookup), 'draft' (a model).")
     proposer_options: dict[str, Any] = Field(default_factory=dict, description="The proposer's own parameters.")
-    fallback: str | None = Field(
-        None, description="A second proposer, chained per step: it drafts for the sequences the first leaves "
-        "without a draft (e.g. `proposer: ngram` with `prompt_lookup_min: 2` finds no good match, then "
-        "`fallback: draft`).")
-    fallback_options: dict[str, Any] = Field(default_factory=dict, description="The fallback's own parameters.")
+    fallback: str | list[str] | None = Field(
+        None, description="More proposers, chained per step: each drafts for the sequences the links before it "
+        "left without a draft (e.g. `proposer: ngram` with `prompt_lookup_min: 2` finds no good match, then "
+        "`fallback: draft`; or `fallback: [suffix, draft]`).")
+    fallback_options: dict[str, Any] | list[dict[str, Any]] = Field(
+        default_factory=dict, description="The fallback's own parameters (a list, one per fallback, for a list).")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="Draft tokens per step (k), or the start of k.")
     adaptive: bool = Field(False, description="Adapt k per sequence: +2 when all are accepted, -1 otherwise.")
     max_speculative_tokens: int = Field(10, ge=1, le=32, description="Upper bound for adaptive k.")
@@ -58,14 +61,33 @@ class SpeculativeParams(BaseModel):
         "large batch keeps the products busy, so verifying drafts costs more than it saves.")
 
     _proposer_params: Any = PrivateAttr(None)  # `proposer_options`, validated against the proposer at planning
-    _fallback_params: Any = PrivateAttr(None)  # `fallback_options`, likewise
+    _fallback_params: list[Any] = PrivateAttr(default_factory=list)  # each fallback's options, likewise
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """The chain's links after the first proposer, in order."""
+        return [] if self.fallback is None else [self.fallback] if isinstance(self.fallback, str) else self.fallback
+
+    def fallback_options_list(self) -> list[dict[str, Any]]:
+        """`fallback_options` as one dict per fallback."""
+        options = self.fallback_options
+        return options if isinstance(options, list) else [options] * len(self.fallbacks)
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeParams:
-        if self.fallback is not None and self.fallback == self.proposer:
-            raise ValueError(f"fallback {self.fallback!r} is the proposer itself; name another one or leave it unset")
+        if self.proposer in self.fallbacks:
+            raise ValueError(f"fallback {self.proposer!r} is the proposer itself; name another one or leave it unset")
+        repeated = sorted({name for name in self.fallbacks if self.fallbacks.count(name) > 1})
+        if repeated:
+            raise ValueError(f"fallback {repeated[0]!r} is in the chain twice; name each proposer once")
         if self.fallback_options and self.fallback is None:
             raise ValueError("fallback_options without a fallback")
+        if isinstance(self.fallback_options, list) != isinstance(self.fallback, list) and self.fallback_options:
+            raise ValueError("fallback_options: a list of fallbacks takes a list of options (one dict each), a "
+                             "single fallback one dict")
+        if isinstance(self.fallback_options, list) and len(self.fallback_options) != len(self.fallbacks):
+            raise ValueError(f"fallback_options: {len(self.fallback_options)} dicts for {len(self.fallbacks)} "
+                             "fallbacks; give one per fallback")
         return self
 
 
@@ -250,7 +272,7 @@ class SpeculativeStrategy(Strategy):
     def _used_proposers(self, options: BaseModel | None) -> list[Proposer | None]:
         """The proposer and fallback that requests with these options use (None where not built yet)."""
         assert isinstance(options, SpeculativeParams)
-        names = [options.proposer] + ([options.fallback] if options.fallback else [])
+        names = [options.proposer, *options.fallbacks]
         return [self.proposers.get(name) for name in names]
 
     def _proposer(self, name: str) -> Proposer:
@@ -273,13 +295,17 @@ class SpeculativeStrategy(Strategy):
         options._proposer_params = validate_options(proposer, options.proposer_options,
                                                    f"strategy.{self.name}.proposer_options")
         proposer.check(options._proposer_params)
-        if options.fallback is not None:
+        options._fallback_params = []
+        listed = isinstance(options.fallback, list)
+        for i, (name, raw) in enumerate(zip(options.fallbacks, options.fallback_options_list())):
             assert self.components is not None
-            fallback: Proposer = self.components.get("proposers", options.fallback, f"strategy.{self.name}.fallback")
-            self.proposers[options.fallback] = fallback
-            options._fallback_params = validate_options(fallback, options.fallback_options,
-                                                       f"strategy.{self.name}.fallback_options")
-            fallback.check(options._fallback_params)
+            where = f"strategy.{self.name}.fallback" + (f"[{i}]" if listed else "")
+            fallback: Proposer = self.components.get("proposers", name, where)
+            self.proposers[name] = fallback
+            params = validate_options(fallback, raw, f"strategy.{self.name}.fallback_options"
+                                      + (f"[{i}]" if listed else ""))
+            fallback.check(params)
+            options._fallback_params.append(params)
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
@@ -295,13 +321,15 @@ class SpeculativeStrategy(Strategy):
                 continue
             if k > 0:
                 groups.setdefault(options.proposer, []).append((seq, k, options._proposer_params))
-        fallbacks = self._draft(ctx, groups)
-        if fallbacks:  # the chain's second link, for the sequences the first left without a draft
-            self._draft(ctx, fallbacks)
+        link = 0
+        while groups:  # each link of the chain drafts for the sequences the links before it left without a draft
+            groups = self._draft(ctx, groups, link)
+            link += 1
 
-    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]]
+    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]], link: int
                ) -> dict[str, list[tuple[Sequence, int, Any]]]:
-        """Run each proposer on its sequences; return the undrafted ones grouped by their fallback proposer."""
+        """Run each proposer (link `link` of its sequences' chains) on its sequences; return the undrafted ones
+        grouped by their next link."""
         fallbacks: dict[str, list[tuple[Sequence, int, Any]]] = {}
         for name, items in groups.items():
             drafts, qs = self._proposer(name).propose(ctx, [s for s, _, _ in items], [k for _, k, _ in items],
@@ -311,8 +339,9 @@ class SpeculativeStrategy(Strategy):
                 seq.stash[_Q] = q
                 seq.stash[_BY] = name
                 options = seq.request.plan.strategy_options
-                if not seq.draft_token_ids and options.fallback is not None and name == options.proposer:
-                    fallbacks.setdefault(options.fallback, []).append((seq, k, options._fallback_params))
+                if not seq.draft_token_ids and link < len(options.fallbacks):
+                    fallbacks.setdefault(options.fallbacks[link], []).append(
+                        (seq, k, options._fallback_params[link]))
         return fallbacks
 
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
