@@ -24,11 +24,11 @@ Each request's outputs count drafted and accepted tokens per proposer (`metrics.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from decodekit.api.components import ComponentInfo, ComponentLookup, validate_options
 from decodekit.api.params import SamplingParams
@@ -37,7 +37,12 @@ from decodekit.api.proposer import Proposer, ProposerModel
 from decodekit.api.sampling import select_tokens
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
+from decodekit.api.step_cost import StepCost
 from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
+from decodekit_plugins.adaptive import ACCEPTANCE, draft_lengths
+
+DEFAULT_K = 4  # the first k of `adaptive: heuristic` without `num_speculative_tokens`
+DRAFT_SHARE = 0.3  # the default curve's draft model: a third of the target's cost (an int8 copy on a CPU measures so)
 
 
 class SpeculativeParams(BaseModel):
@@ -53,9 +58,19 @@ class SpeculativeParams(BaseModel):
         "`fallback: draft`; or `fallback: [suffix, draft]`).")
     fallback_options: dict[str, Any] | list[dict[str, Any]] = Field(
         default_factory=dict, description="The fallback's own parameters (a list, one per fallback, for a list).")
-    num_speculative_tokens: int = Field(4, ge=1, le=32, description="Draft tokens per step (k), or the start of k.")
-    adaptive: bool = Field(False, description="Adapt k per sequence: +2 when all are accepted, -1 otherwise.")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=32, description="Draft tokens per step (k), fixed; with `adaptive: heuristic` the start of k. "
+        "Unset: k adapts to acceptance and the step's cost (`adaptive: cost`).")
+    adaptive: Literal["cost", "heuristic", "off"] | None = Field(
+        None, description="How k adapts per sequence: `cost` (the default when `num_speculative_tokens` is unset): "
+        "each step, the k that maximizes the batch's expected tokens per second, from the sequence's acceptance "
+        "and this machine's cost of a step by rows, 0 where speculation cannot pay; `heuristic` (or true): +2 when "
+        "all are accepted, -1 otherwise (transformers'); `off` (or false; the default with "
+        "`num_speculative_tokens`): fixed.")
     max_speculative_tokens: int = Field(10, ge=1, le=32, description="Upper bound for adaptive k.")
+    cost_model: Literal["measured", "default"] = Field(
+        "measured", description="`adaptive: cost`'s step cost: measured on this machine once (cached on disk), or "
+        "`default`, a fixed memory-bound curve (tests).")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="Draft nothing in steps where at least this many sequences run (vLLM's name): a "
         "large batch keeps the products busy, so verifying drafts costs more than it saves.")
@@ -73,8 +88,24 @@ class SpeculativeParams(BaseModel):
         options = self.fallback_options
         return options if isinstance(options, list) else [options] * len(self.fallbacks)
 
+    @field_validator("adaptive", mode="before")
+    @classmethod
+    def _adaptive_bool(cls, value: Any) -> Any:
+        """`adaptive: true` is transformers' heuristic (as before `cost` existed), `false` a fixed k."""
+        return {True: "heuristic", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @property
+    def adaptation(self) -> Literal["cost", "heuristic", "off"]:
+        """How k adapts, the default resolved: `cost` unless `num_speculative_tokens` pins k."""
+        if self.adaptive is not None:
+            return self.adaptive
+        return "cost" if self.num_speculative_tokens is None else "off"
+
     @model_validator(mode="after")
     def _check(self) -> SpeculativeParams:
+        if self.adaptive == "cost" and self.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens fixes k, and `adaptive: cost` chooses it each step (up to "
+                             "max_speculative_tokens): set one of them")
         if self.proposer in self.fallbacks:
             raise ValueError(f"fallback {self.proposer!r} is the proposer itself; name another one or leave it unset")
         repeated = sorted({name for name in self.fallbacks if self.fallbacks.count(name) > 1})
@@ -197,6 +228,12 @@ class DraftModelProposer(Proposer):
                     qs[i].append(probs[r])
         return drafts, [torch.stack(q) if q else None for q in qs]
 
+    def draft_cost(self, measured: bool) -> StepCost | None:
+        """The draft model's forward by rows, measured on this machine (or the default curve's share)."""
+        if measured and self.info is not None and self.info.step_cost is not None:
+            return self.info.step_cost(self._model())
+        return StepCost.default().scaled(DRAFT_SHARE)
+
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """Keep only the first `num_valid` tokens of `seq` in the draft's cache."""
         if self.model is not None:
@@ -255,10 +292,14 @@ class SpeculativeStrategy(Strategy):
 
     def __init__(self) -> None:
         self.components: ComponentLookup | None = None
+        self.info: ComponentInfo | None = None
         self.proposers: dict[str, Proposer] = {}  # the ones this strategy has used (for rollback and release)
 
     def bind(self, components: ComponentLookup) -> None:
         self.components = components
+
+    def setup(self, info: ComponentInfo) -> None:
+        self.info = info
 
     def reads_hidden_states(self, options: BaseModel | None) -> bool:
         """When the proposer (or the fallback) reads the target's hidden states (`Proposer.hidden_states`)."""
@@ -309,13 +350,9 @@ class SpeculativeStrategy(Strategy):
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
-        for seq in seqs:
+        ks = self._lengths(ctx, seqs)
+        for seq, k in zip(seqs, ks):
             options = seq.request.plan.strategy_options
-            assert isinstance(options, SpeculativeParams)
-            k = seq.stash.setdefault(_K, options.num_speculative_tokens)
-            # never draft past max_tokens or the context (the last position is the target's own token)
-            k = min(k, seq.request.params.max_tokens - seq.num_generated - 1,
-                    ctx.max_model_len - len(seq.token_ids) - 1)
             seq.stash.pop(_BY, None)
             if options.disable_by_batch_size is not None and ctx.num_running >= options.disable_by_batch_size:
                 continue
@@ -325,6 +362,44 @@ class SpeculativeStrategy(Strategy):
         while groups:  # each link of the chain drafts for the sequences the links before it left without a draft
             groups = self._draft(ctx, groups, link)
             link += 1
+
+    def _lengths(self, ctx: StepContext, seqs: list[Sequence]) -> list[int]:
+        """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch."""
+        ks, limits, costed = [], [], []
+        for i, seq in enumerate(seqs):
+            options = seq.request.plan.strategy_options
+            assert isinstance(options, SpeculativeParams)
+            mode = options.adaptation
+            # never draft past max_tokens or the context (the last position is the target's own token)
+            limit = min(options.max_speculative_tokens if mode == "cost" else 32,
+                        seq.request.params.max_tokens - seq.num_generated - 1,
+                        ctx.max_model_len - len(seq.token_ids) - 1)
+            if mode == "cost":
+                costed.append(i)
+            ks.append(min(limit, seq.stash.setdefault(_K, options.num_speculative_tokens or DEFAULT_K)))
+            limits.append(max(limit, 0))
+        by_costs: dict[tuple[StepCost, StepCost | None], list[int]] = {}
+        for i in costed:  # grouped by cost curves: requests may measure, or not, and chain other proposers
+            by_costs.setdefault(self._costs(seqs[i].request.plan.strategy_options), []).append(i)
+        for (target, draft), rows in by_costs.items():
+            chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
+                                   ctx.num_running - len(rows), target, draft)
+            for i, k in zip(rows, chosen):
+                ks[i] = k
+        return ks
+
+    def _costs(self, options: SpeculativeParams) -> tuple[StepCost, StepCost | None]:
+        """The target's and the chain's draft model's step costs for `adaptive: cost` (measured or the default)."""
+        measured = options.cost_model == "measured"
+        target = None
+        if measured and self.info is not None and self.info.step_cost is not None:
+            target = self.info.step_cost(None)
+        drafts = [p.draft_cost(measured) for p in self._chain(options)]
+        # a chain runs its model link only for the sequences the links before it leave: counted as if for all
+        return target or StepCost.default(), next((d for d in drafts if d is not None), None)
+
+    def _chain(self, options: SpeculativeParams) -> list[Proposer]:
+        return [self._proposer(name) for name in [options.proposer, *options.fallbacks]]
 
     def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]], link: int
                ) -> dict[str, list[tuple[Sequence, int, Any]]]:
@@ -374,9 +449,12 @@ class SpeculativeStrategy(Strategy):
     @staticmethod
     def _adapt(seq: Sequence, proposed: int, accepted: int) -> None:
         options = seq.request.plan.strategy_options
-        if proposed and options.adaptive:
+        mode = options.adaptation
+        if proposed and mode == "heuristic":
             k = seq.stash[_K]
             seq.stash[_K] = min(k + 2, options.max_speculative_tokens) if accepted == proposed else max(1, k - 1)
+        elif mode == "cost" and ACCEPTANCE in seq.stash:
+            seq.stash[ACCEPTANCE].record(proposed, accepted)
 
     def on_request_finished(self, request: Request) -> None:
         for proposer in self.proposers.values():
