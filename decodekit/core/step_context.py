@@ -198,9 +198,10 @@ class EngineStepContext:
         metrics.num_draft_tokens += len(proposed)
         metrics.num_accepted_tokens += num_accepted
         if proposer is not None and proposed:
-            counts = metrics.proposer_tokens.setdefault(proposer, {"drafted": 0, "accepted": 0})
+            counts = metrics.proposer_tokens.setdefault(proposer, {"drafted": 0, "accepted": 0, "steps": 0})
             counts["drafted"] += len(proposed)
             counts["accepted"] += num_accepted
+            counts["steps"] += 1  # verifications: 1 + accepted / steps is the proposer's acceptance length
         drafts.clear(seq)
         self.scheduler.rollback(seq, len(seq.token_ids) + num_accepted)
         self._append(seq, [*kept, token_id])
