@@ -64,8 +64,8 @@ SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {
     "plain": None, "ngram": NGRAM, "int8 draft": INT8_DRAFT, "ngram + int8 draft": CHAINED,
     "trained head": TRAINED_HEAD, "ngram + trained head": CHAINED_HEAD, "suffix": SUFFIX,
     "ngram > suffix > int8 draft": {**CHAIN3, "num_speculative_tokens": 4, "disable_by_batch_size": 4},
-    "suffix, adaptive": ADAPTIVE_SUFFIX, "int8 draft, adaptive": ADAPTIVE_DRAFT,
-    "ngram > suffix > int8 draft, adaptive": CHAIN3}
+    "suffix (adaptive)": ADAPTIVE_SUFFIX, "int8 draft (adaptive)": ADAPTIVE_DRAFT,
+    "ngram > suffix > int8 draft (adaptive)": CHAIN3}
 
 
 def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:

@@ -229,9 +229,15 @@ class DraftModelProposer(Proposer):
         return drafts, [torch.stack(q) if q else None for q in qs]
 
     def draft_cost(self, measured: bool) -> StepCost | None:
-        """The draft model's forward by rows, measured on this machine (or the default curve's share)."""
+        """The draft model's forward by rows, measured on this machine (or, in the curve's units, a share of the
+        target's: the default curve's, or the measured one's while the draft's pool has no blocks to measure with)."""
         if measured and self.info is not None and self.info.step_cost is not None:
-            return self.info.step_cost(self._model())
+            cost = self.info.step_cost(self._model())
+            if cost is not None:
+                return cost
+            target = self.info.step_cost(None)
+            if target is not None:
+                return target.scaled(DRAFT_SHARE)
         return StepCost.default().scaled(DRAFT_SHARE)
 
     def rollback(self, seq: Sequence, num_valid: int) -> None:
@@ -390,11 +396,11 @@ class SpeculativeStrategy(Strategy):
 
     def _costs(self, options: SpeculativeParams) -> tuple[StepCost, StepCost | None]:
         """The target's and the chain's draft model's step costs for `adaptive: cost` (measured or the default)."""
-        measured = options.cost_model == "measured"
         target = None
-        if measured and self.info is not None and self.info.step_cost is not None:
-            target = self.info.step_cost(None)
-        drafts = [p.draft_cost(measured) for p in self._chain(options)]
+        if options.cost_model == "measured" and self.info is not None and self.info.step_cost is not None:
+            target = self.info.step_cost(None)  # None while the pool has no blocks to measure with: the default
+        # one unit for both curves: measured seconds, or the default curve's
+        drafts = [p.draft_cost(target is not None) for p in self._chain(options)]
         # a chain runs its model link only for the sequences the links before it leave: counted as if for all
         return target or StepCost.default(), next((d for d in drafts if d is not None), None)
 
