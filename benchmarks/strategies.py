@@ -1,22 +1,28 @@
 """Strategy benchmarks on the bundled model, side by side in one process (A B A B ..., medians and ratios).
 
 - `spec`: speculative decoding against plain decoding, greedy, on two prompt sets: `copy` (recipes/speculative.yaml's
-  rewrite/repeat prompts, 128 tokens) and `chat` (free-form questions, 96 tokens), at batch 1 (one request at a time)
-  and batch 8 (the prompts submitted together, cycled to 8). Configurations: n-gram (k 4, adaptive), an int8 copy of
-  the target as draft (k 4), and n-gram on two-token matches chained to the int8 draft (k 4, drafting nothing while
-  4 or more sequences run), the trained draft head shipped for the bundled model (`eagle`, k 2) and n-gram chained to
-  it (k 3, paused likewise), and the int8 draft drafting a tree (k 6, width 2, up to 16 nodes, branching where its
-  probability is below 0.8: `docs/speculative.md`, "Draft trees"); recipes/speculative.yaml uses n-gram chained to
-  the int8 draft. Each row gives the
-  median of per-repeat ratios to plain with their range, acceptance per proposer, and whether the output equalled
-  plain's token for token.
+  rewrite/repeat prompts, 128 tokens) and `chat` (free-form questions, 96 tokens), at batch 1 (one request at a time),
+  8 and 32 (the prompts submitted together, cycled). Configurations with k fixed (`adaptive: off`, or transformers'
+  heuristic): n-gram (k 4, heuristic), an int8 copy of the target as draft (k 6), n-gram on two-token matches
+  chained to the int8 draft (k 6, drafting nothing while 4 or more sequences run), the trained draft head shipped
+  for the bundled model (`eagle`, k 2) and n-gram chained to it (k 3, paused likewise), suffix decoding (k 4), and
+  the chain n-gram -> suffix -> int8 draft (k 4, paused likewise), the int8 draft drafting a tree (k 6, width 2,
+  up to 16 nodes, branching where its probability is below 0.8: `docs/speculative.md`, "Draft trees"); and with k
+  adapted by cost (the strategy's default: each step's k from the acceptance and this machine's step cost by rows,
+  0 where it cannot pay): suffix, the int8 draft, and the chain. recipes/speculative.yaml uses n-gram chained to the int8 draft. Each row gives the
+  median of per-repeat ratios to plain with their range, each proposer's acceptance (accepted of drafted, and its
+  acceptance length: tokens per verification, 1 + accepted / verifications), and whether the output equalled plain's
+  token for token.
 - `beam`: 16 summarization requests (prompts of about 40 to 220 tokens) with 4 beams, decodekit's in-engine beam
   search vs transformers `generate(num_beams=4)` on the same 16 prompts as one left-padded batch; both return the
   same sequences (checked). decodekit prefills each prompt once and forks the beams (transformers prefills every
   beam's copy), and finished requests leave the batch.
 
 Usage: python benchmarks/strategies.py {spec,beam,all} [--repeats 3] [--threads 1] [--configs "trained head,ngram"]
-       [--batches 1,8]
+       [--batches 1,8,32] [--max-tokens N (a smoke run: shorter outputs)]
+
+The first adaptive run on a machine measures the target's and the draft's step cost (a few seconds, then cached in
+$DECODEKIT_CACHE/step_cost); the untimed warm-up run of each configuration does it before the clock starts.
 
 The prompts come from `decodekit.bench.workloads` (`COPY_PROMPTS`, `CHAT_QUESTIONS`, `summary_texts`), which
 `decodekit bench matrix` uses too.
@@ -51,10 +57,17 @@ TRAINED_HEAD = {"proposer": "eagle", "num_speculative_tokens": 2}
 CHAINED_HEAD = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": "eagle",
                 "num_speculative_tokens": 3, "disable_by_batch_size": 4}
 INT8_DRAFT_TREE = {**INT8_DRAFT, "tree": {"width": 2, "max_nodes": 16, "threshold": 0.8}}
-SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {"plain": None, "ngram": NGRAM, "int8 draft": INT8_DRAFT,
-                                                  "ngram + int8 draft": CHAINED, "trained head": TRAINED_HEAD,
-                                                  "ngram + trained head": CHAINED_HEAD,
-                                                  "int8 draft tree": INT8_DRAFT_TREE}
+SUFFIX = {"proposer": "suffix", "num_speculative_tokens": 4}
+CHAIN3 = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fallback": ["suffix", "draft"]}
+# k adapted by cost: the strategy's default when num_speculative_tokens is unset
+ADAPTIVE_SUFFIX = {"proposer": "suffix"}
+ADAPTIVE_DRAFT = {"proposer": "draft"}
+SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {
+    "plain": None, "ngram": NGRAM, "int8 draft": INT8_DRAFT, "ngram + int8 draft": CHAINED,
+    "trained head": TRAINED_HEAD, "ngram + trained head": CHAINED_HEAD, "suffix": SUFFIX,
+    "ngram > suffix > int8 draft": {**CHAIN3, "num_speculative_tokens": 4, "disable_by_batch_size": 4},
+    "int8 draft tree": INT8_DRAFT_TREE, "suffix (adaptive)": ADAPTIVE_SUFFIX, "int8 draft (adaptive)": ADAPTIVE_DRAFT,
+    "ngram > suffix > int8 draft (adaptive)": CHAIN3}
 
 
 def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
@@ -67,7 +80,7 @@ def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
 
 
 def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None] | None = None,
-               batches: tuple[int, ...] = (1, 8)) -> list[dict[str, Any]]:
+               batches: tuple[int, ...] = (1, 8, 32), max_tokens_cap: int = 0) -> list[dict[str, Any]]:
     """Every configuration against plain decoding, per prompt set and batch size, interleaved (plain, then each
     configuration, repeated), greedy. Prints and returns one row per (set, batch, configuration): median tokens/s,
     the median of the per-repeat ratios to plain, acceptance per proposer, and whether the output equalled plain's.
@@ -75,6 +88,7 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
     configs = configs or SPEC_CONFIGS
     rows = []
     for set_name, (prompts, max_tokens) in spec_prompt_sets(llm).items():
+        max_tokens = min(max_tokens, max_tokens_cap) if max_tokens_cap else max_tokens
         # prefill every prompt once, untimed, so every configuration finds them in the prefix cache; and run each
         # configuration once, so a draft model is opened (and quantized) before the clock starts
         llm.generate(prompts, SamplingParams(max_tokens=1), add_special_tokens=False)
@@ -82,7 +96,7 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
             llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=6, **(
                 {"strategy": {"speculative": strategy}} if strategy else {})), add_special_tokens=False)
         for batch in batches:
-            batch_prompts = (prompts * 8)[:batch] if batch > len(prompts) else prompts
+            batch_prompts = (prompts * batch)[:batch] if batch > len(prompts) else prompts
 
             def run(strategy: dict[str, Any] | None, batch: int = batch, batch_prompts: list[str] = batch_prompts,
                     max_tokens: int = max_tokens) -> list[Any]:
@@ -93,7 +107,7 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
                 return llm.generate(batch_prompts, params, add_special_tokens=False)
 
             rates: dict[str, list[float]] = {name: [] for name in configs}
-            counts: dict[str, dict[str, list[int]]] = {name: {} for name in configs}
+            counts: dict[str, dict[str, list[int]]] = {name: {} for name in configs}  # [accepted, drafted, steps]
             same = dict.fromkeys(configs, True)
             reference = None
             for _ in range(repeats):
@@ -105,18 +119,20 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
                     same[name] &= ids == reference
                     for out in outs:
                         for proposer, c in out.metrics.proposer_tokens.items():
-                            total = counts[name].setdefault(proposer, [0, 0])
+                            total = counts[name].setdefault(proposer, [0, 0, 0])
                             total[0] += c["accepted"]
                             total[1] += c["drafted"]
+                            total[2] += c["steps"]
             for name in configs:
                 ratios = [r / p for r, p in zip(rates[name], rates["plain"])]
-                acceptance = ", ".join(f"{proposer} {a / max(d, 1):.0%} of {d // repeats}"
-                                       for proposer, (a, d) in counts[name].items()) or "-"
+                acceptance = ", ".join(f"{proposer} {a / max(d, 1):.0%} of {d // repeats}, "
+                                       f"length {1 + a / max(steps, 1):.2f}"
+                                       for proposer, (a, d, steps) in counts[name].items()) or "-"
                 row = {"prompts": set_name, "batch": batch, "config": name, "tok_s": statistics.median(rates[name]),
                        "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                        "acceptance": acceptance, "same_as_plain": same[name]}
                 rows.append(row)
-                print(f"spec {set_name:4} batch {batch}: {name:18} {row['tok_s']:6.1f} tok/s  {row['ratio']:.2f}x "
+                print(f"spec {set_name:4} batch {batch:2}: {name:37} {row['tok_s']:6.1f} tok/s  {row['ratio']:.2f}x "
                       f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f})  accepted: {acceptance}  "
                       f"same as plain: {same[name]}", flush=True)
     return rows
@@ -169,7 +185,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--configs", default="", help="comma-separated speculative configurations to compare "
                         f"with plain (default: all of {', '.join(c for c in SPEC_CONFIGS if c != 'plain')})")
-    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes for `spec`")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes for `spec`")
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="cap the outputs' length (a smoke run; 0: 128 copy, 96 chat)")
     parser.add_argument("--draft-quantization", choices=["int8", "bf16"], default="int8",
                         help="the self-draft's weights (the `draft` configurations are named after it)")
     args = parser.parse_args()
@@ -186,7 +204,7 @@ def main() -> None:
     llm = LLM("smollm2-135m-instruct", dtype="float32", draft="target", draft_quantization=quantization)
     print(machine_line(environment(), "float32"), flush=True)
     if args.which in ("spec", "all"):
-        bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")))
+        bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")), args.max_tokens)
     if args.which in ("beam", "all"):
         bench_beam(llm, args.repeats)
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from decodekit.api.errors import ConfigError
 from decodekit.api.models import LoadedModel
 from decodekit.api.proposer import ProposerModel
+from decodekit.api.step_cost import StepCost
 
 
 @dataclass
@@ -34,6 +35,9 @@ class ComponentInfo:
             API only. None outside an engine (a recipe check).
         target: the engine's own model, for a proposer that reuses its embedding and LM head (a trained draft head,
             the `eagle` proposer); None outside an engine. Read it, never change it.
+        step_cost: the seconds of a forward by rows on this machine (`StepCost`) of the target (`step_cost(None)`)
+            or of a model `open_model` gave (`step_cost(model)`): measured at the first call, cached on disk,
+            None while the KV pool has no blocks to spare for measuring (ask again later). None outside an engine.
     """
 
     tokenizer: Any = None
@@ -44,6 +48,7 @@ class ComponentInfo:
     draft: LoadedModel | None = None
     open_model: Callable[[LoadedModel], ProposerModel] | None = None
     target: LoadedModel | None = None
+    step_cost: Callable[[ProposerModel | None], StepCost | None] | None = None
 
 
 class ComponentLookup(Protocol):

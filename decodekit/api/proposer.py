@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from decodekit.api.draft_tree import DraftTree, TreeShape
 from decodekit.api.sequence import Sequence
+from decodekit.api.step_cost import StepCost
 from decodekit.api.strategy import HiddenStates, StepContext
 
 
@@ -143,3 +144,9 @@ class Proposer:
 
     def release(self, seq: Sequence) -> None:
         """A sequence is finished: free what the proposer holds for it."""
+
+    def draft_cost(self, measured: bool) -> StepCost | None:
+        """What one of its drafting forwards costs by the rows (sequences) it drafts for, for the strategy's
+        adaptive draft length: None where drafting costs next to nothing (a lookup); a proposer running a model
+        returns `info.step_cost(its ProposerModel)` when `measured`, else a fixed curve (tests)."""
+        return None

@@ -41,7 +41,8 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed
     num_accepted_tokens: int = 0  # speculative decoding: proposed tokens the target accepted
-    # speculative decoding, per proposer that drafted: {"drafted": n, "accepted": m} (chained proposers split it)
+    # speculative decoding, per proposer that drafted: {"drafted": n, "accepted": m, "steps": verifications} (chained
+    # proposers split it); 1 + accepted / steps is its acceptance length (tokens per verification)
     proposer_tokens: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property

@@ -19,7 +19,9 @@ from decodekit.api.components import ComponentInfo
 from decodekit.api.config import EngineConfig
 from decodekit.api.models import LoadedModel
 from decodekit.api.params import SamplingParams
+from decodekit.api.proposer import ProposerModel
 from decodekit.api.sequence import Request, RequestOutput, Sequence
+from decodekit.api.step_cost import StepCost
 from decodekit.core.hooks import LifecycleHooks
 from decodekit.core.logprobs import record_prompt_logprobs
 from decodekit.core.plan import Components
@@ -34,7 +36,7 @@ from decodekit.core.stages.propose import propose
 from decodekit.core.stages.select import select
 from decodekit.core.stages.stop import StopStage
 from decodekit.core.step_context import CandidateOrigin, EngineStepContext, StepRecord
-from decodekit.execution import ExecutionPlan, ModelExecutor, plan_execution
+from decodekit.execution import ExecutionPlan, ModelExecutor, cached_step_cost, plan_execution
 
 log = logging.getLogger("decodekit.engine")
 
@@ -84,9 +86,10 @@ class Engine:
         self.vocab_size = geometry.vocab_size
         self.draft = draft
         self.draft_config = self.plan.draft.config if self.plan.draft is not None else None
+        self._step_costs: dict[int, StepCost] = {}  # id(executor) -> its measured step cost (`_step_cost`)
         self.components = Components(registry, ComponentInfo(
             loaded.tokenizer, self.vocab_size, self.eos_token_ids, loaded.device, loaded.name, draft,
-            open_model=self._open_model, target=loaded))
+            open_model=self._open_model, target=loaded, step_cost=self._step_cost))
         self.processing = Processing(self.eos_token_ids, loaded.device, loaded.tokenizer)
         self.forward = ForwardStage(self.model, self.scheduler,
                                     lambda request, start, rows: record_prompt_logprobs(request, start, rows,
@@ -113,6 +116,20 @@ class Engine:
             self.plan.for_model(loaded)
         return ModelExecutor(loaded, plan, self.allocator.num_blocks,
                              release_sources=loaded.model is not self.loaded.model)
+
+    def _step_cost(self, model: ProposerModel | None = None) -> StepCost | None:
+        # measured at the first call (engines that never speculate pay nothing), then kept; the disk cache makes a
+        # later engine on this machine read it
+        executor = self.model if model is None else model
+        if not isinstance(executor, ModelExecutor):
+            raise TypeError(f"step_cost measures the target or a model `open_model` gave, got {type(model).__name__}")
+        cost = self._step_costs.get(id(executor))
+        if cost is None:
+            name = self.loaded.name if executor is self.model else f"{self.loaded.name} draft {executor.forward_name}"
+            cost = cached_step_cost(executor, name)
+            if cost is not None:
+                self._step_costs[id(executor)] = cost
+        return cost
 
     def _on_final(self, request: Request, output: RequestOutput) -> None:
         self.hooks.request_finished(request, output)

@@ -41,9 +41,10 @@ def _count_draft(seq: Sequence, drafted: int, accepted: int, proposer: str | Non
     metrics.num_draft_tokens += drafted
     metrics.num_accepted_tokens += accepted
     if proposer is not None and drafted:
-        counts = metrics.proposer_tokens.setdefault(proposer, {"drafted": 0, "accepted": 0})
+        counts = metrics.proposer_tokens.setdefault(proposer, {"drafted": 0, "accepted": 0, "steps": 0})
         counts["drafted"] += drafted
         counts["accepted"] += accepted
+        counts["steps"] += 1  # verifications: 1 + accepted / steps is the proposer's acceptance length
 
 
 def fork_seed(request_seed: int, fork_number: int) -> int:

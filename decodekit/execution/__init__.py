@@ -7,7 +7,9 @@ The face the engine uses, and the only names `decodekit.core` imports from this 
 - `ModelExecutor(loaded, plan, num_blocks)`: the model, its KV pool and block allocator, run as its plan says
   (`executor.py`); `ModelExecutor.run(items, block_copies)` is one packed forward;
 - `ForwardItem`: one sequence's part of a forward; `BlockAllocator`: the pool's blocks, which the engine's scheduler
-  drives.
+  drives;
+- `cached_step_cost(executor, name)`: the model's forward time by rows on this machine, measured once and cached on
+  disk (`step_cost.py`).
 
 Inside: `attention/` (the paged KV pool, the attention functions, the attention probe), `fused/` (the fused decoder,
 its weight matrices, re-laid linears), `kernels/` (native C for the CPU, Triton for the GPU), `cuda_graphs.py`,
@@ -18,5 +20,6 @@ from decodekit.execution.blocks import BlockAllocator
 from decodekit.execution.executor import ModelExecutor
 from decodekit.execution.items import ForwardItem
 from decodekit.execution.plan import ExecutionPlan, plan_execution
+from decodekit.execution.step_cost import cached_step_cost
 
-__all__ = ["BlockAllocator", "ExecutionPlan", "ForwardItem", "ModelExecutor", "plan_execution"]
+__all__ = ["BlockAllocator", "ExecutionPlan", "ForwardItem", "ModelExecutor", "cached_step_cost", "plan_execution"]

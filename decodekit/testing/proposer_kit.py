@@ -34,7 +34,7 @@ from decodekit.testing.parts import plugin_manager
 
 @on_one_thread
 def check_proposer(proposer: Any, options: dict[str, Any] | None = None, *, plugins: Iterable[object] = (),
-                   draft: Any = None, strategy: str = "speculative", num_speculative_tokens: int = 3,
+                   draft: Any = None, strategy: str = "speculative", num_speculative_tokens: int | None = 3,
                    prompts: Sequence[list[int]] | None = None, max_tokens: int = 16, seed: int = 0,
                    strategy_options: dict[str, Any] | None = None) -> KitReport:
     """Check that speculative decoding with a proposer is lossless and leaves nothing behind, in a tiny engine;
@@ -48,11 +48,13 @@ def check_proposer(proposer: Any, options: dict[str, Any] | None = None, *, plug
             architecture and seed, so drafts are sometimes rejected); `"target"`: the target model itself.
         strategy: the strategy that runs the proposer (its parameters: `proposer`, `proposer_options`,
             `num_speculative_tokens`).
-        num_speculative_tokens: draft tokens per step.
+        num_speculative_tokens: draft tokens per step (None: unset, so the strategy chooses: the speculative
+            strategy adapts k to acceptance and the step's cost).
         prompts: token-id prompts (default: a few random and repetitive ones).
         max_tokens: tokens per request.
         seed: varies the default prompts and the sampled requests' seeds.
-        strategy_options: more of the strategy's parameters (e.g. `{"tree": {"width": 2}}`: draft trees).
+        strategy_options: more of the strategy's parameters (e.g. `{"tree": {"width": 2}}`: draft trees;
+            `{"cost_model": "default"}`: adaptive speculation's fixed cost curve).
     """
     name, plugins = registered_name("proposers", proposer, plugins)
     registry = Registry.from_plugin_manager(plugin_manager(*plugins))
@@ -62,7 +64,8 @@ def check_proposer(proposer: Any, options: dict[str, Any] | None = None, *, plug
         draft = shared_tiny_model("qwen2", 3)  # another model than the target: some drafts are rejected, rolled back
     harness = Harness.build(plugins, f"proposer {name!r}", draft=draft)
     spec = {strategy: {"proposer": name, "proposer_options": options or {},
-                       "num_speculative_tokens": num_speculative_tokens, **(strategy_options or {})}}
+                       **({} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}),
+                       **(strategy_options or {})}}
     prompts = list(prompts) if prompts is not None else kit_prompts(4, seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     spec_greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, strategy=spec)

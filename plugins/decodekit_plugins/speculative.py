@@ -13,10 +13,12 @@ Proposers:
 - `draft`: a smaller causal LM with the target's tokenizer (the engine's `draft` model), or an int8 copy of the
   target (`draft: {model: target, quantization: int8}`), with its own paged KV cache; it sees the request's
   processors too, so a draft equal to the target is accepted 100%;
-- `eagle` (`decodekit_plugins.eagle`): a trained draft head over the target's own last hidden states.
+- `eagle` (`decodekit_plugins.eagle`): a trained draft head over the target's own last hidden states;
+- `suffix` (`decodekit_plugins.suffix`): suffix decoding, drafts from suffix tries over the request and recent outputs.
 
-A `fallback` proposer chains a second one per step: it drafts for the sequences the first leaves without a draft
-(`proposer: ngram` with `prompt_lookup_min: 2` where the context offers a real match, `fallback: draft` elsewhere).
+`fallback` chains more proposers per step: each drafts for the sequences the links before it left without a draft
+(`proposer: ngram` with `prompt_lookup_min: 2` where the context offers a real match, `fallback: [suffix, draft]`
+elsewhere): the first link that proposes something drafts that sequence in that step.
 Each request's outputs count drafted and accepted tokens per proposer (`metrics.proposer_tokens`).
 
 With `tree: {width, max_nodes, threshold}`, a proposer that `supports_tree` (`draft`) drafts a tree of branches where
@@ -25,11 +27,11 @@ it is unsure, all verified in one forward (`decodekit_plugins.draft_trees`; docs
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from decodekit.api.components import ComponentInfo, ComponentLookup, validate_options
 from decodekit.api.draft_tree import DraftTree, TreeShape
@@ -39,8 +41,13 @@ from decodekit.api.proposer import Proposer, ProposerModel
 from decodekit.api.sampling import select_tokens
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
+from decodekit.api.step_cost import StepCost
 from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
+from decodekit_plugins.adaptive import ACCEPTANCE, draft_lengths
 from decodekit_plugins.draft_trees import accept_tree, draft_tree, propose_with_trees, tree_rollback
+
+DEFAULT_K = 4  # the first k of `adaptive: heuristic` without `num_speculative_tokens`
+DRAFT_SHARE = 0.3  # the default curve's draft model: a third of the target's cost (an int8 copy on a CPU measures so)
 
 
 class SpeculativeParams(BaseModel):
@@ -50,30 +57,76 @@ class SpeculativeParams(BaseModel):
 
     proposer: str = Field("ngram", description="A registered proposer: 'ngram' (prompt lookup), 'draft' (a model).")
     proposer_options: dict[str, Any] = Field(default_factory=dict, description="The proposer's own parameters.")
-    fallback: str | None = Field(
-        None, description="A second proposer, chained per step: it drafts for the sequences the first leaves "
-        "without a draft (e.g. `proposer: ngram` with `prompt_lookup_min: 2` finds no good match, then "
-        "`fallback: draft`).")
-    fallback_options: dict[str, Any] = Field(default_factory=dict, description="The fallback's own parameters.")
-    num_speculative_tokens: int = Field(4, ge=1, le=32, description="Draft tokens per step (k), or the start of k.")
-    adaptive: bool = Field(False, description="Adapt k per sequence: +2 when all are accepted, -1 otherwise.")
+    fallback: str | list[str] | None = Field(
+        None, description="More proposers, chained per step: each drafts for the sequences the links before it "
+        "left without a draft (e.g. `proposer: ngram` with `prompt_lookup_min: 2` finds no good match, then "
+        "`fallback: draft`; or `fallback: [suffix, draft]`).")
+    fallback_options: dict[str, Any] | list[dict[str, Any]] = Field(
+        default_factory=dict, description="The fallback's own parameters (a list, one per fallback, for a list).")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=32, description="Draft tokens per step (k), fixed; with `adaptive: heuristic` the start of k. "
+        "Unset: k adapts to acceptance and the step's cost (`adaptive: cost`).")
+    adaptive: Literal["cost", "heuristic", "off"] | None = Field(
+        None, description="How k adapts per sequence: `cost` (the default when `num_speculative_tokens` is unset): "
+        "each step, the k that maximizes the batch's expected tokens per second, from the sequence's acceptance "
+        "and this machine's cost of a step by rows, 0 where speculation cannot pay; `heuristic` (or true): +2 when "
+        "all are accepted, -1 otherwise (transformers'); `off` (or false; the default with "
+        "`num_speculative_tokens`): fixed.")
     max_speculative_tokens: int = Field(10, ge=1, le=32, description="Upper bound for adaptive k.")
     tree: TreeShape | None = Field(
         None, description="Draft a tree of branches where the proposer is unsure, verified in one forward "
         "(`decodekit_plugins.draft_trees`; proposers with `supports_tree`): `{width, max_nodes, threshold}`.")
+    cost_model: Literal["measured", "default"] = Field(
+        "measured", description="`adaptive: cost`'s step cost: measured on this machine once (cached on disk), or "
+        "`default`, a fixed memory-bound curve (tests).")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="Draft nothing in steps where at least this many sequences run (vLLM's name): a "
         "large batch keeps the products busy, so verifying drafts costs more than it saves.")
 
     _proposer_params: Any = PrivateAttr(None)  # `proposer_options`, validated against the proposer at planning
-    _fallback_params: Any = PrivateAttr(None)  # `fallback_options`, likewise
+    _fallback_params: list[Any] = PrivateAttr(default_factory=list)  # each fallback's options, likewise
+
+    @property
+    def fallbacks(self) -> list[str]:
+        """The chain's links after the first proposer, in order."""
+        return [] if self.fallback is None else [self.fallback] if isinstance(self.fallback, str) else self.fallback
+
+    def fallback_options_list(self) -> list[dict[str, Any]]:
+        """`fallback_options` as one dict per fallback."""
+        options = self.fallback_options
+        return options if isinstance(options, list) else [options] * len(self.fallbacks)
+
+    @field_validator("adaptive", mode="before")
+    @classmethod
+    def _adaptive_bool(cls, value: Any) -> Any:
+        """`adaptive: true` is transformers' heuristic (as before `cost` existed), `false` a fixed k."""
+        return {True: "heuristic", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @property
+    def adaptation(self) -> Literal["cost", "heuristic", "off"]:
+        """How k adapts, the default resolved: `cost` unless `num_speculative_tokens` pins k."""
+        if self.adaptive is not None:
+            return self.adaptive
+        return "cost" if self.num_speculative_tokens is None else "off"
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeParams:
-        if self.fallback is not None and self.fallback == self.proposer:
-            raise ValueError(f"fallback {self.fallback!r} is the proposer itself; name another one or leave it unset")
+        if self.adaptive == "cost" and self.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens fixes k, and `adaptive: cost` chooses it each step (up to "
+                             "max_speculative_tokens): set one of them")
+        if self.proposer in self.fallbacks:
+            raise ValueError(f"fallback {self.proposer!r} is the proposer itself; name another one or leave it unset")
+        repeated = sorted({name for name in self.fallbacks if self.fallbacks.count(name) > 1})
+        if repeated:
+            raise ValueError(f"fallback {repeated[0]!r} is in the chain twice; name each proposer once")
         if self.fallback_options and self.fallback is None:
             raise ValueError("fallback_options without a fallback")
+        if isinstance(self.fallback_options, list) != isinstance(self.fallback, list) and self.fallback_options:
+            raise ValueError("fallback_options: a list of fallbacks takes a list of options (one dict each), a "
+                             "single fallback one dict")
+        if isinstance(self.fallback_options, list) and len(self.fallback_options) != len(self.fallbacks):
+            raise ValueError(f"fallback_options: {len(self.fallback_options)} dicts for {len(self.fallbacks)} "
+                             "fallbacks; give one per fallback")
         return self
 
 
@@ -190,6 +243,18 @@ class DraftModelProposer(Proposer):
         """A tree per sequence: branches where the draft model is unsure (`decodekit_plugins.draft_trees`)."""
         return draft_tree(self._model(), ctx, seqs, ks, shape, self.tree_roots)
 
+    def draft_cost(self, measured: bool) -> StepCost | None:
+        """The draft model's forward by rows, measured on this machine (or, in the curve's units, a share of the
+        target's: the default curve's, or the measured one's while the draft's pool has no blocks to measure with)."""
+        if measured and self.info is not None and self.info.step_cost is not None:
+            cost = self.info.step_cost(self._model())
+            if cost is not None:
+                return cost
+            target = self.info.step_cost(None)
+            if target is not None:
+                return target.scaled(DRAFT_SHARE)
+        return StepCost.default().scaled(DRAFT_SHARE)
+
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """Keep only the first `num_valid` tokens of `seq` in the draft's cache (fewer where a tree's sibling
         branch was kept: the cache holds the tree's first branch)."""
@@ -251,10 +316,14 @@ class SpeculativeStrategy(Strategy):
 
     def __init__(self) -> None:
         self.components: ComponentLookup | None = None
+        self.info: ComponentInfo | None = None
         self.proposers: dict[str, Proposer] = {}  # the ones this strategy has used (for rollback and release)
 
     def bind(self, components: ComponentLookup) -> None:
         self.components = components
+
+    def setup(self, info: ComponentInfo) -> None:
+        self.info = info
 
     def reads_hidden_states(self, options: BaseModel | None) -> bool:
         """When the proposer (or the fallback) reads the target's hidden states (`Proposer.hidden_states`)."""
@@ -268,7 +337,7 @@ class SpeculativeStrategy(Strategy):
     def _used_proposers(self, options: BaseModel | None) -> list[Proposer | None]:
         """The proposer and fallback that requests with these options use (None where not built yet)."""
         assert isinstance(options, SpeculativeParams)
-        names = [options.proposer] + ([options.fallback] if options.fallback else [])
+        names = [options.proposer, *options.fallbacks]
         return [self.proposers.get(name) for name in names]
 
     def _proposer(self, name: str) -> Proposer:
@@ -294,38 +363,78 @@ class SpeculativeStrategy(Strategy):
         if options.tree is not None and not proposer.supports_tree:
             raise ValueError(f"strategy.{self.name}.tree: proposer {options.proposer!r} cannot draft a tree "
                              "(a proposer with supports_tree can, e.g. 'draft'); remove `tree` or name another")
-        if options.fallback is not None:
+        options._fallback_params = []
+        listed = isinstance(options.fallback, list)
+        for i, (name, raw) in enumerate(zip(options.fallbacks, options.fallback_options_list())):
             assert self.components is not None
-            fallback: Proposer = self.components.get("proposers", options.fallback, f"strategy.{self.name}.fallback")
-            self.proposers[options.fallback] = fallback
-            options._fallback_params = validate_options(fallback, options.fallback_options,
-                                                       f"strategy.{self.name}.fallback_options")
-            fallback.check(options._fallback_params)
+            where = f"strategy.{self.name}.fallback" + (f"[{i}]" if listed else "")
+            fallback: Proposer = self.components.get("proposers", name, where)
+            self.proposers[name] = fallback
+            params = validate_options(fallback, raw, f"strategy.{self.name}.fallback_options"
+                                      + (f"[{i}]" if listed else ""))
+            fallback.check(params)
+            options._fallback_params.append(params)
         if options.tree is not None and self.reads_hidden_states(options):
             raise ValueError(f"strategy.{self.name}.tree: a proposer that reads the target's hidden states cannot "
                              "be chained with a draft tree; remove `tree` or the hidden-state proposer")
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
-        for seq in seqs:
+        ks = self._lengths(ctx, seqs)
+        for seq, k in zip(seqs, ks):
             options = seq.request.plan.strategy_options
-            assert isinstance(options, SpeculativeParams)
-            k = seq.stash.setdefault(_K, options.num_speculative_tokens)
-            # never draft past max_tokens or the context (the last position is the target's own token)
-            k = min(k, seq.request.params.max_tokens - seq.num_generated - 1,
-                    ctx.max_model_len - len(seq.token_ids) - 1)
             seq.stash.pop(_BY, None)
             if options.disable_by_batch_size is not None and ctx.num_running >= options.disable_by_batch_size:
                 continue
             if k > 0:
                 groups.setdefault(options.proposer, []).append((seq, k, options._proposer_params))
-        fallbacks = self._draft(ctx, groups)
-        if fallbacks:  # the chain's second link, for the sequences the first left without a draft
-            self._draft(ctx, fallbacks)
+        link = 0
+        while groups:  # each link of the chain drafts for the sequences the links before it left without a draft
+            groups = self._draft(ctx, groups, link)
+            link += 1
 
-    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]]
+    def _lengths(self, ctx: StepContext, seqs: list[Sequence]) -> list[int]:
+        """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch."""
+        ks, limits, costed = [], [], []
+        for i, seq in enumerate(seqs):
+            options = seq.request.plan.strategy_options
+            assert isinstance(options, SpeculativeParams)
+            mode = options.adaptation
+            # never draft past max_tokens or the context (the last position is the target's own token)
+            limit = min(options.max_speculative_tokens if mode == "cost" else 32,
+                        seq.request.params.max_tokens - seq.num_generated - 1,
+                        ctx.max_model_len - len(seq.token_ids) - 1)
+            if mode == "cost":
+                costed.append(i)
+            ks.append(min(limit, seq.stash.setdefault(_K, options.num_speculative_tokens or DEFAULT_K)))
+            limits.append(max(limit, 0))
+        by_costs: dict[tuple[StepCost, StepCost | None], list[int]] = {}
+        for i in costed:  # grouped by cost curves: requests may measure, or not, and chain other proposers
+            by_costs.setdefault(self._costs(seqs[i].request.plan.strategy_options), []).append(i)
+        for (target, draft), rows in by_costs.items():
+            chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
+                                   ctx.num_running - len(rows), target, draft)
+            for i, k in zip(rows, chosen):
+                ks[i] = k
+        return ks
+
+    def _costs(self, options: SpeculativeParams) -> tuple[StepCost, StepCost | None]:
+        """The target's and the chain's draft model's step costs for `adaptive: cost` (measured or the default)."""
+        target = None
+        if options.cost_model == "measured" and self.info is not None and self.info.step_cost is not None:
+            target = self.info.step_cost(None)  # None while the pool has no blocks to measure with: the default
+        # one unit for both curves: measured seconds, or the default curve's
+        drafts = [p.draft_cost(target is not None) for p in self._chain(options)]
+        # a chain runs its model link only for the sequences the links before it leave: counted as if for all
+        return target or StepCost.default(), next((d for d in drafts if d is not None), None)
+
+    def _chain(self, options: SpeculativeParams) -> list[Proposer]:
+        return [self._proposer(name) for name in [options.proposer, *options.fallbacks]]
+
+    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]], link: int
                ) -> dict[str, list[tuple[Sequence, int, Any]]]:
-        """Run each proposer on its sequences; return the undrafted ones grouped by their fallback proposer."""
+        """Run each proposer (link `link` of its sequences' chains) on its sequences; return the undrafted ones
+        grouped by their next link."""
         fallbacks: dict[str, list[tuple[Sequence, int, Any]]] = {}
         for name, items in groups.items():
             drafts, qs, trees = propose_with_trees(self._proposer(name), ctx, items)
@@ -337,9 +446,9 @@ class SpeculativeStrategy(Strategy):
                     seq.draft_branches = [list(b) for b in tree.branches]
                     seq.stash[_TREE] = tree
                 options = seq.request.plan.strategy_options
-                if not seq.draft_token_ids and not seq.draft_branches and options.fallback is not None \
-                        and name == options.proposer:
-                    fallbacks.setdefault(options.fallback, []).append((seq, k, options._fallback_params))
+                if not seq.draft_token_ids and not seq.draft_branches and link < len(options.fallbacks):
+                    fallbacks.setdefault(options.fallbacks[link], []).append(
+                        (seq, k, options._fallback_params[link]))
         return fallbacks
 
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -390,9 +499,12 @@ class SpeculativeStrategy(Strategy):
     @staticmethod
     def _adapt(seq: Sequence, proposed: int, accepted: int) -> None:
         options = seq.request.plan.strategy_options
-        if proposed and options.adaptive:
+        mode = options.adaptation
+        if proposed and mode == "heuristic":
             k = seq.stash[_K]
             seq.stash[_K] = min(k + 2, options.max_speculative_tokens) if accepted == proposed else max(1, k - 1)
+        elif mode == "cost" and ACCEPTANCE in seq.stash:
+            seq.stash[ACCEPTANCE].record(proposed, accepted)
 
     def on_request_finished(self, request: Request) -> None:
         for proposer in self.proposers.values():

@@ -14,6 +14,7 @@ from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
 from decodekit_plugins.beam_search import BeamSearchStrategy
 from decodekit_plugins.eagle import EagleProposer
 from decodekit_plugins.speculative import DraftModelProposer, NgramProposer, SpeculativeStrategy
+from decodekit_plugins.suffix import SuffixProposer
 
 
 class SampleStrategy(Strategy):
@@ -67,3 +68,4 @@ def decodekit_register_proposers(register: Callable[..., None]) -> None:
     register(NgramProposer.name, NgramProposer)
     register(DraftModelProposer.name, DraftModelProposer)
     register(EagleProposer.name, EagleProposer)
+    register(SuffixProposer.name, SuffixProposer)

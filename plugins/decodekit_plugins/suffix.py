@@ -1,0 +1,127 @@
+"""The `suffix` proposer: SuffixDecoding (arXiv 2411.04975), training-free drafts from suffix trees.
+
+Two depth-bounded suffix tries (`decodekit_plugins.suffix_tree`) are searched for the longest suffix of the
+sequence that occurred before with a continuation: the request's own (its prompt and output so far, extended token
+by token as the output grows) and one global to the engine, over the outputs of recent finished requests that used
+the proposer (oldest evicted first, at most `global_cache_tokens` tokens). From the match, each draft token is the
+most frequent continuation of the path so far, while the product of those frequencies stays at least
+`min_token_prob`; the draft is at most `max_spec_factor * match_length + max_spec_offset` tokens long (a long match
+is evidence of a long copy, as the paper sets its draft length). Of the two tries' drafts, the one with the higher
+score (the expected number of accepted tokens, the sum of the cumulative frequencies) is proposed. A seeded sampled
+request drafts from its own trie only, so its output is the same whatever the engine served before.
+
+The drafts are deterministic (no `q`), so sampled requests stay lossless under the strategy's acceptance rule.
+
+Example (recipe): `strategy: {speculative: {proposer: suffix}}`, or as a link of a chain:
+`{proposer: ngram, proposer_options: {prompt_lookup_min: 2}, fallback: [suffix, draft]}`
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from decodekit.api.proposer import Proposer
+from decodekit.api.sequence import Sequence
+from decodekit.api.strategy import StepContext
+from decodekit_plugins.suffix_tree import SuffixTrie, TrieCursor
+
+MAX_DEPTH = 24
+"""The tries' depth: matches of up to 23 tokens, each followed by at least one. A trie holds up to this many nodes
+per token it has seen (text repeats little beyond a few tokens), so it bounds the memory per token."""
+
+
+class SuffixParams(BaseModel):
+    """Parameters of the `suffix` proposer (Arctic Inference's names for the paper's settings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_spec_factor: float = Field(1.0, gt=0.0, description="Draft at most this many tokens per matched token.")
+    max_spec_offset: int = Field(0, ge=0, description="... plus this many.")
+    min_token_prob: float = Field(0.1, ge=0.0, le=1.0, description="Stop the draft where the estimated chance "
+                                  "that all of it is right (the product of the continuations' frequencies) falls "
+                                  "below this.")
+    global_outputs: bool = Field(True, description="Also draft from the outputs of recent finished requests, and "
+                                 "add this request's output to them when it finishes.")
+    global_cache_tokens: int = Field(8192, ge=0, description="The most tokens of recent outputs the engine keeps "
+                                     "(oldest request evicted first), applied when this request's output is added.")
+
+
+@dataclass
+class _Local:
+    """A sequence's own trie, how far it has read the sequence's tokens, and the options it drafts with."""
+
+    trie: SuffixTrie
+    cursor: TrieCursor
+    options: SuffixParams
+
+
+def suffix_draft(tries: list[SuffixTrie], context: list[int], k: int, options: SuffixParams) -> list[int]:
+    """The best draft of at most `k` tokens after `context` from `tries` (the highest expected number of accepted
+    tokens; on a tie the earlier trie's)."""
+    best: list[int] = []
+    best_score = 0.0
+    for trie in tries:
+        match = trie.match(context)
+        if match is None:
+            continue
+        limit = min(k, int(options.max_spec_factor * match.length) + options.max_spec_offset)
+        tokens, probs = trie.continuation(match, limit, options.min_token_prob)
+        if tokens and sum(probs) > best_score:
+            best, best_score = tokens, sum(probs)
+    return best
+
+
+class SuffixProposer(Proposer):
+    """Suffix decoding: drafts from suffix tries over the request and recent outputs (see the module docstring)."""
+
+    name = "suffix"
+    Params = SuffixParams
+
+    def __init__(self) -> None:
+        self._local: dict[int, _Local] = {}  # seq_id -> its own trie
+        self.global_trie = SuffixTrie(MAX_DEPTH)
+        self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # the outputs in `global_trie`, oldest first
+        self.global_tokens = 0
+
+    def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
+                options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        drafts = []
+        for seq, k, opts in zip(seqs, ks, options):
+            local = self._extend(seq, opts)
+            # a seeded sampled request drafts from its own tokens only: which drafts it verifies changes which
+            # random numbers it draws, and its output must not depend on what the engine served before
+            shared = opts.global_outputs and self.global_tokens and (seq.greedy or seq.request.params.seed is None)
+            tries = [local.trie, self.global_trie] if shared else [local.trie]
+            drafts.append(suffix_draft(tries, seq.token_ids, k, opts))
+        return drafts, [None] * len(seqs)
+
+    def _extend(self, seq: Sequence, options: SuffixParams) -> _Local:
+        """The sequence's trie, with every token it has now (verified tokens only ever append)."""
+        local = self._local.get(seq.seq_id)
+        if local is None or local.cursor.length > len(seq.token_ids):  # new (or, defensively, rewound): rebuild
+            trie = SuffixTrie(MAX_DEPTH)
+            local = self._local[seq.seq_id] = _Local(trie, TrieCursor(trie), options)
+        for token in seq.token_ids[local.cursor.length :]:
+            local.cursor.append(token)
+        return local
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's trie; add its output to the global one (evicting the oldest past the cap)."""
+        local = self._local.pop(seq.seq_id, None)
+        if local is None or not local.options.global_outputs:
+            return
+        cap = local.options.global_cache_tokens
+        output = seq.generated_ids[:cap]
+        if output:
+            self._outputs[seq.seq_id] = output
+            self.global_trie.add(output)
+            self.global_tokens += len(output)
+        while self.global_tokens > cap:
+            _, oldest = self._outputs.popitem(last=False)
+            self.global_trie.remove(oldest)
+            self.global_tokens -= len(oldest)

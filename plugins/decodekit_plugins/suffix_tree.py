@@ -1,0 +1,135 @@
+"""A depth-bounded suffix trie over token sequences with occurrence counts: the structure behind the `suffix`
+proposer (SuffixDecoding, arXiv 2411.04975).
+
+Every substring of at most `max_depth` tokens of the added sequences is a path from the root; a node counts the
+places its substring ends. The longest suffix of a context that occurs earlier with a continuation is found by
+walking the context's last tokens from the root (`match`), and the continuation the counts make most likely is read
+off greedily from there (`continuation`). Sequences can be added and removed (the counts are decremented and empty
+nodes pruned), so a bounded cache of recent outputs evicts by request, and a growing sequence is extended token by
+token in O(max_depth) (`TrieCursor`) instead of re-added.
+
+Pure Python and torch-free, so its properties are checked with hypothesis against a brute-force search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False, slots=True)  # slots: a trie holds up to max_depth nodes per token
+class Node:
+    """One substring: how many times it ends in the added sequences, and its one-token extensions."""
+
+    count: int = 0
+    children: dict[int, Node] = field(default_factory=dict)
+
+
+@dataclass
+class Match:
+    """Where a context's longest continued suffix leads: its length and its node."""
+
+    length: int
+    node: Node
+
+
+class SuffixTrie:
+    """The substrings of at most `max_depth` tokens of the sequences added, with occurrence counts.
+
+    Example:
+        >>> trie = SuffixTrie(8)
+        >>> trie.add([1, 2, 3, 1, 2, 4, 1, 2, 3])
+        >>> trie.match([5, 1, 2]).length, trie.continuation(trie.match([5, 1, 2]), 2, 0.0)
+        (2, ([3, 1], [0.6666666666666666, 0.6666666666666666]))
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 1:
+            raise ValueError(f"`max_depth` must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = Node()
+        self.num_nodes = 0  # nodes besides the root: what the trie holds in memory
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """Count every substring (of at most `max_depth` tokens) of `tokens`."""
+        cursor = TrieCursor(self)
+        for token in tokens:
+            cursor.append(token)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo `add(tokens)` (the same tokens, added before): decrement their substrings, prune what reaches 0."""
+        # last position first: an occurrence's extensions end after it, so they are taken off before it, and no
+        # node ever counts fewer than its children (a node reaching 0 has no children left to lose)
+        for end in range(len(tokens), 0, -1):
+            window = tokens[max(0, end - self.max_depth) : end]
+            for start in range(len(window)):
+                self._decrement(window[start:])
+
+    def _decrement(self, path: Sequence[int]) -> None:
+        node = self.root
+        for token in path[:-1]:
+            node = node.children[token]
+        last = node.children[path[-1]]
+        last.count -= 1
+        if last.count == 0:  # its children end where it ends, so they are empty too
+            del node.children[path[-1]]
+            self.num_nodes -= 1
+
+    def match(self, context: Sequence[int]) -> Match | None:
+        """The longest suffix of `context` (at most `max_depth - 1` tokens, so one more fits below it) that occurs
+        in the trie with at least one continuation, or None when not even its last token does."""
+        longest = min(len(context), self.max_depth - 1)
+        for length in range(longest, 0, -1):
+            node: Node | None = self.root
+            for token in context[len(context) - length :]:
+                node = node.children.get(token) if node is not None else None
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return Match(length, node)
+        return None
+
+    @staticmethod
+    def continuation(match: Match, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
+        """Up to `limit` tokens after `match`, each the most frequent continuation of the path so far, while the
+        product of their conditional frequencies stays at least `min_prob`; returns the tokens and those
+        cumulative probabilities (each token's estimated chance that the whole draft up to it is right)."""
+        tokens: list[int] = []
+        probs: list[float] = []
+        node, prob = match.node, 1.0
+        while len(tokens) < limit and node.children:
+            total = sum(child.count for child in node.children.values())
+            # ties go to the smaller token id, so a proposal never depends on dict order
+            token, child = max(node.children.items(), key=lambda item: (item[1].count, -item[0]))
+            prob *= child.count / total
+            if prob < min_prob:
+                break
+            tokens.append(token)
+            probs.append(prob)
+            node = child
+        return tokens, probs
+
+
+class TrieCursor:
+    """Appends tokens to one growing sequence of a trie: keeps the nodes of the sequence's last `max_depth - 1`
+    suffixes, so each token costs `max_depth` child lookups."""
+
+    def __init__(self, trie: SuffixTrie) -> None:
+        self.trie = trie
+        # the nodes of the suffixes that end at the last token and can still grow: lengths 1, 2, ... max_depth - 1
+        self.active: list[Node] = []
+        self.length = 0
+
+    def append(self, token: int) -> None:
+        """Count the substrings that end at `token`, appended to the sequence."""
+        trie = self.trie
+        extended: list[Node] = []
+        for node in (trie.root, *self.active):  # the suffix of length l before the token gives length l + 1
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = Node()
+                trie.num_nodes += 1
+            child.count += 1
+            extended.append(child)
+        self.active = extended[: trie.max_depth - 1]
+        self.length += 1

@@ -1,0 +1,184 @@
+"""Adaptive speculation: the draft-length chooser's decisions, the step cost curve, and lossless decoding with it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodekit import LLM, SamplingParams
+from decodekit.api.params import SamplingParams as Params
+from decodekit.api.sequence import Request, Sequence
+from decodekit.api.step_cost import StepCost
+from decodekit.testing import check_proposer
+from decodekit_plugins.adaptive import (
+    PROBE_INTERVAL,
+    PROBE_TOKENS,
+    Acceptance,
+    choose_draft_lengths,
+    draft_lengths,
+    expected_tokens,
+)
+from tests.helpers.reference import random_prompts
+
+PROPORTIONAL = StepCost((1, 256), (1.0, 256.0))  # compute-bound: every row costs the same
+NEARLY_FREE = StepCost((1, 256), (1.0, 1.02))  # memory-bound: reading the weights is the step
+rates = st.floats(0.0, 0.99)
+batches = st.lists(rates, min_size=1, max_size=40)
+
+
+def throughput(ks: list[int], rates: list[float], cost: StepCost, other_rows: int = 0) -> float:
+    tokens = other_rows + sum(expected_tokens(a, k) for a, k in zip(rates, ks))
+    return tokens / cost(len(ks) + other_rows + sum(ks))
+
+
+@given(rate=rates, k=st.integers(0, 12))
+def test_expected_tokens_is_the_geometric_sum(rate, k):
+    assert expected_tokens(rate, k) == pytest.approx((1 - rate ** (k + 1)) / (1 - rate))
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=batches, limit=st.integers(1, 10), other=st.integers(0, 8))
+def test_nothing_is_drafted_when_each_row_costs_its_share(batch, limit, other):
+    assert choose_draft_lengths(batch, [limit] * len(batch), other, PROPORTIONAL) == [0] * len(batch)
+
+
+def test_a_compute_bound_batch_of_32_turns_speculation_off_and_a_lone_request_keeps_it():
+    # a step that costs a fixed part plus a row's share, the rows dominating at 32 sequences
+    cost = StepCost((1, 8, 32, 64, 128, 256), (1.0, 1.1, 3.0, 6.0, 12.0, 24.0))
+    assert choose_draft_lengths([0.6] * 32, [8] * 32, 0, cost) == [0] * 32
+    assert choose_draft_lengths([0.6], [8], 0, cost)[0] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.lists(st.floats(0.5, 0.99), min_size=1, max_size=8), limit=st.integers(1, 10))
+def test_every_sequence_drafts_when_rows_are_nearly_free_and_acceptance_is_high(batch, limit):
+    assert all(k > 0 for k in choose_draft_lengths(batch, [limit] * len(batch), 0, NEARLY_FREE))
+
+
+curves = st.lists(st.floats(0.01, 10.0), min_size=2, max_size=6).map(
+    lambda ys: StepCost(tuple(2**i for i in range(len(ys))), tuple(itertools.accumulate(ys))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=batches, index=st.integers(0, 39), higher=rates, cost=curves, limit=st.integers(1, 8))
+def test_a_sequence_never_drafts_less_when_its_acceptance_rises(batch, index, higher, cost, limit):
+    index %= len(batch)
+    lower = min(batch[index], higher)
+    before, after = list(batch), list(batch)
+    before[index], after[index] = lower, max(batch[index], higher)
+    limits = [limit] * len(batch)
+    assert choose_draft_lengths(after, limits, 0, cost)[index] >= choose_draft_lengths(before, limits, 0, cost)[index]
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.lists(rates, min_size=1, max_size=3), limit=st.integers(1, 4), cost=curves, other=st.integers(0, 4))
+def test_the_chooser_finds_the_best_lengths_of_a_brute_force_search(batch, limit, cost, other):
+    chosen = choose_draft_lengths(batch, [limit] * len(batch), other, cost)
+    best = max(throughput(list(ks), batch, cost, other)
+               for ks in itertools.product(range(limit + 1), repeat=len(batch)))
+    assert throughput(chosen, batch, cost, other) == pytest.approx(best, rel=1e-9)
+
+
+def test_a_draft_models_cost_shortens_the_drafts():
+    free = choose_draft_lengths([0.8], [10], 0, NEARLY_FREE)[0]
+    costly = choose_draft_lengths([0.8], [10], 0, NEARLY_FREE, draft=StepCost((1, 256), (0.3, 0.3)))[0]
+    assert 0 < costly < free
+
+
+def test_acceptance_follows_what_the_target_accepts():
+    state = Acceptance()
+    for _ in range(30):
+        state.record(4, 4)
+    assert state.rate > 0.95
+    for _ in range(30):
+        state.record(4, 0)
+    assert state.rate < 0.05
+    state.record(0, 0)  # nothing drafted: nothing learned
+    assert state.rate < 0.05
+
+
+def _sequences(count: int, **sampling) -> list[Sequence]:
+    out = []
+    for i in range(count):
+        request = Request(str(i), None, [1, 2, 3], Params(max_tokens=64, **sampling), 0)
+        out.append(Sequence(request, [1, 2, 3], 3))
+    return out
+
+
+def test_a_sequence_kept_from_drafting_probes_again_and_can_turn_back_on():
+    (seq,) = _sequences(1, temperature=0)
+    seq_lengths = [draft_lengths([seq], [8], 0, PROPORTIONAL, None)[0] for _ in range(PROBE_INTERVAL)]
+    assert seq_lengths == [0] * (PROBE_INTERVAL - 1) + [PROBE_TOKENS]
+    assert draft_lengths([seq], [8], 0, NEARLY_FREE, None)[0] > 0  # rows got cheap (the batch shrank): back on
+
+
+def test_a_seeded_sampled_sequence_chooses_as_if_alone():
+    seeded = _sequences(1, temperature=0.8, seed=5)
+    crowd = _sequences(31, temperature=0)
+    cost = StepCost((1, 8, 32, 64, 128, 256), (1.0, 1.1, 3.0, 6.0, 12.0, 24.0))
+    alone = draft_lengths(_sequences(1, temperature=0.8, seed=5), [8], 0, cost, None)
+    batched = draft_lengths([*seeded, *crowd], [8] * 32, 0, cost, None)
+    assert batched[0] == alone[0] > 0 and batched[1:] == [0] * 31
+
+
+def test_step_cost_interpolates_and_never_falls_with_more_rows():
+    cost = StepCost((1, 4, 16), (2.0, 1.0, 3.0))  # a disturbed first timing
+    assert cost(1) == cost(4) == 1.0 and cost(10) == pytest.approx(2.0) and cost(32) == pytest.approx(3.0 + 16 / 6)
+    with pytest.raises(ValueError, match="increasing"):
+        StepCost((4, 2), (1.0, 2.0))
+    with pytest.raises(ValueError, match="as many"):
+        StepCost((1, 2), (1.0,))
+
+
+def test_the_step_cost_is_measured_once_per_machine_and_read_from_the_cache(llama, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    cost = llm.engine.components.info.step_cost(None)
+    assert cost is not None and cost.rows[0] == 1 and len(cost.rows) > 3
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks  # scratch blocks freed
+    (cached,) = (tmp_path / "step_cost").iterdir()
+    assert json.loads(cached.read_text())["rows"] == list(cost.rows)
+    cached.write_text(json.dumps({"rows": [1, 2], "seconds": [0.5, 0.75]}))  # what a second engine finds
+    again = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    assert again.engine.components.info.step_cost(None) == StepCost((1, 2), (0.5, 0.75))
+    cached.write_text("{not json")  # a broken cache is measured again
+    third = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    assert third.engine.components.info.step_cost(None).rows == cost.rows
+
+
+@pytest.mark.parametrize("cost_model", ["default", "measured"])
+def test_adaptive_speculation_is_lossless_alone_and_batched(llama, tokenizer, cost_model):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = [(p * 4)[:28] for p in random_prompts(6, 4, 9, seed=2)]
+    greedy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = llm.generate(prompts, SamplingParams(**greedy))
+    strategy = {"speculative": {"proposer": "suffix", "cost_model": cost_model}}
+    spec = llm.generate(prompts, SamplingParams(**greedy, strategy=strategy))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize(("proposer", "cost_model"), [("ngram", "measured"), ("suffix", "measured"),
+                                                      ("draft", "default")])
+def test_every_lookup_and_model_proposer_passes_its_kit_with_adaptation_on(proposer, cost_model):
+    # the kit's draft model is as big as its target: measured, drafting with it cannot pay and is rightly off
+    report = check_proposer(proposer, num_speculative_tokens=None, strategy_options={"cost_model": cost_model})
+    assert report.draft_tokens > 0
+
+
+@pytest.mark.parametrize(("strategy", "error"), [
+    ({"adaptive": "cost", "num_speculative_tokens": 4}, "num_speculative_tokens fixes k"),
+    ({"adaptive": "sometimes"}, "strategy.speculative.adaptive"),
+    ({"cost_model": "guess"}, "strategy.speculative.cost_model"),
+])
+def test_bad_adaptation_options_fail_their_request_alone(llama, tokenizer, strategy, error):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    bad, good = llm.generate([[5, 6, 7, 5, 6, 7]] * 2, [
+        SamplingParams(max_tokens=4, strategy={"speculative": {"proposer": "ngram", **strategy}}),
+        SamplingParams(max_tokens=4, temperature=0, strategy={"speculative": {"proposer": "ngram"}})])
+    assert bad.error is not None and error in bad.error
+    assert good.error is None and len(good.token_ids) == 4
