@@ -9,10 +9,11 @@
   the chain n-gram -> suffix -> int8 draft (k 4, paused likewise), the int8 draft drafting a tree (k 6, width 2,
   up to 16 nodes, branching where its probability is below 0.8: `docs/speculative.md`, "Draft trees"); and with k
   adapted by cost (the strategy's default: each step's k from the acceptance and this machine's step cost by rows,
-  0 where it cannot pay): suffix, the int8 draft, and the chain. recipes/speculative.yaml uses n-gram chained to the int8 draft. Each row gives the
-  median of per-repeat ratios to plain with their range, each proposer's acceptance (accepted of drafted, and its
-  acceptance length: tokens per verification, 1 + accepted / verifications), and whether the output equalled plain's
-  token for token.
+  0 where it cannot pay): suffix, the int8 draft, and the chain. recipes/speculative.yaml uses n-gram chained to
+  the int8 draft. `--dtype auto` runs the target as the bundled GGUF stores it. Each row gives the median of
+  per-repeat ratios to plain with their range, each proposer's acceptance (accepted of drafted, and its acceptance
+  length: tokens per verification, 1 + accepted / verifications), and whether the output equalled plain's token for
+  token.
 - `beam`: 16 summarization requests (prompts of about 40 to 220 tokens) with 4 beams, decodekit's in-engine beam
   search vs transformers `generate(num_beams=4)` on the same 16 prompts as one left-padded batch; both return the
   same sequences (checked). decodekit prefills each prompt once and forks the beams (transformers prefills every
@@ -178,6 +179,14 @@ def bench_beam(llm: LLM, repeats: int, num_requests: int = 16, max_tokens: int =
           f"ratio {h / d:.2f}x, same sequences: {same}", flush=True)
 
 
+def _uses_draft(strategy: dict[str, Any] | None) -> bool:
+    """Whether a configuration's chain names the `draft` proposer (the engine then needs its draft model)."""
+    if strategy is None:
+        return False
+    fallback = strategy.get("fallback") or []
+    return "draft" in [strategy.get("proposer"), *([fallback] if isinstance(fallback, str) else fallback)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", choices=["spec", "beam", "all"])
@@ -190,6 +199,9 @@ def main() -> None:
                         help="cap the outputs' length (a smoke run; 0: 128 copy, 96 chat)")
     parser.add_argument("--draft-quantization", choices=["int8", "bf16"], default="int8",
                         help="the self-draft's weights (the `draft` configurations are named after it)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the target's dtype (`auto`: the bundled GGUF's blocks as stored, where the "
+                        "configurations without a draft model run)")
     args = parser.parse_args()
     quantization = args.draft_quantization
     known = {name.replace("int8", quantization): strategy for name, strategy in SPEC_CONFIGS.items()}
@@ -200,9 +212,11 @@ def main() -> None:
     configs = {"plain": None, **{c: known[c] for c in names if c != "plain"}}
     if args.threads:
         torch.set_num_threads(args.threads)
-    # the quantized self-draft serves the `draft` configurations; plain, n-gram and beam never open it
-    llm = LLM("smollm2-135m-instruct", dtype="float32", draft="target", draft_quantization=quantization)
-    print(machine_line(environment(), "float32"), flush=True)
+    # the quantized self-draft serves the `draft` configurations; plain, n-gram, suffix and beam never open it
+    uses_draft = any(_uses_draft(strategy) for strategy in configs.values())
+    llm = LLM("smollm2-135m-instruct", dtype=args.dtype,
+              **({"draft": "target", "draft_quantization": quantization} if uses_draft else {}))
+    print(machine_line(environment(), args.dtype), f"| {llm.engine.model.forward_name}", flush=True)
     if args.which in ("spec", "all"):
         bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")), args.max_tokens)
     if args.which in ("beam", "all"):

@@ -7,7 +7,8 @@ Each event is a JSON-ready dict appended to `seq.trace`:
   "draft accepted" | "beam search", "strategy": name, "stages": [{"stage": "model" | <processor>, "top": [[id,
   text, p], ...], "p": chosen_p}, ...]}` and, on the first token of a speculative step, `"drafts": {"proposed":
   [...], "proposed_text": [...], "accepted": k, "produced": n, "proposer": name}` (`produced`: the tokens the step
-  appended, accepted drafts and the target's own; a stop among them drops the events after it). `stages` holds
+  appended, accepted drafts and the target's own; a stop among them drops the events after it; a draft tree's step
+  proposed its kept branch and adds `"tree_branches"`, `"branch"` (the kept one) and `"tree_nodes"`). `stages` holds
   the `N` most likely candidates (with probabilities; tokens a stage removed are left out) of the model's logits
   and after each processor stage of the row the token was chosen from, and the chosen token's own probability
   `p` there; a greedy row skips trailing argmax-invariant stages, so they do not appear. What the strategy noted

@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from decodekit.api.components import ComponentInfo, ComponentLookup, validate_options
-from decodekit.api.draft_tree import DraftTree, TreeShape
+from decodekit.api.draft_tree import DraftTree, TreeShape, count_nodes
 from decodekit.api.params import SamplingParams
 from decodekit.api.processors import Stage
 from decodekit.api.proposer import Proposer, ProposerModel
@@ -491,7 +491,8 @@ class SpeculativeStrategy(Strategy):
         drafted_by = seq.stash.get(_BY, None)
         ctx.accept_branch(seq, branch, accepted, token, drafted_by)
         if seq.request.params.trace is not None:
-            ctx.note(seq, drafts={"proposer": drafted_by, "tree_branches": len(tree.branches), "branch": branch})
+            ctx.note(seq, drafts={"proposer": drafted_by, "tree_branches": len(tree.branches), "branch": branch,
+                                  "tree_nodes": count_nodes(tree.branches)})  # what the metrics count as drafted
         for proposer in self.proposers.values():
             proposer.rollback(seq, valid)
         return rows.shape[0]

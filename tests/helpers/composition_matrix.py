@@ -117,13 +117,14 @@ class Speculation:
     proposer: str
     engine: Literal["main", "int8"] = "main"
     fallback: str | None = None  # a second proposer chained after the first (`fallback`)
+    tree: bool = False  # the proposer drafts a tree of branches (`tree:`, proposers with `supports_tree`)
 
     @property
     def label(self) -> str:
         suffix = " (int8 self-draft)" if self.engine == "int8" else ""
         chain = f"→{self.fallback}" if self.fallback else ""
         name = self.proposer if self.strategy == "speculative" else f"{self.strategy}/{self.proposer}"
-        return name + chain + suffix
+        return name + (" tree" if self.tree else "") + chain + suffix
 
 
 @dataclass(frozen=True)
@@ -287,10 +288,13 @@ def speculations(reg: Registry) -> list[Speculation]:
     for strategy, s_entry in reg.strategies.items():
         if not _takes_proposer(s_entry):
             continue
+        takes_tree = "tree" in s_entry.params_model.model_fields
         for proposer, p_entry in reg.proposers.items():
             out.append(Speculation(strategy, proposer))
             if getattr(p_entry.factory, "needs_draft", False):
                 out.append(Speculation(strategy, proposer, "int8"))
+            if takes_tree and getattr(p_entry.factory, "supports_tree", False):
+                out.append(Speculation(strategy, proposer, tree=True))
         if "fallback" not in s_entry.params_model.model_fields:
             continue
         free = [name for name, entry in reg.proposers.items() if not getattr(entry.factory, "needs_draft", False)
@@ -403,7 +407,14 @@ def strategy_spec(spec: Speculation, models: MatrixModels | None, k: int = 3) ->
                "proposer_options": _proposer_options(spec.proposer, models, chained=spec.fallback is not None)}
     if spec.fallback is not None:
         options.update(fallback=spec.fallback, fallback_options=_proposer_options(spec.fallback, models))
+    if spec.tree:  # two branches wherever the draft is unsure: every cell's rows run as probes over shared blocks
+        options["tree"] = TREE_OPTIONS
     return {spec.strategy: options}
+
+
+TREE_OPTIONS: dict[str, Any] = {"width": 2, "max_nodes": 8, "threshold": 0.9}
+"""The tree of a tree cell: a second branch wherever the draft's own token is below 90% (tiny random models are
+unsure nearly everywhere, so most steps verify two branches)."""
 
 
 CHAIN_OPTIONS: dict[str, dict[str, Any]] = {"ngram": {"prompt_lookup_min": 2}}
@@ -497,8 +508,8 @@ def check_trace(harness: Harness, cell: Cell, out: RequestOutput) -> None:
                 raise harness.fail(f"did not run the control's processor {stage!r} on every token (lost)",
                                    f"output {k}, tokens {missing}")
         for e in events:
-            if "drafts" in e:
-                drafted += len(e["drafts"]["proposed"])
+            if "drafts" in e:  # a draft tree's step drafted its nodes (the kept branch is `proposed`)
+                drafted += e["drafts"].get("tree_nodes", len(e["drafts"]["proposed"]))
                 accepted += e["drafts"]["accepted"]
     counted = (out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens)
     if cell.speculation is not None and len(out.outputs) == 1 and (drafted, accepted) != counted:
