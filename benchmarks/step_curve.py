@@ -65,6 +65,13 @@ def step_weight_bytes(llm: LLM) -> int:
     return layers + matrix_bytes(decoder.lm_head)
 
 
+def plot_title(env: dict[str, Any], context: int, bandwidth: float) -> str:
+    """Two short lines: the CPU, its flags and threads; the context and the read bandwidth of the bound."""
+    flags = " ".join(env.get("cpu_flags") or [])
+    return (f"{env.get('cpu')}, {env.get('torch_threads', '?')} threads ({flags}), commit {env.get('git_commit')}\n"
+            f"decode step by rows, {context} tokens of context; bound: weights at {bandwidth / 1e9:.0f} GB/s")
+
+
 def draw(curves: dict[str, dict[str, Any]], path: str, title: str) -> None:
     """Step time against rows per format (solid, dots) with its weight-read bound (dashed), log-log, to `path`."""
     import matplotlib
@@ -75,12 +82,15 @@ def draw(curves: dict[str, dict[str, Any]], path: str, title: str) -> None:
     figure, axes = plt.subplots(figsize=(7.5, 4.8))
     for index, (name, curve) in enumerate(curves.items()):
         colour = f"C{index}"
-        rows = sorted(int(r) for r in curve["costs_ms"])
-        axes.plot(rows, [curve["costs_ms"][r] for r in rows], "o-", color=colour,
+        costs = {int(r): ms for r, ms in curve["costs_ms"].items()}  # JSON keys are strings
+        rows = sorted(costs)
+        axes.plot(rows, [costs[r] for r in rows], "o-", color=colour,
                   label=f"{name} ({curve['weight_mb']:.0f} MB)")
         axes.axhline(curve["bound_ms"], color=colour, linestyle="--", linewidth=1)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
+    ticks = sorted({int(r) for curve in curves.values() for r in curve["costs_ms"]})
+    axes.set_xticks(ticks, [str(t) for t in ticks])
     axes.set_xlabel("rows in the step (sequences decoding one token)")
     axes.set_ylabel("ms per step")
     axes.set_title(title, fontsize=9)
@@ -102,7 +112,15 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="write the curves here (PNG; needs matplotlib)")
     parser.add_argument("--smoke", action="store_true", help="1-2 rows once, int8 only: checks that it runs")
+    parser.add_argument("--from-json", default=None, help="draw --plot from a --json file written before")
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as handle:
+            record = json.load(handle)
+        if args.plot:
+            draw(record["curves"], args.plot, plot_title(record["environment"], record["context"],
+                                                         record["bandwidth_gbs"] * 1e9))
+        return
     if args.smoke:
         args.formats, args.rows, args.repeats = ["int8"], [1, 2], 1
     torch.set_num_threads(args.threads)
@@ -131,8 +149,7 @@ def main() -> None:
             json.dump({"environment": environment(), "bandwidth_gbs": bandwidth / 1e9, "context": args.context,
                        "curves": curves}, handle, indent=1)
     if args.plot:
-        draw(curves, args.plot, f"{line}\ndecode step by rows, context {args.context}, read bandwidth "
-             f"{bandwidth / 1e9:.0f} GB/s")
+        draw(curves, args.plot, plot_title(environment(), args.context, bandwidth))
 
 
 if __name__ == "__main__":

@@ -1237,8 +1237,8 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
  * ms): 1 row 21.1 against torch's 31.7 (30.4 against 33.0 on one thread); 2 rows 24.2-25.2 against oneDNN's 31.9,
  * 4 rows 29.7 against 38.0, 5 rows 31.3 against 38.1, 8 rows 38.7-39.6 against 42.7.
  *   - column-major: a thread owns a range of output columns, walked in blocks whose sums for every row stay in L1
- *     (at most 16 KB: 1024 columns for up to 4 rows, 512 for 5-8, 256 for 9-16) while 8 input rows at a time
- *     stream past;
+ *     (at most 16 KB: 1024 columns for up to 4 rows, 512 for 5-8) while 8 input rows at a time stream past (one row
+ *     on two threads: each thread half of the inputs, below);
  *   - row-major: a thread owns a range of outputs, 4 dot products at a time (4 row streams).
  * Each output is summed in the same order whichever thread computes it and however many rows are multiplied
  * together: results depend neither on the thread count nor on the batch. Every step of a sum is one fused
@@ -1247,7 +1247,7 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
  * On AVX-512 the columns go 16 at a time. Both layouts prefetch (GEMV_PREFETCH_*): on a 2-core Zen 5, one step's
  * 30 SmolLM2 layers (425 MB) took 16.9 ms without the prefetches and 256-bit vectors, 12.4 ms with the prefetches,
  * and the AVX-512 multiply-adds computed 2-3x faster than the 256-bit mul + add on weights in cache. */
-#define GEMV_MAX_ROWS 16
+#define GEMV_MAX_ROWS 8
 #define GEMV_ACC_FLOATS 4096
 #define GEMV_ROWS 8
 #define GEMV_DOTS 4
@@ -1270,16 +1270,17 @@ static inline v8f gemv_fma8(v8f a, v8f b, v8f c) { return c + a * b; }
 static inline float gemv_fmaf(float a, float b, float c) { return c + a * b; }
 #endif
 
+/* sum over inputs [i_begin, i_end) of x[m, i] * w[i, o] into y[m * out + o] for columns [o0, o1) */
 static void gemv_columns(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t o0,
-                         int64_t o1, float* y) {
+                         int64_t o1, int64_t i_begin, int64_t i_end, float* y) {
     float acc[GEMV_ACC_FLOATS];
-    int64_t block = rows <= 4 ? 1024 : rows <= 8 ? 512 : 256;  /* rows x block floats: at most GEMV_ACC_FLOATS */
+    int64_t block = rows <= 4 ? 1024 : 512;  /* rows x block floats: at most GEMV_ACC_FLOATS */
     for (int64_t b0 = o0; b0 < o1; b0 += block) {
         int64_t b1 = b0 + block < o1 ? b0 + block : o1, nb = b1 - b0;
         int64_t vec_end = b0 + nb / 8 * 8;
         memset(acc, 0, (size_t)(rows * block) * sizeof(float));
-        int64_t i = 0;
-        for (; i + GEMV_ROWS <= in; i += GEMV_ROWS) {
+        int64_t i = i_begin;
+        for (; i + GEMV_ROWS <= i_end; i += GEMV_ROWS) {
             const float* wr = w + i * out;
             int64_t o = b0;
 #if defined(__AVX512F__)
@@ -1319,7 +1320,7 @@ static void gemv_columns(const float* x, int64_t rows, const float* w, int64_t i
                     acc[m * block + (o - b0)] = a;
                 }
         }
-        for (; i < in; ++i)
+        for (; i < i_end; ++i)
             for (int64_t m = 0; m < rows; ++m)
                 for (int64_t o = b0; o < b1; ++o)
                     acc[m * block + (o - b0)] = gemv_fmaf(x[m * in + i], w[i * out + o], acc[m * block + (o - b0)]);
@@ -1366,10 +1367,35 @@ static void gemv_rows(const float* x, const float* w, int64_t in, int64_t o0, in
     }
 }
 
-/* Returns 0, or -1 (nothing computed) for more rows than the layout takes. */
+/* A column-major product sums each output in two halves of the inputs, [0, h) and [h, in), each from zero, then
+ * adds them (the first half's sum plus the second's), whatever the rows and threads: so one row on two threads
+ * gives each thread one half of the inputs over every column, and each thread reads one contiguous half of the
+ * weight front to back. Split by columns instead, each thread read 4 KB runs of every input row (`out` floats apart): on a 2-core
+ * Zen 5 a float32 SmolLM2 decode step of one row (its 538 MB of weights) took 16.3-16.4 ms that way and 15.2-15.6 ms
+ * split by inputs (`benchmarks/step_curve.py --formats float32 --rows 1`, alternating runs). */
+static int64_t gemv_half(int64_t in) { return in / 2 / GEMV_ROWS * GEMV_ROWS; }
+
+/* Scratch for the second halves' sums, kept per calling thread (grown, never shrunk). */
+static float* gemv_scratch(int64_t floats) {
+    static __thread float* scratch = NULL;
+    static __thread int64_t capacity = 0;
+    if (capacity < floats) {
+        float* grown = malloc((size_t)floats * sizeof(float));
+        if (grown == NULL) return NULL;
+        free(scratch);
+        scratch = grown;
+        capacity = floats;
+    }
+    return scratch;
+}
+
+/* Returns 0, or -1 (nothing computed) for more rows than the layout takes or no memory for the scratch. */
 int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t row_major,
             const float* bias, const float* residual, float* y) {
     if (rows < 1 || rows > (row_major ? 1 : GEMV_MAX_ROWS)) return -1;
+    float* second = row_major ? NULL : gemv_scratch(rows * out);  /* [rows, out]: the second halves' sums */
+    if (!row_major && second == NULL) return -1;
+    int64_t half = gemv_half(in);
 #ifdef _OPENMP
 #pragma omp parallel
     {
@@ -1382,9 +1408,22 @@ int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t ou
         int64_t unit = row_major ? GEMV_DOTS : 8, units = (out + unit - 1) / unit;
         int64_t o0 = units * part / parts * unit, o1 = units * (part + 1) / parts * unit;
         o1 = o1 < out ? o1 : out;
+        int by_inputs = !row_major && rows == 1 && parts == 2;
+        if (by_inputs) {  /* thread 0 the first half of the inputs, thread 1 the second, every column */
+            gemv_columns(x, 1, w, in, out, 0, out, part == 0 ? 0 : half, part == 0 ? half : in,
+                         part == 0 ? y : second);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        } else if (o0 < o1 && !row_major) {
+            gemv_columns(x, rows, w, in, out, o0, o1, 0, half, y);
+            gemv_columns(x, rows, w, in, out, o0, o1, half, in, second);
+        }
         if (o0 < o1) {
             if (row_major) gemv_rows(x, w, in, o0, o1, y);
-            else gemv_columns(x, rows, w, in, out, o0, o1, y);
+            else
+                for (int64_t m = 0; m < rows; ++m)
+                    for (int64_t o = o0; o < o1; ++o) y[m * out + o] = y[m * out + o] + second[m * out + o];
             for (int64_t m = 0; m < rows; ++m)
                 for (int64_t o = o0; o < o1; ++o) {
                     float v = y[m * out + o];
