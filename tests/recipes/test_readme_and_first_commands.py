@@ -94,20 +94,20 @@ def test_decodekit_run_prints_and_returns_a_speedup_that_is_the_ratio_of_the_rat
 
 
 def test_the_shipped_speculative_recipe_reports_acceptance_per_chained_proposer(tiny_dir):
-    """recipes/speculative.yaml chains n-gram (two-token matches) to an int8 copy of the model: on a prompt that
-    repeats itself and one that does not, both proposers draft, and the table and JSON give each one's share."""
+    """recipes/speculative.yaml chains n-gram (two-token matches) to suffix decoding: on a prompt that repeats
+    itself and one that does not, both proposers draft, and the table and JSON give each one's share."""
     prompts = ["-p", "a b c d a b c d a b c d a b", "-p", "zebra quartz violin"]
     result = _invoke("run", SPECULATIVE, *_tiny(tiny_dir, max_tokens=24), "--json", *prompts)
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)["summary"]
     by_proposer = summary["proposer_tokens"]
-    assert set(by_proposer) == {"ngram", "draft"}, by_proposer
+    assert set(by_proposer) == {"ngram", "suffix"}, by_proposer
     assert sum(c["drafted"] for c in by_proposer.values()) == summary["draft_tokens"]
     assert sum(c["accepted"] for c in by_proposer.values()) == summary["accepted_tokens"]
     table = _invoke("run", SPECULATIVE, *_tiny(tiny_dir, max_tokens=24), "--quiet", *prompts)
     assert table.exit_code == 0, table.stderr
     assert re.search(r"by ngram +│ [\d.]+% \(\d+ of \d+ tokens\)", table.stdout), table.stdout
-    assert re.search(r"by draft +│ [\d.]+% \(\d+ of \d+ tokens\)", table.stdout), table.stdout
+    assert re.search(r"by suffix +│ [\d.]+% \(\d+ of \d+ tokens\)", table.stdout), table.stdout
 
 
 # ---- 2. README's Python blocks ------------------------------------------------------------------------------------
