@@ -303,17 +303,17 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
 }
 #endif
 
-/* ---- the product's tiles ----------------------------------------------------------------------------------------
- * DK_QUANT_TILE(ISA, VEC, NV, ...) defines tile_ISA(kind, x, in, w, row_bytes, R, M, sums): sums[m * R + r] =
- * x[m] . w[r] for R weight rows (row_bytes apart) and M activation rows (in floats apart); always inlined where R,
- * M and kind are constants, so each combination is its own unrolled loop. Each output accumulates its chunks in
- * two vectors (even and odd vectors of the chunk) and reduces them once at the end, the same way in every tile. */
 /* How far ahead of the chunk being multiplied each weight row asks for its bytes. One core's hardware prefetcher
  * keeps too few lines in flight for R interleaved row streams: on a Zen 5 core a single-row Q4_1 product read 10 GB/s
  * from memory without this and 17 GB/s with it (its in-cache rate), 5.6 KB ahead measuring best (1-11 KB tried).
  * Rows lie one after another, so R rows each prefetching this far ahead cover the tile this many bytes on. */
 #define QUANT_PREFETCH_BYTES 5760
 
+/* ---- the product's tiles ----------------------------------------------------------------------------------------
+ * DK_QUANT_TILE(ISA, VEC, NV, ...) defines tile_ISA(kind, x, in, w, row_bytes, R, M, sums): sums[m * R + r] =
+ * x[m] . w[r] for R weight rows (row_bytes apart) and M activation rows (in floats apart); always inlined where R,
+ * M and kind are constants, so each combination is its own unrolled loop. Each output accumulates its chunks in
+ * two vectors (even and odd vectors of the chunk) and reduces them once at the end, the same way in every tile. */
 #define DK_QUANT_TILE(ISA, VEC, NV, WIDTH, ZERO, LOADX, FMA, ADD, HSUM)                                      \
     ALWAYS_INLINE void tile_##ISA(int kind, const float* x, int64_t in, const uint8_t* w, int64_t row_bytes,   \
                                   int R, int M, float* sums) {                                                  \
