@@ -347,7 +347,8 @@ class NativeKernels:
         status = self._gemv(x.data_ptr(), rows, weight_t.data_ptr(), width, out_dim, int(row_major),
                             None if bias is None else bias.data_ptr(),
                             None if residual is None else residual.data_ptr(), out.data_ptr())
-        assert status == 0, "dk_gemv refused rows the wrapper checked"
+        if status != 0:  # the rows and layout were checked above: only its scratch can fail
+            raise MemoryError(f"dk_gemv could not allocate {rows * out_dim} floats of scratch")
         return out
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,

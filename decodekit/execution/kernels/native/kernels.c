@@ -845,6 +845,19 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
  * ms with it. */
 #define PANEL_PREFETCH 2048
 
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512F__)
+/* A panel's 16 sums from its even outputs' and odd outputs' vectors, in output order. */
+static inline void interleave_panel_sums(float* dst, __m256 even, __m256 odd) {
+    float e[8], o[8];
+    _mm256_storeu_ps(e, even);
+    _mm256_storeu_ps(o, odd);
+    for (int k = 0; k < 8; ++k) {
+        dst[2 * k] = e[k];
+        dst[2 * k + 1] = o[k];
+    }
+}
+#endif
+
 #if defined(__AVX512F__)
 /* AVX-512: a 512-bit load holds two inputs' 16 weights (i and i + 1): the even/odd split as below, each input's x
  * broadcast into its half (one permute per two inputs), and the two halves' sums added at the end. */
@@ -888,13 +901,7 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
                         half[h] = _mm256_fmadd_ps(part, _mm256_set1_ps(x[m * in + i]), half[h]);               \
                     }                                                                                           \
                 }                                                                                               \
-                float even[8], odd[8];                                                                          \
-                _mm256_storeu_ps(even, half[0]);                                                                \
-                _mm256_storeu_ps(odd, half[1]);                                                                 \
-                for (int k = 0; k < 8; ++k) {                                                                   \
-                    sums[(m * P + q) * PANEL + 2 * k] = even[k];                                                \
-                    sums[(m * P + q) * PANEL + 2 * k + 1] = odd[k];                                             \
-                }                                                                                               \
+                interleave_panel_sums(sums + (m * P + q) * PANEL, half[0], half[1]);                            \
             }                                                                                                   \
     }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -920,13 +927,7 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
         }                                                                                                       \
         for (int q = 0; q < P; ++q)                                                                             \
             for (int m = 0; m < M; ++m) {                                                                       \
-                float even[8], odd[8];                                                                          \
-                _mm256_storeu_ps(even, acc[q][0][m]);                                                           \
-                _mm256_storeu_ps(odd, acc[q][1][m]);                                                            \
-                for (int k = 0; k < 8; ++k) {                                                                   \
-                    sums[(m * P + q) * PANEL + 2 * k] = even[k];                                                \
-                    sums[(m * P + q) * PANEL + 2 * k + 1] = odd[k];                                             \
-                }                                                                                               \
+                interleave_panel_sums(sums + (m * P + q) * PANEL, acc[q][0][m], acc[q][1][m]);                  \
             }                                                                                                   \
     }
 #else
