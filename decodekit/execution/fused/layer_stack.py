@@ -109,7 +109,7 @@ def stack_refusal(model: Any) -> str | None:
 def stack_max_rows(quantization: str | None, bf16_gemm: bool) -> int:
     """The most rows a step of the native stack takes with the weights of `quantization` (float32 for None; a float32
     fallback matrix in a GGUF model can lower it to `GEMV_MAX_ROWS`): the limits `_describe_matrix` reads."""
-    product = {None: 1,  # down_proj stays row-major, which `dk_gemv` takes one row at a time
+    product = {None: GEMV_MAX_ROWS,  # every float32 weight column-major, which `dk_gemv` takes up to 8 rows of
                "bf16": BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else BF16_NATIVE_MAX_ROWS,
                "int8": INT8_NATIVE_MAX_ROWS, STORED_QUANTIZATION: GGUF_NATIVE_MAX_ROWS}[quantization]
     return min(product, NATIVE_GATING_MAX_ROWS)

@@ -1238,8 +1238,8 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
  * ms): 1 row 21.1 against torch's 31.7 (30.4 against 33.0 on one thread); 2 rows 24.2-25.2 against oneDNN's 31.9,
  * 4 rows 29.7 against 38.0, 5 rows 31.3 against 38.1, 8 rows 38.7-39.6 against 42.7.
  *   - column-major: a thread owns a range of output columns, walked in blocks whose sums for every row stay in L1
- *     (at most 16 KB: 1024 columns for up to 4 rows, 512 for 5-8) while 8 input rows at a time stream past (one row
- *     on two threads: each thread half of the inputs, below);
+ *     (at most 16 KB: 1024 columns for up to 4 rows, 512 for 5-8) while 8 input rows at a time stream past (on
+ *     two threads: each thread half of the inputs, below);
  *   - row-major: a thread owns a range of outputs, 4 dot products at a time (4 row streams).
  * Each output is summed in the same order whichever thread computes it and however many rows are multiplied
  * together: results depend neither on the thread count nor on the batch. Every step of a sum is one fused
@@ -1369,9 +1369,11 @@ static void gemv_rows(const float* x, const float* w, int64_t in, int64_t o0, in
 }
 
 /* A column-major product sums each output in two halves of the inputs, [0, h) and [h, in), each from zero, then
- * adds them (the first half's sum plus the second's), whatever the rows and threads: so one row on two threads
- * gives each thread one half of the inputs over every column, and each thread reads one contiguous half of the
- * weight front to back. Split by columns instead, each thread read 4 KB runs of every input row (`out` floats apart): on a 2-core
+ * adds them (the first half's sum plus the second's), whatever the rows and threads: so on two threads each thread
+ * takes one half of the inputs over every column, for every row, and reads one contiguous half of the weight front
+ * to back. For 2-8 rows (speculative verification, small batches) that cut a float32 SmolLM2 step by 12-13% against
+ * splitting by columns (2 rows 12.3 against 14.0 ms, 8 rows 13.4 against 15.0; 1 row 11.6-11.9; 2-core Zen 5, two
+ * engines alternating in one process). Split by columns instead, each thread read 4 KB runs of every input row (`out` floats apart): on a 2-core
  * Zen 5 a float32 SmolLM2 decode step of one row (its 538 MB of weights) took 16.3-16.4 ms that way and 15.2-15.6 ms
  * split by inputs (`benchmarks/step_curve.py --formats float32 --rows 1`, alternating runs). */
 static int64_t gemv_half(int64_t in) { return in / 2 / GEMV_ROWS * GEMV_ROWS; }
@@ -1409,9 +1411,9 @@ int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t ou
         int64_t unit = row_major ? GEMV_DOTS : 8, units = (out + unit - 1) / unit;
         int64_t o0 = units * part / parts * unit, o1 = units * (part + 1) / parts * unit;
         o1 = o1 < out ? o1 : out;
-        int by_inputs = !row_major && rows == 1 && parts == 2;
+        int by_inputs = !row_major && parts == 2;
         if (by_inputs) {  /* thread 0 the first half of the inputs, thread 1 the second, every column */
-            gemv_columns(x, 1, w, in, out, 0, out, part == 0 ? 0 : half, part == 0 ? half : in,
+            gemv_columns(x, rows, w, in, out, 0, out, part == 0 ? 0 : half, part == 0 ? half : in,
                          part == 0 ? y : second);
 #ifdef _OPENMP
 #pragma omp barrier
