@@ -162,12 +162,12 @@ def test_native_stack_steps_equal_the_per_layer_path_bit_for_bit(engines, name, 
 
 def test_float32_weights_stack_up_to_eight_rows_and_quantized_ones_up_to_their_native_limits(engines):
     """float32 weights are all column-major (`dk_gemv` takes up to 8 rows of them); bf16 and int8 panels take up to
-    the native gating's 64 rows, the GGUF blocks their native 16; a bf16 model with bf16 products (`bf16_gemm`)
+    the native gating's 64 rows, the GGUF blocks too; a bf16 model with bf16 products (`bf16_gemm`)
     stops below the rows those start at."""
     rows = {name: _engine(engines, name).engine.plan.native_stack for name in CONFIGS}
     assert rows["float32 llama"] == rows["float32 phi3 (fused projections)"] == GEMV_MAX_ROWS
     assert rows["bf16 llama"] == rows["int8 llama"] == 64
-    assert rows["tiny GGUF as stored (Q4_0/Q4_1/Q8_0 q/k/v, Q4_K, Q6_K)"] == 16
+    assert rows["tiny GGUF as stored (Q4_0/Q4_1/Q8_0 q/k/v, Q4_K, Q6_K)"] == 64
     plan = _engine(engines, "bf16 model (bf16 products where the CPU has them)").engine.plan
     assert plan.native_stack == (7 if plan.bf16_gemm else 64)
     int8, float32 = (_engine(engines, name).engine.plan.describe() for name in ("int8 llama", "float32 llama"))

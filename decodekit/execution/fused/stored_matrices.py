@@ -1,11 +1,12 @@
 """Weights multiplied as their file stores them: a GGUF's quantized blocks (`GgufMatrix`), for the fused decoder's
 `quantization: gguf` (which `execution.plan` chooses for a model loaded with its stored weights).
 
-Up to `GGUF_NATIVE_MAX_ROWS` rows (batch-1 decode, small batches, speculative verification) run the native product,
-which dequantizes each block in registers (`kernels.quant`); more rows (prefill chunks, large batches) are bound by
-arithmetic, so a block of output rows at a time is dequantized to float32 and multiplied by BLAS
-(`dequantized_mm`), as the int8 and bf16 copies do. Both multiply exactly the float32 weights transformers
-dequantizes from the file: the output is the dequantized model's up to summation order.
+Up to `GGUF_NATIVE_MAX_ROWS` rows (decode, batches, speculative verification, prefill chunks) run the native
+product, which dequantizes each block in registers, or for 16 activation rows and more once into a panel in cache
+(`kernels.quant`); more rows dequantize a block of output rows at a time to float32 for BLAS (`dequantized_mm`), as
+the int8 and bf16 copies do. Both multiply exactly the float32 weights transformers dequantizes from the file: the
+output is the dequantized model's up to summation order, and the native product sums each output in one order
+whatever the rows, so a row's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from decodekit.execution.kernels.native import NativeKernels
 STORED_QUANTIZATION = "gguf"
 """The `ExecutionPlan.quantization` of weights multiplied as stored."""
 
-# Rows up to which the native product runs; more dequantize blocks of rows for BLAS. Not measured on a quiet
-# machine yet: benchmarks/quant_products.py prints both paths per row count (its crossover is the value to put here).
-# The kernel dequantizes each block once per 4 activation rows, so its cost grows with the rows while the
-# dequantize-then-GEMM path pays the dequantization once per step.
-GGUF_NATIVE_MAX_ROWS = 16
+# Rows up to which the native product runs; more dequantize blocks of rows for BLAS. Measured with
+# benchmarks/quant_products.py (2-core Zen 5, AVX-512, SmolLM2's shapes, 4 layers): the native product (panels from 16
+# rows) was 1.3-2.5x faster than dequantize-then-BLAS at every row count from 8 to 512, in every format (Q4_1 at 64
+# rows 1.19 against 0.45 GB/s of stored weights, at 512 rows 0.15 against 0.11); at 16 rows, the limit before, a
+# bundled-model step of 32 rows cost 2-4x the float32 model's.
+GGUF_NATIVE_MAX_ROWS = 512
 
 
 class GgufMatrix:

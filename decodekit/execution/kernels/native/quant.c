@@ -27,11 +27,14 @@
  *
  * The product y[m, o] = sum_i x[m, i] w[o, i] runs in tiles of R weight rows x M activation rows (4x1, 2x2, 1x4):
  * a chunk of each weight row is dequantized once and multiplied into every activation row of the tile. Groups of
- * 4 output rows are split over torch's OpenMP threads. Each output's sum runs in one fixed order (chunk by chunk,
+ * 4 output rows are split over torch's OpenMP threads. From QUANT_PANEL_MIN_ROWS activation rows (batches, prefill
+ * chunks) a group is 16 output rows, dequantized once into a panel in cache and multiplied from there (2x4 tiles on
+ * AVX-512), so each weight is dequantized once per product rather than once per 4 activation rows. Each output's sum runs in one fixed order (chunk by chunk,
  * even and odd vectors in two accumulators), whatever the tile, the number of rows or of threads: a row's result
  * does not depend on the batch it is multiplied in, nor on the thread count.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -52,6 +55,9 @@
 
 /* ggml's type ids (GGMLQuantizationType) */
 enum { DK_Q4_0 = 2, DK_Q4_1 = 3, DK_Q8_0 = 8, DK_Q4_K = 12, DK_Q6_K = 14 };
+/* ggml's F32, here only inside the library: a row of weights already dequantized (the panels of many-row products,
+ * below); no entry point takes it. */
+enum { DK_F32 = 0 };
 
 #define CHUNK 32
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -105,7 +111,9 @@ static inline void q4k_scale_min(const uint8_t* s, int64_t j, int* sc, int* mn) 
 
 /* ---- the portable path: chunk c (weights 32c..32c+31) of a row, dequantized into w[32] ------------------------ */
 ALWAYS_INLINE void chunk_scalar(int kind, const uint8_t* row, int64_t c, float* w) {
-    if (kind == DK_Q4_0) {
+    if (kind == DK_F32) {
+        memcpy(w, (const float*)row + c * CHUNK, CHUNK * sizeof(float));
+    } else if (kind == DK_Q4_0) {
         const uint8_t* b = row + c * 18;
         float d = half_at(b);
         for (int j = 0; j < 16; ++j) {
@@ -202,6 +210,10 @@ ALWAYS_INLINE __m256i q6k_bytes(const uint8_t* b, int64_t h, int64_t kk) {
 }
 
 ALWAYS_INLINE void chunk_avx2(int kind, const uint8_t* row, int64_t c, __m256* w) {
+    if (kind == DK_F32) {
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_loadu_ps((const float*)row + c * CHUNK + 8 * k);
+        return;
+    }
     __m256i q[4];
     if (kind == DK_Q4_0) {
         const uint8_t* b = row + c * 18;
@@ -263,7 +275,10 @@ ALWAYS_INLINE __m512 iota16(void) {
 }
 
 ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512* w) {
-    if (kind == DK_Q4_0 || kind == DK_Q4_1) {
+    if (kind == DK_F32) {
+        w[0] = _mm512_loadu_ps((const float*)row + c * CHUNK);
+        w[1] = _mm512_loadu_ps((const float*)row + c * CHUNK + 16);
+    } else if (kind == DK_Q4_0 || kind == DK_Q4_1) {
         int one = kind == DK_Q4_1;
         const uint8_t* b = row + c * (one ? 20 : 18);
         __m512 d = _mm512_set1_ps(half_at(b));
@@ -324,7 +339,8 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
         for (int64_t c = 0; c < chunks; ++c) {                                                                  \
             VEC wv[4][NV];                                                                                      \
             for (int r = 0; r < R; ++r) {                                                                       \
-                __builtin_prefetch(w + r * row_bytes + c * row_bytes / chunks + QUANT_PREFETCH_BYTES);          \
+                if (kind != DK_F32) /* a panel is in cache already */                                           \
+                    __builtin_prefetch(w + r * row_bytes + c * row_bytes / chunks + QUANT_PREFETCH_BYTES);      \
                 chunk_##ISA(kind, w + r * row_bytes, c, wv[r]);                                                 \
             }                                                                                                   \
             for (int m = 0; m < M; ++m)                                                                         \
@@ -337,20 +353,104 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
             for (int m = 0; m < M; ++m) sums[m * R + r] = HSUM(ADD(acc[r][m][0], acc[r][m][1]));                \
     }
 
+/* Keeps two vectors in registers: GCC otherwise re-reads them from memory as operands of each multiply-add. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define IN_REGISTERS(a, b) __asm__("" : "+v"(a), "+v"(b))
+#else
+#define IN_REGISTERS(a, b) ((void)0)
+#endif
+
+/* tile_ISA(DK_F32, x, in, w, in * 4, 2, 4, sums) written out: the compiler folded the weight loads of the generic
+ * tile into its multiply-adds, loading each weight vector once per activation row; here each is loaded once. The same
+ * sums in the same order. */
+#define DK_PANEL_TILE_2X4(ISA, VEC, NV, WIDTH, ZERO, LOADX, FMA, ADD, HSUM)                                    \
+    ALWAYS_INLINE void panel_tile_2x4_##ISA(const float* x, int64_t in, const float* w, float* sums) {          \
+        VEC a[2][4][2];                                                                                         \
+        for (int r = 0; r < 2; ++r)                                                                             \
+            for (int m = 0; m < 4; ++m) a[r][m][0] = a[r][m][1] = ZERO;                                         \
+        for (int64_t i = 0; i < in; i += CHUNK)                                                                 \
+            for (int v = 0; v < NV; ++v) {                                                                      \
+                VEC w0 = LOADX(w + i + v * WIDTH), w1 = LOADX(w + in + i + v * WIDTH);                          \
+                IN_REGISTERS(w0, w1);                                                                           \
+                for (int m = 0; m < 4; ++m) {                                                                   \
+                    VEC xv = LOADX(x + m * in + i + v * WIDTH);                                                 \
+                    a[0][m][v & 1] = FMA(xv, w0, a[0][m][v & 1]);                                               \
+                    a[1][m][v & 1] = FMA(xv, w1, a[1][m][v & 1]);                                               \
+                }                                                                                               \
+            }                                                                                                   \
+        for (int r = 0; r < 2; ++r)                                                                             \
+            for (int m = 0; m < 4; ++m) sums[m * 2 + r] = HSUM(ADD(a[r][m][0], a[r][m][1]));                    \
+    }
+
 #define PORTABLE_ZERO ((dk_v8f){0})
 #define PORTABLE_FMA(a, b, c) ((c) + (a) * (b))
 #define PORTABLE_ADD(a, b) ((a) + (b))
 DK_QUANT_TILE(portable, dk_v8f, 4, 8, PORTABLE_ZERO, load_v8f, PORTABLE_FMA, PORTABLE_ADD, hsum_portable)
+DK_PANEL_TILE_2X4(portable, dk_v8f, 4, 8, PORTABLE_ZERO, load_v8f, PORTABLE_FMA, PORTABLE_ADD, hsum_portable)
 #if DK_QUANT_AVX2
 DK_QUANT_TILE(avx2, __m256, 4, 8, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum_avx2)
+DK_PANEL_TILE_2X4(avx2, __m256, 4, 8, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum_avx2)
 #endif
 #if DK_QUANT_AVX512
 DK_QUANT_TILE(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
               _mm512_reduce_add_ps)
+DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
+                  _mm512_reduce_add_ps)
 #endif
 
 /* Output rows per work item (one tile's R at most). */
 #define QUANT_GROUP 4
+/* Activation rows from which a product dequantizes each weight row once into a panel (`panel_group_ISA`), and the
+ * output rows of one panel (a work item then): 16 rows of SmolLM2's widest input (1536) are 96 KB, in L2. Measured
+ * on SmolLM2's shapes (benchmarks/quant_products.py, 2-core Zen 5, Q4_1, 10 layers, ms): 5 rows 2.30 against 2.08
+ * in registers, 8 rows 3.03 against 2.72, 16 rows 5.08 against 5.32, 32 rows 9.35 against 11.56: below 16 rows
+ * the registers' tiles, which overlap dequantizing with multiplying, are faster. */
+#ifndef QUANT_PANEL_MIN_ROWS
+#define QUANT_PANEL_MIN_ROWS 16
+#endif
+#define QUANT_PANEL_ROWS 16
+/* Weight rows per panel tile: two where the registers hold 2 x 4 x 2 accumulators (AVX-512's 32), else one. */
+#define PANEL_R_avx512 2
+#define PANEL_R_avx2 1
+#define PANEL_R_portable 1
+
+/* Output rows per work item for a product of `rows` activation rows. */
+static inline int64_t group_span(int64_t rows) { return rows >= QUANT_PANEL_MIN_ROWS ? QUANT_PANEL_ROWS : QUANT_GROUP; }
+
+/* The calling thread's panel of at least `floats` floats (grown, never shrunk), or NULL without memory. */
+static float* quant_panel(int64_t floats) {
+    static __thread float* panel = NULL;
+    static __thread int64_t capacity = 0;
+    if (capacity < floats) {
+        /* whole cache lines: a vector load that straddles two lines costs two */
+        float* grown = aligned_alloc(64, ((size_t)floats * sizeof(float) + 63) / 64 * 64);
+        if (grown == NULL) return NULL;
+        free(panel);
+        panel = grown;
+        capacity = floats;
+    }
+    return panel;
+}
+
+/* Chunk c of a weight row dequantized into dst[32]: the floats the tiles multiply. */
+ALWAYS_INLINE void dequantize_chunk_portable(int kind, const uint8_t* row, int64_t c, float* dst) {
+    chunk_scalar(kind, row, c, dst);
+}
+#if DK_QUANT_AVX2
+ALWAYS_INLINE void dequantize_chunk_avx2(int kind, const uint8_t* row, int64_t c, float* dst) {
+    __m256 v[4];
+    chunk_avx2(kind, row, c, v);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(dst + 8 * k, v[k]);
+}
+#endif
+#if DK_QUANT_AVX512
+ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t c, float* dst) {
+    __m512 v[2];
+    chunk_avx512(kind, row, c, v);
+    _mm512_storeu_ps(dst, v[0]);
+    _mm512_storeu_ps(dst + 16, v[1]);
+}
+#endif
 
 /* The outputs [o0, o0 + nr) (nr <= QUANT_GROUP) for every activation row, in tiles of 4x1 (one row), 2x2 (two) or
  * 1x4 (more; 1x1-1x3 for the rest), stored with bias and residual. */
@@ -396,19 +496,87 @@ DK_QUANT_TILE(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm51
             m += nm;                                                                                            \
         }                                                                                                       \
     }                                                                                                           \
+    /* The outputs [o0, o0 + nr) (nr <= QUANT_PANEL_ROWS) of many activation rows: the nr weight rows dequantized  \
+     * once into `panel` (nr x in floats, chunk by chunk as the tiles dequantize them), then multiplied from there \
+     * in tiles of PR weight rows x up to 4 activation rows: each weight dequantized once per product instead of \
+     * once per 4 activation rows, and each activation vector loaded once for PR weight rows. Without a panel    \
+     * (no memory) it runs `group_ISA`; both sum every output in the same order, so the result is the same. */   \
+    ALWAYS_INLINE void panel_group_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,  \
+                                         int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,          \
+                                         const float* residual, float* out, int64_t ld, int PR) {               \
+        float* panel = quant_panel(nr * in);                                                                    \
+        if (panel == NULL) {                                                                                    \
+            for (int64_t g = 0; g < nr; g += QUANT_GROUP)                                                       \
+                group_##ISA(kind, x, rows, in, w, row_bytes, o0 + g, nr - g < QUANT_GROUP ? nr - g : QUANT_GROUP,\
+                            bias, residual, out, ld);                                                          \
+            return;                                                                                             \
+        }                                                                                                       \
+        int64_t chunks = in / CHUNK;                                                                            \
+        for (int64_t r = 0; r < nr; ++r) {                                                                      \
+            const uint8_t* row = w + (o0 + r) * row_bytes;                                                      \
+            for (int64_t c = 0; c < chunks; ++c) {                                                              \
+                __builtin_prefetch(row + c * (row_bytes / chunks) + QUANT_PREFETCH_BYTES);                      \
+                dequantize_chunk_##ISA(kind, row, c, panel + r * in + c * CHUNK);                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        /* the next group's weights (a thread's groups follow each other) fetched into L2 while this one          \
+         * multiplies: the dequantization above then reads from cache instead of waiting on memory */            \
+        const uint8_t* next = w + (o0 + nr) * row_bytes;                                                        \
+        for (int64_t b = 0; b < nr * row_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);                    \
+        const uint8_t* p = (const uint8_t*)panel;                                                               \
+        int64_t pb = in * (int64_t)sizeof(float);                                                               \
+        float sums[16];                                                                                         \
+        for (int64_t m = 0; m < rows; m += 4) {                                                                 \
+            int nm = rows - m < 4 ? (int)(rows - m) : 4;                                                        \
+            const float* xm = x + m * in;                                                                       \
+            for (int64_t r = 0; r < nr; r += PR) {                                                              \
+                int R = nr - r < PR ? (int)(nr - r) : PR;                                                       \
+                const uint8_t* wr = p + r * pb;                                                                 \
+                switch (R * 4 + nm) {  /* each (R, M) its own unrolled tile */                                  \
+                    case 5: tile_##ISA(DK_F32, xm, in, wr, pb, 1, 1, sums); break;                              \
+                    case 6: tile_##ISA(DK_F32, xm, in, wr, pb, 1, 2, sums); break;                              \
+                    case 7: tile_##ISA(DK_F32, xm, in, wr, pb, 1, 3, sums); break;                              \
+                    case 8: tile_##ISA(DK_F32, xm, in, wr, pb, 1, 4, sums); break;                              \
+                    case 9: tile_##ISA(DK_F32, xm, in, wr, pb, 2, 1, sums); break;                              \
+                    case 10: tile_##ISA(DK_F32, xm, in, wr, pb, 2, 2, sums); break;                             \
+                    case 11: tile_##ISA(DK_F32, xm, in, wr, pb, 2, 3, sums); break;                             \
+                    default: panel_tile_2x4_##ISA(xm, in, (const float*)wr, sums); break;                       \
+                }                                                                                               \
+                for (int k = 0; k < nm; ++k)                                                                    \
+                    for (int q = 0; q < R; ++q) {                                                               \
+                        int64_t o = o0 + r + q;                                                                 \
+                        float v = sums[k * R + q];                                                              \
+                        if (bias) v += bias[o];                                                                 \
+                        if (residual) v += residual[(m + k) * ld + o];                                          \
+                        out[(m + k) * ld + o] = v;                                                              \
+                    }                                                                                           \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    /* one group of output rows, the way its rows take: QUANT_GROUP rows in registers, or a panel of            \
+     * QUANT_PANEL_ROWS for QUANT_PANEL_MIN_ROWS activation rows and more (`span` says which) */                \
+    ALWAYS_INLINE void any_group_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,    \
+                                       int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,            \
+                                       const float* residual, float* out, int64_t ld) {                         \
+        if (rows >= QUANT_PANEL_MIN_ROWS)                                                                       \
+            panel_group_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld, PANEL_R_##ISA); \
+        else                                                                                                    \
+            group_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);                      \
+    }                                                                                                           \
     /* the whole product on one path, one instantiation per weight type */                                     \
     static void linear_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,             \
                              int64_t out_rows, const float* bias, const float* residual, float* out, int64_t ld,\
                              int64_t row_bytes, int parallel) {                                                 \
-        int64_t groups = (out_rows + QUANT_GROUP - 1) / QUANT_GROUP;                                            \
+        int64_t span = group_span(rows);                                                                        \
+        int64_t groups = (out_rows + span - 1) / span;                                                          \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < groups; ++g) {                                    \
-            int64_t o0 = g * QUANT_GROUP, nr = out_rows - o0 < QUANT_GROUP ? out_rows - o0 : QUANT_GROUP;       \
+            int64_t o0 = g * span, nr = out_rows - o0 < span ? out_rows - o0 : span;                            \
             switch (kind) {                                                                                     \
-                case DK_Q4_0: group_##ISA(DK_Q4_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-                case DK_Q4_1: group_##ISA(DK_Q4_1, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-                case DK_Q8_0: group_##ISA(DK_Q8_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-                case DK_Q4_K: group_##ISA(DK_Q4_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-                default: group_##ISA(DK_Q6_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                case DK_Q4_0: any_group_##ISA(DK_Q4_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+                default: any_group_##ISA(DK_Q6_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
             }                                                                                                   \
         }                                                                                                       \
     }
@@ -422,22 +590,22 @@ DK_QUANT_TILE(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm51
                             const int64_t* starts, const int64_t* part_rows, const float* x, int64_t rows,      \
                             int64_t in, const float* bias, const float* residual, float* out, int64_t ld,       \
                             int parallel) {                                                                     \
-        int64_t first[DK_QUANT_MAX_PARTS + 1] = {0};                                                            \
-        for (int64_t p = 0; p < parts; ++p) first[p + 1] = first[p] + (part_rows[p] + QUANT_GROUP - 1) / QUANT_GROUP; \
+        int64_t first[DK_QUANT_MAX_PARTS + 1] = {0}, span = group_span(rows);                                   \
+        for (int64_t p = 0; p < parts; ++p) first[p + 1] = first[p] + (part_rows[p] + span - 1) / span;        \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < first[parts]; ++g) {                              \
             int64_t p = 0;                                                                                      \
             while (g >= first[p + 1]) ++p;                                                                      \
-            int64_t o0 = (g - first[p]) * QUANT_GROUP, left = part_rows[p] - o0;                                \
-            int64_t nr = left < QUANT_GROUP ? left : QUANT_GROUP, start = starts[p];                            \
+            int64_t o0 = (g - first[p]) * span, left = part_rows[p] - o0;                                       \
+            int64_t nr = left < span ? left : span, start = starts[p];                                          \
             int64_t row_bytes = dk_quant_row_bytes(kinds[p], in);                                               \
             const float* b = bias ? bias + start : 0;                                                           \
             const float* r = residual ? residual + start : 0;                                                   \
             switch (kinds[p]) {                                                                                 \
-                case DK_Q4_0: group_##ISA(DK_Q4_0, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-                case DK_Q4_1: group_##ISA(DK_Q4_1, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-                case DK_Q8_0: group_##ISA(DK_Q8_0, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-                case DK_Q4_K: group_##ISA(DK_Q4_K, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-                default: group_##ISA(DK_Q6_K, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
+                case DK_Q4_0: any_group_##ISA(DK_Q4_0, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
+                case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
+                case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
+                case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
+                default: any_group_##ISA(DK_Q6_K, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
             }                                                                                                   \
         }                                                                                                       \
     }
