@@ -409,7 +409,8 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
 #define QUANT_PANEL_MIN_ROWS 16
 #endif
 #define QUANT_PANEL_ROWS 16
-/* Weight rows per panel tile: two where the registers hold 2 x 4 x 2 accumulators (AVX-512's 32), else one. */
+/* Weight rows per tile of 3-4 activation rows (in registers or on a panel): two where the registers hold 2 x 4 x 2
+ * accumulators (AVX-512's 32), else one. */
 #define PANEL_R_avx512 2
 #define PANEL_R_avx2 1
 #define PANEL_R_portable 1
@@ -475,7 +476,20 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
                 memcpy(sums, both, sizeof both);                                                                \
             } else {                                                                                            \
                 nm = left >= 4 ? 4 : left;                                                                      \
-                for (int64_t r = 0; r < nr; ++r) {                                                              \
+                int64_t r = 0;                                                                                  \
+                /* where the registers hold them (AVX-512), pairs of weight rows: each activation vector loaded   \
+                 * once for two (4-12 rows of SmolLM2's products 5-10% faster than one weight row at a time) */  \
+                if (PANEL_R_##ISA == 2 && nm >= 3)                                                             \
+                    for (; r + 2 <= nr; r += 2) {                                                               \
+                        float two[8];                                                                           \
+                        if (nm == 3) tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 3, two);        \
+                        else tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 4, two);                \
+                        for (int64_t k = 0; k < nm; ++k) {                                                      \
+                            sums[k * nr + r] = two[k * 2];                                                      \
+                            sums[k * nr + r + 1] = two[k * 2 + 1];                                              \
+                        }                                                                                       \
+                    }                                                                                           \
+                for (; r < nr; ++r) {                                                                           \
                     float one[4];                                                                               \
                     switch (nm) {                                                                               \
                         case 1: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 1, one); break;      \
