@@ -354,7 +354,7 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
     }
 
 /* Keeps two vectors in registers: GCC otherwise re-reads them from memory as operands of each multiply-add. */
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__AVX__)  /* a 256-bit vector needs AVX registers */
 #define IN_REGISTERS(a, b) __asm__("" : "+v"(a), "+v"(b))
 #else
 #define IN_REGISTERS(a, b) ((void)0)
