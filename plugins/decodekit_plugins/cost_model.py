@@ -1,0 +1,196 @@
+"""What a speculating step really costs on this machine now: the cached step-cost curve calibrated by what steps
+measure, and the proposers' own host time, learned online.
+
+- `Calibration`: a target `StepCost` (measured once per machine and cached, or the fixed default) times a
+  correction per row bucket (1, 2, 3-4, 5-8, ... rows): an exponential moving average, in log space, of each
+  decode-only step's measured seconds (`StepTiming`: scheduling, the forward and the processors) over what the curve
+  predicted for its rows. A machine busier than when the curve was measured, a model whose multi-row steps cost more
+  than the measured shape says (a quantized GGUF's kernels), the processors' share of a step: each bucket is charged
+  what it measures. A bucket not measured yet takes its nearest measured neighbours' correction (interpolated in
+  log rows), 1 when none is. The calibrated curve is in seconds, whatever the curve's own unit.
+- `ProposerCost`: per proposer, what a call costs the host: seconds per sequence asked (lookups: n-gram, suffix
+  tries, a draft head), or, for a proposer that runs a draft model (`Proposer.draft_cost`), the measured seconds
+  over the draft curve's prediction for the forwards it ran (its processors, sampling and Python included); and how
+  often it drafts something when asked, so a chain's later links are charged for the sequences that reach them.
+- `ChainCharge`: what the chooser charges a chain of proposers for one step (`ChainCharge.of`).
+
+Timings differ from run to run, so none of this may decide anything a seeded sampled sequence's output depends on:
+the adaptive chooser uses it only for the sequences whose output is the same whatever k is (greedy: lossless by
+construction) or is not reproducible anyway (unseeded sampling).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from decodekit.api.step_cost import StepCost
+
+SMOOTHING = 0.25
+"""Weight of a new measurement in every moving average here: about the last 4-8 steps count."""
+MAX_JUMP = 3.0
+"""One measurement moves a correction by at most this factor: a step slowed by a neighbour's burst is not taken at
+face value, a lasting change still wins within a few steps."""
+
+
+def bucket(rows: float) -> int:
+    """The calibration bucket of a step of `rows` rows: 0 for 1 row, then ceil(log2(rows)) (2, 3-4, 5-8, ...)."""
+    return max(0, math.ceil(math.log2(max(rows, 1.0)) - 1e-9))
+
+
+@dataclass
+class _Ema:
+    """A moving average in log space (of ratios), started at the first value."""
+
+    log_value: float | None = None
+    count: int = 0
+
+    def add(self, value: float) -> None:
+        logged = math.log(max(value, 1e-12))
+        if self.log_value is None:
+            self.log_value = logged
+        else:
+            jump = math.log(MAX_JUMP)
+            logged = min(max(logged, self.log_value - jump), self.log_value + jump)
+            self.log_value += SMOOTHING * (logged - self.log_value)
+        self.count += 1
+
+    @property
+    def value(self) -> float | None:
+        return None if self.log_value is None else math.exp(self.log_value)
+
+
+class Calibration:
+    """A target's step cost on this machine now: `curve(rows)` times the measured correction of `rows`' bucket.
+
+    Example:
+        >>> calibrated = Calibration(StepCost((1, 64), (1.0, 2.0)))
+        >>> calibrated.record(8, 0.05)  # an 8-row step took 50 ms; the curve says 1.11 units
+        >>> round(calibrated(8), 3), calibrated.observed(8), calibrated.observed(32)
+        (0.05, True, False)
+    """
+
+    def __init__(self, curve: StepCost, explore_tries: int = 2) -> None:
+        self.curve = curve
+        self.corrections: dict[int, _Ema] = {}
+        self.explore_tries = explore_tries
+        self._explored: dict[int, int] = {}
+
+    def record(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows took `seconds`."""
+        if rows < 1 or seconds <= 0:
+            return
+        ratio = seconds / self.curve(rows)
+        ema = self.corrections.get(bucket(rows))
+        if ema is None:
+            if self.corrections:  # a new bucket starts near its neighbours: one disturbed step is not the truth
+                nearby = self.correction(rows)
+                ratio = min(max(ratio, nearby / MAX_JUMP), nearby * MAX_JUMP)
+            ema = self.corrections[bucket(rows)] = _Ema()
+        ema.add(ratio)
+
+    def explore(self, rows: float) -> bool:
+        """Whether a step of `rows` rows should run plain now to measure it: its bucket was never measured and
+        fewer than `explore_tries` steps tried (a context that reports no timings stops asking)."""
+        at = bucket(rows)
+        if at in self.corrections or self._explored.get(at, 0) >= self.explore_tries:
+            return False
+        self._explored[at] = self._explored.get(at, 0) + 1
+        return True
+
+    def observed(self, rows: float) -> bool:
+        """Whether a step of `rows` rows' bucket was measured."""
+        return bucket(rows) in self.corrections
+
+    def correction(self, rows: float) -> float:
+        """Measured over predicted for `rows` rows: its bucket's, else interpolated between the nearest measured
+        buckets (in log rows), else the nearest one's, else 1."""
+        known = sorted((b, ema.log_value) for b, ema in self.corrections.items() if ema.log_value is not None)
+        if not known:
+            return 1.0
+        at = bucket(rows)
+        below = [(b, v) for b, v in known if b <= at]
+        above = [(b, v) for b, v in known if b >= at]
+        if below and above:
+            (b0, v0), (b1, v1) = below[-1], above[0]
+            return math.exp(v0 if b1 == b0 else v0 + (v1 - v0) * (at - b0) / (b1 - b0))
+        return math.exp((below[-1] if below else above[0])[1])
+
+    def __call__(self, rows: float) -> float:
+        """The seconds of a step of `rows` rows (in the curve's unit while nothing is measured)."""
+        return self.curve(rows) * self.correction(rows)
+
+
+@dataclass
+class ProposerCost:
+    """One proposer's host cost per call, learned from its calls (`record`)."""
+
+    per_sequence: _Ema = field(default_factory=_Ema)
+    """Seconds per sequence asked (a proposer without a draft model)."""
+    model_factor: _Ema = field(default_factory=_Ema)
+    """Measured seconds over the draft curve's prediction (a proposer with a draft model)."""
+    hit: float = 1.0
+    """How often a sequence asked gets a draft (moving average; a new proposer is assumed to draft always)."""
+    calls: int = 0
+
+    def record(self, seconds: float, asked: int, drafted: int, predicted: float | None) -> None:
+        """A call that took `seconds` for `asked` sequences, `drafted` of which got a draft; `predicted`: what the
+        draft curve said its forwards cost (None: no draft model). The first call's time is not kept: it opens the
+        proposer's model or builds its tables."""
+        if asked <= 0:
+            return
+        self.calls += 1
+        self.hit += SMOOTHING * (drafted / asked - self.hit)
+        if self.calls == 1:
+            return
+        if predicted is None:
+            self.per_sequence.add(seconds / asked)
+        elif predicted > 0:
+            self.model_factor.add(seconds / predicted)
+
+
+def draft_forwards(lengths: Sequence[int]) -> list[int]:
+    """The rows of each batched draft forward for these draft lengths: forward j drafts for the sequences drafting
+    at least j tokens."""
+    return [sum(1 for k in lengths if k > j) for j in range(max(lengths, default=0))]
+
+
+def expected_cost(curve: Callable[[float], float], rows: float) -> float:
+    """A forward's expected cost when it has `rows` rows on average: below one row it runs with that chance."""
+    if rows <= 0:
+        return 0.0
+    return curve(rows) if rows >= 1 else rows * curve(1.0)
+
+
+@dataclass(frozen=True)
+class ChainCharge:
+    """What proposing costs the host for one step, for a chain of proposers asked in turn (each for the sequences
+    the links before it left without a draft).
+
+    Attributes:
+        per_sequence: seconds per sequence that drafts, of the chain's lookups (each link's seconds per sequence
+            asked times the share of sequences that reach it).
+        draft: the seconds of one draft-model forward by its rows (the measured curve times its correction), or
+            None where no link runs a model.
+        draft_reach: the share of drafting sequences that reach the model link.
+    """
+
+    per_sequence: float = 0.0
+    draft: Callable[[float], float] | None = None
+    draft_reach: float = 1.0
+
+    @classmethod
+    def of(cls, links: Sequence[tuple[ProposerCost, StepCost | None]]) -> ChainCharge:
+        """The charge of a chain: per link its learned cost and its draft-model curve (None: a lookup)."""
+        reach, per_sequence = 1.0, 0.0
+        draft: Callable[[float], float] | None = None
+        draft_reach = 1.0
+        for cost, curve in links:
+            if curve is None:
+                per_sequence += reach * (cost.per_sequence.value or 0.0)
+            elif draft is None:  # a second model link is rare; the first one's forwards are charged
+                factor = cost.model_factor.value or 1.0
+                draft, draft_reach = (lambda rows, c=curve, f=factor: c(rows) * f), reach
+            reach *= max(0.0, 1.0 - cost.hit)
+        return cls(per_sequence, draft, draft_reach)
