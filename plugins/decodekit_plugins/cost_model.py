@@ -2,12 +2,13 @@
 measure, and the proposers' own host time, learned online.
 
 - `Calibration`: a target `StepCost` (measured once per machine and cached, or the fixed default) times a
-  correction per row bucket (1, 2, 3-4, 5-8, ... rows): an exponential moving average, in log space, of each
-  decode-only step's measured seconds (`StepTiming`: scheduling, the forward and the processors) over what the curve
-  predicted for its rows. A machine busier than when the curve was measured, a model whose multi-row steps cost more
-  than the measured shape says (a quantized GGUF's kernels), the processors' share of a step: each bucket is charged
-  what it measures. A bucket not measured yet takes its nearest measured neighbours' correction (interpolated in
-  log rows), 1 when none is. The calibrated curve is in seconds, whatever the curve's own unit.
+  correction per row bucket (1, 2, 3-4, 5-8, ... rows): a moving estimate (`LowEstimate`: in log space, falling fast
+  and rising slowly, since disturbed timings are only ever too high) of each decode-only step's measured seconds
+  (`StepTiming`: scheduling, the forward and the processors) over what the curve predicted for its rows. A machine
+  busier than when the curve was measured, a model whose multi-row steps cost more than the measured shape says (a
+  quantized GGUF's kernels), the processors' share of a step: each bucket is charged what it measures. A bucket not
+  measured yet takes its nearest measured neighbours' correction (interpolated in log rows), 1 when none is. The
+  calibrated curve is in seconds, whatever the curve's own unit.
 - `ProposerCost`: per proposer, what a call costs the host: seconds per sequence asked (lookups: n-gram, suffix
   tries, a draft head), or, for a proposer that runs a draft model (`Proposer.draft_cost`), the measured seconds
   over the draft curve's prediction for the forwards it ran (its processors, sampling and Python included); and how
@@ -28,10 +29,16 @@ from dataclasses import dataclass, field
 from decodekit.api.step_cost import StepCost
 
 SMOOTHING = 0.25
-"""Weight of a new measurement in every moving average here: about the last 4-8 steps count."""
+"""Weight of a new observation in the hit-rate averages: about the last 4-8 asks count."""
+RISE, FALL = 0.1, 0.4
+"""Weights of a timing above and below the current estimate. A timing disturbed by other work (a neighbour's burst,
+a thread descheduled mid-step) is too high, never too low, as the cached curve's fastest-of-5 assumes: so estimates
+fall fast and rise slowly, settling near a low quantile (the 20% expectile) of what steps take, while a lasting
+change still wins within ten steps or so."""
 MAX_JUMP = 3.0
-"""One measurement moves a correction by at most this factor: a step slowed by a neighbour's burst is not taken at
-face value, a lasting change still wins within a few steps."""
+"""One timing moves an estimate by at most this factor."""
+NEW_BUCKET_JUMP = 1.5
+"""A row bucket's first timing starts at most this factor above its measured neighbours' correction."""
 
 
 def bucket(rows: float) -> int:
@@ -40,24 +47,27 @@ def bucket(rows: float) -> int:
 
 
 @dataclass
-class _Ema:
-    """A moving average in log space (of ratios), started at the first value."""
+class LowEstimate:
+    """A timing (or a ratio of timings), tracked in log space from its first value: it falls fast and rises slowly
+    (`RISE`, `FALL`), each step by at most `MAX_JUMP`."""
 
     log_value: float | None = None
     count: int = 0
 
     def add(self, value: float) -> None:
+        """One more timing."""
         logged = math.log(max(value, 1e-12))
         if self.log_value is None:
             self.log_value = logged
         else:
             jump = math.log(MAX_JUMP)
-            logged = min(max(logged, self.log_value - jump), self.log_value + jump)
-            self.log_value += SMOOTHING * (logged - self.log_value)
+            delta = min(max(logged - self.log_value, -jump), jump)
+            self.log_value += (RISE if delta > 0 else FALL) * delta
         self.count += 1
 
     @property
     def value(self) -> float | None:
+        """The estimate (None before the first timing)."""
         return None if self.log_value is None else math.exp(self.log_value)
 
 
@@ -73,7 +83,7 @@ class Calibration:
 
     def __init__(self, curve: StepCost, explore_tries: int = 2) -> None:
         self.curve = curve
-        self.corrections: dict[int, _Ema] = {}
+        self.corrections: dict[int, LowEstimate] = {}
         self.explore_tries = explore_tries
         self._explored: dict[int, int] = {}
 
@@ -82,13 +92,13 @@ class Calibration:
         if rows < 1 or seconds <= 0:
             return
         ratio = seconds / self.curve(rows)
-        ema = self.corrections.get(bucket(rows))
-        if ema is None:
+        estimate = self.corrections.get(bucket(rows))
+        if estimate is None:
             if self.corrections:  # a new bucket starts near its neighbours: one disturbed step is not the truth
                 nearby = self.correction(rows)
-                ratio = min(max(ratio, nearby / MAX_JUMP), nearby * MAX_JUMP)
-            ema = self.corrections[bucket(rows)] = _Ema()
-        ema.add(ratio)
+                ratio = min(max(ratio, nearby / MAX_JUMP), nearby * NEW_BUCKET_JUMP)
+            estimate = self.corrections[bucket(rows)] = LowEstimate()
+        estimate.add(ratio)
 
     def explore(self, rows: float) -> bool:
         """Whether a step of `rows` rows should run plain now to measure it: its bucket was never measured and
@@ -126,9 +136,9 @@ class Calibration:
 class ProposerCost:
     """One proposer's host cost per call, learned from its calls (`record`)."""
 
-    per_sequence: _Ema = field(default_factory=_Ema)
+    per_sequence: LowEstimate = field(default_factory=LowEstimate)
     """Seconds per sequence asked (a proposer without a draft model)."""
-    model_factor: _Ema = field(default_factory=_Ema)
+    model_factor: LowEstimate = field(default_factory=LowEstimate)
     """Measured seconds over the draft curve's prediction (a proposer with a draft model)."""
     hit: float = 1.0
     """How often a sequence asked gets a draft (moving average; a new proposer is assumed to draft always)."""

@@ -109,6 +109,19 @@ def test_calibration_converges_to_the_measured_cost_per_row_bucket():
     assert calibrated(100) == pytest.approx(0.010 * curve(100) * 2.5, rel=0.15)  # the nearest bucket's correction
 
 
+def test_a_correction_falls_fast_and_rises_slowly_as_disturbed_timings_are_only_ever_too_high():
+    calibrated = Calibration(StepCost.default())
+    for _ in range(5):
+        calibrated.record(4, 0.02 * calibrated.curve(4))
+    calibrated.record(4, 0.01 * calibrated.curve(4))
+    after_fall = calibrated.correction(4)
+    calibrated.record(4, 0.02 * calibrated.curve(4))
+    assert after_fall < 0.02 * 0.8 and calibrated.correction(4) - after_fall < 0.02 - after_fall
+    for _ in range(40):  # a lasting change wins
+        calibrated.record(4, 0.05 * calibrated.curve(4))
+    assert calibrated.correction(4) == pytest.approx(0.05, rel=0.05)
+
+
 def test_one_disturbed_step_moves_a_correction_by_a_bounded_factor():
     calibrated = Calibration(StepCost.default())
     for _ in range(20):
@@ -122,8 +135,8 @@ def test_one_disturbed_step_moves_a_correction_by_a_bounded_factor():
 def test_an_unmeasured_bucket_is_interpolated_between_measured_ones():
     calibrated = Calibration(StepCost.default())
     calibrated.record(1, 2.0 * calibrated.curve(1))
-    calibrated.record(16, 4.5 * calibrated.curve(16))
-    assert calibrated.correction(4) == pytest.approx(3.0)  # halfway between buckets 0 and 4, in log rows
+    calibrated.record(16, 2.88 * calibrated.curve(16))
+    assert calibrated.correction(4) == pytest.approx(2.4)  # halfway between buckets 0 and 4, in log rows
     assert Calibration(StepCost.default()).correction(4) == 1.0
     assert [bucket(r) for r in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
 
