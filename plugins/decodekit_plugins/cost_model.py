@@ -86,6 +86,7 @@ class Calibration:
         self.corrections: dict[int, LowEstimate] = {}
         self.explore_tries = explore_tries
         self._explored: dict[int, int] = {}
+        self._by_bucket: dict[int, float] = {}  # corrections as `correction` gives them, until the next record
 
     def record(self, rows: int, seconds: float) -> None:
         """A decode-only step of `rows` rows took `seconds`."""
@@ -99,6 +100,7 @@ class Calibration:
                 ratio = min(max(ratio, nearby / MAX_JUMP), nearby * NEW_BUCKET_JUMP)
             estimate = self.corrections[bucket(rows)] = LowEstimate()
         estimate.add(ratio)
+        self._by_bucket.clear()
 
     def explore(self, rows: float) -> bool:
         """Whether a step of `rows` rows should run plain now to measure it: its bucket was never measured and
@@ -116,10 +118,16 @@ class Calibration:
     def correction(self, rows: float) -> float:
         """Measured over predicted for `rows` rows: its bucket's, else interpolated between the nearest measured
         buckets (in log rows), else the nearest one's, else 1."""
+        at = bucket(rows)
+        cached = self._by_bucket.get(at)
+        if cached is None:  # the chooser asks for many row counts per step: each bucket is worked out once
+            cached = self._by_bucket[at] = self._correction(at)
+        return cached
+
+    def _correction(self, at: int) -> float:
         known = sorted((b, ema.log_value) for b, ema in self.corrections.items() if ema.log_value is not None)
         if not known:
             return 1.0
-        at = bucket(rows)
         below = [(b, v) for b, v in known if b <= at]
         above = [(b, v) for b, v in known if b >= at]
         if below and above:
