@@ -499,8 +499,12 @@ class SpeculativeStrategy(Strategy):
 
     def _record_host_cost(self, name: str, items: list[tuple[Sequence, int, Any]], seconds: float,
                           drafted: int) -> None:
-        """Learn what a call of proposer `name` costs: per sequence asked, or against its draft model's curve."""
-        options = items[0][0].request.plan.strategy_options
+        """Learn what a call of proposer `name` costs: per sequence asked, or against its draft model's curve (only
+        where a request adapts k by cost: a fixed k never measures the step costs this reads)."""
+        costed = [seq for seq, _, _ in items if seq.request.plan.strategy_options.adaptation == "cost"]
+        if not costed:
+            return
+        options = costed[0].request.plan.strategy_options
         curve = self._costs(options)[1][[options.proposer, *options.fallbacks].index(name)]
         predicted = None if curve is None else sum(curve(rows) for rows in draft_forwards([k for _, k, _ in items]))
         self.host_costs.setdefault(name, ProposerCost()).record(seconds, len(items), drafted, predicted)
