@@ -35,11 +35,13 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
+
 from decodekit.api.draft_tree import TreeShape
 from decodekit.api.sequence import Sequence
 from decodekit.api.stash import StashKey
 from decodekit.api.step_cost import StepCost
-from decodekit_plugins.cost_model import SMOOTHING, Calibration, ChainCharge, expected_cost
+from decodekit_plugins.cost_model import SMOOTHING, Calibration, ChainCharge, cost_at, expected_costs
 
 PRIOR_ACCEPTANCE = 0.6
 """A new sequence's acceptance rate before it has verified anything: high enough that it drafts, so it is measured."""
@@ -109,34 +111,36 @@ def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, t
     if host is not None and draft is not None:
         raise ValueError("choose_draft_lengths: give the draft model's cost in `draft` or in `host`, not both")
     charge = host if host is not None else ChainCharge(draft=draft)
-    chances = list(hits) if hits is not None else [1.0] * len(rates)
-    # each sequence's j-th draft token gains chance * rate^j; generated in j order and sorted stably, so a
-    # sequence's gains are always taken first to last
-    gains = sorted(((h * rate**j, i) for i, (rate, limit, h) in enumerate(zip(rates, limits, chances))
-                    for j in range(1, limit + 1)), key=lambda gain: -gain[0])
+    chance = np.asarray(list(hits) if hits is not None else [1.0] * len(rates), dtype=np.float64)
     base = len(rates) + other_rows
-    tokens = float(base)  # every row without a draft gives one token, the others' decode rows included
-    rows = float(base)
-    best, best_n = tokens / target(base), 0
-    lengths = [0] * len(rates)
-    drafting = [0.0] * (max(limits, default=0) + 1)  # expected rows of the j-th draft forward
-    host_seconds = draft_seconds = 0.0
-    for n, (gain, i) in enumerate(gains, 1):
-        lengths[i] += 1
-        j = lengths[i]
-        rows += chances[i]  # a verification row where the chain drafts something
-        if j == 1:
-            host_seconds += charge.per_sequence  # its lookups run whether or not they find anything
-        if charge.draft is not None:  # the j-th draft forward has more rows (or starts)
-            before = expected_cost(charge.draft, drafting[j])
-            drafting[j] += charge.draft_reach
-            draft_seconds += expected_cost(charge.draft, drafting[j]) - before
-        tokens += gain
-        value = tokens / (target(rows) + host_seconds + draft_seconds)
-        if value > best * (1 + 1e-9):
-            best, best_n = value, n
+    plain = base / target(base)  # every row without a draft gives one token, the others' decode rows included
+    depth = max(limits, default=0)
+    if depth <= 0 or not len(rates):
+        return [0] * len(rates)
+    # each sequence's j-th draft token gains chance * rate^j; listed sequence by sequence in j order and sorted
+    # stably, so a sequence's gains are always taken first to last (they never grow with j)
+    j = np.arange(1, depth + 1)
+    seq_of, j_of = np.nonzero(j[None, :] <= np.asarray(limits)[:, None])
+    j_of = j_of + 1
+    gains = chance[seq_of] * np.asarray(rates, dtype=np.float64)[seq_of] ** j_of
+    order = np.argsort(-gains, kind="stable")
+    seq_of, j_of, gains = seq_of[order], j_of[order], gains[order]
+    # the step with the first n of them (n = 1, 2, ...): expected tokens, rows, and seconds
+    tokens = base + np.cumsum(gains)
+    rows = base + np.cumsum(chance[seq_of])  # a verification row where the chain drafts something
+    seconds = cost_at(target, rows)
+    seconds += charge.per_sequence * np.cumsum(j_of == 1)  # lookups run whether or not they find anything
+    if charge.draft is not None:  # the j-th draft forward gets draft_reach more expected rows (or starts)
+        taken = np.cumsum(j_of[:, None] == j[None, :], axis=0)[np.arange(len(j_of)), j_of - 1]
+        added = expected_costs(charge.draft, charge.draft_reach * taken) - \
+            expected_costs(charge.draft, charge.draft_reach * (taken - 1))
+        seconds += np.cumsum(added)
+    values = tokens / seconds
+    best = float(values.max())
+    # the fewest extra rows within rounding of the best; none where drafting cannot beat plain decoding
+    best_n = 0 if best <= plain * (1 + 1e-9) else int(np.argmax(values >= best / (1 + 1e-9))) + 1
     chosen = [0] * len(rates)
-    for _, i in gains[:best_n]:
+    for i in seq_of[:best_n].tolist():
         chosen[i] += 1
     return chosen
 

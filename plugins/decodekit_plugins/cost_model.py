@@ -26,6 +26,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from decodekit.api.step_cost import StepCost
 
 SMOOTHING = 0.25
@@ -44,6 +46,47 @@ NEW_BUCKET_JUMP = 1.5
 def bucket(rows: float) -> int:
     """The calibration bucket of a step of `rows` rows: 0 for 1 row, then ceil(log2(rows)) (2, 3-4, 5-8, ...)."""
     return max(0, math.ceil(math.log2(max(rows, 1.0)) - 1e-9))
+
+
+def buckets(rows: np.ndarray) -> np.ndarray:
+    """`bucket` of each of `rows`."""
+    return np.maximum(np.ceil(np.log2(np.maximum(rows, 1.0)) - 1e-9), 0).astype(np.int64)
+
+
+def curve_at(curve: StepCost, rows: np.ndarray) -> np.ndarray:
+    """`curve(r)` for each of `rows` at once (the same interpolation, for the chooser's hundreds of row counts)."""
+    xs = np.asarray(curve.rows, dtype=np.float64)
+    ys = np.minimum.accumulate(np.asarray(curve.seconds, dtype=np.float64)[::-1])[::-1]  # never falling
+    if len(xs) == 1:
+        return np.where(rows <= xs[0], ys[0], ys[0] * rows / xs[0])
+    i = np.clip(np.searchsorted(xs, rows, side="left"), 1, len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return np.where(rows <= xs[0], ys[0], y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
+
+
+def cost_at(cost: Callable[[float], float], rows: np.ndarray) -> np.ndarray:
+    """`cost(r)` for each of `rows`: at once for a `StepCost`, a `Calibration` or a `Scaled` curve, else one by one."""
+    if isinstance(cost, StepCost):
+        return curve_at(cost, rows)
+    many = getattr(cost, "many", None)
+    if many is not None:
+        return np.asarray(many(rows), dtype=np.float64)
+    return np.array([cost(float(r)) for r in rows], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """A curve times a factor (a draft model's measured curve times its calls' measured over predicted)."""
+
+    curve: StepCost
+    factor: float = 1.0
+
+    def __call__(self, rows: float) -> float:
+        return self.curve(rows) * self.factor
+
+    def many(self, rows: np.ndarray) -> np.ndarray:
+        """The cost of each of `rows`."""
+        return curve_at(self.curve, rows) * self.factor
 
 
 @dataclass
@@ -139,6 +182,12 @@ class Calibration:
         """The seconds of a step of `rows` rows (in the curve's unit while nothing is measured)."""
         return self.curve(rows) * self.correction(rows)
 
+    def many(self, rows: np.ndarray) -> np.ndarray:
+        """The seconds of a step of each of `rows` rows."""
+        at = buckets(rows)
+        table = np.array([self.correction(2.0**b) for b in range(int(at.max(initial=0)) + 1)])
+        return curve_at(self.curve, rows) * table[at]
+
 
 @dataclass
 class ProposerCost:
@@ -181,6 +230,12 @@ def expected_cost(curve: Callable[[float], float], rows: float) -> float:
     return curve(rows) if rows >= 1 else rows * curve(1.0)
 
 
+def expected_costs(curve: Callable[[float], float], rows: np.ndarray) -> np.ndarray:
+    """`expected_cost` of each of `rows`."""
+    full = cost_at(curve, np.maximum(rows, 1.0))
+    return np.where(rows <= 0, 0.0, np.where(rows >= 1, full, rows * full))
+
+
 @dataclass(frozen=True)
 class ChainCharge:
     """What proposing costs the host for one step, for a chain of proposers asked in turn (each for the sequences
@@ -208,7 +263,6 @@ class ChainCharge:
             if curve is None:
                 per_sequence += reach * (cost.per_sequence.value or 0.0)
             elif draft is None:  # a second model link is rare; the first one's forwards are charged
-                factor = cost.model_factor.value or 1.0
-                draft, draft_reach = (lambda rows, c=curve, f=factor: c(rows) * f), reach
+                draft, draft_reach = Scaled(curve, cost.model_factor.value or 1.0), reach
             reach *= max(0.0, 1.0 - cost.hit)
         return cls(per_sequence, draft, draft_reach)
