@@ -17,9 +17,9 @@ what this machine's steps measure (`Calibration`), the chain's host time of prop
 the draft model's forwards times their measured correction: `ChainCharge`), and each sequence's chance that its
 chain drafts anything when asked (`hits`: a lookup that rarely finds a match earns little and still costs its
 lookup). Where nothing pays, no sequence drafts and the proposers are not called at all. Before speculating at a
-batch size whose plain step was never measured, one step runs plain to measure it (at most
-`Calibration.explore_tries` per bucket), so the comparison is against what plain decoding costs here, not what the
-curve says. Probes back off: a sequence whose
+batch size whose plain step has fewer than two timings, steps run plain to measure it (at most
+`Calibration.explore_tries` per bucket), and again once its timing is stale (`cost_model.STALE_AFTER`), so the
+comparison is against what plain decoding costs here, not what the curve says. Probes back off: a sequence whose
 probe did not turn speculation back on waits twice as long before the next (up to `MAX_PROBE_INTERVAL`), and at most
 one in `PROBE_SHARE` of a batch probes in one step.
 

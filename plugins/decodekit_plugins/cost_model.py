@@ -41,6 +41,8 @@ MAX_JUMP = 3.0
 """One timing moves an estimate by at most this factor."""
 NEW_BUCKET_JUMP = 1.5
 """A row bucket's first timing starts at most this factor above its measured neighbours' correction."""
+STALE_AFTER = 256
+"""A bucket last measured this many measured steps ago is measured again (`Calibration.explore`)."""
 
 
 def bucket(rows: float) -> int:
@@ -129,6 +131,8 @@ class Calibration:
         self.corrections: dict[int, LowEstimate] = {}
         self.explore_tries = explore_tries
         self._explored: dict[int, int] = {}
+        self.records = 0  # decode-only steps measured so far
+        self._last: dict[int, int] = {}  # per bucket, `records` when it was last measured
         self._by_bucket: dict[int, float] = {}  # corrections as `correction` gives them, until the next record
 
     def record(self, rows: int, seconds: float) -> None:
@@ -144,12 +148,18 @@ class Calibration:
             estimate = self.corrections[bucket(rows)] = LowEstimate()
         estimate.add(ratio)
         self._by_bucket.clear()
+        self.records += 1
+        self._last[bucket(rows)] = self.records
 
     def explore(self, rows: float) -> bool:
-        """Whether a step of `rows` rows should run plain now to measure it: its bucket was never measured and
-        fewer than `explore_tries` steps tried (a context that reports no timings stops asking)."""
+        """Whether a step of `rows` rows should run plain now to measure it: its bucket has fewer than two
+        timings and fewer than `explore_tries` steps tried (a context that reports no timings stops asking), or
+        its last timing is `STALE_AFTER` measured steps old (a speculating batch never times its plain step)."""
         at = bucket(rows)
-        if at in self.corrections or self._explored.get(at, 0) >= self.explore_tries:
+        estimate = self.corrections.get(at)
+        if estimate is not None and self.records - self._last[at] >= STALE_AFTER:
+            return True
+        if (estimate is not None and estimate.count >= 2) or self._explored.get(at, 0) >= self.explore_tries:
             return False
         self._explored[at] = self._explored.get(at, 0) + 1
         return True

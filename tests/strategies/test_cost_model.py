@@ -25,7 +25,15 @@ from decodekit_plugins.adaptive import (
     tree_shape,
     worst_tree_rows,
 )
-from decodekit_plugins.cost_model import Calibration, ChainCharge, ProposerCost, bucket, draft_forwards, expected_cost
+from decodekit_plugins.cost_model import (
+    STALE_AFTER,
+    Calibration,
+    ChainCharge,
+    ProposerCost,
+    bucket,
+    draft_forwards,
+    expected_cost,
+)
 
 PROPORTIONAL = StepCost((1, 256), (1.0, 256.0))  # compute-bound: every row costs the same
 NEARLY_FREE = StepCost((1, 256), (1.0, 1.02))  # memory-bound: reading the weights is the step
@@ -176,16 +184,30 @@ def _sequences(count: int, **sampling) -> list[Sequence]:
     return out
 
 
-def test_a_batch_size_whose_plain_step_was_never_measured_runs_plain_once_to_measure_it():
+def test_a_batch_size_whose_plain_step_was_never_measured_runs_plain_to_measure_it():
     seqs = _sequences(4, temperature=0)
     calibrated = Calibration(NEARLY_FREE)
     assert draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, calibrated) == [0] * 4  # exploring
+    calibrated.record(4, 0.01)
+    assert draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, calibrated) == [0] * 4  # a second timing
     calibrated.record(4, 0.01)
     assert all(draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, calibrated))
     # a context that never reports timings stops exploring after its tries
     never = Calibration(NEARLY_FREE)
     tries = [draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, never) for _ in range(never.explore_tries + 1)]
     assert tries[:-1] == [[0] * 4] * never.explore_tries and all(tries[-1])
+
+
+def test_a_plain_step_measured_long_ago_is_measured_again():
+    calibrated = Calibration(NEARLY_FREE)
+    calibrated.record(4, 0.01)
+    calibrated.record(4, 0.01)
+    assert not calibrated.explore(4)
+    for _ in range(STALE_AFTER):
+        calibrated.record(24, 0.02)  # speculating steps, never plain ones
+    assert calibrated.explore(4)
+    calibrated.record(4, 0.01)
+    assert not calibrated.explore(4)
 
 
 def test_a_seeded_sequence_ignores_exploration_and_host_charges():
