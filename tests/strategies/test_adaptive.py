@@ -12,9 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams, hookimpl
-from decodekit.api.params import SamplingParams as Params
 from decodekit.api.proposer import Proposer
-from decodekit.api.sequence import Request, Sequence
 from decodekit.api.step_cost import StepCost
 from decodekit.testing import check_proposer, plugin_manager
 from decodekit_plugins.adaptive import (
@@ -26,9 +24,8 @@ from decodekit_plugins.adaptive import (
     expected_tokens,
 )
 from tests.helpers.reference import random_prompts
+from tests.helpers.step_costs import NEARLY_FREE, PROPORTIONAL, bare_sequences
 
-PROPORTIONAL = StepCost((1, 256), (1.0, 256.0))  # compute-bound: every row costs the same
-NEARLY_FREE = StepCost((1, 256), (1.0, 1.02))  # memory-bound: reading the weights is the step
 rates = st.floats(0.0, 0.99)
 batches = st.lists(rates, min_size=1, max_size=40)
 
@@ -104,26 +101,18 @@ def test_acceptance_follows_what_the_target_accepts():
     assert state.rate < 0.05
 
 
-def _sequences(count: int, **sampling) -> list[Sequence]:
-    out = []
-    for i in range(count):
-        request = Request(str(i), None, [1, 2, 3], Params(max_tokens=64, **sampling), 0)
-        out.append(Sequence(request, [1, 2, 3], 3))
-    return out
-
-
 def test_a_sequence_kept_from_drafting_probes_again_and_can_turn_back_on():
-    (seq,) = _sequences(1, temperature=0)
+    (seq,) = bare_sequences(1, temperature=0)
     seq_lengths = [draft_lengths([seq], [8], 0, PROPORTIONAL, None)[0] for _ in range(PROBE_INTERVAL)]
     assert seq_lengths == [0] * (PROBE_INTERVAL - 1) + [PROBE_TOKENS]
     assert draft_lengths([seq], [8], 0, NEARLY_FREE, None)[0] > 0  # rows got cheap (the batch shrank): back on
 
 
 def test_a_seeded_sampled_sequence_chooses_as_if_alone():
-    seeded = _sequences(1, temperature=0.8, seed=5)
-    crowd = _sequences(31, temperature=0)
+    seeded = bare_sequences(1, temperature=0.8, seed=5)
+    crowd = bare_sequences(31, temperature=0)
     cost = StepCost((1, 8, 32, 64, 128, 256), (1.0, 1.1, 3.0, 6.0, 12.0, 24.0))
-    alone = draft_lengths(_sequences(1, temperature=0.8, seed=5), [8], 0, cost, None)
+    alone = draft_lengths(bare_sequences(1, temperature=0.8, seed=5), [8], 0, cost, None)
     batched = draft_lengths([*seeded, *crowd], [8] * 32, 0, cost, None)
     assert batched[0] == alone[0] > 0 and batched[1:] == [0] * 31
 

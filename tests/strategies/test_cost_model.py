@@ -11,8 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit.api.draft_tree import TreeShape
-from decodekit.api.params import SamplingParams as Params
-from decodekit.api.sequence import Request, Sequence
 from decodekit.api.step_cost import StepCost
 from decodekit_plugins.adaptive import (
     ACCEPTANCE,
@@ -34,9 +32,8 @@ from decodekit_plugins.cost_model import (
     draft_forwards,
     expected_cost,
 )
+from tests.helpers.step_costs import NEARLY_FREE, PROPORTIONAL, bare_sequences
 
-PROPORTIONAL = StepCost((1, 256), (1.0, 256.0))  # compute-bound: every row costs the same
-NEARLY_FREE = StepCost((1, 256), (1.0, 1.02))  # memory-bound: reading the weights is the step
 curves = st.lists(st.floats(0.01, 10.0), min_size=2, max_size=6).map(
     lambda ys: StepCost(tuple(2**i for i in range(len(ys))), tuple(itertools.accumulate(ys))))
 
@@ -176,16 +173,8 @@ def test_a_chain_charges_each_link_for_the_sequences_that_reach_it():
     assert charge.draft(8) == pytest.approx(0.04)
 
 
-def _sequences(count: int, **sampling) -> list[Sequence]:
-    out = []
-    for i in range(count):
-        request = Request(str(i), None, [1, 2, 3], Params(max_tokens=64, **sampling), 0)
-        out.append(Sequence(request, [1, 2, 3], 3))
-    return out
-
-
 def test_a_batch_size_whose_plain_step_was_never_measured_runs_plain_to_measure_it():
-    seqs = _sequences(4, temperature=0)
+    seqs = bare_sequences(4, temperature=0)
     calibrated = Calibration(NEARLY_FREE)
     assert draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, calibrated) == [0] * 4  # exploring
     calibrated.record(4, 0.01)
@@ -211,16 +200,16 @@ def test_a_plain_step_measured_long_ago_is_measured_again():
 
 
 def test_a_seeded_sequence_ignores_exploration_and_host_charges():
-    (seeded,) = _sequences(1, temperature=0.8, seed=3)
+    (seeded,) = bare_sequences(1, temperature=0.8, seed=3)
     expensive = ChainCharge(per_sequence=100.0)
-    alone = draft_lengths(_sequences(1, temperature=0.8, seed=3), [6], 0, NEARLY_FREE, None)
-    batched = draft_lengths([seeded, *_sequences(3, temperature=0)], [6] * 4, 0, NEARLY_FREE, None,
+    alone = draft_lengths(bare_sequences(1, temperature=0.8, seed=3), [6], 0, NEARLY_FREE, None)
+    batched = draft_lengths([seeded, *bare_sequences(3, temperature=0)], [6] * 4, 0, NEARLY_FREE, None,
                             Calibration(NEARLY_FREE), expensive)
     assert batched[0] == alone[0] > 0 and batched[1:] == [0] * 3
 
 
 def test_probes_take_turns_and_back_off_while_speculation_stays_off():
-    seqs = _sequences(16, temperature=0)
+    seqs = bare_sequences(16, temperature=0)
     calibrated = Calibration(PROPORTIONAL)
     calibrated.record(16, 0.01)
     probes_per_step = []
