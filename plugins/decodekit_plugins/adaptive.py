@@ -21,7 +21,8 @@ batch size whose plain step has fewer than two timings, steps run plain to measu
 `Calibration.explore_tries` per bucket), and again once its timing is stale (`cost_model.STALE_AFTER`), so the
 comparison is against what plain decoding costs here, not what the curve says. Probes back off: a sequence whose
 probe did not turn speculation back on waits twice as long before the next (up to `MAX_PROBE_INTERVAL`), and at most
-one in `PROBE_SHARE` of a batch probes in one step.
+one in `PROBE_SHARE` of a batch probes in one step, and none where even an acceptance of `HOPEFUL_RATE` would not
+pay (a compute-bound batch: a probe's rows would be spent to learn nothing).
 
 A seeded sampled sequence chooses as if it ran alone: which draft tokens it verifies changes which random numbers it
 draws, so its output must not depend on the rest of the batch, nor on timings: it chooses from the cached curve
@@ -52,6 +53,7 @@ PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 128
 PROBE_TOKENS = 2
 PROBE_SHARE = 8  # at most one in this many of a batch's sequences probes in one step (the ones idle longest)
+HOPEFUL_RATE = 0.9  # a probe is worth its rows only where drafting at this acceptance would pay
 
 
 @dataclass
@@ -178,8 +180,13 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
         state.idle_steps += 1
         if state.idle_steps >= state.probe_interval:
             due.append(i)
-    # a seeded sequence probes as it would alone; the others take turns, the longest idle first
+    # a seeded sequence probes as it would alone; the others take turns, the longest idle first, and only where
+    # a high acceptance would make drafting pay (a compute-bound batch learns nothing useful from a probe)
     shared_due = sorted((i for i in due if not alone[i]), key=lambda i: -states[i].idle_steps)
+    if shared_due and calibrated is not None and not any(choose_draft_lengths(
+            [HOPEFUL_RATE] * len(shared), [limits[i] for i in shared], others, calibrated,
+            host=host if host is not None else ChainCharge(draft=draft))):
+        shared_due = []
     probing = [i for i in due if alone[i]] + ([] if exploring else shared_due[:math.ceil(len(shared) / PROBE_SHARE)])
     for i in probing:
         lengths[i], states[i].idle_steps = min(PROBE_TOKENS, limits[i]), 0

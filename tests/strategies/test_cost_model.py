@@ -16,6 +16,7 @@ from decodekit_plugins.adaptive import (
     ACCEPTANCE,
     PROBE_INTERVAL,
     PROBE_SHARE,
+    Acceptance,
     choose_draft_lengths,
     draft_lengths,
     expected_tokens,
@@ -199,6 +200,14 @@ def test_a_plain_step_measured_long_ago_is_measured_again():
     assert not calibrated.explore(4)
 
 
+def test_a_compute_bound_batch_spends_no_rows_on_probes():
+    seqs = bare_sequences(16, temperature=0)
+    calibrated = Calibration(PROPORTIONAL)
+    calibrated.record(16, 0.01)
+    steps = [draft_lengths(seqs, [6] * 16, 0, PROPORTIONAL, None, calibrated) for _ in range(3 * PROBE_INTERVAL)]
+    assert steps == [[0] * 16] * (3 * PROBE_INTERVAL)
+
+
 def test_a_seeded_sequence_ignores_exploration_and_host_charges():
     (seeded,) = bare_sequences(1, temperature=0.8, seed=3)
     expensive = ChainCharge(per_sequence=100.0)
@@ -210,11 +219,14 @@ def test_a_seeded_sequence_ignores_exploration_and_host_charges():
 
 def test_probes_take_turns_and_back_off_while_speculation_stays_off():
     seqs = bare_sequences(16, temperature=0)
-    calibrated = Calibration(PROPORTIONAL)
+    for seq in seqs:  # a low acceptance: off, though a high one would pay (each row costs 0.3 of a step)
+        seq.stash[ACCEPTANCE] = Acceptance(accepted=0.1, rejected=0.9)
+    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.3))
+    calibrated = Calibration(curve)
     calibrated.record(16, 0.01)
     probes_per_step = []
     for _ in range(PROBE_INTERVAL + 4):
-        lengths = draft_lengths(seqs, [6] * 16, 0, PROPORTIONAL, None, calibrated)
+        lengths = draft_lengths(seqs, [6] * 16, 0, curve, None, calibrated)
         probes_per_step.append(sum(1 for k in lengths if k))
     assert max(probes_per_step) == 16 // PROBE_SHARE and sum(probes_per_step) == 16 // PROBE_SHARE * 5
     states = [s.stash[ACCEPTANCE] for s in seqs]
