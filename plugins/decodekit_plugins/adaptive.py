@@ -54,6 +54,7 @@ MAX_PROBE_INTERVAL = 128
 PROBE_TOKENS = 2
 PROBE_SHARE = 8  # at most one in this many of a batch's sequences probes in one step (the ones idle longest)
 HOPEFUL_RATE = 0.9  # a probe is worth its rows only where drafting at this acceptance would pay
+CHAIN_DECAY = 0.99  # a chain's running acceptance (the prior of its new sequences) follows many verifications
 
 
 @dataclass
@@ -66,6 +67,13 @@ class Acceptance:
     probe_interval: int = PROBE_INTERVAL
     hit: float = 1.0
     """How often the sequence's chain drafted something when asked (moving average)."""
+    decay: float = DECAY
+
+    @classmethod
+    def starting_from(cls, prior: Acceptance) -> Acceptance:
+        """A new sequence's state whose prior is `prior`'s rate and hit rate (its chain's running ones), with the
+        weight of the fixed prior."""
+        return cls(prior.rate * PRIOR_WEIGHT, (1 - prior.rate) * PRIOR_WEIGHT, hit=prior.hit)
 
     @property
     def rate(self) -> float:
@@ -76,8 +84,8 @@ class Acceptance:
         """A verified draft of `proposed` tokens whose first `accepted` were accepted (the rest rejected at once:
         one rejection, since verification stops at the first)."""
         if proposed:
-            self.accepted = DECAY * self.accepted + accepted
-            self.rejected = DECAY * self.rejected + (accepted < proposed)
+            self.accepted = self.decay * self.accepted + accepted
+            self.rejected = self.decay * self.rejected + (accepted < proposed)
 
     def record_ask(self, drafted: bool) -> None:
         """The chain was asked for a draft and gave one (`drafted`) or nothing."""
@@ -149,12 +157,14 @@ def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, t
 
 def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, target: StepCost,
                   draft: StepCost | None, calibrated: Calibration | None = None,
-                  host: ChainCharge | None = None) -> list[int]:
+                  host: ChainCharge | None = None, prior: Acceptance | None = None) -> list[int]:
     """This step's draft length of each of `seqs` (see the module docstring): the batch's best (from `calibrated`
     and `host` where given, else from the curves), a seeded sampled sequence's best alone from the curves, a probe
-    where a sequence was kept from drafting for its probe interval."""
-    states = [seq.stash.setdefault(ACCEPTANCE, Acceptance()) for seq in seqs]
+    where a sequence was kept from drafting for its probe interval. A new sequence starts from `prior` (its chain's
+    running acceptance and hit rate) where given, unless seeded (its choices must not depend on earlier requests)."""
     alone = [not seq.greedy and seq.request.params.seed is not None for seq in seqs]
+    states = [seq.stash.setdefault(ACCEPTANCE, Acceptance() if own or prior is None else Acceptance.starting_from(
+        prior)) for seq, own in zip(seqs, alone)]
     shared = [i for i, own in enumerate(alone) if not own]
     lengths = [0] * len(seqs)
     others = other_rows + len(seqs) - len(shared)

@@ -44,7 +44,15 @@ from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
 from decodekit.api.step_cost import StepCost, StepTiming
 from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
-from decodekit_plugins.adaptive import ACCEPTANCE, draft_lengths, tree_rows, tree_shape, worst_tree_rows
+from decodekit_plugins.adaptive import (
+    ACCEPTANCE,
+    CHAIN_DECAY,
+    Acceptance,
+    draft_lengths,
+    tree_rows,
+    tree_shape,
+    worst_tree_rows,
+)
 from decodekit_plugins.cost_model import Calibration, ChainCharge, ProposerCost, draft_forwards
 from decodekit_plugins.draft_trees import accept_tree, draft_tree, propose_with_trees, tree_rollback
 
@@ -324,6 +332,7 @@ class SpeculativeStrategy(Strategy):
         # what steps measure, per proposer its host time; the last step timing recorded (each step's once)
         self.calibrations: dict[StepCost, Calibration] = {}
         self.host_costs: dict[str, ProposerCost] = {}
+        self.chain_priors: dict[tuple[str, ...], Acceptance] = {}  # per chain, its sequences' running acceptance
         self._timed: StepTiming | None = None
 
     def bind(self, components: ComponentLookup) -> None:
@@ -403,7 +412,9 @@ class SpeculativeStrategy(Strategy):
             link += 1
         for seq in asked:  # how often each sequence's chain finds a draft (`adaptive: cost` weighs its gains)
             if ACCEPTANCE in seq.stash:
-                seq.stash[ACCEPTANCE].record_ask(bool(seq.draft_token_ids or seq.draft_branches))
+                drafted = bool(seq.draft_token_ids or seq.draft_branches)
+                seq.stash[ACCEPTANCE].record_ask(drafted)
+                self._chain_prior(seq.request.plan.strategy_options).record_ask(drafted)
 
     def _lengths(self, ctx: StepContext, seqs: list[Sequence]) -> tuple[list[int], dict[int, TreeShape | None]]:
         """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch; and the
@@ -435,7 +446,8 @@ class SpeculativeStrategy(Strategy):
             host = ChainCharge.of([(self.host_costs.setdefault(name, ProposerCost()), curve)
                                    for name, curve in zip(chain, curves)])
             chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
-                                   ctx.num_running - len(rows), target, draft, calibrated, host)
+                                   ctx.num_running - len(rows), target, draft, calibrated, host,
+                                   self.chain_priors.get(chain))
             for i, k in zip(rows, chosen):
                 ks[i] = k
             shapes.update(self._tree_shapes(ctx, [seqs[i] for i in rows], [ks[i] for i in rows], target,
@@ -566,8 +578,11 @@ class SpeculativeStrategy(Strategy):
             proposer.rollback(seq, valid)
         return rows.shape[0]
 
-    @staticmethod
-    def _adapt(seq: Sequence, proposed: int, accepted: int) -> None:
+    def _chain_prior(self, options: SpeculativeParams) -> Acceptance:
+        """The running acceptance and hit rate of a chain's sequences: where its new (unseeded) sequences start."""
+        return self.chain_priors.setdefault((options.proposer, *options.fallbacks), Acceptance(decay=CHAIN_DECAY))
+
+    def _adapt(self, seq: Sequence, proposed: int, accepted: int) -> None:
         options = seq.request.plan.strategy_options
         mode = options.adaptation
         if proposed and mode == "heuristic":
@@ -575,6 +590,7 @@ class SpeculativeStrategy(Strategy):
             seq.stash[_K] = min(k + 2, options.max_speculative_tokens) if accepted == proposed else max(1, k - 1)
         elif mode == "cost" and ACCEPTANCE in seq.stash:
             seq.stash[ACCEPTANCE].record(proposed, accepted)
+            self._chain_prior(options).record(proposed, accepted)
 
     def on_request_finished(self, request: Request) -> None:
         for proposer in self.proposers.values():

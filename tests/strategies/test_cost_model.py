@@ -253,3 +253,14 @@ def test_a_tree_is_cut_to_the_branches_that_fit():
     assert tree_shape(TreeShape(width=1), 4, 100) is None
     curve = StepCost((1, 16, 64), (1.0, 1.04, 4.0))
     assert tree_rows(curve, 1, 200) == 15 + int((1.05 - 1.04) / ((4.0 - 1.04) / 48))
+
+
+def test_a_new_sequence_starts_from_its_chains_running_acceptance_unless_seeded():
+    prior = Acceptance(decay=0.99)
+    for _ in range(200):  # the chain's earlier sequences: a quarter of their draft tokens accepted, rarely a draft
+        prior.record(4, 1)
+        prior.record_ask(False)
+    greedy, seeded = bare_sequences(1, temperature=0)[0], bare_sequences(1, temperature=0.8, seed=1)[0]
+    draft_lengths([greedy, seeded], [6, 6], 0, NEARLY_FREE, None, Calibration(NEARLY_FREE), None, prior)
+    assert greedy.stash[ACCEPTANCE].rate == pytest.approx(prior.rate) and greedy.stash[ACCEPTANCE].hit < 0.01
+    assert seeded.stash[ACCEPTANCE].rate == pytest.approx(Acceptance().rate) and seeded.stash[ACCEPTANCE].hit == 1.0
