@@ -434,10 +434,14 @@ class SpeculativeStrategy(Strategy):
             ks.append(min(limit, seq.stash.setdefault(_K, options.num_speculative_tokens or DEFAULT_K)))
             limits.append(max(limit, 0))
         by_costs: dict[tuple[StepCost, tuple[StepCost | None, ...], tuple[str, ...]], list[int]] = {}
+        costs: dict[tuple[str, ...], tuple[StepCost, tuple[StepCost | None, ...]]] = {}  # this step's, by chain
         for i in costed:  # grouped by cost curves and chains: requests may measure, or not, and chain others
             options = seqs[i].request.plan.strategy_options
-            target, curves = self._costs(options)
-            by_costs.setdefault((target, curves, (options.proposer, *options.fallbacks)), []).append(i)
+            chain = (options.proposer, *options.fallbacks)
+            known = costs.get((options.cost_model, *chain))
+            if known is None:
+                known = costs[(options.cost_model, *chain)] = self._costs(options)
+            by_costs.setdefault((*known, chain), []).append(i)
         shapes: dict[int, TreeShape | None] = {}
         for (target, curves, chain), rows in by_costs.items():
             calibrated = self.calibrations.setdefault(target, Calibration(target))
