@@ -9,8 +9,9 @@
   the chain n-gram -> suffix -> int8 draft (k 4, paused likewise), the int8 draft drafting a tree (k 6, width 2,
   up to 16 nodes, branching where its probability is below 0.8: `docs/speculative.md`, "Draft trees"); and with k
   adapted by cost (the strategy's default: each step's k from the acceptance and this machine's step cost by rows,
-  0 where it cannot pay): suffix, the int8 draft, and the chain. recipes/speculative.yaml uses n-gram chained to
-  the int8 draft. `--dtype auto` runs the target as the bundled GGUF stores it. Each row gives the median of
+  calibrated by the steps it times, and the proposers' host time, 0 where it cannot pay): suffix, the int8 draft, the
+  chain, and the int8 draft's tree (cut to the rows that are nearly free). recipes/speculative.yaml uses n-gram
+  chained to the int8 draft. `--dtype auto` runs the target as the bundled GGUF stores it. Each row gives the median of
   per-repeat ratios to plain with their range, each proposer's acceptance (accepted of drafted, and its acceptance
   length: tokens per verification, 1 + accepted / verifications), and whether the output equalled plain's token for
   token.
@@ -63,12 +64,13 @@ CHAIN3 = {"proposer": "ngram", "proposer_options": {"prompt_lookup_min": 2}, "fa
 # k adapted by cost: the strategy's default when num_speculative_tokens is unset
 ADAPTIVE_SUFFIX = {"proposer": "suffix"}
 ADAPTIVE_DRAFT = {"proposer": "draft"}
+ADAPTIVE_TREE = {"proposer": "draft", "tree": INT8_DRAFT_TREE["tree"]}  # the tree only where its rows are nearly free
 SPEC_CONFIGS: dict[str, dict[str, Any] | None] = {
     "plain": None, "ngram": NGRAM, "int8 draft": INT8_DRAFT, "ngram + int8 draft": CHAINED,
     "trained head": TRAINED_HEAD, "ngram + trained head": CHAINED_HEAD, "suffix": SUFFIX,
     "ngram > suffix > int8 draft": {**CHAIN3, "num_speculative_tokens": 4, "disable_by_batch_size": 4},
     "int8 draft tree": INT8_DRAFT_TREE, "suffix (adaptive)": ADAPTIVE_SUFFIX, "int8 draft (adaptive)": ADAPTIVE_DRAFT,
-    "ngram > suffix > int8 draft (adaptive)": CHAIN3}
+    "ngram > suffix > int8 draft (adaptive)": CHAIN3, "int8 draft tree (adaptive)": ADAPTIVE_TREE}
 
 
 def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:

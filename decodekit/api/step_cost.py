@@ -3,7 +3,8 @@
 Speculation pays when the rows a draft adds cost less than the tokens it saves: on a memory-bound step (a CPU or a
 GPU at small batch, where reading the weights dominates) a few more rows are nearly free, on a compute-bound one
 (a big batch) each row costs its share. The engine measures the curve of its model once per machine and caches it
-(`ComponentInfo.step_cost`); the speculative strategy's adaptive draft length reads it.
+(`ComponentInfo.step_cost`); the speculative strategy's adaptive draft length reads it, and calibrates it online
+against what each step really took (`StepTiming`, `StepContext.step_timing`).
 """
 
 from __future__ import annotations
@@ -63,3 +64,21 @@ class StepCost:
         (reading the weights) plus a sixteenth of it per row, as a memory-bound device at small batch has."""
         rows = (1, 2, 4, 8, 16, 32, 64, 128, 256)
         return cls(rows, tuple(1.0 + r / 16 for r in rows))
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What one engine step's verification took: the wall time from scheduling through the forward and the process
+    stage (the processors over every scored row), and the rows (tokens) its forward computed. Strategies read it in
+    `select` (`StepContext.step_timing`) to calibrate a `StepCost` against this machine as it runs now.
+
+    Attributes:
+        rows: tokens the forward computed (every scheduled sequence's new tokens, drafts and probes included).
+        seconds: wall seconds of scheduling, the forward and the process stage (proposing is not in it).
+        decode_only: every computed token was a scored position (decodes and verifications, no prompt chunk): only
+            such a step is shaped like the ones a `StepCost` measures.
+    """
+
+    rows: int
+    seconds: float
+    decode_only: bool

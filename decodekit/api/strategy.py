@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from decodekit.api.params import SamplingParams
 from decodekit.api.processors import BatchView, Stage
 from decodekit.api.sequence import Request, Sequence
+from decodekit.api.step_cost import StepTiming
 
 TokenDistribution = Literal["processed", "deterministic"] | None
 """What a strategy's tokens are drawn from (`Strategy.token_distribution`)."""
@@ -63,6 +64,9 @@ class StepContext(Protocol):
 
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    step_timing: StepTiming | None
+    """This step's verification time and rows (`StepTiming`): set once the forward and process stages ran, so
+    `select` reads it (None in `propose`, in a step with no forward, and in contexts that do not time steps)."""
 
     @property
     def num_running(self) -> int:

@@ -8,6 +8,7 @@ engine only wires them up and runs them in order.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +22,7 @@ from decodekit.api.models import LoadedModel
 from decodekit.api.params import SamplingParams
 from decodekit.api.proposer import ProposerModel
 from decodekit.api.sequence import Request, RequestOutput, Sequence
-from decodekit.api.step_cost import StepCost
+from decodekit.api.step_cost import StepCost, StepTiming
 from decodekit.core.hooks import LifecycleHooks
 from decodekit.core.logprobs import record_prompt_logprobs
 from decodekit.core.plan import Components
@@ -167,12 +168,17 @@ class Engine:
                                 self.candidate_origins)  # type: ignore[arg-type]
         self._fail(propose(self.scheduler.running, ctx))
         self._fail(self.processing.take_faults())  # a proposer's processors failed for these
+        started = time.perf_counter()  # the step's verification: schedule, forward, process (`StepTiming`)
         sched = self.scheduler.schedule()
         self._fail([(request, request.error or "failed") for request in sched.failed])
         scored, failures = self.forward.run(sched)
         self._fail(failures)
         if scored is not None:
             processed = self.processing.run(scored)
+            # the processed rows are on the host or synchronized by the process stage's checks: the time is real
+            ctx.step_timing = StepTiming(
+                sum(s.num_tokens for s in sched.scheduled), time.perf_counter() - started,
+                all(s.completes and s.num_tokens <= s.seq.num_scored_positions for s in sched.scheduled))
             self._fail(select(scored, processed, ctx, self.tokenizer))
             done, failures = self.stop.run(record)
             self._fail(failures)

@@ -18,6 +18,7 @@ from decodekit.api.draft_tree import branch_row_starts, count_nodes
 from decodekit.api.errors import ProcessorError
 from decodekit.api.processors import BatchView, fork_states, update_states
 from decodekit.api.sequence import Request, Sequence
+from decodekit.api.step_cost import StepTiming
 from decodekit.api.strategy import HiddenStates, StrategyResult
 from decodekit.core import drafts
 from decodekit.core.scheduler import Scheduler
@@ -117,6 +118,8 @@ class EngineStepContext:
         """This step's process-stage output (set by the select stage with `scored`); `process` adds to it."""
         self.origins: dict[Sequence, CandidateOrigin] = origins if origins is not None else {}
         """Per sequence with candidates, the row they were chosen from (lives across steps: the engine's)."""
+        self.step_timing: StepTiming | None = None
+        """This step's verification time and rows (set by the engine after the process stage)."""
 
     @property
     def num_running(self) -> int:

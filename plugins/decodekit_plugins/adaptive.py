@@ -12,18 +12,37 @@ each row costs its share) speculation switches itself off, on a memory-bound one
 far as acceptance pays. A sequence kept from drafting for `PROBE_INTERVAL` steps drafts `PROBE_TOKENS` tokens once,
 so its acceptance is measured again and speculation can turn back on.
 
+What a step costs (`decodekit_plugins.cost_model`): for the batch's shared choice, the target's curve calibrated by
+what this machine's steps measure (`Calibration`), the chain's host time of proposing (lookups per sequence asked,
+the draft model's forwards times their measured correction: `ChainCharge`), and each sequence's chance that its
+chain drafts anything when asked (`hits`: a lookup that rarely finds a match earns little and still costs its
+lookup). Where nothing pays, no sequence drafts and the proposers are not called at all. Before speculating at a
+batch size whose plain step has fewer than two timings, steps run plain to measure it (at most
+`Calibration.explore_tries` per bucket), and again once its timing is stale (`cost_model.STALE_AFTER`), so the
+comparison is against what plain decoding costs here, not what the curve says. Probes back off: a sequence whose
+probe did not turn speculation back on waits twice as long before the next (up to `MAX_PROBE_INTERVAL`), and at most
+one in `PROBE_SHARE` of a batch probes in one step, and none where even an acceptance of `HOPEFUL_RATE` would not
+pay (a compute-bound batch: a probe's rows would be spent to learn nothing).
+
 A seeded sampled sequence chooses as if it ran alone: which draft tokens it verifies changes which random numbers it
-draws, so its output must not depend on the rest of the batch.
+draws, so its output must not depend on the rest of the batch, nor on timings: it chooses from the cached curve
+alone (no calibration, no host charges, no exploration), which is the same for every run on this machine.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
+
+from decodekit.api.draft_tree import TreeShape
 from decodekit.api.sequence import Sequence
 from decodekit.api.stash import StashKey
 from decodekit.api.step_cost import StepCost
+from decodekit_plugins.cost_model import SMOOTHING, Calibration, ChainCharge, cost_at, expected_costs
 
 PRIOR_ACCEPTANCE = 0.6
 """A new sequence's acceptance rate before it has verified anything: high enough that it drafts, so it is measured."""
@@ -31,7 +50,11 @@ PRIOR_WEIGHT = 2.0  # the prior counts as this many draft tokens
 DECAY = 0.8  # per verified draft: the acceptance follows the text as it changes (a copied span, then free text)
 MAX_RATE = 0.99  # E(k) needs a < 1; a sequence that accepted everything still risks the next token
 PROBE_INTERVAL = 16
+MAX_PROBE_INTERVAL = 128
 PROBE_TOKENS = 2
+PROBE_SHARE = 8  # at most one in this many of a batch's sequences probes in one step (the ones idle longest)
+HOPEFUL_RATE = 0.9  # a probe is worth its rows only where drafting at this acceptance would pay
+CHAIN_DECAY = 0.99  # a chain's running acceptance (the prior of its new sequences) follows many verifications
 
 
 @dataclass
@@ -41,6 +64,16 @@ class Acceptance:
     accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
     rejected: float = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
     idle_steps: int = 0
+    probe_interval: int = PROBE_INTERVAL
+    hit: float = 1.0
+    """How often the sequence's chain drafted something when asked (moving average)."""
+    decay: float = DECAY
+
+    @classmethod
+    def starting_from(cls, prior: Acceptance) -> Acceptance:
+        """A new sequence's state whose prior is `prior`'s rate and hit rate (its chain's running ones), with the
+        weight of the fixed prior."""
+        return cls(prior.rate * PRIOR_WEIGHT, (1 - prior.rate) * PRIOR_WEIGHT, hit=prior.hit)
 
     @property
     def rate(self) -> float:
@@ -51,8 +84,12 @@ class Acceptance:
         """A verified draft of `proposed` tokens whose first `accepted` were accepted (the rest rejected at once:
         one rejection, since verification stops at the first)."""
         if proposed:
-            self.accepted = DECAY * self.accepted + accepted
-            self.rejected = DECAY * self.rejected + (accepted < proposed)
+            self.accepted = self.decay * self.accepted + accepted
+            self.rejected = self.decay * self.rejected + (accepted < proposed)
+
+    def record_ask(self, drafted: bool) -> None:
+        """The chain was asked for a draft and gave one (`drafted`) or nothing."""
+        self.hit += SMOOTHING * (float(drafted) - self.hit)
 
 
 ACCEPTANCE = StashKey[Acceptance]()
@@ -63,62 +100,138 @@ def expected_tokens(rate: float, k: int) -> float:
     return sum(rate**j for j in range(k + 1))
 
 
-def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, target: StepCost,
-                         draft: StepCost | None = None) -> list[int]:
-    """The draft length of each sequence that maximizes the step's expected tokens per second.
+def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, target: Callable[[float], float],
+                         draft: Callable[[float], float] | None = None, *, hits: Seq[float] | None = None,
+                         host: ChainCharge | None = None) -> list[int]:
+    """The draft length of each sequence that maximizes the step's expected tokens per second; all 0 where no
+    drafting beats plain decoding's rate (then nobody drafts, and nobody pays for proposing).
 
     Args:
         rates: each sequence's acceptance rate.
         limits: the most draft tokens each may verify.
         other_rows: rows of the step that do not speculate (other strategies' sequences, one token each).
-        target: the target's forward cost by rows.
-        draft: the draft model's forward cost by rows, where a proposer runs one (None: drafting is free).
+        target: the target's forward cost by rows (a `StepCost`, or a `Calibration` of one).
+        draft: the draft model's forward cost by rows, where a proposer runs one (None: drafting is free); not with
+            `host`, which carries its own.
+        hits: each sequence's chance that its proposers draft anything when asked (1 where not given): its gains
+            and verification rows are expected values.
+        host: what proposing costs the host (`ChainCharge`): seconds per drafting sequence, and the draft model's
+            forwards for the share of sequences that reach it.
     """
-    # each sequence's j-th draft token gains rate^j; generated in j order and sorted stably, so a sequence's gains
-    # are always taken first to last
-    gains = sorted(((rate**j, i) for i, (rate, limit) in enumerate(zip(rates, limits)) for j in range(1, limit + 1)),
-                   key=lambda gain: -gain[0])
+    if host is not None and draft is not None:
+        raise ValueError("choose_draft_lengths: give the draft model's cost in `draft` or in `host`, not both")
+    charge = host if host is not None else ChainCharge(draft=draft)
+    chance = np.asarray(list(hits) if hits is not None else [1.0] * len(rates), dtype=np.float64)
     base = len(rates) + other_rows
-    tokens = float(base)  # every row without a draft gives one token, the others' decode rows included
-    best, best_n = tokens / target(base), 0
-    lengths = [0] * len(rates)
-    drafting = [0] * (max(limits, default=0) + 1)  # how many sequences draft at least j tokens
-    draft_seconds = 0.0
-    for n, (gain, i) in enumerate(gains, 1):
-        lengths[i] += 1
-        if draft is not None:  # the j-th draft forward has one more row (or starts)
-            j = lengths[i]
-            draft_seconds += draft(drafting[j] + 1) - (draft(drafting[j]) if drafting[j] else 0.0)
-            drafting[j] += 1
-        tokens += gain
-        value = tokens / (target(base + n) + draft_seconds)
-        if value > best * (1 + 1e-9):
-            best, best_n = value, n
+    plain = base / target(base)  # every row without a draft gives one token, the others' decode rows included
+    depth = max(limits, default=0)
+    if depth <= 0 or not len(rates):
+        return [0] * len(rates)
+    # each sequence's j-th draft token gains chance * rate^j; listed sequence by sequence in j order and sorted
+    # stably, so a sequence's gains are always taken first to last (they never grow with j)
+    j = np.arange(1, depth + 1)
+    seq_of, j_of = np.nonzero(j[None, :] <= np.asarray(limits)[:, None])
+    j_of = j_of + 1
+    gains = chance[seq_of] * np.asarray(rates, dtype=np.float64)[seq_of] ** j_of
+    order = np.argsort(-gains, kind="stable")
+    seq_of, j_of, gains = seq_of[order], j_of[order], gains[order]
+    # the step with the first n of them (n = 1, 2, ...): expected tokens, rows, and seconds
+    tokens = base + np.cumsum(gains)
+    rows = base + np.cumsum(chance[seq_of])  # a verification row where the chain drafts something
+    seconds = cost_at(target, rows)
+    seconds += charge.per_sequence * np.cumsum(j_of == 1)  # lookups run whether or not they find anything
+    if charge.draft is not None:  # the j-th draft forward gets draft_reach more expected rows (or starts)
+        taken = np.cumsum(j_of[:, None] == j[None, :], axis=0)[np.arange(len(j_of)), j_of - 1]
+        added = expected_costs(charge.draft, charge.draft_reach * taken) - \
+            expected_costs(charge.draft, charge.draft_reach * (taken - 1))
+        seconds += np.cumsum(added)
+    values = tokens / seconds
+    best = float(values.max())
+    # the fewest extra rows within rounding of the best; none where drafting cannot beat plain decoding
+    best_n = 0 if best <= plain * (1 + 1e-9) else int(np.argmax(values >= best / (1 + 1e-9))) + 1
     chosen = [0] * len(rates)
-    for _, i in gains[:best_n]:
+    for i in seq_of[:best_n].tolist():
         chosen[i] += 1
     return chosen
 
 
 def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, target: StepCost,
-                  draft: StepCost | None) -> list[int]:
-    """This step's draft length of each of `seqs` (see the module docstring): the batch's best, a seeded sampled
-    sequence's best alone, a probe where a sequence was kept from drafting for `PROBE_INTERVAL` steps."""
-    states = [seq.stash.setdefault(ACCEPTANCE, Acceptance()) for seq in seqs]
+                  draft: StepCost | None, calibrated: Calibration | None = None,
+                  host: ChainCharge | None = None, prior: Acceptance | None = None) -> list[int]:
+    """This step's draft length of each of `seqs` (see the module docstring): the batch's best (from `calibrated`
+    and `host` where given, else from the curves), a seeded sampled sequence's best alone from the curves, a probe
+    where a sequence was kept from drafting for its probe interval. A new sequence starts from `prior` (its chain's
+    running acceptance and hit rate) where given, unless seeded (its choices must not depend on earlier requests)."""
     alone = [not seq.greedy and seq.request.params.seed is not None for seq in seqs]
+    states = [seq.stash.setdefault(ACCEPTANCE, Acceptance() if own or prior is None else Acceptance.starting_from(
+        prior)) for seq, own in zip(seqs, alone)]
     shared = [i for i, own in enumerate(alone) if not own]
     lengths = [0] * len(seqs)
-    chosen = choose_draft_lengths([states[i].rate for i in shared], [limits[i] for i in shared],
-                                  other_rows + len(seqs) - len(shared), target, draft)
+    others = other_rows + len(seqs) - len(shared)
+    if calibrated is None:
+        chosen = choose_draft_lengths([states[i].rate for i in shared], [limits[i] for i in shared], others,
+                                      target, draft)
+    else:
+        chosen = choose_draft_lengths([states[i].rate for i in shared], [limits[i] for i in shared], others,
+                                      calibrated, hits=[states[i].hit for i in shared],
+                                      host=host if host is not None else ChainCharge(draft=draft))
+    exploring = any(chosen) and calibrated is not None and calibrated.explore(len(shared) + others)
     for i, k in zip(shared, chosen):
-        lengths[i] = k
+        lengths[i] = 0 if exploring else k
     for i in (i for i, own in enumerate(alone) if own):
         lengths[i] = choose_draft_lengths([states[i].rate], [limits[i]], 0, target, draft)[0]
+    due: list[int] = []
     for i, state in enumerate(states):
         if lengths[i] or not limits[i]:
             state.idle_steps = 0
+            if lengths[i]:
+                state.probe_interval = PROBE_INTERVAL  # speculation pays for it again: probe soon when it stops
             continue
         state.idle_steps += 1
-        if state.idle_steps >= PROBE_INTERVAL:
-            lengths[i], state.idle_steps = min(PROBE_TOKENS, limits[i]), 0
+        if state.idle_steps >= state.probe_interval:
+            due.append(i)
+    # a seeded sequence probes as it would alone; the others take turns, the longest idle first, and only where
+    # a high acceptance would make drafting pay (a compute-bound batch learns nothing useful from a probe)
+    shared_due = sorted((i for i in due if not alone[i]), key=lambda i: -states[i].idle_steps)
+    if shared_due and calibrated is not None and not any(choose_draft_lengths(
+            [HOPEFUL_RATE] * len(shared), [limits[i] for i in shared], others, calibrated,
+            host=host if host is not None else ChainCharge(draft=draft))):
+        shared_due = []
+    probing = [i for i in due if alone[i]] + ([] if exploring else shared_due[:math.ceil(len(shared) / PROBE_SHARE)])
+    for i in probing:
+        lengths[i], states[i].idle_steps = min(PROBE_TOKENS, limits[i]), 0
+        states[i].probe_interval = min(2 * states[i].probe_interval, MAX_PROBE_INTERVAL)
     return lengths
+
+
+TREE_SLACK = 0.05
+"""A draft tree may add the rows that cost at most this share of the step more: "nearly free" rows."""
+
+
+def tree_rows(target: Callable[[float], float], rows: float, most: int, slack: float = TREE_SLACK) -> int:
+    """The most extra rows (up to `most`) a step of `rows` rows can take for at most `slack` more time, by `target`'s
+    cost (a binary search: the cost never falls with more rows)."""
+    limit = target(rows) * (1 + slack)
+    low, high = 0, most
+    while low < high:
+        mid = (low + high + 1) // 2
+        if target(rows + mid) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def tree_shape(shape: TreeShape, k: int, extra_rows: int) -> TreeShape | None:
+    """`shape` cut to fit `extra_rows` verification rows beyond its first branch: each other branch costs up to
+    `1 + k` rows and adds at least one node, so `max_nodes` becomes `k` plus the branches that fit; None (a plain
+    draft) where not one does."""
+    branches = min(extra_rows // (k + 1), max(shape.max_nodes - k, 0))
+    if branches < 1 or shape.width < 2:
+        return None
+    return shape.model_copy(update={"max_nodes": k + branches})
+
+
+def worst_tree_rows(shape: TreeShape, k: int) -> int:
+    """The most verification rows a tree of `shape` at depth `k` adds beyond its first branch."""
+    return max(shape.max_nodes - k, 0) * (k + 1)

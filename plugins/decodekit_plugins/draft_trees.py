@@ -20,6 +20,7 @@ Verification (`accept_tree`), in one target forward where each branch is a probe
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,19 +190,26 @@ def accept_tree(tree: DraftTree, rows: torch.Tensor, greedy: bool, gen: torch.Ge
             return current, depth, token
 
 
-def propose_with_trees(proposer: Proposer, ctx: StepContext, items: list[tuple[Sequence, int, Any]]
+def propose_with_trees(proposer: Proposer, ctx: StepContext, items: list[tuple[Sequence, int, Any]],
+                       shapes: Mapping[int, TreeShape | None] | None = None
                        ) -> tuple[list[list[int]], list[torch.Tensor | None], list[DraftTree | None]]:
     """Run `proposer` on `(seq, k, options)` items: a tree for the requests that ask for one (`tree:`) where the
-    proposer can draft trees (one call per tree shape), a plain draft for the others. Returns, per item, a plain
-    draft (a tree of one branch becomes one) with its first branch's distributions, and the tree where it has several
-    branches."""
+    proposer can draft trees (one call per tree shape), a plain draft for the others. `shapes` overrides the shape
+    by sequence id (None: a plain draft this step), as the adaptive chooser gates trees by cost. Returns, per item,
+    a plain draft (a tree of one branch becomes one) with its first branch's distributions, and the tree where it
+    has several branches."""
     drafts: list[list[int]] = [[] for _ in items]
     qs: list[torch.Tensor | None] = [None] * len(items)
     trees: list[DraftTree | None] = [None] * len(items)
     groups: dict[tuple[Any, ...] | None, list[int]] = {}
+    group_shapes: dict[tuple[Any, ...], TreeShape] = {}
     for n, (seq, _, _) in enumerate(items):
         shape: TreeShape | None = getattr(seq.request.plan.strategy_options, "tree", None)
+        if shapes is not None and seq.seq_id in shapes:
+            shape = shapes[seq.seq_id]
         key = None if shape is None or not proposer.supports_tree else tuple(shape.model_dump().values())
+        if key is not None and shape is not None:
+            group_shapes[key] = shape
         groups.setdefault(key, []).append(n)
     for key, part in groups.items():
         seqs, ks, options = [items[n][0] for n in part], [items[n][1] for n in part], [items[n][2] for n in part]
@@ -210,8 +218,7 @@ def propose_with_trees(proposer: Proposer, ctx: StepContext, items: list[tuple[S
             for n, draft, q in zip(part, plain, plain_q):
                 drafts[n], qs[n] = draft, q
             continue
-        shape = seqs[0].request.plan.strategy_options.tree
-        proposed = proposer.propose_tree(ctx, seqs, ks, options, shape)
+        proposed = proposer.propose_tree(ctx, seqs, ks, options, group_shapes[key])
         if len(proposed) != len(part):
             raise ValueError(f"proposer {proposer.name!r} returned {len(proposed)} trees for {len(part)} sequences")
         for n, k, tree in zip(part, ks, proposed):

@@ -27,6 +27,7 @@ it is unsure, all verified in one forward (`decodekit_plugins.draft_trees`; docs
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 import numpy as np
@@ -41,9 +42,18 @@ from decodekit.api.proposer import Proposer, ProposerModel
 from decodekit.api.sampling import select_tokens
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
-from decodekit.api.step_cost import StepCost
+from decodekit.api.step_cost import StepCost, StepTiming
 from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
-from decodekit_plugins.adaptive import ACCEPTANCE, draft_lengths
+from decodekit_plugins.adaptive import (
+    ACCEPTANCE,
+    CHAIN_DECAY,
+    Acceptance,
+    draft_lengths,
+    tree_rows,
+    tree_shape,
+    worst_tree_rows,
+)
+from decodekit_plugins.cost_model import Calibration, ChainCharge, ProposerCost, draft_forwards
 from decodekit_plugins.draft_trees import accept_tree, draft_tree, propose_with_trees, tree_rollback
 
 DEFAULT_K = 4  # the first k of `adaptive: heuristic` without `num_speculative_tokens`
@@ -318,6 +328,12 @@ class SpeculativeStrategy(Strategy):
         self.components: ComponentLookup | None = None
         self.info: ComponentInfo | None = None
         self.proposers: dict[str, Proposer] = {}  # the ones this strategy has used (for rollback and release)
+        # `adaptive: cost`'s online cost model (`decodekit_plugins.cost_model`): per target curve its calibration by
+        # what steps measure, per proposer its host time; the last step timing recorded (each step's once)
+        self.calibrations: dict[StepCost, Calibration] = {}
+        self.host_costs: dict[str, ProposerCost] = {}
+        self.chain_priors: dict[tuple[str, ...], Acceptance] = {}  # per chain, its sequences' running acceptance
+        self._timed: StepTiming | None = None
 
     def bind(self, components: ComponentLookup) -> None:
         self.components = components
@@ -380,21 +396,30 @@ class SpeculativeStrategy(Strategy):
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
-        ks = self._lengths(ctx, seqs)
+        ks, shapes = self._lengths(ctx, seqs)
+        asked = []
         for seq, k in zip(seqs, ks):
             options = seq.request.plan.strategy_options
             seq.stash.pop(_BY, None)
             if options.disable_by_batch_size is not None and ctx.num_running >= options.disable_by_batch_size:
                 continue
-            if k > 0:
+            if k > 0:  # k 0: the proposers are not asked at all, so an off-switched batch pays no lookups
                 groups.setdefault(options.proposer, []).append((seq, k, options._proposer_params))
+                asked.append(seq)
         link = 0
         while groups:  # each link of the chain drafts for the sequences the links before it left without a draft
-            groups = self._draft(ctx, groups, link)
+            groups = self._draft(ctx, groups, link, shapes)
             link += 1
+        for seq in asked:  # how often each sequence's chain finds a draft (`adaptive: cost` weighs its gains)
+            if ACCEPTANCE in seq.stash:
+                drafted = bool(seq.draft_token_ids or seq.draft_branches)
+                seq.stash[ACCEPTANCE].record_ask(drafted)
+                self._chain_prior(seq.request.plan.strategy_options).record_ask(drafted)
 
-    def _lengths(self, ctx: StepContext, seqs: list[Sequence]) -> list[int]:
-        """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch."""
+    def _lengths(self, ctx: StepContext, seqs: list[Sequence]) -> tuple[list[int], dict[int, TreeShape | None]]:
+        """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch; and the
+        tree shape of each `adaptive: cost` sequence that asks for a tree, cut to the rows that are nearly free
+        (None: a plain draft this step)."""
         ks, limits, costed = [], [], []
         for i, seq in enumerate(seqs):
             options = seq.request.plan.strategy_options
@@ -408,36 +433,73 @@ class SpeculativeStrategy(Strategy):
                 costed.append(i)
             ks.append(min(limit, seq.stash.setdefault(_K, options.num_speculative_tokens or DEFAULT_K)))
             limits.append(max(limit, 0))
-        by_costs: dict[tuple[StepCost, StepCost | None], list[int]] = {}
-        for i in costed:  # grouped by cost curves: requests may measure, or not, and chain other proposers
-            by_costs.setdefault(self._costs(seqs[i].request.plan.strategy_options), []).append(i)
-        for (target, draft), rows in by_costs.items():
+        by_costs: dict[tuple[StepCost, tuple[StepCost | None, ...], tuple[str, ...]], list[int]] = {}
+        costs: dict[tuple[str, ...], tuple[StepCost, tuple[StepCost | None, ...]]] = {}  # this step's, by chain
+        for i in costed:  # grouped by cost curves and chains: requests may measure, or not, and chain others
+            options = seqs[i].request.plan.strategy_options
+            chain = (options.proposer, *options.fallbacks)
+            known = costs.get((options.cost_model, *chain))
+            if known is None:
+                known = costs[(options.cost_model, *chain)] = self._costs(options)
+            by_costs.setdefault((*known, chain), []).append(i)
+        shapes: dict[int, TreeShape | None] = {}
+        for (target, curves, chain), rows in by_costs.items():
+            calibrated = self.calibrations.setdefault(target, Calibration(target))
+            # the chain's first model link's curve, for the seeded sequences' timing-free choice
+            draft = next((c for c in curves if c is not None), None)
+            host = ChainCharge.of([(self.host_costs.setdefault(name, ProposerCost()), curve)
+                                   for name, curve in zip(chain, curves)])
             chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
-                                   ctx.num_running - len(rows), target, draft)
+                                   ctx.num_running - len(rows), target, draft, calibrated, host,
+                                   self.chain_priors.get(chain))
             for i, k in zip(rows, chosen):
                 ks[i] = k
-        return ks
+            shapes.update(self._tree_shapes(ctx, [seqs[i] for i in rows], [ks[i] for i in rows], target,
+                                            calibrated, sum(ks)))
+        return ks, shapes
 
-    def _costs(self, options: SpeculativeParams) -> tuple[StepCost, StepCost | None]:
-        """The target's and the chain's draft model's step costs for `adaptive: cost` (measured or the default)."""
+    @staticmethod
+    def _tree_shapes(ctx: StepContext, seqs: list[Sequence], ks: list[int], target: StepCost,
+                     calibrated: Calibration, drafted: int) -> dict[int, TreeShape | None]:
+        """Each tree-asking sequence's tree cut to the rows nearly free in this step (`adaptive.tree_rows`): the
+        batch's share by the calibrated cost; a seeded sampled sequence's alone by the curve (no timings)."""
+        trees = [(seq, k) for seq, k in zip(seqs, ks) if k > 0 and seq.request.plan.strategy_options.tree is not None]
+        if not trees:
+            return {}
+        shapes: dict[int, TreeShape | None] = {}
+        shared = [(seq, k) for seq, k in trees if seq.greedy or seq.request.params.seed is None]
+        if shared:
+            most = sum(worst_tree_rows(seq.request.plan.strategy_options.tree, k) for seq, k in shared)
+            share = tree_rows(calibrated, ctx.num_running + drafted, most) // len(shared)
+            shapes.update({seq.seq_id: tree_shape(seq.request.plan.strategy_options.tree, k, share)
+                           for seq, k in shared})
+        for seq, k in trees:
+            if seq.seq_id not in shapes:
+                shape = seq.request.plan.strategy_options.tree
+                shapes[seq.seq_id] = tree_shape(shape, k, tree_rows(target, 1 + k, worst_tree_rows(shape, k)))
+        return shapes
+
+    def _costs(self, options: SpeculativeParams) -> tuple[StepCost, tuple[StepCost | None, ...]]:
+        """The target's step cost for `adaptive: cost` (measured or the default), and each link's draft-model
+        cost (None: a lookup), in one unit: measured seconds, or the default curve's."""
         target = None
         if options.cost_model == "measured" and self.info is not None and self.info.step_cost is not None:
             target = self.info.step_cost(None)  # None while the pool has no blocks to measure with: the default
-        # one unit for both curves: measured seconds, or the default curve's
-        drafts = [p.draft_cost(target is not None) for p in self._chain(options)]
-        # a chain runs its model link only for the sequences the links before it leave: counted as if for all
-        return target or StepCost.default(), next((d for d in drafts if d is not None), None)
+        return target or StepCost.default(), tuple(p.draft_cost(target is not None) for p in self._chain(options))
 
     def _chain(self, options: SpeculativeParams) -> list[Proposer]:
         return [self._proposer(name) for name in [options.proposer, *options.fallbacks]]
 
-    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]], link: int
-               ) -> dict[str, list[tuple[Sequence, int, Any]]]:
-        """Run each proposer (link `link` of its sequences' chains) on its sequences; return the undrafted ones
-        grouped by their next link."""
+    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]], link: int,
+               shapes: dict[int, TreeShape | None]) -> dict[str, list[tuple[Sequence, int, Any]]]:
+        """Run each proposer (link `link` of its sequences' chains) on its sequences, timing it for the cost
+        model; return the undrafted ones grouped by their next link."""
         fallbacks: dict[str, list[tuple[Sequence, int, Any]]] = {}
         for name, items in groups.items():
-            drafts, qs, trees = propose_with_trees(self._proposer(name), ctx, items)
+            started = time.perf_counter()
+            drafts, qs, trees = propose_with_trees(self._proposer(name), ctx, items, shapes)
+            self._record_host_cost(name, items, time.perf_counter() - started,
+                                   sum(1 for d, t in zip(drafts, trees) if d or t is not None))
             for (seq, k, _), draft, q, tree in zip(items, drafts, qs, trees):
                 seq.draft_token_ids = list(draft[:k])
                 seq.stash[_Q] = q
@@ -451,7 +513,30 @@ class SpeculativeStrategy(Strategy):
                         (seq, k, options._fallback_params[link]))
         return fallbacks
 
+    def _record_host_cost(self, name: str, items: list[tuple[Sequence, int, Any]], seconds: float,
+                          drafted: int) -> None:
+        """Learn what a call of proposer `name` costs: per sequence asked, or against its draft model's curve (only
+        where a request adapts k by cost: a fixed k never measures the step costs this reads)."""
+        costed = [seq for seq, _, _ in items if seq.request.plan.strategy_options.adaptation == "cost"]
+        if not costed:
+            return
+        options = costed[0].request.plan.strategy_options
+        curve = self._costs(options)[1][[options.proposer, *options.fallbacks].index(name)]
+        predicted = None if curve is None else sum(curve(rows) for rows in draft_forwards([k for _, k, _ in items]))
+        self.host_costs.setdefault(name, ProposerCost()).record(seconds, len(items), drafted, predicted)
+
+    def _calibrate(self, ctx: StepContext) -> None:
+        """Once per step: what this step's verification took, against each target curve in use."""
+        timing = getattr(ctx, "step_timing", None)  # a context that does not time steps has none
+        if timing is None or timing is self._timed:
+            return
+        self._timed = timing
+        if timing.decode_only:
+            for calibrated in self.calibrations.values():
+                calibrated.record(timing.rows, timing.seconds)
+
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        self._calibrate(ctx)
         argmax = logits.argmax(dim=-1).tolist()
         offset = 0
         for seq in seqs:
@@ -497,8 +582,11 @@ class SpeculativeStrategy(Strategy):
             proposer.rollback(seq, valid)
         return rows.shape[0]
 
-    @staticmethod
-    def _adapt(seq: Sequence, proposed: int, accepted: int) -> None:
+    def _chain_prior(self, options: SpeculativeParams) -> Acceptance:
+        """The running acceptance and hit rate of a chain's sequences: where its new (unseeded) sequences start."""
+        return self.chain_priors.setdefault((options.proposer, *options.fallbacks), Acceptance(decay=CHAIN_DECAY))
+
+    def _adapt(self, seq: Sequence, proposed: int, accepted: int) -> None:
         options = seq.request.plan.strategy_options
         mode = options.adaptation
         if proposed and mode == "heuristic":
@@ -506,6 +594,7 @@ class SpeculativeStrategy(Strategy):
             seq.stash[_K] = min(k + 2, options.max_speculative_tokens) if accepted == proposed else max(1, k - 1)
         elif mode == "cost" and ACCEPTANCE in seq.stash:
             seq.stash[ACCEPTANCE].record(proposed, accepted)
+            self._chain_prior(options).record(proposed, accepted)
 
     def on_request_finished(self, request: Request) -> None:
         for proposer in self.proposers.values():

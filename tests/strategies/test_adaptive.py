@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
+from typing import ClassVar
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodekit import LLM, SamplingParams
-from decodekit.api.params import SamplingParams as Params
-from decodekit.api.sequence import Request, Sequence
+from decodekit import LLM, SamplingParams, hookimpl
+from decodekit.api.proposer import Proposer
 from decodekit.api.step_cost import StepCost
-from decodekit.testing import check_proposer
+from decodekit.testing import check_proposer, plugin_manager
 from decodekit_plugins.adaptive import (
     PROBE_INTERVAL,
     PROBE_TOKENS,
@@ -23,9 +24,8 @@ from decodekit_plugins.adaptive import (
     expected_tokens,
 )
 from tests.helpers.reference import random_prompts
+from tests.helpers.step_costs import NEARLY_FREE, PROPORTIONAL, bare_sequences
 
-PROPORTIONAL = StepCost((1, 256), (1.0, 256.0))  # compute-bound: every row costs the same
-NEARLY_FREE = StepCost((1, 256), (1.0, 1.02))  # memory-bound: reading the weights is the step
 rates = st.floats(0.0, 0.99)
 batches = st.lists(rates, min_size=1, max_size=40)
 
@@ -101,26 +101,18 @@ def test_acceptance_follows_what_the_target_accepts():
     assert state.rate < 0.05
 
 
-def _sequences(count: int, **sampling) -> list[Sequence]:
-    out = []
-    for i in range(count):
-        request = Request(str(i), None, [1, 2, 3], Params(max_tokens=64, **sampling), 0)
-        out.append(Sequence(request, [1, 2, 3], 3))
-    return out
-
-
 def test_a_sequence_kept_from_drafting_probes_again_and_can_turn_back_on():
-    (seq,) = _sequences(1, temperature=0)
+    (seq,) = bare_sequences(1, temperature=0)
     seq_lengths = [draft_lengths([seq], [8], 0, PROPORTIONAL, None)[0] for _ in range(PROBE_INTERVAL)]
     assert seq_lengths == [0] * (PROBE_INTERVAL - 1) + [PROBE_TOKENS]
     assert draft_lengths([seq], [8], 0, NEARLY_FREE, None)[0] > 0  # rows got cheap (the batch shrank): back on
 
 
 def test_a_seeded_sampled_sequence_chooses_as_if_alone():
-    seeded = _sequences(1, temperature=0.8, seed=5)
-    crowd = _sequences(31, temperature=0)
+    seeded = bare_sequences(1, temperature=0.8, seed=5)
+    crowd = bare_sequences(31, temperature=0)
     cost = StepCost((1, 8, 32, 64, 128, 256), (1.0, 1.1, 3.0, 6.0, 12.0, 24.0))
-    alone = draft_lengths(_sequences(1, temperature=0.8, seed=5), [8], 0, cost, None)
+    alone = draft_lengths(bare_sequences(1, temperature=0.8, seed=5), [8], 0, cost, None)
     batched = draft_lengths([*seeded, *crowd], [8] * 32, 0, cost, None)
     assert batched[0] == alone[0] > 0 and batched[1:] == [0] * 31
 
@@ -182,3 +174,82 @@ def test_bad_adaptation_options_fail_their_request_alone(llama, tokenizer, strat
         SamplingParams(max_tokens=4, temperature=0, strategy={"speculative": {"proposer": "ngram"}})])
     assert bad.error is not None and error in bad.error
     assert good.error is None and len(good.token_ids) == 4
+
+
+class Oracle(Proposer):
+    """Drafts what plain greedy decoding will write (known in advance, as a cache of earlier answers would), slowed
+    by `delay` seconds per call: a proposer whose every draft is accepted, with a host cost we choose."""
+
+    name = "oracle"
+    answers: ClassVar[dict[tuple[int, ...], list[int]]] = {}
+    delay = 0.0
+    calls = 0
+
+    def propose(self, ctx, seqs, ks, options):
+        type(self).calls += 1
+        time.sleep(self.delay)
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            answer = self.answers[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+            drafts.append(answer[seq.num_generated : seq.num_generated + k])
+        return drafts, [None] * len(seqs)
+
+
+class OraclePlugin:
+    @hookimpl
+    def decodekit_register_proposers(self, register):
+        register(Oracle.name, Oracle)
+
+
+@pytest.mark.parametrize(("delay", "on"), [(0.0, True), (0.6, False)])
+def test_a_proposer_whose_host_time_costs_more_than_it_saves_is_switched_off(llama, tokenizer, delay, on):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager(OraclePlugin()))
+    prompt = random_prompts(1, 6, 7, seed=4)[0]
+    greedy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    (plain,) = llm.generate([prompt], SamplingParams(**greedy))
+    Oracle.answers, Oracle.delay, Oracle.calls = {tuple(prompt): plain.token_ids}, delay, 0
+    strategy = {"speculative": {"proposer": "oracle", "max_speculative_tokens": 2}}
+    (spec,) = llm.generate([prompt], SamplingParams(**greedy, strategy=strategy))
+    assert spec.token_ids == plain.token_ids
+    strategy = llm.engine.components.get("strategies", "speculative")
+    charged = strategy.host_costs["oracle"].per_sequence.value
+    if on:  # charged what it costs; whether drafting then pays is this machine's steps' to say (a loaded machine's
+        # multi-row steps can cost many single-row ones), so only the charge is checked here
+        assert charged is not None and charged < 0.05
+    else:  # the first call (not charged: it may build tables), one measured call, then at most one probe
+        assert charged is not None and charged >= 0.3
+        assert Oracle.calls <= 3 and spec.metrics.num_accepted_tokens <= 6
+    assert any(c.corrections for c in strategy.calibrations.values())  # the engine's step timings reached it
+
+
+def test_seeded_sampling_with_the_online_cost_model_is_the_same_alone_and_batched(llama, tokenizer):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    prompts = [(p * 4)[:28] for p in random_prompts(5, 4, 9, seed=6)]
+    strategy = {"speculative": {"proposer": "suffix"}}
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True, strategy=strategy)
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, strategy=strategy)
+    (alone,) = llm.generate(prompts[:1], seeded)
+    batched = llm.generate(prompts, [seeded] + [greedy] * 4)
+    assert batched[0].token_ids == alone.token_ids
+    plain = llm.generate(prompts[1:], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in batched[1:]] == [o.token_ids for o in plain]
+
+
+def test_the_engine_times_decode_steps_for_the_strategies(llama, tokenizer):
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    strategy = llm.engine.components.get("strategies", "speculative")
+    seen = []
+    original = strategy.select
+
+    def record(ctx, seqs, logits):
+        seen.append((ctx.step_timing, sum(s.num_scored_positions for s in seqs)))
+        return original(ctx, seqs, logits)
+
+    strategy.select = record
+    prompts = [(p * 4)[:20] for p in random_prompts(2, 4, 9, seed=8)]
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                         strategy={"speculative": {"proposer": "ngram", "num_speculative_tokens": 3}}))
+    assert seen and all(timing is not None and timing.seconds > 0 for timing, _ in seen)
+    assert not seen[0][0].decode_only  # the prompts' step
+    decode = [(timing, rows) for timing, rows in seen if timing.decode_only]
+    assert decode and all(timing.rows == rows for timing, rows in decode)  # every computed row was scored

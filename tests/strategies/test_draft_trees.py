@@ -259,3 +259,18 @@ def test_seeded_sampled_trees_with_stateful_processors_give_the_same_tokens_alon
     assert [o.token_ids for o in alone] == [o.token_ids for o in batched]
     assert sum(o.metrics.num_draft_tokens for o in batched) > 0
     _no_blocks_held(tree_llm)
+
+
+def test_with_k_adapted_by_cost_a_tree_is_drafted_only_where_its_rows_are_nearly_free(tree_llm):
+    # the default curve charges each row a sixteenth of a step: a branch is never within 5% of the step, so a seeded
+    # request (whose choices read the curve alone) drafts the same chains with or without `tree`
+    prompts = random_prompts(1, 8, 30, seed=3)
+    sampled = {"max_tokens": 20, "temperature": 0.8, "seed": 5, "ignore_eos": True, "trace": 1}
+    chain = {"proposer": "draft", "cost_model": "default"}
+    tree = {**chain, "tree": {"width": 2, "max_nodes": 12, "threshold": 1.0}}
+    (plain_chain,) = tree_llm.generate(prompts, SamplingParams(**sampled, strategy={"speculative": chain}))
+    (gated,) = tree_llm.generate(prompts, SamplingParams(**sampled, strategy={"speculative": tree}))
+    assert gated.error is None and gated.token_ids == plain_chain.token_ids
+    assert gated.metrics.num_draft_tokens > 0
+    assert not [e for e in gated.outputs[0].trace if "tree_branches" in e.get("drafts", {})]
+    _no_blocks_held(tree_llm)

@@ -113,8 +113,9 @@ def test_a_fallback_is_checked_like_the_proposer(llama, tokenizer):
 
 def test_speculation_pauses_while_the_batch_is_at_least_disable_by_batch_size(llama, tokenizer):
     llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    # k fixed: with k adapted by cost, whether a batch of 2 drafts depends on this machine's costs and the lookups' hits
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, strategy={"speculative": {
-        "proposer": "ngram", "disable_by_batch_size": 4}})
+        "proposer": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 4}})
     for batch, drafts in ((6, False), (2, True)):
         prompts = _repetitive_prompts(batch, seed=batch)
         plain = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))

@@ -1,0 +1,266 @@
+"""The online cost model of adaptive speculation: calibration by measured steps, proposers' host time, the chooser's
+off-switch against plain decoding's predicted rate, exploration, probing and the tree gate."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodekit.api.draft_tree import TreeShape
+from decodekit.api.step_cost import StepCost
+from decodekit_plugins.adaptive import (
+    ACCEPTANCE,
+    PROBE_INTERVAL,
+    PROBE_SHARE,
+    Acceptance,
+    choose_draft_lengths,
+    draft_lengths,
+    expected_tokens,
+    tree_rows,
+    tree_shape,
+    worst_tree_rows,
+)
+from decodekit_plugins.cost_model import (
+    STALE_AFTER,
+    Calibration,
+    ChainCharge,
+    ProposerCost,
+    bucket,
+    draft_forwards,
+    expected_cost,
+)
+from tests.helpers.step_costs import NEARLY_FREE, PROPORTIONAL, bare_sequences
+
+curves = st.lists(st.floats(0.01, 10.0), min_size=2, max_size=6).map(
+    lambda ys: StepCost(tuple(2**i for i in range(len(ys))), tuple(itertools.accumulate(ys))))
+
+
+def predicted_rate(ks: list[int], rates: list[float], hits: list[float], other: int, target, host: ChainCharge
+                   ) -> float:
+    """Expected tokens per second of a step with draft lengths `ks`, computed from the definitions (not the
+    chooser's incremental sums): each drafting sequence pays its lookups, its expected rows, the draft forwards."""
+    tokens = other + sum(1 + h * (expected_tokens(a, k) - 1) for a, k, h in zip(rates, ks, hits))
+    rows = other + len(ks) + sum(h * k for k, h in zip(ks, hits))
+    seconds = target(rows) + host.per_sequence * sum(1 for k in ks if k)
+    if host.draft is not None:
+        seconds += sum(expected_cost(host.draft, host.draft_reach * n) for n in draft_forwards(ks))
+    return tokens / seconds
+
+
+charges = st.builds(
+    ChainCharge, per_sequence=st.floats(0.0, 2.0),
+    draft=st.one_of(st.none(), curves), draft_reach=st.floats(0.0, 1.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), cost=curves, host=charges, other=st.integers(0, 6), limit=st.integers(1, 6))
+def test_the_chooser_never_picks_a_configuration_predicted_slower_than_plain(data, cost, host, other, limit):
+    n = data.draw(st.integers(1, 12))
+    rates = data.draw(st.lists(st.floats(0.0, 0.99), min_size=n, max_size=n))
+    hits = data.draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n))
+    chosen = choose_draft_lengths(rates, [limit] * n, other, cost, hits=hits, host=host)
+    plain = predicted_rate([0] * n, rates, hits, other, cost, host)
+    assert predicted_rate(chosen, rates, hits, other, cost, host) >= plain * (1 - 1e-9)
+    assert all(0 <= k <= limit for k in chosen)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=st.lists(st.floats(0.0, 0.99), min_size=1, max_size=3), limit=st.integers(1, 3), cost=curves,
+       host=charges, other=st.integers(0, 3))
+def test_the_charged_chooser_is_within_its_greedy_order_of_a_brute_force_search(batch, limit, cost, host, other):
+    # with per-sequence charges the greedy order is a heuristic: it must still never lose to plain, and it is
+    # exact when nothing is charged per sequence (the test in test_adaptive.py)
+    hits = [1.0] * len(batch)
+    chosen = choose_draft_lengths(batch, [limit] * len(batch), other, cost, hits=hits, host=host)
+    best = max(predicted_rate(list(ks), batch, hits, other, cost, host)
+               for ks in itertools.product(range(limit + 1), repeat=len(batch)))
+    got = predicted_rate(chosen, batch, hits, other, cost, host)
+    assert got >= predicted_rate([0] * len(batch), batch, hits, other, cost, host) * (1 - 1e-9)
+    if host.per_sequence == 0 and host.draft is None:
+        assert got == pytest.approx(best, rel=1e-9)
+
+
+def test_a_proposer_whose_host_cost_is_high_is_switched_off_for_the_whole_batch():
+    rates, limits = [0.8] * 8, [6] * 8
+    assert all(choose_draft_lengths(rates, limits, 0, NEARLY_FREE, host=ChainCharge(per_sequence=0.001)))
+    # each lookup costs half a step: no draft pays for it
+    assert choose_draft_lengths(rates, limits, 0, NEARLY_FREE, host=ChainCharge(per_sequence=0.5)) == [0] * 8
+
+
+def test_a_lookup_that_rarely_finds_a_draft_is_not_asked():
+    rates, limits = [0.9] * 4, [6] * 4
+    charge = ChainCharge(per_sequence=0.02)
+    assert all(choose_draft_lengths(rates, limits, 0, NEARLY_FREE, hits=[1.0] * 4, host=charge))
+    assert choose_draft_lengths(rates, limits, 0, NEARLY_FREE, hits=[0.01] * 4, host=charge) == [0] * 4
+
+
+def test_calibration_converges_to_the_measured_cost_per_row_bucket():
+    curve = StepCost((1, 8, 64), (1.0, 1.1, 2.0))  # in the default curve's unit, not seconds
+    calibrated = Calibration(curve)
+    rng = random.Random(0)
+
+    def truth(rows: int) -> float:  # this machine: 10 ms a step, multi-row steps dearer than the curve's shape
+        return 0.010 * curve(rows) * (1.0 if rows <= 4 else 2.5)
+
+    for _ in range(60):
+        for rows in (1, 3, 8, 24):
+            calibrated.record(rows, truth(rows) * rng.uniform(0.9, 1.15))  # noisy, never much faster
+    for rows in (1, 3, 8, 24):
+        assert calibrated(rows) == pytest.approx(truth(rows), rel=0.15)
+    assert calibrated.observed(24) and not calibrated.observed(100)
+    assert calibrated(100) == pytest.approx(0.010 * curve(100) * 2.5, rel=0.15)  # the nearest bucket's correction
+
+
+def test_a_correction_falls_fast_and_rises_slowly_as_disturbed_timings_are_only_ever_too_high():
+    calibrated = Calibration(StepCost.default())
+    for _ in range(5):
+        calibrated.record(4, 0.02 * calibrated.curve(4))
+    calibrated.record(4, 0.01 * calibrated.curve(4))
+    after_fall = calibrated.correction(4)
+    calibrated.record(4, 0.02 * calibrated.curve(4))
+    assert after_fall < 0.02 * 0.8 and calibrated.correction(4) - after_fall < 0.02 - after_fall
+    for _ in range(40):  # a lasting change wins
+        calibrated.record(4, 0.05 * calibrated.curve(4))
+    assert calibrated.correction(4) == pytest.approx(0.05, rel=0.05)
+
+
+def test_one_disturbed_step_moves_a_correction_by_a_bounded_factor():
+    calibrated = Calibration(StepCost.default())
+    for _ in range(20):
+        calibrated.record(4, 0.01 * calibrated.curve(4))
+    calibrated.record(4, 100.0)  # a neighbour's burst
+    assert calibrated.correction(4) < 0.01 * 1.5
+    calibrated.record(32, 1e-9)  # a first measurement far from its neighbours starts near them
+    assert calibrated.correction(32) >= 0.01 / 3.5
+
+
+def test_an_unmeasured_bucket_is_interpolated_between_measured_ones():
+    calibrated = Calibration(StepCost.default())
+    calibrated.record(1, 2.0 * calibrated.curve(1))
+    calibrated.record(16, 2.88 * calibrated.curve(16))
+    assert calibrated.correction(4) == pytest.approx(2.4)  # halfway between buckets 0 and 4, in log rows
+    assert Calibration(StepCost.default()).correction(4) == 1.0
+    assert [bucket(r) for r in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+
+
+def test_a_proposer_cost_skips_its_first_call_and_learns_per_sequence_and_model_costs():
+    lookup = ProposerCost()
+    lookup.record(5.0, 4, 4, None)  # the first call builds tables: not its cost
+    assert lookup.per_sequence.value is None
+    for _ in range(30):
+        lookup.record(0.004, 4, 1, None)
+    assert lookup.per_sequence.value == pytest.approx(0.001, rel=0.01) and lookup.hit == pytest.approx(0.25, abs=0.01)
+    model = ProposerCost()
+    for _ in range(30):
+        model.record(0.03, 2, 2, 0.01)
+    assert model.model_factor.value == pytest.approx(3.0, rel=0.01)
+
+
+def test_a_chain_charges_each_link_for_the_sequences_that_reach_it():
+    ngram, suffix, draft = ProposerCost(), ProposerCost(), ProposerCost()
+    ngram.per_sequence.add(0.001)
+    ngram.hit = 0.5
+    suffix.per_sequence.add(0.002)
+    suffix.hit = 0.5
+    draft.model_factor.add(2.0)
+    curve = StepCost((1, 8), (0.01, 0.02))
+    charge = ChainCharge.of([(ngram, None), (suffix, None), (draft, curve)])
+    assert charge.per_sequence == pytest.approx(0.001 + 0.5 * 0.002)
+    assert charge.draft_reach == pytest.approx(0.25) and charge.draft is not None
+    assert charge.draft(8) == pytest.approx(0.04)
+
+
+def test_a_batch_size_whose_plain_step_was_never_measured_runs_plain_to_measure_it():
+    seqs = bare_sequences(4, temperature=0)
+    calibrated = Calibration(NEARLY_FREE)
+    assert draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, calibrated) == [0] * 4  # exploring
+    calibrated.record(4, 0.01)
+    assert draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, calibrated) == [0] * 4  # a second timing
+    calibrated.record(4, 0.01)
+    assert all(draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, calibrated))
+    # a context that never reports timings stops exploring after its tries
+    never = Calibration(NEARLY_FREE)
+    tries = [draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, never) for _ in range(never.explore_tries + 1)]
+    assert tries[:-1] == [[0] * 4] * never.explore_tries and all(tries[-1])
+
+
+def test_a_plain_step_measured_long_ago_is_measured_again():
+    calibrated = Calibration(NEARLY_FREE)
+    calibrated.record(4, 0.01)
+    calibrated.record(4, 0.01)
+    assert not calibrated.explore(4)
+    for _ in range(STALE_AFTER):
+        calibrated.record(24, 0.02)  # speculating steps, never plain ones
+    assert calibrated.explore(4)
+    calibrated.record(4, 0.01)
+    assert not calibrated.explore(4)
+
+
+def test_a_compute_bound_batch_spends_no_rows_on_probes():
+    seqs = bare_sequences(16, temperature=0)
+    calibrated = Calibration(PROPORTIONAL)
+    calibrated.record(16, 0.01)
+    steps = [draft_lengths(seqs, [6] * 16, 0, PROPORTIONAL, None, calibrated) for _ in range(3 * PROBE_INTERVAL)]
+    assert steps == [[0] * 16] * (3 * PROBE_INTERVAL)
+
+
+def test_a_seeded_sequence_ignores_exploration_and_host_charges():
+    (seeded,) = bare_sequences(1, temperature=0.8, seed=3)
+    expensive = ChainCharge(per_sequence=100.0)
+    alone = draft_lengths(bare_sequences(1, temperature=0.8, seed=3), [6], 0, NEARLY_FREE, None)
+    batched = draft_lengths([seeded, *bare_sequences(3, temperature=0)], [6] * 4, 0, NEARLY_FREE, None,
+                            Calibration(NEARLY_FREE), expensive)
+    assert batched[0] == alone[0] > 0 and batched[1:] == [0] * 3
+
+
+def test_probes_take_turns_and_back_off_while_speculation_stays_off():
+    seqs = bare_sequences(16, temperature=0)
+    for seq in seqs:  # a low acceptance: off, though a high one would pay (each row costs 0.3 of a step)
+        seq.stash[ACCEPTANCE] = Acceptance(accepted=0.1, rejected=0.9)
+    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.3))
+    calibrated = Calibration(curve)
+    calibrated.record(16, 0.01)
+    probes_per_step = []
+    for _ in range(PROBE_INTERVAL + 4):
+        lengths = draft_lengths(seqs, [6] * 16, 0, curve, None, calibrated)
+        probes_per_step.append(sum(1 for k in lengths if k))
+    assert max(probes_per_step) == 16 // PROBE_SHARE and sum(probes_per_step) == 16 // PROBE_SHARE * 5
+    states = [s.stash[ACCEPTANCE] for s in seqs]
+    probed = [state for state in states if state.idle_steps < PROBE_INTERVAL]
+    assert len(probed) == 10 and all(state.probe_interval == 2 * PROBE_INTERVAL for state in probed)
+
+
+@pytest.mark.parametrize(("curve", "kept"), [(NEARLY_FREE, True), (PROPORTIONAL, False)])
+def test_a_draft_tree_is_kept_only_where_its_rows_are_nearly_free(curve, kept):
+    shape = TreeShape(width=2, max_nodes=16, threshold=0.8)
+    k = 6
+    extra = tree_rows(curve, 1 + k, worst_tree_rows(shape, k))
+    gated = tree_shape(shape, k, extra)
+    assert (gated is not None) is kept
+    if gated is not None:
+        assert gated.max_nodes == shape.max_nodes  # nearly free: the whole tree fits
+        assert curve(1 + k + worst_tree_rows(gated, k)) <= 1.05 * curve(1 + k)
+
+
+def test_a_tree_is_cut_to_the_branches_that_fit():
+    shape = TreeShape(width=3, max_nodes=20, threshold=1.0)
+    assert tree_shape(shape, 4, 12).max_nodes == 4 + 2  # two more branches of up to 5 rows
+    assert tree_shape(shape, 4, 4) is None
+    assert tree_shape(TreeShape(width=1), 4, 100) is None
+    curve = StepCost((1, 16, 64), (1.0, 1.04, 4.0))
+    assert tree_rows(curve, 1, 200) == 15 + int((1.05 - 1.04) / ((4.0 - 1.04) / 48))
+
+
+def test_a_new_sequence_starts_from_its_chains_running_acceptance_unless_seeded():
+    prior = Acceptance(decay=0.99)
+    for _ in range(200):  # the chain's earlier sequences: a quarter of their draft tokens accepted, rarely a draft
+        prior.record(4, 1)
+        prior.record_ask(False)
+    greedy, seeded = bare_sequences(1, temperature=0)[0], bare_sequences(1, temperature=0.8, seed=1)[0]
+    draft_lengths([greedy, seeded], [6, 6], 0, NEARLY_FREE, None, Calibration(NEARLY_FREE), None, prior)
+    assert greedy.stash[ACCEPTANCE].rate == pytest.approx(prior.rate) and greedy.stash[ACCEPTANCE].hit < 0.01
+    assert seeded.stash[ACCEPTANCE].rate == pytest.approx(Acceptance().rate) and seeded.stash[ACCEPTANCE].hit == 1.0
