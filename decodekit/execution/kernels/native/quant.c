@@ -172,6 +172,17 @@ ALWAYS_INLINE float hsum_portable(dk_v8f a) {
 #if DK_QUANT_AVX2
 /* ---- AVX2 + FMA: chunk c as four vectors of 8 ------------------------------------------------------------------ */
 
+/* half_at(p) in every lane: the half broadcast, then widened (exactly, as half_at). */
+ALWAYS_INLINE __m256 half_splat_avx2(const uint8_t* p) {
+#if defined(__F16C__)
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _mm256_cvtph_ps(_mm_set1_epi16((short)h));
+#else
+    return _mm256_set1_ps(half_at(p));
+#endif
+}
+
 /* The 32 quants of 16 bytes of nibbles (low nibbles first), widened to four int32 vectors. */
 ALWAYS_INLINE void nibbles_avx2(const uint8_t* p, __m256i* q) {
     __m128i bytes = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(15);
@@ -217,18 +228,18 @@ ALWAYS_INLINE void chunk_avx2(int kind, const uint8_t* row, int64_t c, __m256* w
     __m256i q[4];
     if (kind == DK_Q4_0) {
         const uint8_t* b = row + c * 18;
-        __m256 d = _mm256_set1_ps(half_at(b));
+        __m256 d = half_splat_avx2(b);
         nibbles_avx2(b + 2, q);
         for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[v], _mm256_set1_epi32(8))));
     } else if (kind == DK_Q4_1) {
         const uint8_t* b = row + c * 20;
-        __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+        __m256 d = half_splat_avx2(b), m = half_splat_avx2(b + 2);
         nibbles_avx2(b + 4, q);
         /* d * q is exact, so the fused d * q + m rounds once, as d * q then + m does */
         for (int v = 0; v < 4; ++v) w[v] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[v]), m);
     } else if (kind == DK_Q8_0) {
         const uint8_t* b = row + c * 34;
-        __m256 d = _mm256_set1_ps(half_at(b));
+        __m256 d = half_splat_avx2(b);
         widen32_avx2(_mm256_loadu_si256((const __m256i*)(b + 2)), 1, q);
         for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[v]), d);
     } else if (kind == DK_Q4_K) {
@@ -270,6 +281,14 @@ ALWAYS_INLINE void table_lookup_avx512(__m512 table, __m128i lo16, __m128i hi16,
     w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi16), table);
 }
 
+/* half_at(p) in every lane: the half broadcast, then widened (exactly, as half_at), two instructions instead of a
+ * scalar load, widening and broadcast. */
+ALWAYS_INLINE __m512 half_splat_avx512(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+}
+
 ALWAYS_INLINE __m512 iota16(void) {
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -281,8 +300,8 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
     } else if (kind == DK_Q4_0 || kind == DK_Q4_1) {
         int one = kind == DK_Q4_1;
         const uint8_t* b = row + c * (one ? 20 : 18);
-        __m512 d = _mm512_set1_ps(half_at(b));
-        __m512 table = one ? _mm512_fmadd_ps(d, iota16(), _mm512_set1_ps(half_at(b + 2)))
+        __m512 d = half_splat_avx512(b);
+        __m512 table = one ? _mm512_fmadd_ps(d, iota16(), half_splat_avx512(b + 2))
                            : _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)));
         /* the 16 bytes widened once: a lane's low nibble indexes as it is, its high one after a shift (one
          * widening instead of two: 7% faster in cache on Zen 5) */
@@ -291,7 +310,7 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
         w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
     } else if (kind == DK_Q8_0) {
         const uint8_t* b = row + c * 34;
-        __m512 d = _mm512_set1_ps(half_at(b));
+        __m512 d = half_splat_avx512(b);
         for (int v = 0; v < 2; ++v)
             w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2 + 16 * v)))), d);
     } else if (kind == DK_Q4_K) {
