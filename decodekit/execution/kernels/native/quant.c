@@ -354,12 +354,12 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
         VEC acc[4][4][2];                                                                                       \
         for (int r = 0; r < R; ++r)                                                                             \
             for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = ZERO;                                     \
-        int64_t chunks = in / CHUNK;                                                                            \
+        int64_t chunks = in / CHUNK, step = row_bytes / chunks; /* a chunk's bytes (K-quants: on average) */  \
         for (int64_t c = 0; c < chunks; ++c) {                                                                  \
             VEC wv[4][NV];                                                                                      \
             for (int r = 0; r < R; ++r) {                                                                       \
                 if (kind != DK_F32) /* a panel is in cache already */                                           \
-                    __builtin_prefetch(w + r * row_bytes + c * row_bytes / chunks + QUANT_PREFETCH_BYTES);      \
+                    __builtin_prefetch(w + r * row_bytes + c * step + QUANT_PREFETCH_BYTES);                    \
                 chunk_##ISA(kind, w + r * row_bytes, c, wv[r]);                                                 \
             }                                                                                                   \
             for (int m = 0; m < M; ++m)                                                                         \
