@@ -24,6 +24,7 @@ import torch
 from decodekit.api.step_cost import StepCost
 from decodekit.execution.executor import ModelExecutor
 from decodekit.execution.items import ForwardItem
+from decodekit.execution.kernels.native import load_kernels
 from decodekit.models.loader import cache_dir, cpu_flags
 
 log = logging.getLogger("decodekit.engine")
@@ -38,11 +39,15 @@ REPEATS = 5  # the fastest of these timings per row count (others were slowed by
 
 
 def cache_key(executor: ModelExecutor, name: str) -> str:
-    """What makes a measured curve valid: the model, how it runs, the threads, torch, and this machine."""
+    """What makes a measured curve valid: the model, how it runs, the threads, torch, the native kernels (their
+    library's name carries a hash of their source: a curve measured with older kernels is measured again), and this
+    machine."""
     plan = executor.plan
+    kernels = load_kernels()
     parts = [name, executor.forward_name, str(plan.geometry), str(plan.kv_dtype), str(executor.kv_cache.pool.device),
              str(torch.get_num_threads()), torch.__version__, platform.machine(), " ".join(sorted(cpu_flags())),
-             _cpu_model(), json.dumps([ROWS, CONTEXT, TOKENS_PER_SEQUENCE])]
+             _cpu_model(), json.dumps([ROWS, CONTEXT, TOKENS_PER_SEQUENCE]),
+             kernels if isinstance(kernels, str) else kernels.path.name]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
