@@ -29,9 +29,10 @@
  * a chunk of each weight row is dequantized once and multiplied into every activation row of the tile. Groups of
  * 4 output rows are split over torch's OpenMP threads. From QUANT_PANEL_MIN_ROWS activation rows (batches, prefill
  * chunks) a group is 16 output rows, dequantized once into a panel in cache and multiplied from there (2x4 tiles on
- * AVX-512), so each weight is dequantized once per product rather than once per 4 activation rows. Each output's sum runs in one fixed order (chunk by chunk,
- * even and odd vectors in two accumulators), whatever the tile, the number of rows or of threads: a row's result
- * does not depend on the batch it is multiplied in, nor on the thread count.
+ * AVX-512), so each weight is dequantized once per product rather than once per 4 activation rows. Each output's
+ * sum runs in one fixed order (chunk by chunk, even and odd vectors in two accumulators), whatever the tile, the
+ * panel, the number of rows or of threads: a row's result does not depend on the batch it is multiplied in, nor on
+ * the thread count.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -435,7 +436,9 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
 #define PANEL_R_portable 1
 
 /* Output rows per work item for a product of `rows` activation rows. */
-static inline int64_t group_span(int64_t rows) { return rows >= QUANT_PANEL_MIN_ROWS ? QUANT_PANEL_ROWS : QUANT_GROUP; }
+static inline int64_t group_span(int64_t rows) {
+    return rows >= QUANT_PANEL_MIN_ROWS ? QUANT_PANEL_ROWS : QUANT_GROUP;
+}
 
 /* The calling thread's panel of at least `floats` floats (grown, never shrunk), or NULL without memory. */
 static float* quant_panel(int64_t floats) {
@@ -497,7 +500,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
                 nm = left >= 4 ? 4 : left;                                                                      \
                 int64_t r = 0;                                                                                  \
                 /* where the registers hold them (AVX-512), pairs of weight rows: each activation vector loaded   \
-                 * once for two (4-12 rows of SmolLM2's products 5-10% faster than one weight row at a time) */  \
+                 * once for two (4-12 rows of SmolLM2's products 4-5% faster than one weight row at a time) */   \
                 if (PANEL_R_##ISA == 2 && nm >= 3)                                                             \
                     for (; r + 2 <= nr; r += 2) {                                                               \
                         float two[8];                                                                           \
