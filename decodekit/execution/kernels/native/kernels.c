@@ -1276,7 +1276,7 @@ static void gemv_columns(const float* x, int64_t rows, const float* w, int64_t i
                          int64_t o1, int64_t i_begin, int64_t i_end, float* y) {
     float acc[GEMV_ACC_FLOATS];
     /* as many columns as the sums of every row keep in GEMV_ACC_FLOATS (L1), whole vectors: the longer a block, the
-     * longer each input row's contiguous run of weights (4096 columns for one row: 16 KB runs, 1.5-1.9% faster a
+     * longer each input row's contiguous run of weights (4096 columns for one row: 16 KB runs, 1.5-3.2% faster a
      * float32 SmolLM2 token than 1024, whose 4 KB runs cross pages the hardware prefetcher stops at) */
     int64_t block = GEMV_ACC_FLOATS / rows / 16 * 16;
     for (int64_t b0 = o0; b0 < o1; b0 += block) {
@@ -1374,9 +1374,10 @@ static void gemv_rows(const float* x, const float* w, int64_t in, int64_t o0, in
 /* A column-major product sums each output in two halves of the inputs, [0, h) and [h, in), each from zero, then
  * adds them (the first half's sum plus the second's), whatever the rows and threads: so on two threads each thread
  * takes one half of the inputs over every column, for every row, and reads one contiguous half of the weight front
- * to back. For 2-8 rows (speculative verification, small batches) that cut a float32 SmolLM2 step by 12-13% against
+ * to back. For 2-8 rows (speculative verification, small batches) that cut a float32 SmolLM2 step by 11-12% against
  * splitting by columns (2 rows 12.3 against 14.0 ms, 8 rows 13.4 against 15.0; 1 row 11.6-11.9; 2-core Zen 5, two
- * engines alternating in one process). Split by columns instead, each thread read 4 KB runs of every input row (`out` floats apart): on a 2-core
+ * engines alternating in one process). Split by columns instead, each thread read 4 KB runs of every input row
+ * (`out` floats apart): on a 2-core
  * Zen 5 a float32 SmolLM2 decode step of one row (its 538 MB of weights) took 16.3-16.4 ms that way and 15.2-15.6 ms
  * split by inputs (`benchmarks/step_curve.py --formats float32 --rows 1`, alternating runs). */
 static int64_t gemv_half(int64_t in) { return in / 2 / GEMV_ROWS * GEMV_ROWS; }
