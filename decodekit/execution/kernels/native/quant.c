@@ -555,10 +555,6 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
                 dequantize_chunk_##ISA(kind, row, c, panel + r * in + c * CHUNK);                               \
             }                                                                                                   \
         }                                                                                                       \
-        /* the next group's weights (a thread's groups follow each other) fetched into L2 while this one          \
-         * multiplies: the dequantization above then reads from cache instead of waiting on memory */            \
-        const uint8_t* next = w + (o0 + nr) * row_bytes;                                                        \
-        for (int64_t b = 0; b < nr * row_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);                    \
         const uint8_t* p = (const uint8_t*)panel;                                                               \
         int64_t pb = in * (int64_t)sizeof(float);                                                               \
         float sums[16];                                                                                         \
