@@ -42,10 +42,10 @@ FORMATS: dict[str, dict[str, Any]] = {
 
 
 def matrix_bytes(matrix: Any) -> int:
-    """Bytes of weights one product of `matrix` reads at one row (its bias aside): the float32 column-major
-    operand, the bf16 or int8 panels (with the int8 scales), or a GGUF matrix's stored blocks."""
+    """Bytes of weights one product of `matrix` reads at one row (its bias aside): the float32 weight, the bf16 or
+    int8 panels (with the int8 scales), or a GGUF matrix's stored blocks."""
     if isinstance(matrix, Matrix):
-        return matrix.col.numel() * matrix.col.element_size()
+        return matrix.weight.numel() * matrix.weight.element_size()
     if isinstance(matrix, Int8Matrix):
         return matrix.panels.nbytes + matrix.scale.nbytes
     if isinstance(matrix, Bf16Matrix):

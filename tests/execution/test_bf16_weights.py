@@ -176,8 +176,8 @@ def test_the_portable_build_without_avx2_gives_the_same_products_and_bf16_cache_
     for rows in (1, 2, 7):
         torch.testing.assert_close(portable.linear_i8(x[:rows], pack_int8_panels(int8), scale),
                                    x[:rows] @ (int8.float() * scale[:, None]).t(), rtol=1e-4, atol=1e-4)
-    for weight_t, rows in ((weight.t().contiguous(), 7), (weight.t(), 1)):  # column-major, transposed row-major
-        torch.testing.assert_close(portable.gemv(x[:rows], weight_t, bias), x[:rows] @ weight.t() + bias,
+    for rows in (1, 2, 3, 7):  # one register group of rows, and several
+        torch.testing.assert_close(portable.gemv(x[:rows], weight, bias), x[:rows] @ weight.t() + bias,
                                    rtol=1e-5, atol=1e-5)
     # one sequence of 2 new tokens after 9 cached ones, 2 kv heads of 2 query heads, blocks of 4, a bf16 pool
     heads, kv_heads, dim = 4, 2, 16

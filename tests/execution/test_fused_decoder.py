@@ -1,4 +1,4 @@
-"""The fused decoder: same tokens as transformers, weights re-laid without copies, refusals that say why."""
+"""The fused decoder: same tokens as transformers, weights fused without copies, refusals that say why."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _gpt2():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_relayout_keeps_every_weight_value_and_stores_none_twice(arch):
+def test_fusing_keeps_every_weight_value_and_stores_none_twice(arch):
     pristine = tiny_model(arch, tie_word_embeddings=True)
     model = copy.deepcopy(pristine)
     before = sum(p.numel() for p in model.parameters())
@@ -157,3 +157,24 @@ def test_qwen3_runs_fused_with_its_query_and_key_norms_and_equals_transformers(o
     prompts = random_prompts(6, 3, 60, seed=5)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 16) for p in prompts]
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+], ids=["default", "llama3", "yarn", "dynamic"])
+def test_rope_tables_cached_by_position_give_transformers_tokens_and_dynamic_ropes_are_not_cached(rope, tokenizer):
+    """Static RoPE types are served from tables computed once per position (grown as contexts pass 1,024); a
+    dynamic one, whose frequencies rescale with the longest position seen, is computed each step as transformers
+    does. Prompts past 64 positions cross the llama3/yarn original context; greedy tokens equal transformers'."""
+    model = tiny_model("llama", rope_parameters=rope, max_position_embeddings=2048)
+    llm = LLM(copy.deepcopy(model), tokenizer, kv_cache_memory="16MiB", block_size=8, fused_decoder=True)
+    fused = llm.engine.model.runner.fused
+    assert fused._rope_static is (rope["rope_type"] != "dynamic")
+    prompts = [*random_prompts(3, 60, 120, seed=9), random_prompts(1, 1030, 1031, seed=3)[0]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+    assert fused._rope_positions == (2048 if fused._rope_static else 0)

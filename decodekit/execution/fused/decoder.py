@@ -1,7 +1,7 @@
 """The fused decoder: a lean forward for Llama-family, Gemma and Phi-3 models over the paged KV cache.
 
 At batch 1, transformers' modules spent ~25 ms of a ~75 ms SmolLM2 step here outside the matrix products, and
-this CPU's BLAS reads weights stored `[out, in]` at ~11 GB/s for one row but `[in, out]` at ~18.6 GB/s. For
+torch's single-row product streams the weights on one core. For
 architectures whose layers are exactly "RMSNorm, attention with RoPE, RMSNorm, SiLU-gated MLP" (Llama, Mistral,
 Qwen2 and their fine-tunes, SmolLM2 among them; Qwen3, whose queries and keys also pass a per-head RMSNorm before
 RoPE; Gemma, whose block has (1 + w) norms and GELU-tanh gating; Gemma 2, which adds a norm of the attention's and
@@ -11,11 +11,10 @@ gate/up already fused into one linear each) this module runs the same math with 
 
 - q/k/v and gate/up are fused into one product each; the residual add rides on the output product (Gemma 2 and 3
   norm that output first);
-- weights are re-laid once in column-major order (`[in, out]` contiguous, seen by the model as the same
-  `[out, in]` values through a transposed view): 15-25% faster for one row, no slower for long prefill chunks.
-  `down_proj` (wide input, narrow output) is the exception: it streams faster row-major, so it stays as it is;
-- optionally (`prepack`), a second, oneDNN-blocked copy of each weight serves products of 2-128 rows
-  (batched decode, speculative verification, beams), 1.4-1.8x faster than BLAS there;
+- weights keep their `[out, in]` layout (the fused ones stacked by rows, the modules viewing into the stack), which
+  the native `dk_gemv` streams one weight row at a time on every thread for 1 to 8 rows (see `weight_matrices`);
+- optionally (`prepack`), a second, oneDNN-blocked copy of each weight serves products of more rows
+  (batched decode, beams, prefill), 1.4-1.8x faster than BLAS there;
 - attention is the engine's own paged attention (`kv_cache.paged_attention`), so both paths share one cache;
 - optionally (`quantization="int8"`), every product (the LM head too) runs on int8 copies of the weights with one
   float32 scale per output row, through the native `dk_linear_i8` kernel: ~3x faster per token at batch 1, no
@@ -25,10 +24,10 @@ gate/up already fused into one linear each) this module runs the same math with 
   multiplied in float32 by `dk_linear_bf16` (llama.cpp's bf16 weights on a CPU): half the bytes per step, exact for
   weights that bf16 represents, at most 2^-9 (0.2%) relative rounding for others.
 
-The re-layout replaces the modules' parameters by views into the fused buffers, so the transformers module keeps
+The fusion replaces the modules' parameters by views into the fused buffers, so the transformers module keeps
 working (plain `generate` on it gives the same tokens) and no weight is stored twice (the prepacked copy aside).
 RMSNorm and RoPE are bit-identical to transformers' in float32 (tested); the products themselves (fused,
-re-laid, blocked, residual inside `addmm`) can differ in the last bits, as BLAS results already do between batch
+native, blocked, residual inside `addmm`) can differ in the last bits, as BLAS results already do between batch
 sizes, and the engine's exactness tests against `generate` run on both forwards.
 """
 
@@ -78,7 +77,7 @@ from decodekit.execution.kernels.native import NATIVE_GATING_MAX_ROWS, DecodeAtt
 
 @dataclass
 class _FusedLayer:
-    """One decoder layer's weights, re-laid for the fused forward."""
+    """One decoder layer's weights, fused for the fused forward."""
 
     input_norm: torch.Tensor
     input_eps: float
@@ -120,39 +119,30 @@ def _norm_queries_and_keys(layer: _FusedLayer, qkv: torch.Tensor, tokens: int) -
     key.copy_(_rms_norm(key, layer.k_norm, layer.qk_eps))
 
 
-def _column_major(weight: torch.Tensor) -> torch.Tensor:
-    """The `[in, out]` contiguous copy of an `[out, in]` weight."""
-    return weight.detach().t().contiguous()
-
-
-def relay_column_major(module: nn.Linear, embeddings: Any = None) -> torch.Tensor:
-    """Re-lay `module`'s weight column-major in place (the module then sees the same values through a transposed
-    view) and return the `[in, out]` buffer; `embeddings` tied to it (sharing its Parameter) keep sharing it."""
-    col = _column_major(module.weight)
-    relaid = nn.Parameter(col.t(), requires_grad=False)
-    if embeddings is not None and embeddings.weight is module.weight:
-        embeddings.weight = relaid
-    module.weight = relaid
-    return col
-
-
 def _share(module: nn.Linear, weight_view: torch.Tensor) -> None:
     """Point `module.weight` at a view of a fused buffer (same values), so nothing is stored twice."""
     module.weight = nn.Parameter(weight_view, requires_grad=False)
 
 
-def _fuse_columns(modules: list[nn.Linear]) -> torch.Tensor:
-    """One `[in, sum(out)]` column-major buffer holding every module's weight; the modules then view into it."""
-    first = modules[0].weight
-    fused = torch.empty(first.shape[1], sum(m.weight.shape[0] for m in modules), dtype=first.dtype,
-                        device=first.device)
+def _fuse_rows(modules: list[nn.Linear]) -> torch.Tensor:
+    """One `[sum(out), in]` buffer holding every module's weight, stacked by output rows; the modules then view into
+    it (each a contiguous block of its rows)."""
+    fused = torch.cat([module.weight.detach() for module in modules])
     start = 0
     for module in modules:
         width = module.weight.shape[0]
-        fused[:, start:start + width] = module.weight.detach().t()
-        _share(module, fused[:, start:start + width].t())
+        _share(module, fused[start:start + width])
         start += width
     return fused
+
+
+def _own_rows(module: nn.Linear) -> torch.Tensor:
+    """The module's `[out, in]` weight, made contiguous in place where it is not (the module then holds the copy)."""
+    weight = module.weight.detach()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+        _share(module, weight)
+    return weight
 
 
 def release_layer_weights(model: Any) -> int:
@@ -191,11 +181,11 @@ def _trim_heap() -> None:
 
 
 class FusedDecoder:
-    """Runs a Llama-family `*ForCausalLM` over the paged KV cache with fused, re-laid weights.
+    """Runs a Llama-family `*ForCausalLM` over the paged KV cache with fused weights.
 
-    Building it re-lays the model's linear weights in place (values unchanged), or with a `quantization` ("int8",
-    "bf16") makes compressed copies of them and leaves the model as it is. Call it with the packed tokens of one
-    engine step (the cache's layout must be set) to get logits for `logit_index`.
+    Building it stacks the model's q/k/v and gate/up weights in place (values unchanged), or with a `quantization`
+    ("int8", "bf16") makes compressed copies of them and leaves the model as it is. Call it with the packed tokens of
+    one engine step (the cache's layout must be set) to get logits for `logit_index`.
 
     With `native_stack` (and native kernels), steps of a few rows run the whole stack of layers in one native call
     (`layer_stack.NativeLayerStack`, bit for bit the per-layer path) where every layer is the plain Llama block;
@@ -239,6 +229,9 @@ class FusedDecoder:
         # Gemma 3 has a RoPE table per layer type (local and global layers), the Llama block one
         by_type = type(model).__name__ in GEMMA3_BLOCK_ARCHITECTURES
         self.rope_types: list[str] | None = sorted(set(model.config.layer_types)) if by_type else None
+        self._rope_static = _static_rope(self.rotary_emb)
+        self._rope_cache: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_positions = 0  # positions the cached tables cover
         self.final_softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         # quantized copies are multiplied in float32 whatever the model's dtype (a bf16 model on a CPU: see
         # `execution.plan`), so the embeddings and norms they meet are float32 too
@@ -258,10 +251,8 @@ class FusedDecoder:
         else:
             with torch.no_grad():
                 self.layers = [self._fuse(layer, prepack, native, gemma, by_type) for layer in base.layers]
-                head = model.lm_head
-                # A tied head shares the embedding's Parameter: re-laying it makes embedding lookups strided reads
-                # (~2 ms per 256 prompt tokens here) but saves a second vocabulary-sized matrix.
-                self.lm_head = Matrix(relay_column_major(head, self.embed_tokens), None, prepack, native)
+                # a head tied to the input embeddings keeps sharing their Parameter (its rows are the lookups' rows)
+                self.lm_head = Matrix(_own_rows(model.lm_head), None, prepack, native)
         self.native_stack: NativeLayerStack | None = (
             NativeLayerStack.build(self.layers, native) if native_stack and native is not None and not self.gpu_ops
             else None)
@@ -291,21 +282,15 @@ class FusedDecoder:
         attn, mlp = layer.self_attn, layer.mlp
         q_heads, kv_heads = head_counts(attn)
         if hasattr(attn, "qkv_proj"):  # Phi-3: already fused by rows, q then k then v; gate then up
-            qkv, qkv_bias = relay_column_major(attn.qkv_proj), None
-            gate_up = relay_column_major(mlp.gate_up_proj)
+            qkv, qkv_bias = _own_rows(attn.qkv_proj), None
+            gate_up = _own_rows(mlp.gate_up_proj)
         else:
-            qkv, qkv_bias = _fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj]), qkv_bias_of(attn)
-            gate_up = _fuse_columns([mlp.gate_proj, mlp.up_proj])
-        o_t = _column_major(attn.o_proj.weight)
-        _share(attn.o_proj, o_t.t())
-        # down_proj is re-laid column-major like the others: `dk_gemv` then splits one row's product by inputs (each
-        # thread streams one contiguous half) and multiplies 2-8 rows too. Row-major, one row read SmolLM2's 30
-        # down products (106 MB) in 2.27-2.28 ms against 1.96-2.00 column-major (2-core Zen 5, alternating runs).
-        down_t = relay_column_major(mlp.down_proj)
+            qkv, qkv_bias = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj]), qkv_bias_of(attn)
+            gate_up = _fuse_rows([mlp.gate_proj, mlp.up_proj])
         return _FusedLayer(
             qkv=Matrix(qkv, qkv_bias, prepack, native), q_heads=q_heads, kv_heads=kv_heads,
-            o=Matrix(o_t, None, prepack, native), gate_up=Matrix(gate_up, None, prepack, native),
-            intermediate=gate_up.shape[1] // 2, down=Matrix(down_t, None, prepack, native),
+            o=Matrix(_own_rows(attn.o_proj), None, prepack, native), gate_up=Matrix(gate_up, None, prepack, native),
+            intermediate=gate_up.shape[0] // 2, down=Matrix(_own_rows(mlp.down_proj), None, prepack, native),
             scaling=float(attn.scaling), window=layer_window(attn, attn.config),
             **block_fields(layer, False, gemma, rope_by_type),
         )
@@ -370,16 +355,46 @@ class FusedDecoder:
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor
                      ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """This step's RoPE tables `(cos, signed_sin)`, `[T, 1, head_dim]` each (broadcast over heads; `signed_sin`
-        as `_rotate` takes it), by layer type for Gemma 3, under None for the Llama block's single table."""
+        as `_rotate` takes it), by layer type for Gemma 3, under None for the Llama block's single table.
+
+        On a CPU, for a RoPE whose tables depend on the position alone (not the dynamic and long-context types, which
+        rescale with the longest sequence), they are rows of tables computed once (`_rope_by_position`): the
+        rotary module's own elementwise math, so the same values, for ~0.1 ms less a token than calling it."""
         tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         keys: list[str | None] = list(self.rope_types) if self.rope_types else [None]
+        if self._rope_static and hidden.device.type == "cpu":
+            needed = int(positions.max()) + 1 if positions.numel() else 0
+            if needed > self._rope_positions:
+                self._rope_by_position(hidden.dtype, needed)
+            for key in keys:
+                cos, signed_sin = self._rope_cache[key]
+                tables[key] = cos.index_select(0, positions)[:, None], signed_sin.index_select(0, positions)[:, None]
+            return tables
         for key in keys:
-            extra = () if key is None else (key,)
-            cos, sin = self.rotary_emb(hidden[None], positions[None], *extra)
-            cos, sin = cos[0, :, None, :], sin[0, :, None, :]
-            half = sin.shape[-1] // 2
-            tables[key] = cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            tables[key] = self._rope_rows(hidden, positions, key)
         return tables
+
+    def _rope_rows(self, hidden: torch.Tensor, positions: torch.Tensor, key: str | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, signed_sin)` `[T, 1, head_dim]` at `positions` from the rotary module (table `key`)."""
+        extra = () if key is None else (key,)
+        cos, sin = self.rotary_emb(hidden[None], positions[None], *extra)
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    def _rope_by_position(self, dtype: torch.dtype, needed: int) -> None:
+        """(Re)compute the cached tables `[positions, head_dim]` for at least `needed` positions (doubling, so a
+        growing context recomputes them a logarithmic number of times)."""
+        count = max(1024, 1 << (needed - 1).bit_length())
+        positions = torch.arange(count)
+        probe = torch.empty(count, 1, dtype=dtype)
+        keys: list[str | None] = list(self.rope_types) if self.rope_types else [None]
+        self._rope_cache = {}
+        for key in keys:
+            cos, signed_sin = self._rope_rows(probe, positions, key)
+            self._rope_cache[key] = cos[:, 0].contiguous(), signed_sin[:, 0].contiguous()
+        self._rope_positions = count
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head on final-norm outputs, soft-capped as the model caps its logits (`final_logit_softcapping`)."""
@@ -486,6 +501,15 @@ def _copies_maker(quantization: str, bf16_gemm: bool, native: NativeKernels) -> 
         return matrix(weights[0] if len(weights) == 1 else torch.cat(weights), bias, native)
 
     return make
+
+
+def _static_rope(rotary: Any) -> bool:
+    """Whether `rotary`'s tables depend on the position alone, so rows computed once serve every step: its RoPE types
+    (one, or one per layer type) are neither dynamic nor long-context, whose transformers forward rescales the
+    frequencies with the longest position seen (`dynamic_rope_update`)."""
+    kinds = getattr(rotary, "rope_type", None)
+    kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
+    return all(isinstance(kind, str) and "dynamic" not in kind and kind != "longrope" for kind in kinds)
 
 
 def _silu_gate(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ _f = ctypes.c_float
 class StackMatrix(ctypes.Structure):
     """`dk_stack_matrix`: one weight product of a layer."""
 
-    _fields_ = [("kind", _i), ("in_dim", _i), ("out_dim", _i), ("weight", _p), ("row_major", _i), ("scale", _p),
+    _fields_ = [("kind", _i), ("in_dim", _i), ("out_dim", _i), ("weight", _p), ("scale", _p),
                 ("bias", _p), ("isa", _i), ("parts", _i), ("part_kind", _i * _PARTS), ("part_blocks", _p * _PARTS),
                 ("part_start", _i * _PARTS), ("part_rows", _i * _PARTS)]
 
@@ -109,7 +109,7 @@ def stack_refusal(model: Any) -> str | None:
 def stack_max_rows(quantization: str | None, bf16_gemm: bool) -> int:
     """The most rows a step of the native stack takes with the weights of `quantization` (float32 for None; a float32
     fallback matrix in a GGUF model can lower it to `GEMV_MAX_ROWS`): the limits `_describe_matrix` reads."""
-    product = {None: GEMV_MAX_ROWS,  # every float32 weight column-major, which `dk_gemv` takes up to 8 rows of
+    product = {None: GEMV_MAX_ROWS,  # every float32 weight on `dk_gemv`
                "bf16": BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else BF16_NATIVE_MAX_ROWS,
                "int8": INT8_NATIVE_MAX_ROWS, STORED_QUANTIZATION: GGUF_NATIVE_MAX_ROWS}[quantization]
     return min(product, NATIVE_GATING_MAX_ROWS)
@@ -138,15 +138,14 @@ def _describe_matrix(matrix: Any) -> tuple[StackMatrix, int]:
     desc = StackMatrix()
     if isinstance(matrix, Matrix):
         if matrix.native is None:
-            raise ValueError("a float32 weight in neither layout dk_gemv reads")
-        col = matrix.col
-        desc.kind, (desc.in_dim, desc.out_dim) = _GEMV, col.shape
-        desc.weight = col.data_ptr()  # the [out, in] weight's own address for a transposed view (row-major)
-        desc.row_major = int(not matrix.col_major)
-        if col.dtype != torch.float32:
-            raise ValueError(f"a {col.dtype} weight for dk_gemv")
+            raise ValueError("a float32 weight dk_gemv cannot read (strided)")
+        weight = matrix.weight
+        desc.kind, (desc.out_dim, desc.in_dim) = _GEMV, weight.shape
+        desc.weight = weight.data_ptr()
+        if weight.dtype != torch.float32:
+            raise ValueError(f"a {weight.dtype} weight for dk_gemv")
         desc.bias = _floats(matrix.bias)
-        return desc, GEMV_MAX_ROWS if matrix.col_major else 1
+        return desc, GEMV_MAX_ROWS
     if isinstance(matrix, Bf16Matrix):
         desc.kind, desc.in_dim, desc.out_dim = _BF16, matrix.in_dim, matrix.out_dim
         desc.weight, desc.bias = matrix.panels.data_ptr(), _floats(matrix.bias)

@@ -1,15 +1,13 @@
 """Faster products for models the fused decoder cannot take (Gemma, Phi-3, GPT-2, ...): their own linear layers,
-re-laid in place and multiplied the fused decoder's way.
+multiplied the fused decoder's way.
 
 The fused decoder rewrites the whole forward of Llama-family models. Every other architecture runs its own
 transformers modules, where a batch-1 float32 step is mostly `nn.Linear` products reading `[out, in]` weights on one
 core (a SmolLM2-shaped Gemma 3: 68 ms per step, 0.98x transformers). Here each plain `nn.Linear` of a model decodekit
 loaded itself keeps its module but multiplies through the fused decoder's `Matrix`:
 
-- the weight is re-laid column-major in place (the module's parameter becomes a transposed view of the new buffer,
-  values unchanged, nothing stored twice), except where the input is wider than the output (an MLP's down
-  projection), which streams faster row-major for one row and keeps its layout;
-- with the native kernels, 1 row (and up to 8 of a column-major weight) runs `dk_gemv` on every thread;
+- the weight keeps its `[out, in]` layout (made contiguous in place where it is not);
+- with the native kernels, 1 to 8 rows run `dk_gemv` on every thread;
 - with prepacking, a oneDNN-blocked copy serves 2-128 rows.
 
 The module's `forward` is replaced on the instance, so transformers' own code (and `generate` on the same object)
@@ -31,14 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from decodekit.execution.fused.decoder import _trim_heap, relay_column_major
+from decodekit.execution.fused.decoder import _own_rows, _trim_heap
 from decodekit.execution.fused.weight_matrices import Matrix, quantized_matrix
 from decodekit.execution.kernels.native import NativeKernels
 
 
 def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quantization: str | None = None,
                   release: bool = False, bf16_gemm: bool = False) -> int:
-    """Re-lay every plain float32 `nn.Linear` of `model` on the CPU and route its forward through a `Matrix` (or,
+    """Route the forward of every plain float32 `nn.Linear` of `model` on the CPU through a `Matrix` (or,
     with a `quantization`, through a compressed copy of its weight; `native` is then required).
 
     The output embeddings are included; where they are tied to the input embeddings, both keep sharing one
@@ -57,7 +55,7 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
             if module.weight.device.type != "cpu" or module.weight.is_meta:
                 continue
             if quantization is None:
-                _route(module, prepack, native, embeddings)
+                _route(module, prepack, native)
             else:
                 assert native is not None, "quantized products run on the native kernels"
                 matrix = quantized_matrix(quantization, bf16_gemm)(module.weight, module.bias, native)
@@ -71,14 +69,10 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
     return count
 
 
-def _route(module: nn.Linear, prepack: bool, native: NativeKernels | None, embeddings: Any) -> None:
-    """Re-lay one linear layer (the input `embeddings` follow where tied to it) and make its forward the `Matrix`
-    product."""
-    # a wide input and a narrow output (an MLP's down projection) stream faster row-major for one row
-    wide = module.in_features > module.out_features
-    col = module.weight.detach().t() if wide else relay_column_major(module, embeddings)
+def _route(module: nn.Linear, prepack: bool, native: NativeKernels | None) -> None:
+    """Make the forward of one linear layer the `Matrix` product of its weight."""
     bias = module.bias.detach() if module.bias is not None else None
-    _set_forward(module, Matrix(col, bias, prepack, native))
+    _set_forward(module, Matrix(_own_rows(module), bias, prepack, native))
 
 
 def _set_forward(module: nn.Linear, matrix: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -107,6 +107,6 @@ def stored_matrix_maker(model: Any, stored: dict[str, StoredWeight], native: Nat
         if all(part is not None for part in parts):
             return GgufMatrix([part for part in parts if part is not None], bias, native)
         dense = torch.cat([module.weight.detach().to(torch.float32) for module in modules])
-        return Matrix(dense.t().contiguous(), bias, False, native)
+        return Matrix(dense.contiguous(), bias, False, native)
 
     return make

@@ -1,5 +1,5 @@
 """The weight products of the fused decoder and of other architectures' re-laid linear layers: one weight, multiplied
-the fastest way for the number of rows at hand (`Matrix`: column-major float32, `dk_gemv`, oneDNN-prepacked copies),
+the fastest way for the number of rows at hand (`Matrix`: row-major float32 on `dk_gemv`, oneDNN-prepacked copies),
 or as compressed copies multiplied in float32 on the native kernels (`Int8Matrix`, `Bf16Matrix`); bf16 copies of
 several rows optionally on the CPU's own bf16 dot products (`Bf16Matrix(bf16_gemm=True)`, oneDNN).
 
@@ -27,53 +27,51 @@ from decodekit.models.loader import cpu_flags
 
 
 class Matrix:
-    """One weight of the fused decoder, multiplied the fastest way for the number of rows at hand.
+    """One float32 weight of the fused decoder, multiplied the fastest way for the number of rows at hand.
 
-    `col` is the `[in, out]` operand used for single-row products (batch-1 decode) and long prefill chunks: a
-    column-major buffer, or for `down_proj` a transposed view of the row-major weight. `packed`, when present, is
-    a oneDNN-blocked copy of the same weight for 2-128 rows (batched decode, speculative verification, beams,
-    short chunks), where this CPU's BLAS is slow. With `native` kernels a single row, and up to `GEMV_MAX_ROWS` rows
-    of a column-major weight, run `dk_gemv` on `col`: it splits the outputs over the threads (torch's single-row
-    product streams the weights on one) and reads faster than oneDNN's copy for a few rows.
+    `weight` is the `[out, in]` weight in its own row-major layout (the module's parameter, or a view of a fused
+    buffer). With `native` kernels, 1 to `GEMV_MAX_ROWS` rows (batch-1 decode, small batches, speculative
+    verification) run `dk_gemv`, which streams each thread's share of the weight front to back (torch's single-row
+    product streams it on one core). `packed`, when present, is a oneDNN-blocked copy of the same weight for the
+    rows beyond (batched decode, short chunks), where this CPU's BLAS is slow; BLAS takes the rest.
     """
 
-    def __init__(self, col: torch.Tensor, bias: torch.Tensor | None, pack: bool,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
                  native: NativeKernels | None = None) -> None:
-        self.col = col
+        self.weight = weight
         self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(col.t(), _PACK_ROWS_HINT) if pack else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT) if pack else None
         self.packed_max_rows = packed_max_rows()  # read once: the product below runs on every step
-        # `dk_gemv` reads either layout from memory as it lies (several rows only column-major); a weight strided
-        # both ways keeps torch's product
-        self.col_major = col.is_contiguous()
-        self.native = native if self.col_major or col.t().is_contiguous() else None
+        # `dk_gemv` reads the weight from memory as it lies: a strided one keeps torch's product
+        self.native = native if weight.is_contiguous() else None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
-        if self.native is not None and (x.shape[0] == 1 or (self.col_major and 0 < x.shape[0] <= GEMV_MAX_ROWS)):
-            return self.native.gemv(x, self.col, self.bias, residual)
+        if self.native is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+            return self.native.gemv(x, self.weight, self.bias, residual)
         if self.packed is not None and 1 < x.shape[0] <= self.packed_max_rows:
             if residual is None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+        transposed = self.weight.t()
         if residual is not None:
-            out = torch.addmm(residual, x, self.col)
+            out = torch.addmm(residual, x, transposed)
             return out if self.bias is None else out.add_(self.bias)
-        return torch.mm(x, self.col) if self.bias is None else torch.addmm(self.bias, x, self.col)
+        return torch.mm(x, transposed) if self.bias is None else torch.addmm(self.bias, x, transposed)
 
 
 # Rows the oneDNN weight blocking is tuned for: measured here, 64 serves 2-128 rows well (2-8 rows 1.4-1.8x
 # faster than BLAS on either layout), while a hint of 1 made 2-row products slower than BLAS.
 _PACK_ROWS_HINT = 64
-# On an AVX2-only CPU (2-core EPYC), from 256 rows up (prefill) BLAS on the column-major layout was as fast or
-# faster, so it keeps those. On an AVX-512 one (2-core Zen 5) oneDNN's blocked products were 2.4-3x BLAS's at every
-# row count from 128 to 1024 (a SmolLM2 layer's four products at 256 rows: 3.9 vs 10.6 ms; at 1024: 15.9 vs 37.4):
-# torch's BLAS there does not use the wider vectors, oneDNN does.
+# On an AVX2-only CPU (2-core EPYC), from 256 rows up (prefill) BLAS (measured on a column-major copy of the weights,
+# the layout of the time) was as fast or faster, so it keeps those. On an AVX-512 one (2-core Zen 5) oneDNN's blocked
+# products were 2.4-3x BLAS's at every row count from 128 to 1024 (a SmolLM2 layer's four products at 256 rows: 3.9 vs
+# 10.6 ms; at 1024: 15.9 vs 37.4): torch's BLAS there does not use the wider vectors, oneDNN does.
 _PACKED_MAX_ROWS_AVX2 = 128
 
 
 def packed_max_rows() -> int:
-    """The most rows a float32 product runs on the oneDNN-blocked copy (more take BLAS on the column-major weight):
+    """The most rows a float32 product runs on the oneDNN-blocked copy (more take BLAS):
     every row count on a CPU with AVX-512, 128 elsewhere."""
     return sys.maxsize if "avx512f" in cpu_flags() else _PACKED_MAX_ROWS_AVX2
 

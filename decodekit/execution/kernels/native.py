@@ -60,7 +60,7 @@ SERIAL_FLAGS = ["-Wno-unknown-pragmas"]
 # are a visible share. On SmolLM2, 2 cores, splitting measured no slower from 300 keys up (batch 1 to 8, within the
 # noise) and 1.5-2x faster attention at batch 16, context 250 (docs/history/benchmarks-2026-11.md, "Serving").
 PARALLEL_MIN_KEYS = 512
-# Rows `dk_gemv` multiplies with a column-major weight (GEMV_MAX_ROWS in kernels.c).
+# Rows `dk_gemv` multiplies at most (GEMV_MAX_ROWS in kernels.c).
 GEMV_MAX_ROWS = 8
 # SiLU-gating of more rows than this stays in torch. Set when the native gating was a scalar `expf` per element;
 # it now takes 8 at a time (exp8) and splits rows over threads from 64K elements, so the limit is due a re-measure.
@@ -230,7 +230,7 @@ class NativeKernels:
         self._linear_bf16.argtypes = [_p, _i, _i, _p, _p, _p, _p, _i]
         self._linear_bf16.restype = None
         self._gemv = lib.dk_gemv
-        self._gemv.argtypes = [_p, _i, _p, _i, _i, _i, _p, _p, _p]
+        self._gemv.argtypes = [_p, _i, _p, _i, _i, _p, _p, _p]
         self._gemv.restype = ctypes.c_int
         # the whole layer stack of a step in one call: (layers, count, tokens, hidden_dim, hidden, out, key_pools,
         # value_pools, attention, scratch) -> status, the structures `fused.layer_stack` fills (see `layers.c`)
@@ -323,32 +323,25 @@ class NativeKernels:
                           out.data_ptr(), out_dim)
         return out
 
-    def gemv(self, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None,
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ weight_t (+ residual) (+ bias)` for float32 rows `x` `[rows, in]` and a float32 `weight_t` `[in, out]`
-        that is contiguous (column-major weight: 1 to `GEMV_MAX_ROWS` rows) or the transpose of a contiguous
-        `[out, in]` (row-major weight: one row), on torch's threads; returns `[rows, out]` (see `dk_gemv`). A row's
-        result does not depend on the other rows multiplied with it.
+        """`x @ weight^T (+ residual) (+ bias)` for 1 to `GEMV_MAX_ROWS` float32 rows `x` `[rows, in]` and a contiguous
+        float32 `weight` `[out, in]`, on torch's threads; returns `[rows, out]` (see `dk_gemv`). A row's result does
+        not depend on the other rows multiplied with it, nor on the thread count.
 
         Raises:
-            ValueError: `x` does not fit `weight_t`, `weight_t` is in neither layout, or there are more rows than its
-                layout takes.
+            ValueError: `x` does not fit `weight`, `weight` is not contiguous, or there are too many rows.
         """
-        width, out_dim = weight_t.shape
-        row_major = not weight_t.is_contiguous()
+        out_dim, width = weight.shape
         rows = x.shape[0]
-        if (x.dim() != 2 or x.shape[1] != width or (row_major and not weight_t.t().is_contiguous())
-                or not 1 <= rows <= (1 if row_major else GEMV_MAX_ROWS)):
-            raise ValueError(f"gemv takes 1-{GEMV_MAX_ROWS} rows of {width} floats and a contiguous weight or its "
-                             f"transpose (one row), not {tuple(x.shape)} and strides {weight_t.stride()}")
+        if x.dim() != 2 or x.shape[1] != width or not weight.is_contiguous() or not 1 <= rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv takes 1-{GEMV_MAX_ROWS} rows of {width} floats and a contiguous [out, in] weight, "
+                             f"not {tuple(x.shape)} and strides {weight.stride()}")
         x = x.contiguous()
         out = x.new_empty(rows, out_dim)
         residual = None if residual is None else residual.contiguous()
-        status = self._gemv(x.data_ptr(), rows, weight_t.data_ptr(), width, out_dim, int(row_major),
-                            None if bias is None else bias.data_ptr(),
-                            None if residual is None else residual.data_ptr(), out.data_ptr())
-        if status != 0:  # the rows and layout were checked above: only its scratch can fail
-            raise MemoryError(f"dk_gemv could not allocate {rows * out_dim} floats of scratch")
+        self._gemv(x.data_ptr(), rows, weight.data_ptr(), width, out_dim, None if bias is None else bias.data_ptr(),
+                   None if residual is None else residual.data_ptr(), out.data_ptr())
         return out
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,

@@ -1010,7 +1010,10 @@ static void panel_product(const panel_operands* ops, panel_block_fn block, int64
                           const float* row_scale, const float* scale, const float* bias, const float* residual,
                           float* out) {
     int64_t num_panels = (out_dim + PANEL - 1) / PANEL;
-    int64_t width = rows == 1 ? 4 : rows == 2 ? 2 : 1;  /* panels per work item */
+#ifndef PANEL_ONE_ROW_WIDTH
+#define PANEL_ONE_ROW_WIDTH 4
+#endif
+    int64_t width = rows == 1 ? PANEL_ONE_ROW_WIDTH : rows == 2 ? 2 : 1;  /* panels per work item */
     int64_t items = (num_panels + width - 1) / width;
 #ifdef _OPENMP
     int64_t work = out_dim * ops->in * (rows < 8 ? rows : 8);  /* a product this small is not worth the fork and join */
@@ -1230,32 +1233,30 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
 
 /* ---- float32 products of a few rows ----------------------------------------------------------------------------
  * y = x @ W^T (+ residual) (+ bias) for float32 rows x [rows, in] (batch-1 decode, small batches, speculative
- * verification), W in the fused decoder's own layout: column-major ([in, out] contiguous: q/k/v, o, gate/up, the LM
- * head; 1 to GEMV_MAX_ROWS rows) or row-major ([out, in]: down_proj; one row). torch's single-row product streams the
- * weights on one core (SmolLM2 at 98% of one thread's bandwidth, and a second thread added nothing), and oneDNN's
- * blocked copy reads them at ~2/3 of the bandwidth for 2-8 rows; here the outputs are split over torch's OpenMP
- * threads. Measured on SmolLM2's products (2-core AVX2 EPYC, cold weights, one decode step's 30 layers and LM head,
- * ms): 1 row 21.1 against torch's 31.7 (30.4 against 33.0 on one thread); 2 rows 24.2-25.2 against oneDNN's 31.9,
- * 4 rows 29.7 against 38.0, 5 rows 31.3 against 38.1, 8 rows 38.7-39.6 against 42.7.
- *   - column-major: a thread owns a range of output columns, walked in blocks whose sums for every row stay in L1
- *     (at most 16 KB: 4096 columns for one row, 2048 for two, ... 512 for 8) while 8 input rows at a time stream
- *     past (on two threads: each thread half of the inputs, below);
- *   - row-major: a thread owns a range of outputs, 4 dot products at a time (4 row streams).
- * Each output is summed in the same order whichever thread computes it and however many rows are multiplied
- * together: results depend neither on the thread count nor on the batch. Every step of a sum is one fused
- * multiply-add where the CPU has FMA (`gemv_fma8`/`gemv_fmaf`: the 16-wide, 8-wide and scalar columns round alike,
- * so which of them a column falls in, by the thread's range, changes nothing), else a multiply and an add.
- * On AVX-512 the columns go 16 at a time. Both layouts prefetch (GEMV_PREFETCH_*): on a 2-core Zen 5, one step's
- * 30 SmolLM2 layers (425 MB) took 16.9 ms without the prefetches and 256-bit vectors, 12.4 ms with the prefetches,
- * and the AVX-512 multiply-adds computed 2-3x faster than the 256-bit mul + add on weights in cache. */
+ * verification) and a weight W [out, in] in its own row-major layout, 1 to GEMV_MAX_ROWS rows. torch's single-row
+ * product streams the weights on one core, and oneDNN's blocked copy reads them at ~2/3 of the bandwidth for 2-8
+ * rows; here each of torch's OpenMP threads owns a range of output rows and streams that part of W front to back,
+ * one weight row at a time, dotting every activation row with it (`gemv_rows`).
+ *
+ * One stream per core is what the memory system reads fastest. On a 2-core Zen 5, SmolLM2's products for one row
+ * (538 MB: 30 layers and the LM head) took 0.81-0.86x the time of the column-major kernel this replaced (weights
+ * [in, out], 8 input rows' runs interleaved, each thread half of the inputs), 2 rows 0.82-0.87x, 4 rows 0.90x,
+ * 8 rows 1.07-1.25x, and a whole float32 token 0.85x (two engines alternating in one process, same tokens); a
+ * plain read of the same bytes with a prefetch 4 KB ahead ran at about the speed of the new kernel. The prefetch
+ * runs GEMV_PREFETCH_ROW floats per activation row ahead of the stream: the more rows, the longer each weight line
+ * takes to consume, the earlier it must be asked for (the hardware prefetcher stops at 4 KB pages; the software
+ * prefetch carries the stream across them).
+ *
+ * Each output is summed by one thread, in the same order whatever the thread count and however many rows are
+ * multiplied together (`gemv_dot_group`): results depend neither on threads nor on the batch. Every step of a sum is
+ * one fused multiply-add where the CPU has FMA (`gemv_fma8`/`gemv_fmaf`), else a multiply and an add. */
 #define GEMV_MAX_ROWS 8
-#define GEMV_ACC_FLOATS 4096
-#define GEMV_ROWS 8
-#define GEMV_DOTS 4
-/* column-major: how far past the current columns of the next 8 input rows to prefetch (floats); row-major: how far
- * ahead in each of the 4 rows (floats, 2 KB) */
-#define GEMV_PREFETCH_COLUMNS 0
-#define GEMV_PREFETCH_ROW 512
+#ifndef GEMV_PREFETCH_ROW
+#define GEMV_PREFETCH_ROW 1024
+#endif
+#ifndef GEMV_AHEAD
+#define GEMV_AHEAD(rows) (GEMV_PREFETCH_ROW * (rows))
+#endif
 
 #if defined(__FMA__)
 static inline v8f gemv_fma8(v8f a, v8f b, v8f c) {
@@ -1271,138 +1272,119 @@ static inline v8f gemv_fma8(v8f a, v8f b, v8f c) { return c + a * b; }
 static inline float gemv_fmaf(float a, float b, float c) { return c + a * b; }
 #endif
 
-/* sum over inputs [i_begin, i_end) of x[m, i] * w[i, o] into y[m * out + o] for columns [o0, o1) */
-static void gemv_columns(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t o0,
-                         int64_t o1, int64_t i_begin, int64_t i_end, float* y) {
-    float acc[GEMV_ACC_FLOATS];
-    /* as many columns as the sums of every row keep in GEMV_ACC_FLOATS (L1), whole vectors: the longer a block, the
-     * longer each input row's contiguous run of weights (4096 columns for one row: 16 KB runs, 1.5-3.2% faster a
-     * float32 SmolLM2 token than 1024, whose 4 KB runs cross pages the hardware prefetcher stops at) */
-    int64_t block = GEMV_ACC_FLOATS / rows / 16 * 16;
-    for (int64_t b0 = o0; b0 < o1; b0 += block) {
-        int64_t b1 = b0 + block < o1 ? b0 + block : o1, nb = b1 - b0;
-        int64_t vec_end = b0 + nb / 8 * 8;
-        memset(acc, 0, (size_t)(rows * block) * sizeof(float));
-        int64_t i = i_begin;
-        for (; i + GEMV_ROWS <= i_end; i += GEMV_ROWS) {
-            const float* wr = w + i * out;
-            int64_t o = b0;
-#if defined(__AVX512F__)
-            for (; o + 16 <= vec_end; o += 16) {
-                /* the same columns of the next 8 input rows: read after this block's last column */
-                for (int r = 0; r < GEMV_ROWS; ++r)
-                    __builtin_prefetch(wr + (r + GEMV_ROWS) * out + o + GEMV_PREFETCH_COLUMNS);
-                __m512 ws[GEMV_ROWS];
-                for (int r = 0; r < GEMV_ROWS; ++r) ws[r] = _mm512_loadu_ps(wr + r * out + o);
-                for (int64_t m = 0; m < rows; ++m) {
-                    float* am = acc + m * block + (o - b0);
-                    const float* xm = x + m * in + i;
-                    __m512 a = _mm512_loadu_ps(am);
-                    for (int r = 0; r < GEMV_ROWS; ++r) a = _mm512_fmadd_ps(_mm512_set1_ps(xm[r]), ws[r], a);
-                    _mm512_storeu_ps(am, a);
-                }
-            }
-#endif
-            for (; o < vec_end; o += 8) {
-                if (((o - b0) & 15) == 0)
-                    for (int r = 0; r < GEMV_ROWS; ++r)
-                        __builtin_prefetch(wr + (r + GEMV_ROWS) * out + o + GEMV_PREFETCH_COLUMNS);
-                v8f ws[GEMV_ROWS];
-                for (int r = 0; r < GEMV_ROWS; ++r) ws[r] = load8(wr + r * out + o);
-                for (int64_t m = 0; m < rows; ++m) {
-                    float* am = acc + m * block + (o - b0);
-                    const float* xm = x + m * in + i;
-                    v8f a = load8(am);
-                    for (int r = 0; r < GEMV_ROWS; ++r) a = gemv_fma8(splat8(xm[r]), ws[r], a);
-                    store8(am, a);
-                }
-            }
-            for (o = vec_end; o < b1; ++o)
-                for (int64_t m = 0; m < rows; ++m) {
-                    float a = acc[m * block + (o - b0)];
-                    for (int r = 0; r < GEMV_ROWS; ++r) a = gemv_fmaf(x[m * in + i + r], wr[r * out + o], a);
-                    acc[m * block + (o - b0)] = a;
-                }
-        }
-        for (; i < i_end; ++i)
-            for (int64_t m = 0; m < rows; ++m)
-                for (int64_t o = b0; o < b1; ++o)
-                    acc[m * block + (o - b0)] = gemv_fmaf(x[m * in + i], w[i * out + o], acc[m * block + (o - b0)]);
-        for (int64_t m = 0; m < rows; ++m) memcpy(y + m * out + b0, acc + m * block, (size_t)nb * sizeof(float));
-    }
-}
-
 static inline float sum8(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
-static void gemv_rows(const float* x, const float* w, int64_t in, int64_t o0, int64_t o1, float* y) {
-    int64_t vec_end = in / 8 * 8;
-    for (int64_t o = o0; o < o1; o += GEMV_DOTS) {
-        int64_t n = o1 - o < GEMV_DOTS ? o1 - o : GEMV_DOTS;
-        v8f acc[GEMV_DOTS] = {{0}};
-        int64_t i = 0;
+/* Row-major: 16 columns of the inputs at a time (one zmm on AVX-512, two ymm elsewhere: the same sums lane for
+ * lane), two accumulators per row (inputs i and i + 16 of each 32), reduced in a fixed order. */
 #if defined(__AVX512F__)
-        /* 16 at a time, folded to the 8 lanes the tail and the reduction take */
-        __m512 wide[GEMV_DOTS];
-        for (int64_t r = 0; r < GEMV_DOTS; ++r) wide[r] = _mm512_setzero_ps();
-        for (; i + 16 <= vec_end; i += 16) {
-            __m512 xv = _mm512_loadu_ps(x + i);
-            for (int64_t r = 0; r < n; ++r) {
-                __builtin_prefetch(w + (o + r) * in + i + GEMV_PREFETCH_ROW);
-                wide[r] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + (o + r) * in + i), wide[r]);
-            }
-        }
-        for (int64_t r = 0; r < n; ++r) {
-            __m256 folded = _mm256_add_ps(_mm512_castps512_ps256(wide[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[r]), 1)));
-            memcpy(&acc[r], &folded, sizeof folded);
-        }
+typedef __m512 gv16;
+static inline gv16 gv_zero(void) { return _mm512_setzero_ps(); }
+static inline gv16 gv_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline gv16 gv_fma(gv16 a, gv16 b, gv16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline gv16 gv_add(gv16 a, gv16 b) { return _mm512_add_ps(a, b); }
+static inline void gv_store(float* p, gv16 v) { _mm512_storeu_ps(p, v); }
+/* rows dotted with one weight row per pass over it (the others re-read it from L1): 8 x 2 accumulators fit 32 zmm */
+#ifndef GEMV_ROW_GROUP
+#define GEMV_ROW_GROUP 8
 #endif
-        for (; i < vec_end; i += 8) {
-            v8f xv = load8(x + i);
-            for (int64_t r = 0; r < n; ++r) {
-                if ((i & 15) == 0) __builtin_prefetch(w + (o + r) * in + i + GEMV_PREFETCH_ROW);
-                acc[r] = gemv_fma8(xv, load8(w + (o + r) * in + i), acc[r]);
+#else
+typedef struct { v8f lo, hi; } gv16;
+static inline gv16 gv_zero(void) { gv16 v = {splat8(0.0f), splat8(0.0f)}; return v; }
+static inline gv16 gv_load(const float* p) { gv16 v = {load8(p), load8(p + 8)}; return v; }
+static inline gv16 gv_fma(gv16 a, gv16 b, gv16 c) {
+    gv16 v = {gemv_fma8(a.lo, b.lo, c.lo), gemv_fma8(a.hi, b.hi, c.hi)};
+    return v;
+}
+static inline gv16 gv_add(gv16 a, gv16 b) { gv16 v = {a.lo + b.lo, a.hi + b.hi}; return v; }
+static inline void gv_store(float* p, gv16 v) { store8(p, v.lo); store8(p + 8, v.hi); }
+#define GEMV_ROW_GROUP 2  /* 2 x 2 accumulators of two ymm each, and the weights, fit 16 ymm */
+#endif
+
+/* The sum of 16 lanes, in a fixed order (halves added, then halves of those): no trip through memory, whose wide
+ * store and narrow reloads stalled 8-row products. */
+static inline float gv_sum(gv16 v) {
+#if defined(__AVX512F__)
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+#else
+    return sum8(v.lo + v.hi);
+#endif
+}
+
+/* sums[m * stride] = x[m] . wr over `in` inputs for `g` activation rows (a constant where inlined, so the 2g
+ * accumulators stay in registers), each weight vector loaded once for them; with `ahead`, the weight stream is
+ * prefetched that many floats ahead. Each row is summed in the same order whatever g: two accumulators (inputs i and
+ * i + 16 of each 32), the 16-wide tail into the first, their lanes added (`gv_sum`), then the scalar tail. */
+static inline __attribute__((always_inline)) void gemv_dot_group(const float* x, int64_t ld, int g, const float* wr,
+                                                                int64_t in, int64_t ahead, float* sums,
+                                                                int64_t stride) {
+    gv16 a0[GEMV_ROW_GROUP], a1[GEMV_ROW_GROUP];
+    for (int m = 0; m < g; ++m) a0[m] = a1[m] = gv_zero();
+    int64_t i = 0;
+    for (; i + 32 <= in; i += 32) {
+        if (ahead) {  /* both lines of the 32 floats: one prefetch per line */
+            __builtin_prefetch(wr + i + ahead);
+            __builtin_prefetch(wr + i + ahead + 16);
+        }
+        gv16 w0 = gv_load(wr + i), w1 = gv_load(wr + i + 16);
+        for (int m = 0; m < g; ++m) {
+            a0[m] = gv_fma(gv_load(x + m * ld + i), w0, a0[m]);
+            a1[m] = gv_fma(gv_load(x + m * ld + i + 16), w1, a1[m]);
+        }
+    }
+    for (; i + 16 <= in; i += 16) {
+        gv16 w0 = gv_load(wr + i);
+        for (int m = 0; m < g; ++m) a0[m] = gv_fma(gv_load(x + m * ld + i), w0, a0[m]);
+    }
+    for (int m = 0; m < g; ++m) {
+        float s = gv_sum(gv_add(a0[m], a1[m]));
+        for (int64_t j = i; j < in; ++j) s = gemv_fmaf(x[m * ld + j], wr[j], s);
+        sums[m * stride] = s;
+    }
+}
+
+/* y[m, o] = x[m] . w[o] for outputs [o0, o1) of a row-major [out, in] weight: one weight row at a time, so each
+ * thread streams its rows of the weight front to back as one run (the hardware prefetcher's best case, with a
+ * software prefetch ahead of it across pages), every activation row dotted with it while it is in L1 (in groups the
+ * registers hold: later groups re-read it from there). Interleaving two weight rows instead (each activation load
+ * serving both) was slower at every row count: 4 rows 1.29 against 1.08, 8 rows 1.48 against 1.34 (times of one
+ * row; SmolLM2's products, 2-core Zen 5). */
+static void gemv_rows(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t o0, int64_t o1,
+                      float* y) {
+    int64_t ahead = GEMV_AHEAD(rows);
+    for (int64_t o = o0; o < o1; ++o) {
+        const float* wr = w + o * in;
+        for (int64_t m0 = 0; m0 < rows; m0 += GEMV_ROW_GROUP) {
+            int64_t g = rows - m0 < GEMV_ROW_GROUP ? rows - m0 : GEMV_ROW_GROUP;
+            const float* xg = x + m0 * in;
+            float* yg = y + m0 * out + o;
+            int64_t pf = m0 == 0 ? ahead : 0;  /* the first group reads the weight row from memory, later ones L1 */
+#define GEMV_GROUP(G) gemv_dot_group(xg, in, G, wr, in, pf, yg, out)
+            switch (g) {  /* constant sizes: accumulators in registers */
+                case 1: GEMV_GROUP(1); break;
+#if GEMV_ROW_GROUP >= 8
+                case 2: GEMV_GROUP(2); break;
+                case 3: GEMV_GROUP(3); break;
+                case 4: GEMV_GROUP(4); break;
+                case 5: GEMV_GROUP(5); break;
+                case 6: GEMV_GROUP(6); break;
+                case 7: GEMV_GROUP(7); break;
+#endif
+                default: GEMV_GROUP(GEMV_ROW_GROUP); break;
             }
-        }
-        for (int64_t r = 0; r < n; ++r) {
-            float s = sum8(acc[r]);
-            for (int64_t i = vec_end; i < in; ++i) s += x[i] * w[(o + r) * in + i];
-            y[o + r] = s;
+#undef GEMV_GROUP
         }
     }
 }
 
-/* A column-major product sums each output in two halves of the inputs, [0, h) and [h, in), each from zero, then
- * adds them (the first half's sum plus the second's), whatever the rows and threads: so on two threads each thread
- * takes one half of the inputs over every column, for every row, and reads one contiguous half of the weight front
- * to back. For 2-8 rows (speculative verification, small batches) that cut a float32 SmolLM2 step by 11-12% against
- * splitting by columns (2 rows 12.3 against 14.0 ms, 8 rows 13.4 against 15.0; 1 row 11.6-11.9; 2-core Zen 5, two
- * engines alternating in one process). Split by columns instead, each thread read 4 KB runs of every input row
- * (`out` floats apart): on a 2-core
- * Zen 5 a float32 SmolLM2 decode step of one row (its 538 MB of weights) took 16.3-16.4 ms that way and 15.2-15.6 ms
- * split by inputs (`benchmarks/step_curve.py --formats float32 --rows 1`, alternating runs). */
-static int64_t gemv_half(int64_t in) { return in / 2 / GEMV_ROWS * GEMV_ROWS; }
 
-/* Scratch for the second halves' sums, kept per calling thread (grown, never shrunk). */
-static float* gemv_scratch(int64_t floats) {
-    static __thread float* scratch = NULL;
-    static __thread int64_t capacity = 0;
-    if (capacity < floats) {
-        float* grown = malloc((size_t)floats * sizeof(float));
-        if (grown == NULL) return NULL;
-        free(scratch);
-        scratch = grown;
-        capacity = floats;
-    }
-    return scratch;
-}
-
-/* Returns 0, or -1 (nothing computed) for more rows than the layout takes or no memory for the scratch. */
-int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t row_major,
-            const float* bias, const float* residual, float* y) {
-    if (rows < 1 || rows > (row_major ? 1 : GEMV_MAX_ROWS)) return -1;
-    float* second = row_major ? NULL : gemv_scratch(rows * out);  /* [rows, out]: the second halves' sums */
-    if (!row_major && second == NULL) return -1;
-    int64_t half = gemv_half(in);
+/* Returns 0, or -1 (nothing computed) for a row count outside 1..GEMV_MAX_ROWS. */
+int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, const float* bias,
+            const float* residual, float* y) {
+    if (rows < 1 || rows > GEMV_MAX_ROWS) return -1;
 #ifdef _OPENMP
 #pragma omp parallel
     {
@@ -1411,26 +1393,9 @@ int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t ou
     {
         int64_t parts = 1, part = 0;
 #endif
-        /* ranges of whole 8-column groups (whole dot groups for row-major), so vector runs stay aligned */
-        int64_t unit = row_major ? GEMV_DOTS : 8, units = (out + unit - 1) / unit;
-        int64_t o0 = units * part / parts * unit, o1 = units * (part + 1) / parts * unit;
-        o1 = o1 < out ? o1 : out;
-        int by_inputs = !row_major && parts == 2;
-        if (by_inputs) {  /* thread 0 the first half of the inputs, thread 1 the second, every column */
-            gemv_columns(x, rows, w, in, out, 0, out, part == 0 ? 0 : half, part == 0 ? half : in,
-                         part == 0 ? y : second);
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-        } else if (o0 < o1 && !row_major) {
-            gemv_columns(x, rows, w, in, out, o0, o1, 0, half, y);
-            gemv_columns(x, rows, w, in, out, o0, o1, half, in, second);
-        }
+        int64_t o0 = out * part / parts, o1 = out * (part + 1) / parts;
         if (o0 < o1) {
-            if (row_major) gemv_rows(x, w, in, o0, o1, y);
-            else
-                for (int64_t m = 0; m < rows; ++m)
-                    for (int64_t o = o0; o < o1; ++o) y[m * out + o] = y[m * out + o] + second[m * out + o];
+            gemv_rows(x, rows, w, in, out, o0, o1, y);
             for (int64_t m = 0; m < rows; ++m)
                 for (int64_t o = o0; o < o1; ++o) {
                     float v = y[m * out + o];

@@ -26,8 +26,8 @@ void dk_linear_bf16(const float* x, int64_t rows, int64_t in, const uint16_t* pa
                     const float* residual, float* out, int64_t out_dim);
 void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels, const float* scale,
                   const float* bias, const float* residual, float* out, int64_t out_dim);
-int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t row_major,
-            const float* bias, const float* residual, float* y);
+int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, const float* bias,
+            const float* residual, float* y);
 int dk_quant_linear_parts(int64_t parts, const int64_t* kinds, const uint8_t* const* blocks, const int64_t* starts,
                           const int64_t* part_rows, const float* x, int64_t rows, int64_t in, const float* bias,
                           const float* residual, float* out, int64_t ld, int64_t isa);
@@ -38,15 +38,13 @@ enum { DK_STACK_GEMV = 0, DK_STACK_BF16 = 1, DK_STACK_I8 = 2, DK_STACK_QUANT = 3
 /* Parts of a stacked GGUF matrix at most (q, k and v: three). */
 #define DK_STACK_PARTS 4
 
-/* One weight product of a layer: `Matrix` (float32, dk_gemv: `weight` is the [in, out] column-major buffer, or with
- * `row_major` the [out, in] weight), `Bf16Matrix` and `Int8Matrix` (panels, the int8 ones with a scale per output
+/* One weight product of a layer: `Matrix` (float32, dk_gemv: `weight` is the row-major [out, in] weight), `Bf16Matrix` and `Int8Matrix` (panels, the int8 ones with a scale per output
  * row), or `GgufMatrix` (parts stacked by output rows, each its own format, multiplied into columns
  * [part_start, part_start + part_rows) of the output). */
 typedef struct {
     int64_t kind;
     int64_t in, out;
     const void* weight;
-    int64_t row_major;
     const float* scale;
     const float* bias;
     int64_t isa;
@@ -98,7 +96,7 @@ typedef struct {
 static int stack_product(const dk_stack_matrix* m, const float* x, int64_t rows, const float* residual, float* out) {
     switch (m->kind) {
         case DK_STACK_GEMV:
-            return dk_gemv(x, rows, (const float*)m->weight, m->in, m->out, m->row_major, m->bias, residual, out);
+            return dk_gemv(x, rows, (const float*)m->weight, m->in, m->out, m->bias, residual, out);
         case DK_STACK_BF16:
             dk_linear_bf16(x, rows, m->in, (const uint16_t*)m->weight, m->bias, residual, out, m->out);
             return 0;
