@@ -1297,7 +1297,8 @@ static inline void gv_store(float* p, gv16 v) { store8(p, v.lo); store8(p + 8, v
  * store and narrow reloads stalled 8-row products. */
 static inline float gv_sum(gv16 v) {
 #if defined(__AVX512F__)
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), upper);
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));

@@ -38,9 +38,9 @@ enum { DK_STACK_GEMV = 0, DK_STACK_BF16 = 1, DK_STACK_I8 = 2, DK_STACK_QUANT = 3
 /* Parts of a stacked GGUF matrix at most (q, k and v: three). */
 #define DK_STACK_PARTS 4
 
-/* One weight product of a layer: `Matrix` (float32, dk_gemv: `weight` is the row-major [out, in] weight), `Bf16Matrix` and `Int8Matrix` (panels, the int8 ones with a scale per output
- * row), or `GgufMatrix` (parts stacked by output rows, each its own format, multiplied into columns
- * [part_start, part_start + part_rows) of the output). */
+/* One weight product of a layer: `Matrix` (float32, dk_gemv: `weight` is the row-major [out, in] weight),
+ * `Bf16Matrix` and `Int8Matrix` (panels, the int8 ones with a scale per output row), or `GgufMatrix` (parts stacked
+ * by output rows, each its own format, multiplied into columns [part_start, part_start + part_rows) of the output). */
 typedef struct {
     int64_t kind;
     int64_t in, out;
