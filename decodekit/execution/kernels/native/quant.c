@@ -27,12 +27,12 @@
  *
  * The product y[m, o] = sum_i x[m, i] w[o, i] runs in tiles of R weight rows x M activation rows (1x1-1x4, and
  * 2x3-2x4 on AVX-512): a chunk of each weight row is dequantized once and multiplied into every activation row of
- * the tile. Groups of 4 output rows are split over torch's OpenMP threads. From QUANT_PANEL_MIN_ROWS activation
- * rows (batches, prefill chunks) a group is 16 output rows, dequantized once into a panel in cache and multiplied
- * from there (2x4 tiles on AVX-512), so each weight is dequantized once per product rather than once per 4 activation rows. Each output's
- * sum runs in one fixed order (chunk by chunk, even and odd vectors in two accumulators), whatever the tile, the
- * panel, the number of rows or of threads: a row's result does not depend on the batch it is multiplied in, nor on
- * the thread count.
+ * the tile. Groups of 4 output rows are split over torch's OpenMP threads. From QUANT_PANEL_MIN_ROWS activation rows
+ * (batches, prefill chunks) a group is 16 output rows, dequantized once into a panel in cache and multiplied from
+ * there (2x4 tiles on AVX-512), so each weight is dequantized once per product rather than once per 4 activation
+ * rows. Each output's sum runs in one fixed order (chunk by chunk, even and odd vectors in two accumulators),
+ * whatever the tile, the panel, the number of rows or of threads: a row's result does not depend on the batch it is
+ * multiplied in, nor on the thread count.
  */
 #include <stdint.h>
 #include <stdlib.h>
