@@ -189,8 +189,9 @@ def run_recipe(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest],
                on_output: Callable[[RequestOutput], None] | None = None) -> RunResult:
     """Generate every request in one continuous batch; with `outputs.compare_plain`, run them again with the
     plain `sample` strategy. Before a comparison, an untimed warm-up prefills every prompt (one token each), so
-    both timed runs find the prompts in the prefix cache and first-call costs favour neither: the ratio compares
-    decoding. With `inputs.tools`, outputs are constrained to the tools' calls and read back (`tool_calls`)."""
+    both timed runs find the prompts in the prefix cache and first-call costs favour neither, and the model's step
+    cost is measured if it is not cached yet: the ratio compares decoding. With `inputs.tools`, outputs are
+    constrained to the tools' calls and read back (`tool_calls`)."""
     texts, plan = render_prompts(recipe, llm, requests)
     # A chat template already holds the special tokens (BOS); adding them again would change the prompt.
     options = {"add_special_tokens": not recipe.inputs.chat, "on_output": on_output}
@@ -198,6 +199,9 @@ def run_recipe(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest],
     if recipe.outputs.compare_plain and texts:
         warm_up = SamplingParams(max_tokens=1, temperature=0)
         llm.generate(texts, warm_up, add_special_tokens=not recipe.inputs.chat)
+        # speculation's cost model reads the step cost at its first step: measured on a new machine (or after the
+        # kernels change), it would land inside the recipe's timed run
+        llm.engine.step_cost()
     start = time.perf_counter()
     outputs = llm.generate(texts, params, **options)
     if plan is not None:

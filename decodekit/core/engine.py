@@ -118,6 +118,13 @@ class Engine:
         return ModelExecutor(loaded, plan, self.allocator.num_blocks,
                              release_sources=loaded.model is not self.loaded.model)
 
+    def step_cost(self) -> StepCost | None:
+        """The target model's forward time by rows on this machine (what speculation's cost model reads), measured
+        now if this engine has not yet (read from the disk cache when a run on this machine measured it before);
+        None while the KV pool has no blocks to spare for measuring. Speculative strategies ask for it at their
+        first step; call it first to keep the measurement (a few seconds) out of a timed run."""
+        return self._step_cost()
+
     def _step_cost(self, model: ProposerModel | None = None) -> StepCost | None:
         # measured at the first call (engines that never speculate pay nothing), then kept; the disk cache makes a
         # later engine on this machine read it

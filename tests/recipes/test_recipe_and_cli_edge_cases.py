@@ -299,3 +299,25 @@ def test_recipe_check_notes_a_kv_memory_it_cannot_check_without_the_model(tmp_pa
     assert result.exit_code == 0, result.stderr
     assert "note: " in result.stderr and "engine.kv_cache_memory: not checked against the model's KV size" in \
         result.stderr
+
+
+def test_a_comparison_run_measures_the_step_cost_before_its_timed_runs(tiny_dir, tmp_path):
+    """Speculation's cost model reads the step cost at its first step; measured then on a new machine, it landed
+    inside the timed speculative run and the demo printed 0.78x instead of 1.3x. The warm-up now asks for it."""
+    from decodekit.recipe_runner import run_recipe
+
+    recipe = load_recipe(_recipe(tmp_path, "model: m\nsampling: {temperature: 0, max_tokens: 6}\n"
+                                 "strategy: {speculative: {proposer: ngram}}\n"
+                                 "inputs: {prompts: [a b a b, c d c d]}\noutputs: {compare_plain: true}\n"),
+                         registry=REGISTRY)
+    requests, bad = read_inputs(recipe, Components(REGISTRY))
+    assert not bad
+    llm = LLM(str(tiny_dir), kv_cache_memory="8MiB")
+    events: list[str] = []
+    generate, step_cost = llm.generate, llm.engine.step_cost
+    llm.generate = lambda *a, **k: (events.append("generate"), generate(*a, **k))[1]  # type: ignore[method-assign]
+    llm.engine.step_cost = lambda: (events.append("step_cost"), step_cost())[1]  # type: ignore[method-assign]
+    result = run_recipe(recipe, llm, requests)
+    assert events[:3] == ["generate", "step_cost", "generate"], "warm-up, the cost, then the timed run"
+    assert llm.engine._step_costs, "measured (or read from the cache) before the timed run"
+    assert result.plain_wall_s is not None and result.strategy_wall_s is not None
