@@ -340,8 +340,10 @@ class NativeKernels:
         x = x.contiguous()
         out = x.new_empty(rows, out_dim)
         residual = None if residual is None else residual.contiguous()
-        self._gemv(x.data_ptr(), rows, weight.data_ptr(), width, out_dim, None if bias is None else bias.data_ptr(),
-                   None if residual is None else residual.data_ptr(), out.data_ptr())
+        status = self._gemv(x.data_ptr(), rows, weight.data_ptr(), width, out_dim,
+                            None if bias is None else bias.data_ptr(),
+                            None if residual is None else residual.data_ptr(), out.data_ptr())
+        assert status == 0, "dk_gemv refused the rows checked above"
         return out
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,

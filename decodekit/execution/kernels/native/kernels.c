@@ -949,15 +949,15 @@ DK_PANEL_TILE(1, 3)
 DK_PANEL_TILE(1, 4)
 
 /* A panel block's epilogue: out[m + k, o] = sums[k][o - 16p] (* scale[o]) (+ bias[o]) (+ residual[m + k, o]) for
- * its nm rows and the outputs o < out_dim of panels [p, p + np). */
-static void store_panel_sums(const float* sums, int64_t p, int64_t np, int64_t m, int64_t nm, int64_t out_dim,
+ * its nm rows and the outputs o < out_dim of panel p. */
+static void store_panel_sums(const float* sums, int64_t p, int64_t m, int64_t nm, int64_t out_dim,
                              const float* scale, const float* bias, const float* residual, float* out) {
     for (int64_t k = 0; k < nm; ++k)
-        for (int64_t j = 0; j < np * PANEL; ++j) {
+        for (int64_t j = 0; j < PANEL; ++j) {
             int64_t o = p * PANEL + j;
             if (o >= out_dim) break;
             int64_t at = (m + k) * out_dim + o;
-            float v = sums[k * np * PANEL + j];
+            float v = sums[k * PANEL + j];
             if (scale) v *= scale[o];
             if (bias) v += bias[o];
             if (residual) v += residual[at];
@@ -969,21 +969,15 @@ static void store_panel_sums(const float* sums, int64_t p, int64_t np, int64_t m
  * from 16 rows up: registers spill). */
 #define PANEL_ROWS 4
 
-/* The sums of panels [p, p + np) for rows [0, nm) of x (nm <= PANEL_ROWS) into sums [nm][np][PANEL], a panel at
- * a time by the tiles NAME##_tile_1_M(x, n, w, sums) of one weight format; `stride` is one panel's length in
- * weights. */
-#define DK_PANEL_SUMS(NAME, x, n, wp, stride)                                                                   \
+/* The sums of one panel `wp` for rows [0, nm) of x (nm <= PANEL_ROWS) into sums [nm][PANEL], by the tiles
+ * NAME##_tile_1_M(x, n, w, sums) of one weight format. */
+#define DK_PANEL_SUMS(NAME, x, n, wp)                                                                           \
     do {                                                                                                        \
-        for (int64_t q = 0; q < np; ++q) {                                                                      \
-            float one[PANEL_ROWS * PANEL];                                                                      \
-            switch (nm) {                                                                                       \
-                case 1: NAME##_tile_1_1(x, n, wp + q * (stride), one); break;                                  \
-                case 2: NAME##_tile_1_2(x, n, wp + q * (stride), one); break;                                  \
-                case 3: NAME##_tile_1_3(x, n, wp + q * (stride), one); break;                                  \
-                default: NAME##_tile_1_4(x, n, wp + q * (stride), one); break;                                 \
-            }                                                                                                   \
-            for (int64_t k = 0; k < nm; ++k)                                                                    \
-                memcpy(sums + (k * np + q) * PANEL, one + k * PANEL, PANEL * sizeof(float));                    \
+        switch (nm) {                                                                                           \
+            case 1: NAME##_tile_1_1(x, n, wp, sums); break;                                                    \
+            case 2: NAME##_tile_1_2(x, n, wp, sums); break;                                                    \
+            case 3: NAME##_tile_1_3(x, n, wp, sums); break;                                                    \
+            default: NAME##_tile_1_4(x, n, wp, sums); break;                                                   \
         }                                                                                                       \
     } while (0)
 
@@ -995,8 +989,8 @@ typedef struct {
     const void* w;      /* the panels */
 } panel_operands;
 
-/* A weight format's block: the unscaled sums of panels [p, p + np) for rows [m, m + nm) into sums [nm][np][PANEL]. */
-typedef void (*panel_block_fn)(const panel_operands* ops, int64_t p, int64_t np, int64_t m, int64_t nm, float* sums);
+/* A weight format's block: the unscaled sums of panel p for rows [m, m + nm) into sums [nm][PANEL]. */
+typedef void (*panel_block_fn)(const panel_operands* ops, int64_t p, int64_t m, int64_t nm, float* sums);
 
 /* out = the product of `rows` rows and `out_dim` outputs, block by block: panels are split over torch's OpenMP
  * threads one at a time, rows go PANEL_ROWS at a time; each block's sums are times row_scale[m] (when given) and
@@ -1010,30 +1004,27 @@ static void panel_product(const panel_operands* ops, panel_block_fn block, int64
                           const float* row_scale, const float* scale, const float* bias, const float* residual,
                           float* out) {
     int64_t num_panels = (out_dim + PANEL - 1) / PANEL;
-    int64_t width = 1;  /* panels per work item */
-    int64_t items = (num_panels + width - 1) / width;
 #ifdef _OPENMP
     int64_t work = out_dim * ops->in * (rows < 8 ? rows : 8);  /* a product this small is not worth the fork and join */
 #pragma omp parallel for schedule(static) if (work >= 65536)
 #endif
-    for (int64_t item = 0; item < items; ++item) {
-        int64_t p = item * width, np = num_panels - p < width ? num_panels - p : width;
+    for (int64_t p = 0; p < num_panels; ++p) {
         for (int64_t m = 0; m < rows; m += PANEL_ROWS) {
             int64_t nm = rows - m < PANEL_ROWS ? rows - m : PANEL_ROWS;
-            float sums[PANEL_ROWS * 4 * PANEL];
-            block(ops, p, np, m, nm, sums);
+            float sums[PANEL_ROWS * PANEL];
+            block(ops, p, m, nm, sums);
             if (row_scale)
                 for (int64_t k = 0; k < nm; ++k)
-                    for (int64_t j = 0; j < np * PANEL; ++j) sums[k * np * PANEL + j] *= row_scale[m + k];
-            store_panel_sums(sums, p, np, m, nm, out_dim, scale, bias, residual, out);
+                    for (int64_t j = 0; j < PANEL; ++j) sums[k * PANEL + j] *= row_scale[m + k];
+            store_panel_sums(sums, p, m, nm, out_dim, scale, bias, residual, out);
         }
     }
 }
 
-static void bf16_block(const panel_operands* ops, int64_t p, int64_t np, int64_t m, int64_t nm, float* sums) {
+static void bf16_block(const panel_operands* ops, int64_t p, int64_t m, int64_t nm, float* sums) {
     const float* xm = (const float*)ops->x + m * ops->in;
     const uint16_t* wp = (const uint16_t*)ops->w + p * ops->in * PANEL;
-    DK_PANEL_SUMS(panel, xm, ops->in, wp, ops->in * PANEL);
+    DK_PANEL_SUMS(panel, xm, ops->in, wp);
 }
 
 void dk_linear_bf16(const float* x, int64_t rows, int64_t in, const uint16_t* panels, const float* bias,
@@ -1172,30 +1163,27 @@ DK_I8_PANEL_TILE(1, 4)
 #define DK_HAVE_I16 0
 #endif
 
-static void i8_block(const panel_operands* ops, int64_t p, int64_t np, int64_t m, int64_t nm, float* sums) {
+static void i8_block(const panel_operands* ops, int64_t p, int64_t m, int64_t nm, float* sums) {
     int64_t pairs = (ops->in + 1) / 2;
 #if DK_HAVE_I16
     const int16_t* xm = (const int16_t*)ops->x + m * pairs * 2;
     const int8_t* wp = (const int8_t*)ops->w + p * pairs * 2 * PANEL;
-    DK_PANEL_SUMS(i8_panel, xm, pairs, wp, pairs * 2 * PANEL);
+    DK_PANEL_SUMS(i8_panel, xm, pairs, wp);
 #else
-    (void)pairs; (void)p; (void)np; (void)m; (void)nm; (void)sums;
+    (void)pairs; (void)p; (void)m; (void)nm; (void)sums;
 #endif
 }
 
 /* The float path's block (a row that is not finite, or no AVX2): the float rows times the int8 panels, serially. */
-static void i8_block_float(const panel_operands* ops, int64_t p, int64_t np, int64_t m, int64_t nm, float* sums) {
+static void i8_block_float(const panel_operands* ops, int64_t p, int64_t m, int64_t nm, float* sums) {
     int64_t in = ops->in, pairs = (in + 1) / 2;
     const float* x = ops->xf + m * in;
-    const int8_t* w = (const int8_t*)ops->w;
+    const int8_t* wq = (const int8_t*)ops->w + p * pairs * 2 * PANEL;
     for (int64_t k = 0; k < nm; ++k)
-        for (int64_t q = 0; q < np; ++q) {
-            const int8_t* wq = w + (p + q) * pairs * 2 * PANEL;
-            for (int64_t o = 0; o < PANEL; ++o) {
-                float t = 0;
-                for (int64_t i = 0; i < in; ++i) t += x[k * in + i] * (float)wq[((i / 2) * PANEL + o) * 2 + i % 2];
-                sums[(k * np + q) * PANEL + o] = t;
-            }
+        for (int64_t o = 0; o < PANEL; ++o) {
+            float t = 0;
+            for (int64_t i = 0; i < in; ++i) t += x[k * in + i] * (float)wq[((i / 2) * PANEL + o) * 2 + i % 2];
+            sums[k * PANEL + o] = t;
         }
 }
 

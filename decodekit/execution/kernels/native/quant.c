@@ -487,33 +487,30 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
         float sums[QUANT_GROUP * 4];                                                                            \
         const uint8_t* wr = w + o0 * row_bytes;                                                                 \
         for (int64_t m = 0; m < rows;) {                                                                        \
-            int64_t left = rows - m, nm;                                                                        \
+            int64_t left = rows - m, nm = left >= 4 ? 4 : left;                                                 \
             const float* xm = x + m * in;                                                                       \
-            {                                                                                                   \
-                nm = left >= 4 ? 4 : left;                                                                      \
-                int64_t r = 0;                                                                                  \
-                /* where the registers hold them (AVX-512), pairs of weight rows: each activation vector loaded   \
-                 * once for two (4-12 rows of SmolLM2's products 4-5% faster than one weight row at a time) */   \
-                if (PANEL_R_##ISA == 2 && nm >= 3)                                                             \
-                    for (; r + 2 <= nr; r += 2) {                                                               \
-                        float two[8];                                                                           \
-                        if (nm == 3) tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 3, two);        \
-                        else tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 4, two);                \
-                        for (int64_t k = 0; k < nm; ++k) {                                                      \
-                            sums[k * nr + r] = two[k * 2];                                                      \
-                            sums[k * nr + r + 1] = two[k * 2 + 1];                                              \
-                        }                                                                                       \
+            int64_t r = 0;                                                                                      \
+            /* where the registers hold them (AVX-512), pairs of weight rows: each activation vector loaded       \
+             * once for two (4-12 rows of SmolLM2's products 4-5% faster than one weight row at a time) */       \
+            if (PANEL_R_##ISA == 2 && nm >= 3)                                                                 \
+                for (; r + 2 <= nr; r += 2) {                                                                   \
+                    float two[8];                                                                               \
+                    if (nm == 3) tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 3, two);            \
+                    else tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 4, two);                    \
+                    for (int64_t k = 0; k < nm; ++k) {                                                          \
+                        sums[k * nr + r] = two[k * 2];                                                          \
+                        sums[k * nr + r + 1] = two[k * 2 + 1];                                                  \
                     }                                                                                           \
-                for (; r < nr; ++r) {                                                                           \
-                    float one[4];                                                                               \
-                    switch (nm) {                                                                               \
-                        case 1: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 1, one); break;      \
-                        case 2: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 2, one); break;      \
-                        case 3: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 3, one); break;      \
-                        default: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 4, one); break;     \
-                    }                                                                                           \
-                    for (int64_t k = 0; k < nm; ++k) sums[k * nr + r] = one[k];                                 \
                 }                                                                                               \
+            for (; r < nr; ++r) {                                                                               \
+                float one[4];                                                                                   \
+                switch (nm) {                                                                                   \
+                    case 1: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 1, one); break;          \
+                    case 2: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 2, one); break;          \
+                    case 3: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 3, one); break;          \
+                    default: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 4, one); break;         \
+                }                                                                                               \
+                for (int64_t k = 0; k < nm; ++k) sums[k * nr + r] = one[k];                                     \
             }                                                                                                   \
             for (int64_t k = 0; k < nm; ++k)                                                                    \
                 for (int64_t r = 0; r < nr; ++r) {                                                              \
