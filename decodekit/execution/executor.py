@@ -20,6 +20,7 @@ from decodekit.execution.attention.kv_cache import PagedKVCache
 from decodekit.execution.blocks import BlockAllocator
 from decodekit.execution.fused.decoder import release_layer_weights
 from decodekit.execution.fused.relaid_linears import relay_linears
+from decodekit.execution.host_memory import retain_freed_memory
 from decodekit.execution.items import ForwardItem
 from decodekit.execution.parallel.runner import TensorParallelRunner
 from decodekit.execution.plan import ExecutionPlan, RelayPlan
@@ -44,6 +45,7 @@ class ModelExecutor:
                  release_sources: bool = False) -> None:
         geometry, config = plan.geometry, plan.config
         self.plan = plan
+        retain_freed_memory()  # a step's large tensors reused, not faulted in anew (the host side of a GPU run too)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self._cached: dict[int, int] = {}  # a proposer's sequences: tokens whose keys/values are stored
         self._tokens: dict[int, list[int]] = {}  # ... and those tokens, for the prefix cache's block hashes
