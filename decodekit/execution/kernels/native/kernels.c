@@ -360,8 +360,8 @@ KV_INLINE int attend_items(const float* qkv, int64_t item_begin, int64_t item_en
  * and the vector unit:
  *   - keys are taken TILE at a time, a token's whole rows (every kv head) at once: a tile's rows within one block
  *     are one contiguous run of memory, read once (the key-by-key path reads each kv head's slice of a row in its own
- *     pass, and at 1,024 keys of context read 5 GB/s where this reads 15-20 on AVX-512; software prefetch
- *     measured no faster);
+ *     pass, and at 1,024 keys of context read 5 GB/s where this reads 15-20 on AVX-512), the next tile's rows
+ *     prefetched into L1 and the next unit's into L2 (see `next_unit`);
  *   - each query head of the group multiplies the tile from L1, TILE key dot products at once: the products are
  *     accumulated as vectors (fused multiply-add), one independent sum per key, and the TILE horizontal sums done
  *     together by one shuffle tree (`tv_sums`), instead of one horizontal sum per key and head;
@@ -442,14 +442,16 @@ static inline tvec tv_sums(const tvec* v) {
 }
 #endif
 
-/* Prefetch the next tile's key rows (keys [from, from + count) up to n; `bytes` of each row from element `offset`)
- * while this tile is computed. On a bf16 pool, cold in the caches as a decode step finds it (30 layers' pools read
- * once each), that made the dot path 12-14% and the widened path 3-6% faster on Zen 5 (attention_bound.py --layers
- * 30); on a float32 pool it measured no faster (twice the lines to fetch), so it is left to the hardware there. */
-KV_INLINE void prefetch_key_rows(const void* kpool, const int64_t* rows, int64_t from, int64_t n, int64_t count,
-                                 int64_t offset, int64_t bytes) {
+/* Prefetch a tile's rows into L1 (keys [from, from + count) up to n; `bytes` of each row from element `offset`,
+ * `elem` bytes an element) while the tile before it is computed. Alone, on pools cold in the caches as a decode step
+ * finds them (30 layers' pools read once each), that made the bf16 dot path 12-14% and the widened path 3-6% faster
+ * on Zen 5 (attention_bound.py --layers 30), and float32 pools no faster (twice the lines to fetch); with the next
+ * unit's rows coming into L2 meanwhile (`prefetch_next_share`), float32 keys and values a tile ahead took a 64-row
+ * float32 layer at 300 keys from 1.49 to 1.33 ms. */
+KV_INLINE void prefetch_key_rows(const void* pool, const int64_t* rows, int64_t from, int64_t n, int64_t count,
+                                 int64_t offset, int64_t bytes, int64_t elem) {
     for (int64_t j = from; j < n && j < from + count; ++j) {
-        const char* row = (const char*)((const uint16_t*)kpool + rows[j] + offset);
+        const char* row = (const char*)pool + (rows[j] + offset) * elem;
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
 }
@@ -458,8 +460,10 @@ KV_INLINE void prefetch_key_rows(const void* kpool, const int64_t* rows, int64_t
  * it reads (from element `offset`, `bytes` long). While a unit is computed, its share of the next unit's keys and
  * values is prefetched into L2 (`prefetch_next_share`), so that the next unit finds them there: a decode step reads
  * each layer's pool cold, and with only the next tile prefetched a 64-row step's attention on Zen 5 spent ~0.6 ms
- * of its 0.9 waiting on memory that a whole unit's computing can hide. A unit's keys and values (a few hundred KB at
- * a few hundred keys) fit in L2 beside the current one's. */
+ * of its 0.9 waiting on memory (bf16 pool, 300 keys; 0.27 ms with the pool in cache). With this: 0.69 ms on bf16 dot
+ * products, 0.70 against 1.07 widened, and float32 1.33 against 1.54 (`attention_bound.py --layers 30`). A unit's
+ * keys and values (a few hundred KB at a few hundred keys) fit in L2 beside the current one's. The hint is T1 (L2);
+ * T0 and T2 measured the same. */
 typedef struct {
     const int64_t* rows;
     int64_t n, offset, bytes;
@@ -493,13 +497,13 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
                                   float scale, float softcap, float* scores, int64_t padded, float* out, int kv_bf16,
                                   const next_unit* next) {
     int64_t width = (heads + 2 * kv_heads) * dim;
-    int64_t group = heads / kv_heads, chunks = dim / TILE;
+    int64_t group = heads / kv_heads, chunks = dim / TILE, elem = kv_bf16 ? 2 : 4;
     tvec vscale = tv_set1(scale);
     /* scores[(g - g0) * group + h][j] = scale * q_{g, h} . k_{j, g} */
     for (int64_t j0 = 0; j0 < n; j0 += TILE) {
         int64_t count = n - j0 < TILE ? n - j0 : TILE;
-        if (kv_bf16) prefetch_key_rows(kpool, rows, j0 + TILE, n, TILE, g0 * dim, (g1 - g0) * dim * 2);
-        prefetch_next_share(kpool, next, j0, TILE, n, kv_bf16 ? 2 : 4);
+        prefetch_key_rows(kpool, rows, j0 + TILE, n, TILE, g0 * dim, (g1 - g0) * dim * elem, elem);
+        prefetch_next_share(kpool, next, j0, TILE, n, elem);
         /* the tile's rows (a short last tile repeats its first key: those lanes are computed and never read) */
         int64_t tile[TILE];
         for (int k = 0; k < TILE; ++k) tile[k] = rows[j0 + (k < count ? k : 0)];
@@ -529,7 +533,8 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
     /* out_{g, h} += sum_j p[g, h][j] * v_{j, g} */
     for (int64_t j0 = 0; j0 < n; j0 += TILE) {
         int64_t count = n - j0 < TILE ? n - j0 : TILE;
-        prefetch_next_share(vpool, next, j0, TILE, n, kv_bf16 ? 2 : 4);
+        prefetch_key_rows(vpool, rows, j0 + TILE, n, TILE, g0 * dim, (g1 - g0) * dim * elem, elem);
+        prefetch_next_share(vpool, next, j0, TILE, n, elem);
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t h = 0; h < group; ++h) {
                 const float* p = scores + ((g - g0) * group + h) * padded + j0;
@@ -637,7 +642,7 @@ KV_INLINE void attend_token_dot(const float* qkv, int64_t t, int64_t g0, int64_t
     __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         int64_t count = n - j0 < 16 ? n - j0 : 16;
-        prefetch_key_rows(kpool, rows, j0 + 16, n, 16, g0 * dim, (g1 - g0) * dim * 2);
+        prefetch_key_rows(kpool, rows, j0 + 16, n, 16, g0 * dim, (g1 - g0) * dim * 2, 2);
         prefetch_next_share(kpool, next, j0, 16, n, 2);
         int64_t tile[16];
         for (int k = 0; k < 16; ++k) tile[k] = rows[j0 + (k < count ? k : 0)];
