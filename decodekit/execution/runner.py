@@ -95,7 +95,8 @@ class ModelRunner:
             short_tokens = sum(q for q in query_lens if q <= BATCHED_MAX_QUERY)
             if self.fused.native is not None and short_tokens <= NATIVE_MAX_TOKENS:
                 plan = DecodeAttentionPlan(layout.slot_mapping, query_lens, [it.context_len for it in items],
-                                           [it.block_table for it in items], self.kv_cache.block_size)
+                                           [it.block_table for it in items], self.kv_cache.block_size,
+                                           chunk_max_keys=self.fused.native_chunk_keys(len(flat), self.kv_cache))
             try:
                 logits = self.fused(input_ids[0], positions, self.kv_cache, keep, plan, hidden_index).float()
                 return logits, None if hidden_index is None else self.fused.last_hidden

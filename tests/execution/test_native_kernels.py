@@ -167,18 +167,19 @@ def attention_builds(native, tmp_path_factory):
        contexts=st.lists(st.integers(0, 40), min_size=4, max_size=4), max_query=st.sampled_from([2, 16]),
        kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=st.sampled_from([None, 1, 3, 17]),
        softcap=st.sampled_from([None, 0.5, 5.0]), tiled=st.booleans(), build=st.integers(0, 2),
-       bf16_dot=st.booleans(), seed=st.integers(0, 2**16))
+       bf16_dot=st.booleans(), chunk_max_keys=st.sampled_from([0, 8, 30, 1 << 20]), seed=st.integers(0, 2**16))
 def test_native_rope_write_and_attention_match_torch_for_any_paged_layout(attention_builds, block_size, kv_heads, group,
                                                                           dim, query_lens, contexts, max_query,
                                                                           kv_dtype, window, softcap, tiled, build,
-                                                                          bf16_dot, seed):
-    # Sequences with more than `max_query` new tokens stand for prefill chunks: rotated and stored, not attended.
+                                                                          bf16_dot, chunk_max_keys, seed):
+    # Sequences with more than `max_query` new tokens stand for prefill chunks: those of more than `chunk_max_keys`
+    # keys in all are rotated and stored, not attended (SDPA's); shorter ones are attended like any query.
     # A bfloat16 pool (`kv_cache_dtype`) must hold exactly torch's rounding of the keys and values, and attention
     # must be the float32 attention over those stored values; with a sliding `window`, over the last `window` keys;
     # with a `softcap` (Gemma 2), of capped scores. Every attention path: tiles of 16 keys (AVX-512) or 8 (AVX2 + FMA)
     # for head sizes that are a multiple of the tile, and key by key (every CPU), in each build this CPU can run.
     _check_attention(attention_builds[build % len(attention_builds)], block_size, kv_heads, group, dim, query_lens,
-                     contexts, max_query, kv_dtype, window, softcap, tiled, bf16_dot, seed)
+                     contexts, max_query, kv_dtype, window, softcap, tiled, bf16_dot, seed, chunk_max_keys)
 
 
 @settings(max_examples=40, deadline=None)
@@ -198,7 +199,7 @@ def test_bf16_dot_attention_is_the_attention_of_bf16_rounded_queries_and_probabi
 
 
 def _check_attention(native, block_size, kv_heads, group, dim, query_lens, contexts, max_query, kv_dtype, window,
-                     softcap, tiled, bf16_dot, seed):
+                     softcap, tiled, bf16_dot, seed, chunk_max_keys=0):
     """Run `rope_cache_attend` on a random paged layout; hold its writes, rotated queries and attention to torch.
 
     `bf16_dot` on a bf16 pool, in a build for AVX512-BF16, on the tiled path, for head sizes that are a multiple of
@@ -230,8 +231,12 @@ def _check_attention(native, block_size, kv_heads, group, dim, query_lens, conte
     want_keys, want_values = key_pool.clone(), value_pool.clone()
     want_keys[slots], want_values[slots] = key.to(kv_dtype), value.to(kv_dtype)
 
-    plan = DecodeAttentionPlan(torch.tensor(slots), query_lens, contexts, tables, block_size, max_query=max_query)
-    assert plan.has_chunks == any(q > max_query for q in query_lens)
+    plan = DecodeAttentionPlan(torch.tensor(slots), query_lens, contexts, tables, block_size, max_query=max_query,
+                               chunk_max_keys=chunk_max_keys)
+    left = [q > max_query and c + q > chunk_max_keys for c, q in zip(contexts, query_lens)]
+    firsts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    assert plan.chunks_left == {first for first, out in zip(firsts, left) if out}
+    assert plan.has_chunks == any(left)
     plan.set_rope(cos, sin)
     rotated = qkv.clone()
     out = native.rope_cache_attend(rotated, heads, kv_heads, key_pool, value_pool, plan, 0.3, window, softcap, tiled,
@@ -242,9 +247,9 @@ def _check_attention(native, block_size, kv_heads, group, dim, query_lens, conte
     assert torch.equal(rotated.view(tokens, -1, dim)[:, :heads], query), "queries are rotated in place, bit-exactly"
     out = out.view(tokens, heads, dim)
     token = 0
-    for table, ctx, q_len in zip(tables, contexts, query_lens):
+    for table, ctx, q_len, out_of_plan in zip(tables, contexts, query_lens, left):
         order = [table[p // block_size] * block_size + p % block_size for p in range(ctx + q_len)]
-        if q_len > max_query:
+        if out_of_plan:
             token += q_len
             continue
         for j in range(q_len):

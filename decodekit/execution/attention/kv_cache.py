@@ -18,6 +18,7 @@ indexing slot by slot with a 2-D index).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -379,14 +380,17 @@ def paged_attention(cache: PagedKVCache, layer_idx: int, query: torch.Tensor, ke
 def attend_chunks(layout: AttentionLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   k_rows: torch.Tensor, v_rows: torch.Tensor, scaling: float | None, out: torch.Tensor,
                   window: int | None = None, softcap: float | None = None,
-                  sinks: torch.Tensor | None = None) -> None:
+                  sinks: torch.Tensor | None = None, only: Collection[int] | None = None) -> None:
     """Attend the layout's long prefill chunks (one SDPA each), writing their rows of `out` `[T, heads, D]`.
 
     `query`/`key`/`value` are this step's `[T, heads | kv_heads, D]`; `k_rows`/`v_rows` one layer's block rows;
-    `window`, `softcap` and `sinks` as in `paged_attention`.
+    `window`, `softcap` and `sinks` as in `paged_attention`; with `only`, just the chunks starting at those tokens
+    (the rest attended by the native kernel: `DecodeAttentionPlan.chunks_left`).
     """
     kv_heads, dim = key.shape[1], key.shape[2]
     for start, end, ctx_start, blocks in layout.chunks:
+        if only is not None and start not in only:
+            continue
         qs = query[start:end].transpose(0, 1).unsqueeze(0)
         n_q = end - start
         n_k = ctx_start + n_q

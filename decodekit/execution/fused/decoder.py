@@ -74,6 +74,11 @@ from decodekit.execution.fused.weight_matrices import (
 from decodekit.execution.kernels import gpu_ops
 from decodekit.execution.kernels.native import NATIVE_GATING_MAX_ROWS, DecodeAttentionPlan, NativeKernels
 
+# The most keys (context and chunk) of a sequence whose prefill chunk the native attention takes (query by query)
+# instead of SDPA: float32 and widened bf16 arithmetic, and bf16 dot products (`native_chunk_keys`).
+NATIVE_CHUNK_MAX_KEYS = 512
+NATIVE_CHUNK_MAX_KEYS_DOT = 1024
+
 
 @dataclass
 class _FusedLayer:
@@ -352,6 +357,22 @@ class FusedDecoder:
         hidden = _rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
         return self._logits(hidden)
 
+    def native_chunk_keys(self, tokens: int, cache: PagedKVCache) -> int:
+        """The most keys (context and chunk) of a sequence whose prefill chunk, in a step of `tokens` tokens, the
+        native attention takes instead of SDPA (`DecodeAttentionPlan`'s `chunk_max_keys`; 0: none).
+
+        The native kernel attends query by query, SDPA in blocks of queries: measured on SmolLM2's heads (2-core
+        Zen 5, one layer, every prompt a whole chunk), on bf16 dot products (a bf16 step on a bf16 pool, AVX512-BF16)
+        the native kernel took 0.5-0.6x SDPA's time up to 480 keys and 0.8x at 960; in float32 0.6-0.85x up to 480,
+        the same at 640 and 1.15x at 960. Key-by-key libraries (no tiled attention) leave every chunk to SDPA."""
+        native = self.native
+        head_dim = cache.key_slots[0].shape[-1] if cache.key_slots else 0
+        if native is None or not native.tiled_attention or head_dim % native.attention_tile:
+            return 0
+        dot = (self.bf16_gemm and tokens >= BF16_GEMM_MIN_ROWS and cache.pool.dtype == torch.bfloat16
+               and head_dim % 32 == 0 and head_dim <= native.dot_attention_max_dim)
+        return NATIVE_CHUNK_MAX_KEYS_DOT if dot else NATIVE_CHUNK_MAX_KEYS
+
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor
                      ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """This step's RoPE tables `(cos, signed_sin)`, `[T, 1, head_dim]` each (broadcast over heads; `signed_sin`
@@ -413,8 +434,8 @@ class FusedDecoder:
         and after each product (the same values), and attention runs on the CPU's bf16 dot products where the pool
         is bf16 (`rope_cache_attend`).
 
-        Long prefill chunks in the step (the plan leaves them out) are attended by SDPA from the rotated `qkv`, and
-        SiLU-gating of many rows stays with torch's vectorized `exp`.
+        Prefill chunks of sequences longer than the plan takes (`native_chunk_keys`; `plan.chunks_left`) are attended
+        by SDPA from the rotated `qkv`, and SiLU-gating of many rows stays with torch's vectorized `exp`.
         """
         tokens = hidden.shape[0]
         qkv = layer.qkv(native.rms_norm(hidden, layer.input_norm, layer.input_eps, bf16_out=bf16_step))
@@ -427,7 +448,8 @@ class FusedDecoder:
             heads = qkv.view(tokens, -1, cache.key_slots[index].shape[-1])
             query, key, value = heads.split([layer.q_heads, layer.kv_heads, layer.kv_heads], dim=1)
             attend_chunks(cache.layout, query, key, value, cache.key_rows[index], cache.value_rows[index],
-                          layer.scaling, attended.view(tokens, layer.q_heads, -1), layer.window, layer.softcap)
+                          layer.scaling, attended.view(tokens, layer.q_heads, -1), layer.window, layer.softcap,
+                          only=plan.chunks_left)
         if layer.attn_out_norm is None:
             hidden = layer.o(attended, residual=hidden)
         else:  # Gemma 2 and 3: the attention's output is normed before the residual add

@@ -427,29 +427,34 @@ class DecodeAttentionPlan:
     """Where each query token of a step reads its keys, as int64 arrays the native attention takes.
 
     Built once per step by the runner (shared by every layer). The native attention serves sequences scoring at
-    most `max_query` tokens (decodes, verification, beams): it attends query by query, which beats SDPA's setup
-    there and loses to its blocked products on long prefill chunks. A longer sequence's tokens get key length 0
-    (the kernel still rotates and stores them) and `has_chunks` tells the caller to attend them itself.
+    most `max_query` tokens (decodes, verification, beams), and prefill chunks of sequences of at most
+    `chunk_max_keys` keys in all: it attends query by query, which beats SDPA's setup there and loses to its blocked
+    products on long prefill chunks. A longer sequence's tokens get key length 0 (the kernel still rotates and
+    stores them), `has_chunks` tells the caller to attend them itself, and `chunks_left` says which (the first
+    token of each, as in `AttentionLayout.chunks`).
 
     Args:
         slots: `[T]` int64 pool slot each token's key/value is written to.
         query_lens, context_lens, block_tables: per sequence, as in `kv_cache.build_layout`.
         block_size: tokens per block.
-        max_query: the longest query the native attention takes.
+        max_query: the longest query the native attention takes whatever its context.
+        chunk_max_keys: the most keys (context and chunk) of a longer query it takes (0: none;
+            `FusedDecoder.native_chunk_keys`).
 
     Raises:
         ValueError: a block table is too short for its sequence's tokens.
     """
 
     def __init__(self, slots: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                 block_tables: list[list[int]], block_size: int, max_query: int = BATCHED_MAX_QUERY) -> None:
+                 block_tables: list[list[int]], block_size: int, max_query: int = BATCHED_MAX_QUERY,
+                 chunk_max_keys: int = 0) -> None:
         tables: list[int] = []
         table_start: list[int] = []
         key_len: list[int] = []
-        self.has_chunks = False
+        self.chunks_left: set[int] = set()
         for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables):
-            if q_len > max_query:
-                self.has_chunks = True
+            if q_len > max_query and ctx_len + q_len > chunk_max_keys:
+                self.chunks_left.add(len(key_len))
                 table_start.extend([0] * q_len)
                 key_len.extend([0] * q_len)
                 continue
@@ -460,6 +465,7 @@ class DecodeAttentionPlan:
             tables.extend(table[:needed])
             table_start.extend([start] * q_len)
             key_len.extend(range(ctx_len + 1, ctx_len + q_len + 1))
+        self.has_chunks = bool(self.chunks_left)
         self.slots = slots
         self.tables = torch.tensor(tables or [0], dtype=torch.long)
         self.table_start = torch.tensor(table_start, dtype=torch.long)
