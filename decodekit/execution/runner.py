@@ -83,17 +83,19 @@ class ModelRunner:
                 pass  # logged; the graphs are now off and this step runs eagerly below
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         hidden_index = torch.tensor(hidden_rows, dtype=torch.long, device=self.device) if hidden_rows else None
+        query_lens = [len(it.token_ids) for it in items]
+        # the fused decoder's native attention (a plan, below) reads no padded groups: the layout leaves them out
+        native = (self.fused is not None and self.fused.native is not None
+                  and sum(q for q in query_lens if q <= BATCHED_MAX_QUERY) <= NATIVE_MAX_TOKENS)
         layout, positions = build_layout(
-            [len(it.token_ids) for it in items], [it.context_len for it in items],
-            [it.block_table for it in items], self.kv_cache.block_size, self.device, by_token=self.by_token,
+            query_lens, [it.context_len for it in items], [it.block_table for it in items],
+            self.kv_cache.block_size, self.device, by_token=self.by_token, groups=not native,
         )
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)[None]
         self.kv_cache.layout = layout
         if self.fused is not None:
             plan = None
-            query_lens = [len(it.token_ids) for it in items]
-            short_tokens = sum(q for q in query_lens if q <= BATCHED_MAX_QUERY)
-            if self.fused.native is not None and short_tokens <= NATIVE_MAX_TOKENS:
+            if native:
                 plan = DecodeAttentionPlan(layout.slot_mapping, query_lens, [it.context_len for it in items],
                                            [it.block_table for it in items], self.kv_cache.block_size,
                                            chunk_max_keys=self.fused.native_chunk_keys(len(flat), self.kv_cache))

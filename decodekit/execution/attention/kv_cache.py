@@ -129,13 +129,15 @@ class AttentionLayout:
 
 def build_layout(
     query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device, by_token: bool = False,
+    device: torch.device, by_token: bool = False, groups: bool = True,
 ) -> tuple[AttentionLayout, torch.Tensor]:
     """Describe one packed forward pass: sequence i brings `query_lens[i]` new tokens after `context_lens[i]`.
 
     Returns the layout and the position id of every packed token. Built with Python lists and one tensor per
     field: a decode step has a handful of sequences, and a dozen small tensor ops cost more (measured ~0.4 ms).
-    With `by_token` (the GPU path) short queries are described by a `TokenTable` instead of padded groups.
+    With `by_token` (the GPU path) short queries are described by a `TokenTable` instead of padded groups; with
+    `groups` False by neither (a step the native attention serves reads only the slots, the positions and the
+    chunks).
     """
     n = len(query_lens)
     starts = list(accumulate(query_lens, initial=0))[:n]
@@ -159,12 +161,15 @@ def build_layout(
         return (AttentionLayout(slots, (), tuple(chunks), token_table=_token_table(
             query_lens, context_lens, block_tables, block_size, device)),
             torch.tensor(positions, dtype=torch.long, device=device))
+    if not groups:
+        return (AttentionLayout(torch.tensor(slot_mapping, dtype=torch.long, device=device), (), tuple(chunks)),
+                torch.tensor(positions, dtype=torch.long, device=device))
     short = sorted((i for i in range(n) if query_lens[i] <= BATCHED_MAX_QUERY), key=lambda i: totals[i])
     buckets = _bucket_by_length(short, totals)
-    groups = tuple(_batched_group(g, query_lens, context_lens, starts, block_tables, block_size, device)
+    padded = tuple(_batched_group(g, query_lens, context_lens, starts, block_tables, block_size, device)
                    for g in buckets)
     in_order = not chunks and len(buckets) == 1 and buckets[0] == list(range(n)) and len(set(query_lens)) == 1
-    layout = AttentionLayout(torch.tensor(slot_mapping, dtype=torch.long, device=device), groups, tuple(chunks),
+    layout = AttentionLayout(torch.tensor(slot_mapping, dtype=torch.long, device=device), padded, tuple(chunks),
                              in_order)
     return layout, torch.tensor(positions, dtype=torch.long, device=device)
 
