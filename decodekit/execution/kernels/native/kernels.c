@@ -448,7 +448,7 @@ static inline tvec tv_sums(const tvec* v) {
  * on Zen 5 (attention_bound.py --layers 30), and float32 pools no faster (twice the lines to fetch); with the next
  * unit's rows coming into L2 meanwhile (`prefetch_next_share`), float32 keys and values a tile ahead took a 64-row
  * float32 layer at 300 keys from 1.49 to 1.33 ms. */
-KV_INLINE void prefetch_key_rows(const void* pool, const int64_t* rows, int64_t from, int64_t n, int64_t count,
+KV_INLINE void prefetch_tile_rows(const void* pool, const int64_t* rows, int64_t from, int64_t n, int64_t count,
                                  int64_t offset, int64_t bytes, int64_t elem) {
     for (int64_t j = from; j < n && j < from + count; ++j) {
         const char* row = (const char*)pool + (rows[j] + offset) * elem;
@@ -502,7 +502,7 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
     /* scores[(g - g0) * group + h][j] = scale * q_{g, h} . k_{j, g} */
     for (int64_t j0 = 0; j0 < n; j0 += TILE) {
         int64_t count = n - j0 < TILE ? n - j0 : TILE;
-        prefetch_key_rows(kpool, rows, j0 + TILE, n, TILE, g0 * dim, (g1 - g0) * dim * elem, elem);
+        prefetch_tile_rows(kpool, rows, j0 + TILE, n, TILE, g0 * dim, (g1 - g0) * dim * elem, elem);
         prefetch_next_share(kpool, next, j0, TILE, n, elem);
         /* the tile's rows (a short last tile repeats its first key: those lanes are computed and never read) */
         int64_t tile[TILE];
@@ -533,7 +533,7 @@ KV_INLINE void attend_token_tiled(const float* qkv, int64_t t, int64_t g0, int64
     /* out_{g, h} += sum_j p[g, h][j] * v_{j, g} */
     for (int64_t j0 = 0; j0 < n; j0 += TILE) {
         int64_t count = n - j0 < TILE ? n - j0 : TILE;
-        prefetch_key_rows(vpool, rows, j0 + TILE, n, TILE, g0 * dim, (g1 - g0) * dim * elem, elem);
+        prefetch_tile_rows(vpool, rows, j0 + TILE, n, TILE, g0 * dim, (g1 - g0) * dim * elem, elem);
         prefetch_next_share(vpool, next, j0, TILE, n, elem);
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t h = 0; h < group; ++h) {
@@ -642,7 +642,7 @@ KV_INLINE void attend_token_dot(const float* qkv, int64_t t, int64_t g0, int64_t
     __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         int64_t count = n - j0 < 16 ? n - j0 : 16;
-        prefetch_key_rows(kpool, rows, j0 + 16, n, 16, g0 * dim, (g1 - g0) * dim * 2, 2);
+        prefetch_tile_rows(kpool, rows, j0 + 16, n, 16, g0 * dim, (g1 - g0) * dim * 2, 2);
         prefetch_next_share(kpool, next, j0, 16, n, 2);
         int64_t tile[16];
         for (int k = 0; k < 16; ++k) tile[k] = rows[j0 + (k < count ? k : 0)];
@@ -682,9 +682,9 @@ KV_INLINE void attend_token_dot(const float* qkv, int64_t t, int64_t g0, int64_t
                 pairs[i] = (const uint32_t*)(scores + ((g - g0) * group + hb + i) * padded);
                 outs[i] = out + (t * heads + g * group + hb + i) * dim;
             }
-            /* one inlined copy per head count, so the accumulators stay in registers */
             /* the value passes of this unit, which share out the prefetch of the next unit's values */
             int64_t pass = (g - g0) * ((group + 3) / 4) + hb / 4, passes = (g1 - g0) * ((group + 3) / 4);
+            /* one inlined copy per head count, so the accumulators stay in registers */
             switch (nh) {
                 case 4: dot_values(4, pairs, n, rows, vpool, g * dim, dim, outs, next, pass, passes); break;
                 case 3: dot_values(3, pairs, n, rows, vpool, g * dim, dim, outs, next, pass, passes); break;
@@ -695,9 +695,6 @@ KV_INLINE void attend_token_dot(const float* qkv, int64_t t, int64_t g0, int64_t
 }
 #endif
 
-/* attend_items' contract on the tiled path. A unit of work is a whole query token (all its kv heads: a key's row
- * of every head is read in one pass, so a tile of a block is one contiguous run of memory), or with
- * `per_head` one (token, kv head) item as attend_items has it (a step of one token still splits over threads). */
 /* Fill `buf` with token t's key offsets (kv head 0) unless it holds them already (*holds == t); return the first key
  * its queries see, with *n their count (the last `window` of them with a window). */
 KV_INLINE const int64_t* token_keys(const int64_t* tables, const int64_t* table_start, const int64_t* key_len,
@@ -718,6 +715,9 @@ KV_INLINE const int64_t* token_keys(const int64_t* tables, const int64_t* table_
     return buf;
 }
 
+/* attend_items' contract on the tiled path. A unit of work is a whole query token (all its kv heads: a key's row
+ * of every head is read in one pass, so a tile of a block is one contiguous run of memory), or with
+ * `per_head` one (token, kv head) item as attend_items has it (a step of one token still splits over threads). */
 KV_INLINE int attend_items_tiled(const float* qkv, int64_t unit_begin, int64_t unit_end, int per_head, int64_t heads,
                                  int64_t kv_heads, int64_t dim, const void* kpool, const void* vpool,
                                  const int64_t* tables, const int64_t* table_start, const int64_t* key_len,
