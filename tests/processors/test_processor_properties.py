@@ -114,10 +114,15 @@ def test_penalties_never_favour_a_seen_token(cls, strength, generated_only, logi
         seen_ids = sorted(seen)
         assert bool((out[row, seen_ids] <= logits[row, seen_ids]).all())
         assert torch.equal(out[row, unseen], logits[row, unseen])
-        # float32 rounding of the shifted logits moves probabilities by ~1e-7 relative when nothing else changes
-        assert float(after[row, seen_ids].sum()) <= float(before[row, seen_ids].sum()) * (1 + 1e-6)
+        # rounding the shifted logits to float32 moves each by up to half an ulp of its magnitude, so a probability
+        # can move by that much (twice: its own logit and the largest) relative when nothing else changes: ~1e-7 for
+        # logits near 1, 4e-6 near 35
+        finite = logits[row][torch.isfinite(logits[row])]
+        magnitude = float(finite.abs().max()) if finite.numel() else 1.0
+        slack = 1 + 1e-6 + 2 * torch.finfo(torch.float32).eps * max(1.0, magnitude)
+        assert float(after[row, seen_ids].sum()) <= float(before[row, seen_ids].sum()) * slack
         if cls is penalties.PresencePenaltyProcessor:
-            assert bool((after[row, seen_ids] <= before[row, seen_ids] * (1 + 1e-6)).all())
+            assert bool((after[row, seen_ids] <= before[row, seen_ids] * slack).all())
 
 
 def test_a_single_seen_tokens_probability_can_rise_when_another_seen_token_loses_more():
