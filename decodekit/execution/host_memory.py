@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import platform
-import threading
 
 log = logging.getLogger("decodekit.engine")
 
@@ -36,18 +36,12 @@ MMAP_THRESHOLD = 32 * 2**20
 # 2 GiB, in effect never for a step's tensors.
 TRIM_THRESHOLD = 2**31 - 1
 
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
-
-
+@functools.cache
 def retain_freed_memory() -> bool:
     """Keep freed blocks of up to `MMAP_THRESHOLD` bytes in the process for reuse (glibc's `malloc`), once per
     process; True where the settings are in effect (set now or before), False where they do not apply (not glibc,
     `mallopt` refused them, or `DECODEKIT_RETAIN_FREED_MEMORY=0`)."""
-    with _lock:
-        if "applied" not in _state:
-            _state["applied"] = _apply()
-        return _state["applied"]
+    return _apply()
 
 
 def _apply() -> bool:

@@ -473,21 +473,17 @@ typedef struct {
 #define NEXT_UNIT_HINT _MM_HINT_T1
 #endif
 
-/* Prefetch the next unit's rows [from, to) of one pool (its keys, or its values), `elem` bytes a pool element. */
-KV_INLINE void prefetch_next(const void* pool, const next_unit* next, int64_t from, int64_t to, int64_t elem) {
-    for (int64_t j = from; j < to; ++j) {
-        const char* row = (const char*)pool + (next->rows[j] + next->offset) * elem;
-        for (int64_t b = 0; b < next->bytes; b += 64) _mm_prefetch(row + b, NEXT_UNIT_HINT);
-    }
-}
-
-/* The next unit's share of rows for this unit's work done at [done, done + step) of `total`: spread evenly, the
- * last step taking the rest (the key pass of a unit prefetches the next one's keys, the value pass its values). */
+/* The next unit's share of rows of one pool (its keys, or its values) for this unit's work done at
+ * [done, done + step) of `total`: spread evenly, the last step taking the rest (the key pass of a unit prefetches the
+ * next one's keys, the value pass its values); `elem` bytes a pool element. */
 KV_INLINE void prefetch_next_share(const void* pool, const next_unit* next, int64_t done, int64_t step, int64_t total,
                                    int64_t elem) {
     if (next->n == 0) return;
     int64_t from = done * next->n / total, to = done + step >= total ? next->n : (done + step) * next->n / total;
-    prefetch_next(pool, next, from, to, elem);
+    for (int64_t j = from; j < to; ++j) {
+        const char* row = (const char*)pool + (next->rows[j] + next->offset) * elem;
+        for (int64_t b = 0; b < next->bytes; b += 64) _mm_prefetch(row + b, NEXT_UNIT_HINT);
+    }
 }
 
 /* Attention of query token t's heads over kv heads [g0, g1): scores, softmax, values, TILE keys at a time (rows[j]
