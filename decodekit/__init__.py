@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from decodekit.api.cpu import cap_torch_isa
 from decodekit.api.lazy import lazy_exports
+
+# Before anything imports torch: `DECODEKIT_CPU_ISA` caps torch's and oneDNN's kernels too (`api.cpu`).
+cap_torch_isa()
 
 if TYPE_CHECKING:
     from decodekit.api.config import EngineConfig

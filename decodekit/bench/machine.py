@@ -15,6 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from decodekit.api.cpu import cpu_flags, cpu_isa_cap, hardware_cpu_flags
+
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 """The /proc/cpuinfo flags that matter for these figures: fp32 vector width and fused multiply-add (avx2, fma,
 avx512f), native bf16 and int8 dot products (avx512_bf16, avx512_vnni), and the AMX tile units (amx_bf16,
@@ -23,7 +25,9 @@ natively only with avx512_bf16 or amx_bf16.)"""
 
 
 def cpu_description() -> dict[str, Any]:
-    """The CPU's model name, which of `CPU_FLAGS` it has (`cpu_flags`) and which it lacks (`cpu_flags_absent`).
+    """The CPU's model name, which of `CPU_FLAGS` it has (`cpu_flags`) and which it lacks (`cpu_flags_absent`), as
+    decodekit's paths see them: under `DECODEKIT_CPU_ISA` the hardware's flags above the cap count as absent, and
+    `cpu_isa_cap` and `cpu_flags_hidden` say so.
 
     Read from /proc/cpuinfo; elsewhere the name is `platform.processor()` and both flag lists are empty.
     """
@@ -33,11 +37,16 @@ def cpu_description() -> dict[str, Any]:
         return {"cpu": platform.processor() or None, "cpu_flags": [], "cpu_flags_absent": []}
     lines = info.splitlines()
     name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    flags = cpu_flags()
     if not flags:  # not an x86 /proc/cpuinfo (an ARM one says "Features"): nothing to say about these flags
         return {"cpu": name or platform.processor() or None, "cpu_flags": [], "cpu_flags_absent": []}
-    return {"cpu": name, "cpu_flags": [f for f in CPU_FLAGS if f in flags],
-            "cpu_flags_absent": [f for f in CPU_FLAGS if f not in flags]}
+    description: dict[str, Any] = {"cpu": name, "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+                                   "cpu_flags_absent": [f for f in CPU_FLAGS if f not in flags]}
+    if cpu_isa_cap() != "native":  # the flags above are the capped ones: say which the hardware has beyond them
+        hidden = hardware_cpu_flags() - flags
+        description["cpu_isa_cap"] = cpu_isa_cap()
+        description["cpu_flags_hidden"] = [f for f in CPU_FLAGS if f in hidden]
+    return description
 
 
 def read_bandwidth() -> float:
@@ -112,6 +121,9 @@ def machine_line(env: dict[str, Any], dtype: str | None = None, *, device: str |
         detail.append("no " + " ".join(env["cpu_flags_absent"]))
     if env.get("torch_cpu_capability"):
         detail.append(f"torch kernels {env['torch_cpu_capability']}")
+    if env.get("cpu_isa_cap"):
+        detail.append(f"capped to {env['cpu_isa_cap']} by DECODEKIT_CPU_ISA, hiding "
+                      f"{' '.join(env.get('cpu_flags_hidden') or []) or 'nothing listed'}")
     parts = [cpu + (f" ({'; '.join(detail)})" if detail else "")]
     if device and device.startswith("cuda") and env.get("gpu"):
         parts.append(f"GPU {env['gpu']}")

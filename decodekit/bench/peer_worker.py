@@ -72,7 +72,11 @@ class VllmBackend:
             torch_version = None
         return {"vllm": getattr(vllm, "__version__", None), "torch": torch_version,
                 "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                # set when decodekit runs under DECODEKIT_CPU_ISA: vLLM's torch and oneDNN are capped alike (its
+                # own compiled kernels are not)
+                **{name: os.environ[name] for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                   if name in os.environ}}
 
     def generate(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
         """One round: every request added at once, greedy, `ignore_eos`, exactly `max_tokens` tokens each.

@@ -494,8 +494,11 @@ class VllmPeer(System):
                       "process; peak RSS is its processes' at the end of each round",)
 
     def describe(self) -> str:
-        """The peer in the machine line: its version and its thread binding."""
-        return f"vLLM {self.info.get('vllm')}, OMP bind {self.bind}"
+        """The peer in the machine line: its version, its thread binding and the cap on its torch and oneDNN
+        kernels when `DECODEKIT_CPU_ISA` set one (vLLM's own compiled kernels keep the CPU's full width)."""
+        capped = [f"{name}={self.info[name]}" for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                  if self.info.get(name)]
+        return f"vLLM {self.info.get('vllm')}, OMP bind {self.bind}" + (f", {' '.join(capped)}" if capped else "")
 
     def prepare(self, workload: Workload) -> None:
         """Run decodekit's warm-up requests once (untimed)."""

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
+from decodekit.api.cpu import cpu_flags
 from decodekit.api.step_cost import StepCost
 from decodekit.execution.executor import ModelExecutor
 from decodekit.execution.items import ForwardItem
 from decodekit.execution.kernels.native import load_kernels
-from decodekit.models.loader import cache_dir, cpu_flags
+from decodekit.models.loader import cache_dir
 
 log = logging.getLogger("decodekit.engine")
 

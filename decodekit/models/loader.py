@@ -12,7 +12,6 @@ converted once to safetensors in the cache directory and loaded from there after
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import logging
@@ -25,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from decodekit.api.cpu import cpu_flags
 from decodekit.api.errors import ModelLoadError, UnsupportedModelError
 from decodekit.api.models import LoadedModel, ModelLoader, StoredWeight
 
@@ -42,17 +42,6 @@ _DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 def cache_dir() -> Path:
     """The folder where converted models are kept (`$DECODEKIT_CACHE`, default `~/.cache/decodekit`)."""
     return Path(os.environ.get("DECODEKIT_CACHE", Path.home() / ".cache" / "decodekit"))
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none, or it has no x86 flags)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
-                          []))
 
 
 def cpu_has_bf16_dot_products() -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from decodekit.api.cpu import cpu_flags
 from decodekit.execution.kernels.native import (
     GEMV_MAX_ROWS,
     PANEL,
@@ -23,7 +24,6 @@ from decodekit.execution.kernels.native import (
     pack_int8_panels,
     unpack_int8_panels,
 )
-from decodekit.models.loader import cpu_flags
 
 
 class Matrix:

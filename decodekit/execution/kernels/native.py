@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from decodekit.api.cpu import kernel_compile_flags
 from decodekit.execution.attention.kv_cache import BATCHED_MAX_QUERY
 from decodekit.execution.kernels.quant import QuantKernels
 from decodekit.models.loader import cache_dir
@@ -48,6 +49,7 @@ SOURCE = Path(__file__).with_name("native") / "kernels.c"
 SOURCES = (SOURCE, SOURCE.with_name("quant.c"), SOURCE.with_name("layers.c"))
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
 # bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
+# `DECODEKIT_CPU_ISA` appends its flags (`api.cpu.kernel_compile_flags`: an AVX2 build on an AVX-512 CPU).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 # OpenMP when the compiler has it: the library then links libgomp.so.1, which resolves to the copy torch has
 # already loaded, so attention runs on torch's own thread pool (no second pool spinning against it: a pool of
@@ -91,6 +93,11 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def compile_flags() -> list[str]:
+    """The flags the library is built with: `CFLAGS`, then the cap's (`DECODEKIT_CPU_ISA`)."""
+    return [*CFLAGS, *kernel_compile_flags()]
+
+
 def find_compiler() -> str | None:
     """The C compiler to build with: `$CC`, else the first of cc, gcc, clang on PATH."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
@@ -102,7 +109,7 @@ def find_compiler() -> str | None:
 def library_path(compiler: str) -> Path:
     """Where the library built by `compiler` for this source and CPU is cached (its hash sits at `<path>.sha256`)."""
     source = b"".join(path.read_bytes() for path in SOURCES)
-    flags = [compiler, *CFLAGS, *OPENMP_FLAGS, *SERIAL_FLAGS]
+    flags = [compiler, *compile_flags(), *OPENMP_FLAGS, *SERIAL_FLAGS]
     key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_identity().encode()).hexdigest()
     return cache_dir() / "native" / f"decodekit_kernels_{key[:16]}.so"
 
@@ -169,12 +176,12 @@ def build_library(compiler: str) -> Path:
     fd, partial_hash = tempfile.mkstemp(suffix=".sha256", dir=target.parent)  # mkstemp makes it 0600
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, *OPENMP_FLAGS, "-o", partial, *map(str, SOURCES), "-lm"],
+        done = subprocess.run([compiler, *compile_flags(), *OPENMP_FLAGS, "-o", partial, *map(str, SOURCES), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:  # no OpenMP with this compiler: the serial build
             log.info("native kernels built without OpenMP (%s): attention runs on one thread",
                      done.stderr.strip().splitlines()[-1:] or done.returncode)
-            done = subprocess.run([compiler, *CFLAGS, *SERIAL_FLAGS, "-o", partial, *map(str, SOURCES),
+            done = subprocess.run([compiler, *compile_flags(), *SERIAL_FLAGS, "-o", partial, *map(str, SOURCES),
                                    "-lm"], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             names = ", ".join(path.name for path in SOURCES)
