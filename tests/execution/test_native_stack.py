@@ -7,6 +7,7 @@ steps it does not take (more rows, long chunks) run layer by layer; the plan say
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from decodekit import LLM
+from decodekit import LLM, SamplingParams
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.execution import ModelExecutor
 from decodekit.execution.attention.kv_cache import BATCHED_MAX_QUERY
@@ -201,3 +202,19 @@ def test_a_layer_the_stack_cannot_describe_leaves_the_decoder_on_the_per_layer_p
     layers[1].o.native = None
     assert NativeLayerStack.build(layers, kernels) is None
     assert NativeLayerStack.build(fused.layers, kernels) is not None
+
+
+def test_the_stack_times_its_products_only_while_asked_and_within_the_step():
+    llm = _tiny()()
+    native = llm.engine.model.runner.fused.native
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params)
+    assert native.stack_product_seconds() is None  # off unless asked: no clock reads in a served step
+    native.time_stack_products(True)
+    start = time.perf_counter()
+    llm.generate([[5, 6, 7]], params)
+    wall = time.perf_counter() - start
+    products = native.stack_product_seconds()
+    native.time_stack_products(False)
+    assert products is not None and 0 < products < wall
+    assert native.stack_product_seconds() is None

@@ -76,7 +76,8 @@ log = logging.getLogger("decodekit.runner")
 # there (a reason for the torch fallback) rather than failing later.
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
-           "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack")
+           "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack",
+           "dk_stack_timing", "dk_stack_product_seconds")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -244,6 +245,13 @@ class NativeKernels:
         self.layer_stack = lib.dk_layer_stack
         self.layer_stack.argtypes = [_p, _i, _i, _i, _p, _p, _p, _p, _p, _p]
         self.layer_stack.restype = ctypes.c_int
+        # (on) -> None and () -> seconds: the layer stack's weight products timed (`time_stack_products`)
+        self._stack_timing = lib.dk_stack_timing
+        self._stack_timing.argtypes = [_i]
+        self._stack_timing.restype = None
+        self._stack_product_seconds = lib.dk_stack_product_seconds
+        self._stack_product_seconds.argtypes = []
+        self._stack_product_seconds.restype = ctypes.c_double
         self.quant = QuantKernels(lib)  # GGUF quantized weights multiplied as stored
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
         # keys per tile of the tiled attention (16 built for AVX-512, 8 for AVX2 + FMA; 0: key by key only), for head
@@ -265,6 +273,17 @@ class NativeKernels:
         if self._rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps) != 0:
             raise MemoryError("native RMSNorm could not allocate its scratch memory")
         return out
+
+    def time_stack_products(self, on: bool) -> None:
+        """Start (and zero) or stop timing the layer stack's weight products (`stack_product_seconds`). For
+        benchmarks: the tally is process-wide, for one stack running at a time, and costs two clock reads a
+        product while on."""
+        self._stack_timing(int(on))
+
+    def stack_product_seconds(self) -> float | None:
+        """Wall seconds the layer stack's products took since `time_stack_products(True)`; None while off."""
+        seconds = float(self._stack_product_seconds())
+        return None if seconds < 0 else seconds
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` for `[rows, 2 * inter]` rows holding gate then up: float32 in and out, or bfloat16 in

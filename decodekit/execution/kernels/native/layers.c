@@ -12,7 +12,9 @@
  * ctypes Structures: weight pointers and kinds, norms and epsilons, heads, scaling, window), and a step brings only
  * its attention plan (the pointers of `DecodeAttentionPlan`), the layers' KV pools and scratch buffers the caller
  * allocated once. */
+#define _POSIX_C_SOURCE 199309L  /* clock_gettime under -std=c11 */
 #include <stdint.h>
+#include <time.h>
 
 /* The library's entry points called here (kernels.c, quant.c). */
 void dk_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps);
@@ -111,6 +113,58 @@ static int stack_product(const dk_stack_matrix* m, const float* x, int64_t rows,
     }
 }
 
+/* Wall seconds the stack's weight products took since timing was last switched on, or -1 while it is off: what
+ * `benchmarks/batch1_overhead.py` splits a token into (products; everything else: norms, RoPE, attention, gating,
+ * the step's Python). Off by default; a process-wide tally, for one stack run at a time. */
+static int stack_timing = 0;
+static double stack_product_seconds = 0.0;
+
+void dk_stack_timing(int64_t on) {
+    stack_timing = on != 0;
+    stack_product_seconds = 0.0;
+}
+
+double dk_stack_product_seconds(void) { return stack_timing ? stack_product_seconds : -1.0; }
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* stack_product, timed while timing is on. */
+static int timed_product(const dk_stack_matrix* m, const float* x, int64_t rows, const float* residual, float* out) {
+    if (!stack_timing) return stack_product(m, x, rows, residual, out);
+    double start = now_seconds();
+    int status = stack_product(m, x, rows, residual, out);
+    stack_product_seconds += now_seconds() - start;
+    return status;
+}
+
+/* Asks for the keys and values the step's queries will attend in one layer's pools (into L2), before its q/k/v
+ * product: at a few rows the attention reads them right after that product, and otherwise waits on memory key block
+ * by key block on one thread. A sequence's several rows read the same keys: its last row's are asked once. At most
+ * KV_PREFETCH_BYTES a layer (the attention's own prefetches carry on past them). */
+#define KV_PREFETCH_BYTES (384 << 10)
+static void prefetch_layer_kv(const char* kpool, const char* vpool, const dk_stack_attention* at, int64_t tokens,
+                              int64_t row_bytes) {
+    int64_t budget = KV_PREFETCH_BYTES / 2;
+    for (int64_t t = 0; t < tokens && budget > 0; ++t) {
+        if (t + 1 < tokens && at->table_start[t + 1] == at->table_start[t]) continue;
+        const int64_t* table = at->tables + at->table_start[t];
+        int64_t keys = at->key_len[t] - 1;  /* the newest keys are this step's own, written before they are read */
+        for (int64_t j = 0; j < keys && budget > 0; j += at->block_size) {
+            int64_t count = keys - j < at->block_size ? keys - j : at->block_size;
+            int64_t start = table[j / at->block_size] * at->block_size * row_bytes, bytes = count * row_bytes;
+            for (int64_t off = 0; off < bytes; off += 64) {
+                __builtin_prefetch(kpool + start + off, 0, 2);
+                __builtin_prefetch(vpool + start + off, 0, 2);
+            }
+            budget -= bytes;
+        }
+    }
+}
+
 /* Runs `count` layers over `tokens` rows: `hidden` [T, hidden_dim] is the first layer's input (not written), `out`
  * [T, hidden_dim] receives the last layer's output (and serves as each layer's output along the way); the layers'
  * KV pools are key_pools[i] / value_pools[i]. Returns 0; -1 if a product refused its operands (nothing the fused
@@ -121,18 +175,20 @@ int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, 
     const float* h = hidden;
     for (int64_t i = 0; i < count; ++i) {
         const dk_stack_layer* l = &layers[i];
+        prefetch_layer_kv((const char*)key_pools[i], (const char*)value_pools[i], at, tokens,
+                          l->kv_heads * l->head_dim * (at->kv_mode ? 2 : 4));
         dk_rms_norm(h, l->input_norm, scratch->normed, tokens, hidden_dim, l->input_eps);
-        if (stack_product(&l->qkv, scratch->normed, tokens, 0, scratch->qkv) != 0) return -1;
+        if (timed_product(&l->qkv, scratch->normed, tokens, 0, scratch->qkv) != 0) return -1;
         if (dk_rope_cache_attend(scratch->qkv, tokens, l->q_heads, l->kv_heads, l->head_dim, at->cos, at->signed_sin,
                                  key_pools[i], value_pools[i], at->slots, at->tables, at->table_start, at->key_len,
                                  at->block_size, l->scaling, at->parallel_min_keys, l->window, l->softcap,
                                  at->kv_mode, at->tiled, scratch->attended) != 0)
             return -2;
-        if (stack_product(&l->o, scratch->attended, tokens, h, scratch->mid) != 0) return -1;
+        if (timed_product(&l->o, scratch->attended, tokens, h, scratch->mid) != 0) return -1;
         dk_rms_norm(scratch->mid, l->post_norm, scratch->normed, tokens, hidden_dim, l->post_eps);
-        if (stack_product(&l->gate_up, scratch->normed, tokens, 0, scratch->gate_up) != 0) return -1;
+        if (timed_product(&l->gate_up, scratch->normed, tokens, 0, scratch->gate_up) != 0) return -1;
         dk_silu_mul(scratch->gate_up, scratch->gated, tokens, l->intermediate);
-        if (stack_product(&l->down, scratch->gated, tokens, scratch->mid, out) != 0) return -1;
+        if (timed_product(&l->down, scratch->gated, tokens, scratch->mid, out) != 0) return -1;
         h = out;
     }
     return 0;

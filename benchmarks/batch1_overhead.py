@@ -1,0 +1,117 @@
+"""Where a batch-1 token goes: the weight products against everything else, per weight format.
+
+    python benchmarks/batch1_overhead.py [--formats float32 bfloat16 int8 gguf] [--tokens 128] [--repeats 5]
+
+One request (a 32-token prompt), greedy, EOS ignored, through `LLM.generate`, as `decodekit bench batch1` runs it.
+A token is the generate call's wall time after its first step (the prefill), over the tokens after the first; the
+products are the layer stack's weight products timed inside the native library (`dk_stack_product_seconds`: two
+clock reads around each product call) plus the LM head's product timed around its call. The rest — norms, RoPE,
+KV writes, attention, SiLU-gating, sampling, stop checks, the step's Python — is "outside the products", the share
+issue 41 asks under 10% of a token. Median of `--repeats` rounds per format; the formats' rounds alternate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from decodekit import LLM, SamplingParams
+from decodekit.bench.machine import environment, machine_line
+
+FORMATS: dict[str, dict[str, Any]] = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "gguf": {"dtype": "auto"},  # the bundled GGUF's Q4_1 blocks as stored
+}
+
+
+class Probe:
+    """One format's engine with its product timers wrapped around the LM head and the layer stack."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self.name = name
+        self.llm = LLM("smollm2-135m-instruct", device="cpu", **FORMATS[name])
+        torch.set_num_threads(threads)
+        decoder = self.llm.engine.model.runner.fused
+        if decoder is None or decoder.native is None or getattr(decoder, "native_stack", None) is None:
+            raise SystemExit(f"{name}: the native layer stack is not running this model; nothing to split")
+        self.native = decoder.native
+        self.head_seconds = 0.0
+        head = decoder.lm_head
+
+        def timed_head(normed: torch.Tensor) -> torch.Tensor:
+            start = time.perf_counter()
+            out = head(normed)
+            self.head_seconds += time.perf_counter() - start
+            return out
+
+        decoder.lm_head = timed_head
+        self.first_step: tuple[float, float] | None = None  # (wall, products) of the round's first step
+        engine = self.llm.engine
+        step = engine.step
+
+        def timed_step() -> Any:
+            if self.first_step is not None:
+                return step()
+            start = time.perf_counter()
+            out = step()
+            self.first_step = (time.perf_counter() - start, self.products())
+            return out
+
+        engine.step = timed_step
+
+    def products(self) -> float:
+        """Product seconds since the round began."""
+        return (self.native.stack_product_seconds() or 0.0) + self.head_seconds
+
+    def round(self, prompt: list[int], tokens: int) -> tuple[float, float]:
+        """One request: (ms a token, ms of products a token), the prefill step left out."""
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        self.native.time_stack_products(True)
+        self.head_seconds, self.first_step = 0.0, None
+        start = time.perf_counter()
+        out = self.llm.generate([prompt], params)[0]
+        wall = time.perf_counter() - start
+        products = self.products()
+        self.native.time_stack_products(False)
+        assert len(out.outputs[0].token_ids) == tokens and self.first_step is not None
+        first_wall, first_products = self.first_step
+        per = tokens - 1
+        return (wall - first_wall) / per * 1e3, (products - first_products) / per * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    prompt = [1000 + i for i in range(32)]
+    probes = [Probe(name, args.threads) for name in args.formats]
+    for probe in probes:
+        probe.round(prompt, 16)  # warm-up: kernels, RoPE tables, allocator
+    results: dict[str, list[tuple[float, float]]] = {probe.name: [] for probe in probes}
+    for _ in range(args.repeats):
+        for probe in probes:
+            results[probe.name].append(probe.round(prompt, args.tokens))
+    print(f"batch 1, 32-token prompt, {args.tokens} greedy tokens, median of {args.repeats} rounds")
+    print("| weights | ms a token | products ms | outside the products ms | outside, share of a token |")
+    print("|---|---|---|---|---|")
+    for name, rounds in results.items():
+        token = statistics.median(t for t, _ in rounds)
+        products = statistics.median(p for _, p in rounds)
+        shares = [(t - p) / t for t, p in rounds]
+        print(f"| {name} | {token:.2f} | {products:.2f} | {token - products:.2f} | "
+              f"{statistics.median(shares):.1%} (rounds {min(shares):.1%}-{max(shares):.1%}) |")
+    print(f"machine: {machine_line(environment())}")
+
+
+if __name__ == "__main__":
+    main()
