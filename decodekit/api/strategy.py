@@ -174,6 +174,9 @@ class Strategy:
         continues_prompt: each output continues the prompt token by token, scored as the model scores it, so the
             prompt's logprobs can lead its own (a completion's `echo`, for loglikelihood). False for a strategy
             whose outputs are whole sequences scored together (beam search): `echo` is refused with it.
+        greedy_argmax: for a greedy request of one sequence, `select` appends the argmax of its row and does
+            nothing else (no forks, notes or finishes): the engine may then run several of its steps natively when
+            it is the only request (`EngineConfig.decode_run_steps`, `decodekit.core.decode_runs`).
     """
 
     name: ClassVar[str] = "strategy"
@@ -183,6 +186,7 @@ class Strategy:
     hidden_states: ClassVar[bool] = False
     finalizes: ClassVar[bool] = False
     continues_prompt: ClassVar[bool] = True
+    greedy_argmax: ClassVar[bool] = False
 
     def setup(self, info: Any) -> None:
         """Called once with the engine's `ComponentInfo` (tokenizer, vocab size, draft model, ...)."""

@@ -23,6 +23,7 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.proposer import ProposerModel
 from decodekit.api.sequence import Request, RequestOutput, Sequence
 from decodekit.api.step_cost import StepCost, StepTiming
+from decodekit.core.decode_runs import DecodeRunPlan, plan_decode_run
 from decodekit.core.hooks import LifecycleHooks
 from decodekit.core.logprobs import record_prompt_logprobs
 from decodekit.core.plan import Components
@@ -101,6 +102,8 @@ class Engine:
                                           self.max_model_len, self.vocab_size, loaded.device, self.context_limit)
         self.requests = self.lifecycle.requests
         self.step_count = 0
+        self.decode_run_tokens = 0
+        """Tokens that came from native decode runs (`decodekit.core.decode_runs`) so far."""
         # per sequence with candidates, the row they were chosen from (`StepContext.score_candidates`)
         self.candidate_origins: weakref.WeakKeyDictionary[Sequence, CandidateOrigin] = weakref.WeakKeyDictionary()
         torch.manual_seed(config.seed)
@@ -173,6 +176,10 @@ class Engine:
         ctx = EngineStepContext(self.scheduler, self.processing, record, self.stop.finish_sequence,
                                 self.lifecycle.set_results, self.eos_token_ids, self.max_model_len, self.vocab_size,
                                 self.candidate_origins)  # type: ignore[arg-type]
+        run = plan_decode_run(self.scheduler, self.config, self.eos_token_ids, self.max_model_len) \
+            if self.model.runs_decode else None
+        if run is not None and self._decode_run(run, ctx):
+            return self._finish_step(record)
         self._fail(propose(self.scheduler.running, ctx))
         self._fail(self.processing.take_faults())  # a proposer's processors failed for these
         started = time.perf_counter()  # the step's verification: schedule, forward, process (`StepTiming`)
@@ -187,6 +194,11 @@ class Engine:
                 sum(s.num_tokens for s in sched.scheduled), time.perf_counter() - started,
                 all(s.completes and s.num_tokens <= s.seq.num_scored_positions for s in sched.scheduled))
             self._fail(select(scored, processed, ctx, self.tokenizer))
+        return self._finish_step(record)
+
+    def _finish_step(self, record: StepRecord) -> list[RequestOutput]:
+        """The stop and emit stages over what the step appended (`record`); its outputs."""
+        if record.appended:
             done, failures = self.stop.run(record)
             self._fail(failures)
             for request in done:
@@ -195,6 +207,31 @@ class Engine:
         self.step_count += 1
         self.hooks.step_finished(outputs)
         return outputs
+
+    def _decode_run(self, run: DecodeRunPlan, ctx: EngineStepContext) -> bool:
+        """Make `run` (`decodekit.core.decode_runs`): its tokens appended to its sequence as this step's; False
+        where nothing was run (no blocks free for its positions, or the pools are not ones the kernels read: the step
+        then runs as usual). A failed run fails its request."""
+        seq = run.seq
+        start = seq.num_computed_tokens
+        if self.allocator.blocks_to_write(seq.seq_id, start, start + run.steps) > self.allocator.num_free_blocks:
+            return False
+        self.allocator.ensure_slots(seq.seq_id, start, start + run.steps)
+        try:
+            tokens = self.model.decode_run(seq.token_ids[-1], start, self.allocator.block_table(seq.seq_id),
+                                           run.steps, run.stop_ids, self.allocator.take_pending_copies())
+        except Exception as exc:
+            log.exception("decode run failed")
+            self._fail([(run.request, f"model forward failed: {exc!r}")])
+            return True
+        if tokens is None:
+            return False
+        # the pending token's keys and values and every new token's but the last are in the cache now
+        self.scheduler.advance(seq, len(tokens))
+        for token in tokens:
+            ctx.append_token(seq, token)
+        self.decode_run_tokens += len(tokens)
+        return True
 
     def close(self) -> None:
         """Stop the worker processes of a model split over ranks (`tensor_parallel_size`); nothing otherwise."""

@@ -80,6 +80,19 @@ class ModelExecutor:
         return self.runner.forward_with_hidden(items, block_copies)
 
     @property
+    def runs_decode(self) -> bool:
+        """Whether `decode_run` can run several greedy steps of one sequence in one native call here."""
+        return self.runner.runs_decode
+
+    def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],
+                   block_copies: list[tuple[int, int]]) -> list[int] | None:
+        """Up to `steps` greedy tokens of one sequence whose pending `token` is at `position` (its block table
+        holding every position written), ending after one of `stop_ids`: the tokens the one-row forwards would have
+        led the argmax to, with their keys and values written (the last token's stays pending). None where this
+        model has no native runs."""
+        return self.runner.decode_run(token, position, block_table, steps, stop_ids, block_copies)
+
+    @property
     def forward_name(self) -> str:
         """How the model runs, for logs: "transformers" (with how many linear layers were re-laid or quantized, if any),
         "fused",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,6 +63,22 @@ class ModelRunner:
     def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """Run one packed forward pass and return float32 logits for the requested positions, in item order."""
         return self.forward_with_hidden(items, block_copies)[0]
+
+    @property
+    def runs_decode(self) -> bool:
+        """Whether `decode_run` runs greedy steps natively here (the fused decoder's `decode_runner`)."""
+        return self.fused is not None and self.fused.decode_runner is not None and self.fused.native_stack is not None
+
+    @torch.inference_mode()
+    def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],
+                   block_copies: list[tuple[int, int]]) -> list[int] | None:
+        """Up to `steps` greedy tokens of one sequence, natively (`FusedDecoder.decode_run`), after the pending
+        copy-on-write `block_copies`; None where this runner has no native runs (nothing is run)."""
+        if not self.runs_decode:
+            return None
+        assert self.fused is not None
+        self.kv_cache.copy_blocks(block_copies)
+        return self.fused.decode_run(token, position, block_table, self.kv_cache, steps, stop_ids)
 
     @torch.inference_mode()
     def forward_with_hidden(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]

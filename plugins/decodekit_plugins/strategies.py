@@ -27,6 +27,7 @@ class SampleStrategy(Strategy):
 
     name = "sample"
     scores = "logits"
+    greedy_argmax = True  # a greedy sequence takes `select_tokens`' argmax and nothing else (forks: n > 1 only)
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         return params.n

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,7 @@ from decodekit.execution.fused.blocks import (
     projections,
     qkv_bias_of,
 )
-from decodekit.execution.fused.layer_stack import NativeLayerStack
+from decodekit.execution.fused.layer_stack import DecodeRun, NativeLayerStack
 from decodekit.execution.fused.stored_matrices import (
     STORED_QUANTIZATION,
     LayerMatrix,
@@ -261,6 +262,14 @@ class FusedDecoder:
         self.native_stack: NativeLayerStack | None = (
             NativeLayerStack.build(self.layers, native) if native_stack and native is not None and not self.gpu_ops
             else None)
+        # greedy runs of one sequence natively (`decode_run`): on the native stack, with one static RoPE table, no
+        # final soft-cap and float32 activations
+        self.decode_runner: DecodeRun | None = None
+        if (self.native_stack is not None and native is not None and self.rope_types is None and self._rope_static
+                and not self.final_softcap and self.dtype == torch.float32
+                and type(self.embed_tokens) is torch.nn.Embedding):  # a plain lookup, no scaling of its own
+            self.decode_runner = DecodeRun.build(self.native_stack, self.embed_tokens.weight.detach(),
+                                                 self.final_norm, self.final_eps, self.lm_head, native)
 
     @staticmethod
     def _quantize(layer: Any, make: StackMaker, gemma: bool, rope_by_type: bool) -> _FusedLayer:
@@ -356,6 +365,22 @@ class FusedDecoder:
             self.last_hidden = _rms_norm(hidden.index_select(0, hidden_index), self.final_norm, self.final_eps)
         hidden = _rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
         return self._logits(hidden)
+
+    def decode_run(self, token: int, position: int, block_table: list[int], cache: PagedKVCache, steps: int,
+                   stop_ids: Sequence[int]) -> list[int] | None:
+        """Up to `steps` greedy tokens of one sequence whose pending `token` sits at `position` (`block_table`
+        holding every position the run writes), each the argmax of the logits this decoder's one-row step would
+        give, ending after one of `stop_ids`; None (nothing run) without a `decode_runner` or where the cache's pools
+        are not ones the kernels read. The keys and values of the pending token and of every new token but the last are
+        written, as the step-by-step forwards would have."""
+        run = self.decode_runner
+        if run is None or self.native_stack is None:  # (a decoder switched to the per-layer path runs no runs)
+            return None
+        needed = position + steps
+        if needed > self._rope_positions:
+            self._rope_by_position(self.dtype, needed)
+        cos, signed_sin = self._rope_cache[None]
+        return run(cache, cos, signed_sin, block_table, token, position, steps, stop_ids)
 
     def native_chunk_keys(self, tokens: int, cache: PagedKVCache) -> int:
         """The most keys (context and chunk) of a sequence whose prefill chunk, in a step of `tokens` tokens, the

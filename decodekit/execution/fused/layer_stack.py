@@ -88,6 +88,20 @@ class StackScratch(ctypes.Structure):
     _fields_ = [("normed", _p), ("qkv", _p), ("attended", _p), ("gate_up", _p), ("gated", _p), ("mid", _p)]
 
 
+class RunModel(ctypes.Structure):
+    """`dk_run_model`: what a decode run reads beyond the layers."""
+
+    _fields_ = [("embed", _p), ("embed_bf16", _i), ("vocab", _i), ("final_norm", _p), ("final_eps", _f),
+                ("head", StackMatrix), ("cos", _p), ("signed_sin", _p), ("rope_positions", _i), ("head_dim", _i),
+                ("block_table", _p), ("blocks", _i), ("stop_ids", _p), ("stop_count", _i)]
+
+
+class RunScratch(ctypes.Structure):
+    """`dk_run_scratch`: a decode run's hidden rows and logits."""
+
+    _fields_ = [("input", _p), ("output", _p), ("normed", _p), ("logits", _p)]
+
+
 def stack_enabled() -> bool:
     """Whether `DECODEKIT_NATIVE_STACK` leaves the native stack on (the default)."""
     return os.environ.get(STACK_VARIABLE, "1").lower() not in ("0", "false", "no", "off")
@@ -241,6 +255,13 @@ class NativeLayerStack:
         """Whether a step of `tokens` rows under `plan` runs here (few rows, no chunk attended by the caller)."""
         return tokens <= self.max_rows and not plan.has_chunks
 
+    def _bind(self, cache: PagedKVCache, tokens: int) -> bool:
+        """Pools bound to `cache` and scratch rows for `tokens` rows; False where the kernels cannot read the pools."""
+        if (cache is not self._cache or cache.pool.data_ptr() != self._pool_address) and not self._bind_pools(cache):
+            return False
+        self._scratch_for(tokens)
+        return True
+
     def _bind_pools(self, cache: PagedKVCache) -> bool:
         """Point the layers at `cache`'s pools (once per cache); False where the kernels cannot read them."""
         keys = cache.key_slots
@@ -271,11 +292,10 @@ class NativeLayerStack:
         Raises:
             MemoryError: the attention could not allocate its scratch memory.
         """
-        if (cache is not self._cache or cache.pool.data_ptr() != self._pool_address) and not self._bind_pools(cache):
-            return None
         hidden = hidden.contiguous()
         tokens = hidden.shape[0]
-        self._scratch_for(tokens)
+        if not self._bind(cache, tokens):
+            return None
         attention = self._attention
         (attention.cos, attention.signed_sin, attention.slots, attention.tables, attention.table_start,
          attention.key_len) = plan.pointers
@@ -289,3 +309,86 @@ class NativeLayerStack:
             raise MemoryError("native attention could not allocate its scratch memory")
         assert status == 0, "dk_layer_stack refused products it was built with"
         return out
+
+
+class DecodeRun:
+    """Greedy decode runs of one sequence on a `NativeLayerStack` (`dk_decode_run`): several one-row steps, each
+    token's embedding, layers, final norm, LM head and argmax in one native call, so the engine's per-step Python
+    (scheduling, the forward's glue, processing, selection, stopping: ~0.4 ms a token) is paid once per run.
+
+    Each step makes the calls the fused decoder makes for a one-row step with the same operands, so the tokens are
+    the ones the engine would choose step by step (a test holds them equal). Build it with `build` (None where the
+    embeddings or the LM head are not ones it reads).
+    """
+
+    def __init__(self, stack: NativeLayerStack, embed: torch.Tensor, final_norm: torch.Tensor, final_eps: float,
+                 head: Any, native: NativeKernels) -> None:
+        """Describe the embeddings (float32 or bf16 rows), the final norm and the LM head (kept alive by the decoder).
+
+        Raises:
+            ValueError: one of them is not what the native run reads.
+        """
+        if embed.dtype not in (torch.float32, torch.bfloat16) or embed.dim() != 2 or not embed.is_contiguous():
+            raise ValueError(f"embeddings {embed.dtype} {tuple(embed.shape)} are not contiguous float32/bf16 rows")
+        if embed.shape[1] != stack.hidden_dim or final_norm.shape != (stack.hidden_dim,):
+            raise ValueError("the embeddings or the final norm do not match the layers' width")
+        head_desc, _ = _describe_matrix(head)
+        if head_desc.in_dim != stack.hidden_dim or head_desc.out_dim != embed.shape[0]:
+            raise ValueError("the LM head does not map the layers' width to the embeddings' vocabulary")
+        self.stack = stack
+        self.vocab = head_desc.out_dim
+        self._native = native
+        self._final_norm = final_norm
+        self._model = RunModel(embed=embed.data_ptr(), embed_bf16=int(embed.dtype == torch.bfloat16),
+                               vocab=self.vocab, final_norm=_floats(final_norm),
+                               final_eps=final_eps, head=head_desc)
+        self._rows = {name: torch.empty(width) for name, width in
+                      (("input", stack.hidden_dim), ("output", stack.hidden_dim), ("normed", stack.hidden_dim),
+                       ("logits", self.vocab))}
+        self._scratch = RunScratch(**{name: row.data_ptr() for name, row in self._rows.items()})
+
+    @classmethod
+    def build(cls, stack: NativeLayerStack, embed: torch.Tensor, final_norm: torch.Tensor, final_eps: float,
+              head: Any, native: NativeKernels) -> DecodeRun | None:
+        """The run over `stack`, or None where the embeddings or the head are not ones it reads."""
+        try:
+            return cls(stack, embed, final_norm, final_eps, head, native)
+        except ValueError:
+            return None
+
+    def __call__(self, cache: PagedKVCache, cos: torch.Tensor, signed_sin: torch.Tensor, block_table: list[int],
+                 token: int, position: int, steps: int, stop_ids: Sequence[int]) -> list[int] | None:
+        """Up to `steps` greedy tokens after the pending `token` at `position` (its keys and values, and each new
+        token's but the last, written to `cache` at `block_table`'s slots), ending early after one of `stop_ids`.
+        `cos`/`signed_sin` are the RoPE tables by position (`[positions, head_dim]`, float32). None (nothing run)
+        where the cache's pools are not ones the kernels read.
+
+        Raises:
+            ValueError: the block table or the RoPE tables do not reach `position + steps - 1`.
+            MemoryError: the attention could not allocate its scratch memory.
+        """
+        if not self.stack._bind(cache, 1):
+            return None
+        self.stack._attention.block_size = cache.block_size  # (a step's plan sets it; a run may come first)
+        model = self._model
+        tables = torch.tensor(block_table, dtype=torch.long)
+        stops = torch.tensor(list(stop_ids) or [-1], dtype=torch.long)
+        cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+        model.cos, model.signed_sin = _floats(cos), _floats(signed_sin)
+        model.rope_positions, model.head_dim = cos.shape[0], cos.shape[1]
+        model.block_table, model.blocks = tables.data_ptr(), len(block_table)
+        model.stop_ids, model.stop_count = stops.data_ptr(), len(stop_ids)
+        out = torch.empty(max(steps, 1), dtype=torch.long)
+        stack = self.stack
+        done = self._native.decode_run(ctypes.addressof(stack.layers), len(stack.layers), stack.hidden_dim,
+                                       ctypes.addressof(stack._key_pools), ctypes.addressof(stack._value_pools),
+                                       ctypes.addressof(stack._attention), ctypes.addressof(stack._scratch),
+                                       ctypes.addressof(model), ctypes.addressof(self._scratch), token, position,
+                                       steps, out.data_ptr())
+        if done == -2:
+            raise MemoryError("native attention could not allocate its scratch memory")
+        if done == -3:
+            raise ValueError(f"a decode run of {steps} steps from position {position} passes its block table "
+                             f"({len(block_table)} blocks) or the RoPE tables ({cos.shape[0]} positions)")
+        assert done >= 0, "dk_decode_run refused products it was built with"
+        return out[:done].tolist()

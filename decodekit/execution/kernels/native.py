@@ -77,7 +77,7 @@ log = logging.getLogger("decodekit.runner")
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
            "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack",
-           "dk_stack_timing", "dk_stack_product_seconds")
+           "dk_stack_timing", "dk_stack_product_seconds", "dk_decode_run")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -245,6 +245,11 @@ class NativeKernels:
         self.layer_stack = lib.dk_layer_stack
         self.layer_stack.argtypes = [_p, _i, _i, _i, _p, _p, _p, _p, _p, _p]
         self.layer_stack.restype = ctypes.c_int
+        # (layers, count, hidden_dim, key_pools, value_pools, attention, scratch, model, rows, token, position,
+        # steps, out_tokens) -> tokens produced or an error (-1..-3): greedy runs (`fused.layer_stack.DecodeRun`)
+        self.decode_run = lib.dk_decode_run
+        self.decode_run.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p, _p, _i, _i, _i, _p]
+        self.decode_run.restype = ctypes.c_int64
         # (on) -> None and () -> seconds: the layer stack's weight products timed (`time_stack_products`)
         self._stack_timing = lib.dk_stack_timing
         self._stack_timing.argtypes = [_i]

@@ -14,6 +14,7 @@ import logging
 import queue
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -92,6 +93,9 @@ class TensorParallelRunner:
         EngineDeadError: a worker failed to start (its error is in the message).
     """
 
+    runs_decode = False
+    """No native decode runs: every rank runs each step (`ModelRunner.decode_run`)."""
+
     def __init__(self, loaded: LoadedModel, plan: ExecutionPlan, num_blocks: int, in_place: bool) -> None:
         ranks = plan.tensor_parallel
         self.comm = CommCounter()
@@ -161,6 +165,11 @@ class TensorParallelRunner:
     def forward(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]) -> torch.Tensor:
         """`ModelRunner.forward` over the split model."""
         return self.forward_with_hidden(items, block_copies)[0]
+
+    def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],
+                   block_copies: list[tuple[int, int]]) -> list[int] | None:
+        """None: a split model runs no native decode runs (`runs_decode`)."""
+        return None
 
     def forward_with_hidden(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -193,3 +193,92 @@ int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, 
     }
     return 0;
 }
+
+/* What a decode run needs beyond the layers: the embeddings, the final norm, the LM head, the RoPE tables by
+ * position, the sequence's block table and the tokens that end it. Filled by `fused/layer_stack.py`
+ * (`DecodeRunModel`). */
+typedef struct {
+    const void* embed;          /* [vocab, hidden_dim]: float32, or bfloat16 with embed_bf16 */
+    int64_t embed_bf16;
+    int64_t vocab;
+    const float* final_norm;
+    float final_eps;
+    dk_stack_matrix head;       /* the LM head, [vocab, hidden_dim] */
+    const float* cos;           /* [rope_positions, head_dim]: the RoPE tables' row of each position */
+    const float* signed_sin;
+    int64_t rope_positions;
+    int64_t head_dim;
+    const int64_t* block_table; /* the sequence's blocks, `blocks` of them */
+    int64_t blocks;
+    const int64_t* stop_ids;    /* a run ends after producing one of these */
+    int64_t stop_count;
+} dk_run_model;
+
+/* Scratch of a run beyond the stack's: two hidden rows and the logits row. */
+typedef struct {
+    float* input;   /* [hidden_dim] */
+    float* output;  /* [hidden_dim] */
+    float* normed;  /* [hidden_dim] */
+    float* logits;  /* [vocab] */
+} dk_run_scratch;
+
+/* The first index of the largest logit, as torch.argmax takes it (NaN rows aside: a NaN never wins here). */
+static int64_t first_argmax(const float* logits, int64_t vocab) {
+    int64_t best = 0;
+    float top = logits[0];
+    for (int64_t i = 1; i < vocab; ++i)
+        if (logits[i] > top) {
+            top = logits[i];
+            best = i;
+        }
+    return best;
+}
+
+/* A greedy decode run of one sequence: up to `steps` times, the pending `token` at `position` goes through the
+ * embeddings, every layer (dk_layer_stack with one row: its keys and values written at the position's slot), the
+ * final norm and the LM head, and the argmax becomes the next pending token, written to out_tokens. The engine's
+ * one-row steps make the same calls with the same operands (the runner's plan for one decode token: slot from the
+ * block table, keys 0..position, the position's RoPE row), so the tokens are the ones it would pick step by step.
+ * Stops early after a stop id. Returns the tokens produced; -1/-2 as dk_layer_stack; -3 when a position lies
+ * past the block table or the RoPE tables (the caller sizes both). */
+int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidden_dim, void* const* key_pools,
+                      void* const* value_pools, const dk_stack_attention* settings, const dk_stack_scratch* scratch,
+                      const dk_run_model* m, const dk_run_scratch* rows, int64_t token, int64_t position,
+                      int64_t steps, int64_t* out_tokens) {
+    dk_stack_attention at = *settings;
+    int64_t slot = 0, start = 0, keys = 0;
+    at.slots = &slot;
+    at.tables = m->block_table;
+    at.table_start = &start;
+    at.key_len = &keys;
+    if (at.block_size <= 0) return -3;
+    for (int64_t i = 0; i < steps; ++i, ++position) {
+        if (position >= m->rope_positions || position / at.block_size >= m->blocks || token < 0 || token >= m->vocab)
+            return -3;
+        if (m->embed_bf16) {
+            const uint16_t* row = (const uint16_t*)m->embed + token * hidden_dim;
+            for (int64_t d = 0; d < hidden_dim; ++d) {
+                uint32_t bits = (uint32_t)row[d] << 16;
+                float value;
+                __builtin_memcpy(&value, &bits, sizeof value);
+                rows->input[d] = value;
+            }
+        } else {
+            __builtin_memcpy(rows->input, (const float*)m->embed + token * hidden_dim, (size_t)hidden_dim * sizeof(float));
+        }
+        slot = m->block_table[position / at.block_size] * at.block_size + position % at.block_size;
+        keys = position + 1;
+        at.cos = m->cos + position * m->head_dim;
+        at.signed_sin = m->signed_sin + position * m->head_dim;
+        int status = dk_layer_stack(layers, count, 1, hidden_dim, rows->input, rows->output, key_pools, value_pools,
+                                    &at, scratch);
+        if (status != 0) return status;
+        dk_rms_norm(rows->output, m->final_norm, rows->normed, 1, hidden_dim, m->final_eps);
+        if (timed_product(&m->head, rows->normed, 1, 0, rows->logits) != 0) return -1;
+        token = first_argmax(rows->logits, m->vocab);
+        out_tokens[i] = token;
+        for (int64_t s = 0; s < m->stop_count; ++s)
+            if (m->stop_ids[s] == token) return i + 1;
+    }
+    return steps;
+}

@@ -1,0 +1,141 @@
+"""Decode runs (`decodekit.core.decode_runs`, `dk_decode_run`): a lone greedy request's steps run natively several
+at a time give exactly the tokens of step-by-step decoding (and of transformers `generate`), end where a stop id, a
+stop string or max_tokens ends it, stream every token, and are not used where a token is more than an argmax."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from decodekit import LLM, SamplingParams
+from decodekit.execution.kernels.native import load_kernels
+from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from tests.helpers.reference import hf_greedy, random_prompts
+
+kernels = load_kernels()
+pytestmark = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
+
+WEIGHTS: dict[str, dict[str, Any]] = {
+    "float32": {},
+    "bf16 weights": {"quantization": "bf16"},
+    "int8 weights": {"quantization": "int8"},
+    "bf16 KV pool": {"kv_cache_dtype": "bfloat16"},
+}
+
+
+def _pair(model: Any, steps: int = 8, **options: Any) -> tuple[LLM, LLM]:
+    """Two engines on copies of `model`: one decoding step by step, one with runs of `steps`."""
+    options = {"device": "cpu", "fused_decoder": True, "kv_cache_memory": "8MiB", "block_size": 4, **options}
+    return (LLM(copy.deepcopy(model), tiny_tokenizer(), decode_run_steps=1, **options),
+            LLM(copy.deepcopy(model), tiny_tokenizer(), decode_run_steps=steps, **options))
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+def test_runs_give_the_step_by_step_tokens_for_every_weight_kind(weights):
+    model = tiny_model("qwen2", seed=3)  # q/k/v biases too
+    steps, runs = _pair(model, **WEIGHTS[weights])
+    assert runs.engine.model.runs_decode
+    prompts = random_prompts(3, 3, 30, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=29, ignore_eos=True)
+    for prompt in prompts:  # one at a time: a lone request is what runs
+        assert _tokens(runs, [prompt], params) == _tokens(steps, [prompt], params)
+    assert runs.engine.decode_run_tokens > 0 and steps.engine.decode_run_tokens == 0
+
+
+def test_float32_runs_equal_transformers_generate_across_block_boundaries(llama):
+    _, runs = _pair(llama, steps=5)
+    for prompt in random_prompts(4, 2, 40, seed=8):
+        out = runs.generate([prompt], SamplingParams(temperature=0, max_tokens=37))[0]
+        assert out.outputs[0].token_ids == hf_greedy(llama, prompt, 37)
+    assert runs.engine.decode_run_tokens > 0
+
+
+def test_a_run_ends_after_a_stop_id_a_stop_string_or_max_tokens_as_steps_do(llama):
+    steps, runs = _pair(llama)
+    prompt = random_prompts(1, 6, 7, seed=2)[0]
+    free = _tokens(steps, [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    stop_id = free[11]  # mid-run: the run's later tokens must be dropped
+    by_id = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id])
+    assert _tokens(runs, [prompt], by_id) == _tokens(steps, [prompt], by_id) == [free[: free.index(stop_id) + 1]]
+    text = steps.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    by_text = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    a, b = runs.generate([prompt], by_text)[0].outputs[0], steps.generate([prompt], by_text)[0].outputs[0]
+    assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    assert b.finish_reason == "stop"
+    short = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    out = runs.generate([prompt], short)[0].outputs[0]
+    assert out.token_ids == free[:13] and out.finish_reason == "length"
+
+
+def test_every_token_of_a_run_is_streamed_in_order(llama):
+    _, runs = _pair(llama)
+    engine = runs.engine
+    prompt = random_prompts(1, 5, 6, seed=5)[0]
+    request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30))
+    streamed: list[int] = []
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request.request_id:
+                streamed.extend(out.delta_token_ids[0] if out.delta_token_ids else [])
+                final = out
+    want = hf_greedy(llama, prompt, 30)
+    assert final is not None and final.finished and final.outputs[0].token_ids == want
+    assert streamed == want
+    assert engine.decode_run_tokens > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, seed=1, max_tokens=20),
+    SamplingParams(temperature=0, max_tokens=20, min_tokens=5),
+    SamplingParams(temperature=0, max_tokens=20, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=20, n=2),
+], ids=["seeded sampling", "a processor", "logprobs", "n=2"])
+def test_no_run_where_a_token_is_more_than_the_argmax(llama, params):
+    steps, runs = _pair(llama)
+    prompt = random_prompts(1, 5, 6, seed=1)[0]
+    a, b = runs.generate([prompt], params)[0], steps.generate([prompt], params)[0]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert runs.engine.decode_run_tokens == 0
+
+
+def test_a_request_arriving_during_runs_is_served_and_both_stay_exact(llama):
+    _, runs = _pair(llama)
+    engine = runs.engine
+    first, second = random_prompts(2, 4, 20, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    a = engine.add_request(first, params)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(3):  # the lone request runs first
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+    assert engine.decode_run_tokens > 0
+    b = engine.add_request(second, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert outputs[a.request_id] == hf_greedy(llama, first, 30)
+    assert outputs[b.request_id] == hf_greedy(llama, second, 30)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(run=st.integers(2, 9), max_tokens=st.integers(1, 30), length=st.integers(1, 25), seed=st.integers(0, 99))
+def test_any_run_length_gives_transformers_tokens(llama, run, max_tokens, length, seed):
+    llm = LLM(copy.deepcopy(llama), tiny_tokenizer(), device="cpu", fused_decoder=True, kv_cache_memory="8MiB",
+              block_size=4, decode_run_steps=run)
+    prompt = random_prompts(1, length, length + 1, seed=seed)[0]
+    with torch.no_grad():
+        # EOS ends a run as it ends transformers' generate
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+    assert out.outputs[0].token_ids == hf_greedy(llama, prompt, max_tokens)
