@@ -1,13 +1,16 @@
 """Where a batch-1 token goes: the weight products against everything else, per weight format.
 
     python benchmarks/batch1_overhead.py [--formats float32 bfloat16 int8 gguf] [--tokens 128] [--repeats 5]
+                                         [--run-steps 8 1]
 
 One request (a 32-token prompt), greedy, EOS ignored, through `LLM.generate`, as `decodekit bench batch1` runs it.
 A token is the generate call's wall time after its first step (the prefill), over the tokens after the first; the
 products are the layer stack's weight products timed inside the native library (`dk_stack_product_seconds`: two
 clock reads around each product call) plus the LM head's product timed around its call. The rest — norms, RoPE,
 KV writes, attention, SiLU-gating, sampling, stop checks, the step's Python — is "outside the products", the share
-issue 41 asks under 10% of a token. Median of `--repeats` rounds per format; the formats' rounds alternate.
+issue 41 asks under 10% of a token. Median of `--repeats` rounds per format; the formats' rounds alternate. Each
+format runs once per `--run-steps` value (`decode_run_steps`: 8, the default, runs a lone greedy request's steps
+natively 8 at a time; 1 decodes step by step), so the two compare in one run.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ FORMATS: dict[str, dict[str, Any]] = {
 class Probe:
     """One format's engine with its product timers wrapped around the LM head and the layer stack."""
 
-    def __init__(self, name: str, threads: int) -> None:
-        self.name = name
-        self.llm = LLM("smollm2-135m-instruct", device="cpu", **FORMATS[name])
+    def __init__(self, weights: str, run_steps: int, threads: int) -> None:
+        self.name = weights if run_steps > 1 else f"{weights}, step by step"
+        self.llm = LLM("smollm2-135m-instruct", device="cpu", decode_run_steps=run_steps, **FORMATS[weights])
         torch.set_num_threads(threads)
         decoder = self.llm.engine.model.runner.fused
         if decoder is None or decoder.native is None or getattr(decoder, "native_stack", None) is None:
-            raise SystemExit(f"{name}: the native layer stack is not running this model; nothing to split")
+            raise SystemExit(f"{weights}: the native layer stack is not running this model; nothing to split")
         self.native = decoder.native
         self.head_seconds = 0.0
         head = decoder.lm_head
@@ -91,10 +94,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--run-steps", type=int, nargs="+", default=[8, 1],
+                        help="decode_run_steps values to run each format with")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompt = [1000 + i for i in range(32)]
-    probes = [Probe(name, args.threads) for name in args.formats]
+    probes = [Probe(name, steps, args.threads) for name in args.formats for steps in args.run_steps]
     for probe in probes:
         probe.round(prompt, 16)  # warm-up: kernels, RoPE tables, allocator
     results: dict[str, list[tuple[float, float]]] = {probe.name: [] for probe in probes}

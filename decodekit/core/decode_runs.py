@@ -1,9 +1,9 @@
 """Decode runs: several greedy steps of a lone request in one native call (`ModelExecutor.decode_run`).
 
 At batch 1 a step's own Python (scheduling, the forward's glue, processing, selection, stopping, emitting: ~0.4 ms
-on a 2-core CPU) is 10-20% of a bf16, int8 or 4-bit token. When the engine serves one request and nothing waits, and
-that request's next tokens are plain argmaxes (greedy, no processors, no logprobs or trace, a strategy whose
-`Strategy.greedy_argmax` says its choice is the argmax and nothing else), the model runs up to
+on a 2-core CPU) is 10-20% of a bf16, int8 or 4-bit token. When the engine serves one request and nothing waits
+that could join it, and that request's next tokens are plain argmaxes (greedy, no processors, no logprobs or trace,
+a strategy whose `Strategy.greedy_argmax` says its choice is the argmax and nothing else), the model runs up to
 `EngineConfig.decode_run_steps` steps natively (embeddings, layers, final norm, LM head, argmax, ending after an
 EOS or stop id), and the run's tokens go through the stop and emit stages as one step's tokens, as a speculative
 step's accepted drafts do: every stopping criterion still checks every token in order (stop strings, max_tokens,
@@ -47,9 +47,12 @@ def plain_greedy(request: Request) -> bool:
 def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: tuple[int, ...],
                     max_model_len: int) -> DecodeRunPlan | None:
     """The run to make instead of this step, or None (then the step runs as usual): one request running, none
-    waiting, its sequence decoding one pending token, `plain_greedy`, and room for at least two steps before its
+    waiting that could join it (`max_num_seqs` 1 queues the others until it ends), its sequence decoding one pending
+    token, `plain_greedy`, and room for at least two steps before its
     `max_tokens` and `max_model_len`."""
-    if config.decode_run_steps < 2 or scheduler.waiting or len(scheduler.running) != 1:
+    if config.decode_run_steps < 2 or len(scheduler.running) != 1:
+        return None
+    if scheduler.waiting and config.max_num_seqs > 1:  # a waiting request could join the next step: no run delays it
         return None
     request = scheduler.running[0]
     if not plain_greedy(request):

@@ -139,3 +139,11 @@ def test_any_run_length_gives_transformers_tokens(llama, run, max_tokens, length
         # EOS ends a run as it ends transformers' generate
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
     assert out.outputs[0].token_ids == hf_greedy(llama, prompt, max_tokens)
+
+
+def test_requests_queued_behind_max_num_seqs_1_still_let_the_running_one_run(llama):
+    _, runs = _pair(llama, max_num_seqs=1)
+    prompts = random_prompts(3, 4, 12, seed=13)
+    outs = runs.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama, p, 20) for p in prompts]
+    assert runs.engine.decode_run_tokens > 0

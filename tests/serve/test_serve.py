@@ -126,7 +126,8 @@ def test_streamed_deltas_concatenate_to_the_non_streamed_text_and_usage_comes_la
                                                 stream=True, stream_options={"include_usage": True}))
         texts = [c.choices[0].text for c in chunks if c.choices]
         text = whole.choices[0].text
-    assert "".join(texts) == text and len(texts) > 2
+    # in pieces (a lone greedy request streams a decode run, up to 8 tokens, per chunk)
+    assert "".join(texts) == text and len(texts) > 1
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
