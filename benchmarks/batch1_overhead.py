@@ -37,7 +37,7 @@ class Probe:
     """One format's engine with its product timers wrapped around the LM head and the layer stack."""
 
     def __init__(self, weights: str, run_steps: int, threads: int) -> None:
-        self.name = weights if run_steps > 1 else f"{weights}, step by step"
+        self.name = f"{weights}, runs of {run_steps}" if run_steps > 1 else f"{weights}, step by step"
         self.llm = LLM("smollm2-135m-instruct", device="cpu", decode_run_steps=run_steps, **FORMATS[weights])
         torch.set_num_threads(threads)
         decoder = self.llm.engine.model.runner.fused

@@ -141,30 +141,6 @@ static int timed_product(const dk_stack_matrix* m, const float* x, int64_t rows,
     return status;
 }
 
-/* Asks for the keys and values the step's queries will attend in one layer's pools (into L2), before its q/k/v
- * product: at a few rows the attention reads them right after that product, and otherwise waits on memory key block
- * by key block on one thread. A sequence's several rows read the same keys: its last row's are asked once. At most
- * KV_PREFETCH_BYTES a layer (the attention's own prefetches carry on past them). */
-#define KV_PREFETCH_BYTES (384 << 10)
-static void prefetch_layer_kv(const char* kpool, const char* vpool, const dk_stack_attention* at, int64_t tokens,
-                              int64_t row_bytes) {
-    int64_t budget = KV_PREFETCH_BYTES / 2;
-    for (int64_t t = 0; t < tokens && budget > 0; ++t) {
-        if (t + 1 < tokens && at->table_start[t + 1] == at->table_start[t]) continue;
-        const int64_t* table = at->tables + at->table_start[t];
-        int64_t keys = at->key_len[t] - 1;  /* the newest keys are this step's own, written before they are read */
-        for (int64_t j = 0; j < keys && budget > 0; j += at->block_size) {
-            int64_t count = keys - j < at->block_size ? keys - j : at->block_size;
-            int64_t start = table[j / at->block_size] * at->block_size * row_bytes, bytes = count * row_bytes;
-            for (int64_t off = 0; off < bytes; off += 64) {
-                __builtin_prefetch(kpool + start + off, 0, 2);
-                __builtin_prefetch(vpool + start + off, 0, 2);
-            }
-            budget -= bytes;
-        }
-    }
-}
-
 /* Runs `count` layers over `tokens` rows: `hidden` [T, hidden_dim] is the first layer's input (not written), `out`
  * [T, hidden_dim] receives the last layer's output (and serves as each layer's output along the way); the layers'
  * KV pools are key_pools[i] / value_pools[i]. Returns 0; -1 if a product refused its operands (nothing the fused
@@ -175,8 +151,6 @@ int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, 
     const float* h = hidden;
     for (int64_t i = 0; i < count; ++i) {
         const dk_stack_layer* l = &layers[i];
-        prefetch_layer_kv((const char*)key_pools[i], (const char*)value_pools[i], at, tokens,
-                          l->kv_heads * l->head_dim * (at->kv_mode ? 2 : 4));
         dk_rms_norm(h, l->input_norm, scratch->normed, tokens, hidden_dim, l->input_eps);
         if (timed_product(&l->qkv, scratch->normed, tokens, 0, scratch->qkv) != 0) return -1;
         if (dk_rope_cache_attend(scratch->qkv, tokens, l->q_heads, l->kv_heads, l->head_dim, at->cos, at->signed_sin,
