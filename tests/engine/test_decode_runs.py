@@ -147,3 +147,12 @@ def test_requests_queued_behind_max_num_seqs_1_still_let_the_running_one_run(lla
     outs = runs.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(llama, p, 20) for p in prompts]
     assert runs.engine.decode_run_tokens > 0
+
+
+def test_runs_keep_a_sliding_window_model_exact():
+    model = tiny_model("mistral", sliding_window=6)
+    steps, runs = _pair(model, steps=7)
+    params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    for prompt in random_prompts(2, 3, 20, seed=21):
+        assert _tokens(runs, [prompt], params) == _tokens(steps, [prompt], params)
+    assert runs.engine.decode_run_tokens > 0
