@@ -66,8 +66,8 @@ class ModelRunner:
 
     @property
     def runs_decode(self) -> bool:
-        """Whether `decode_run` runs greedy steps natively here (the fused decoder's `decode_runner`)."""
-        return self.fused is not None and self.fused.decode_runner is not None and self.fused.native_stack is not None
+        """Whether `decode_run` runs greedy steps natively here (`FusedDecoder.runs_decode`)."""
+        return self.fused is not None and self.fused.runs_decode
 
     @torch.inference_mode()
     def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],

@@ -366,15 +366,21 @@ class FusedDecoder:
         hidden = _rms_norm(hidden.index_select(0, logit_index), self.final_norm, self.final_eps)
         return self._logits(hidden)
 
+    @property
+    def runs_decode(self) -> bool:
+        """Whether `decode_run` runs here: a `decode_runner` was built and the native stack is on (a decoder switched
+        to the per-layer path runs no runs)."""
+        return self.decode_runner is not None and self.native_stack is not None
+
     def decode_run(self, token: int, position: int, block_table: list[int], cache: PagedKVCache, steps: int,
                    stop_ids: Sequence[int]) -> list[int] | None:
         """Up to `steps` greedy tokens of one sequence whose pending `token` sits at `position` (`block_table`
         holding every position the run writes), each the argmax of the logits this decoder's one-row step would
-        give, ending after one of `stop_ids`; None (nothing run) without a `decode_runner` or where the cache's pools
+        give, ending after one of `stop_ids`; None (nothing run) where `runs_decode` is False or the cache's pools
         are not ones the kernels read. The keys and values of the pending token and of every new token but the last are
         written, as the step-by-step forwards would have."""
         run = self.decode_runner
-        if run is None or self.native_stack is None:  # (a decoder switched to the per-layer path runs no runs)
+        if run is None or not self.runs_decode:
             return None
         needed = position + steps
         if needed > self._rope_positions:

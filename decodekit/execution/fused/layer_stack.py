@@ -338,7 +338,6 @@ class DecodeRun:
         self.stack = stack
         self.vocab = head_desc.out_dim
         self._native = native
-        self._final_norm = final_norm
         self._model = RunModel(embed=embed.data_ptr(), embed_bf16=int(embed.dtype == torch.bfloat16),
                                vocab=self.vocab, final_norm=_floats(final_norm),
                                final_eps=final_eps, head=head_desc)
