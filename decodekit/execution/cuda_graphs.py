@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decodekit.execution.attention.gpu import TokenTable
+from decodekit.execution.attention.gpu import TokenTable, attention_parts
 from decodekit.execution.attention.kv_cache import AttentionLayout, PagedKVCache
 
 if TYPE_CHECKING:
@@ -101,13 +101,15 @@ class DecodeGraphs:
         self._host_tables = torch.zeros(self.buckets[-1], self.width, dtype=torch.long, pin_memory=pinned)
         self._host_picks = torch.zeros(2, max_tokens, dtype=torch.long, pin_memory=pinned)
         self._uploaded = torch.cuda.Event() if capture else None
-        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self.kv_heads = cache.key_slots[0].shape[1] if cache.key_slots else 1
+        # by (batch bucket, query length, attention parts: `attention_parts`, for decode steps)
+        self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: str | None = None  # why graphs are off for good (a capture failed), else None
 
     @property
     def num_captured(self) -> int:
-        """How many (batch bucket, query length) graphs exist so far."""
+        """How many (batch bucket, query length, attention parts) graphs exist so far."""
         return len(self._graphs)
 
     def accepts(self, items: list[ForwardItem]) -> bool:
@@ -143,6 +145,9 @@ class DecodeGraphs:
                 host[_LIMITS][row] = position + 1
                 row_of_token.append(row)
         width = max(-(-(it.context_len + len(it.token_ids)) // block_size) for it in items)
+        # a decode step splits long contexts' keys over several programs: a graph per split, for any context
+        parts = (attention_parts(padded, self.kv_heads, max(it.context_len + 1 for it in items), self.meta.device)
+                 if q == 1 else 1)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last step's uploads have left the staging buffers
         self._host_meta[:, :padded].copy_(torch.tensor(host, dtype=torch.long))
@@ -154,17 +159,17 @@ class DecodeGraphs:
         rows = self._pick(1, [row_of_token[t] for t in hidden_index]) if hidden_index else None
         if self._uploaded is not None:
             self._uploaded.record()
-        captured = self._graphs.get((bucket, q))
+        captured = self._graphs.get((bucket, q, parts))
         if captured is None:
             try:
-                captured = self._graphs[(bucket, q)] = self._capture(padded)
+                captured = self._graphs[(bucket, q, parts)] = self._capture(padded, q == 1, parts)
             except Exception as exc:
                 # a model the capture cannot take must not fail every decode step: run eagerly from now on
                 self.disabled = f"capturing {padded} rows failed: {exc!r}"
                 log.warning("CUDA graphs off for this engine (%s); steps run eagerly", self.disabled)
                 raise GraphCaptureFailed(self.disabled) from exc
         if captured.graph is None:  # not capturing: the static-buffer forward, eagerly
-            logits, hidden = self._forward(padded)
+            logits, hidden = self._forward(padded, q == 1, parts)
         else:
             captured.graph.replay()
             logits, hidden = captured.logits, captured.hidden
@@ -185,12 +190,13 @@ class DecodeGraphs:
         index.copy_(self._host_picks[which, :n], non_blocking=True)
         return index
 
-    def _forward(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused forward over the first `tokens` static rows (what a graph captures)."""
+    def _forward(self, tokens: int, single_query: bool, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused forward over the first `tokens` static rows (what a graph captures); `single_query`: every
+        sequence brings one token, whose keys `parts` programs share (`TokenTable`)."""
         meta = self.meta[:, :tokens]
         every = self.every_row[:tokens]
         self.cache.layout = AttentionLayout(meta[_SLOTS], (), (), token_table=TokenTable(
-            meta[_ROWS], meta[_LIMITS], self.tables))
+            meta[_ROWS], meta[_LIMITS], self.tables, single_query=single_query, parts=parts))
         try:
             logits = self.fused(meta[_IDS], meta[_POSITIONS], self.cache, every, None, every)
             hidden = self.fused.last_hidden
@@ -200,7 +206,7 @@ class DecodeGraphs:
             self.cache.layout = None
             self.fused.last_hidden = None
 
-    def _capture(self, tokens: int) -> _Captured:
+    def _capture(self, tokens: int, single_query: bool, parts: int) -> _Captured:
         """Capture the forward of `tokens` rows (the static buffers already hold a real step's values: warm-up and
         capture write its keys and values, which the replay then writes again, identically)."""
         if not self.capture:
@@ -208,10 +214,10 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces, Triton compilation, the allocator
-            self._forward(tokens)
+            self._forward(tokens, single_query, parts)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden = self._forward(tokens)
+            logits, hidden = self._forward(tokens, single_query, parts)
         log.debug("captured a CUDA graph of %d rows (%d graphs)", tokens, len(self._graphs) + 1)
         return _Captured(graph, logits, hidden)

@@ -107,6 +107,7 @@ class ModelRunner:
         layout, positions = build_layout(
             query_lens, [it.context_len for it in items], [it.block_table for it in items],
             self.kv_cache.block_size, self.device, by_token=self.by_token, groups=not native,
+            kv_heads=self.kv_cache.key_slots[0].shape[1] if self.kv_cache.key_slots else 1,
         )
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)[None]
         self.kv_cache.layout = layout

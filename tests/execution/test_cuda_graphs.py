@@ -137,7 +137,7 @@ def test_a_failed_capture_turns_the_graphs_off_and_the_step_runs_eagerly(tokeniz
     graphed = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB")
     graphs = _with_static_buffers(graphed)
 
-    def fail(tokens):
+    def fail(tokens, single_query, parts):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     graphs._capture = fail

@@ -34,6 +34,11 @@ class TokenTable:
     token_rows: torch.Tensor  # [T] long: the row of `block_tables` holding this token's sequence
     key_limits: torch.Tensor  # [T] long: keys 0..limit-1 of that sequence (its context and itself); 0 = padding
     block_tables: torch.Tensor  # [B, W] long: block ids, one row per sequence (entries past a sequence's end unused)
+    # Every sequence brings one token (a decode step): `gpu_layer.rope_attend` may then write a token's key and read
+    # it back in one launch, as no other token of the step attends to it.
+    single_query: bool = False
+    # Programs sharing each token's keys in `gpu_layer.rope_attend` (`gpu_layer.attention_parts`)
+    parts: int = 1
 
 
 @functools.cache
@@ -145,6 +150,31 @@ def attend_tokens_reference(table: TokenTable, query: torch.Tensor, key_slots: t
                                               attn_mask=visible, scale=scale, enable_gqa=True)  # [T, H, 1, D]
     # a row that sees no key is NaN under SDPA: padding is defined as zeros
     return torch.where((limits > 0)[:, None, None], attended[:, :, 0], 0.0).to(query.dtype)
+
+
+# Keys each program attends at least before a decode token's keys are split over several (`attention_parts`)
+_KEYS_PER_PART = 256
+_MAX_PARTS = 32
+
+
+def attention_parts(rows: int, kv_heads: int, longest: int, device: torch.device) -> int:
+    """How many programs share each token's keys in a decode step's attention (a power of two; flash-decoding's
+    split): one while the step's tokens and KV heads alone fill the GPU's multiprocessors or the longest context
+    (`longest` keys) is short, else enough parts of at least `_KEYS_PER_PART` keys to fill them."""
+    programs = _multiprocessors(device)
+    base = max(1, rows * kv_heads)
+    parts = 1
+    while parts < _MAX_PARTS and base * parts < programs and longest > 2 * parts * _KEYS_PER_PART:
+        parts *= 2
+    return parts
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The CUDA device's multiprocessor count (132 on an H100 or H200); 8 elsewhere (the interpreter's tests)."""
+    if device.type != "cuda":
+        return 8
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def next_power_of_2(value: int) -> int:

@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from decodekit.execution.attention.gpu import TokenTable, attend_tokens
+from decodekit.execution.attention.gpu import TokenTable, attend_tokens, attention_parts
 
 ATTENTION_NAME = "decodekit_paged"
 # transformers' `config.layer_types` values the paged attention serves
@@ -129,7 +129,7 @@ class AttentionLayout:
 
 def build_layout(
     query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device, by_token: bool = False, groups: bool = True,
+    device: torch.device, by_token: bool = False, groups: bool = True, kv_heads: int = 1,
 ) -> tuple[AttentionLayout, torch.Tensor]:
     """Describe one packed forward pass: sequence i brings `query_lens[i]` new tokens after `context_lens[i]`.
 
@@ -137,7 +137,7 @@ def build_layout(
     field: a decode step has a handful of sequences, and a dozen small tensor ops cost more (measured ~0.4 ms).
     With `by_token` (the GPU path) short queries are described by a `TokenTable` instead of padded groups; with
     `groups` False by neither (a step the native attention serves reads only the slots, the positions and the
-    chunks).
+    chunks); the pool's `kv_heads` size a decode step's split of keys over programs there (`attention_parts`).
     """
     n = len(query_lens)
     starts = list(accumulate(query_lens, initial=0))[:n]
@@ -159,7 +159,7 @@ def build_layout(
     if by_token:
         slots = torch.tensor(slot_mapping, dtype=torch.long, device=device)
         return (AttentionLayout(slots, (), tuple(chunks), token_table=_token_table(
-            query_lens, context_lens, block_tables, block_size, device)),
+            query_lens, context_lens, block_tables, block_size, device, kv_heads)),
             torch.tensor(positions, dtype=torch.long, device=device))
     if not groups:
         return (AttentionLayout(torch.tensor(slot_mapping, dtype=torch.long, device=device), (), tuple(chunks)),
@@ -175,7 +175,7 @@ def build_layout(
 
 
 def _token_table(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-                 device: torch.device) -> TokenTable:
+                 device: torch.device, kv_heads: int) -> TokenTable:
     """The token table of a packed step: token j of sequence i sees `context_lens[i] + j + 1` keys; tokens of long
     chunks get 0 (SDPA attends them)."""
     rows: list[int] = []
@@ -185,9 +185,12 @@ def _token_table(query_lens: list[int], context_lens: list[int], block_tables: l
         limits.extend(range(ctx_len + 1, ctx_len + q_len + 1) if q_len <= BATCHED_MAX_QUERY else [0] * q_len)
     width = max(1, max(-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)))
     tables = [b for table in block_tables for b in (table + [0] * width)[:width]]
+    single = all(q_len == 1 for q_len in query_lens)
     return TokenTable(torch.tensor(rows, dtype=torch.long, device=device),
                       torch.tensor(limits, dtype=torch.long, device=device),
-                      torch.tensor(tables, dtype=torch.long, device=device).view(len(query_lens), width))
+                      torch.tensor(tables, dtype=torch.long, device=device).view(len(query_lens), width),
+                      single_query=single, parts=attention_parts(len(rows), kv_heads, max(limits, default=0), device)
+                      if single else 1)
 
 
 def _bucket_by_length(order: list[int], lengths: list[int]) -> list[list[int]]:

@@ -72,7 +72,7 @@ from decodekit.execution.fused.weight_matrices import (
     Matrix,
     quantized_matrix,
 )
-from decodekit.execution.kernels import gpu_ops
+from decodekit.execution.kernels import gpu_layer, gpu_ops
 from decodekit.execution.kernels.native import NATIVE_GATING_MAX_ROWS, DecodeAttentionPlan, NativeKernels
 
 # The most keys (context and chunk) of a sequence whose prefill chunk the native attention takes (query by query)
@@ -229,6 +229,9 @@ class FusedDecoder:
         # the GPU path: steps attended by token table run their small ops as Triton kernels (`gpu_ops`), written for
         # the Llama block
         self.gpu_ops = kernel_available(weight.device) and head_dim & (head_dim - 1) == 0 and not gemma
+        # ... and steps of up to this many rows run each layer as five launches (`gpu_layer`; 0: off), which the
+        # plain Llama block allows (set after the layers are built)
+        self.gpu_layer_rows = 0
         base = model.model
         self.embed_tokens = base.embed_tokens  # Gemma's scales its rows by sqrt(hidden) itself
         self.rotary_emb = base.rotary_emb
@@ -259,6 +262,9 @@ class FusedDecoder:
                 self.layers = [self._fuse(layer, prepack, native, gemma, by_type) for layer in base.layers]
                 # a head tied to the input embeddings keeps sharing their Parameter (its rows are the lookups' rows)
                 self.lm_head = Matrix(_own_rows(model.lm_head), None, prepack, native)
+        if self.gpu_ops and all(layer.attn_out_norm is None and not layer.gelu and isinstance(m, Matrix)
+                                for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            self.gpu_layer_rows = gpu_layer.FUSED_MAX_ROWS
         self.native_stack: NativeLayerStack | None = (
             NativeLayerStack.build(self.layers, native) if native_stack and native is not None and not self.gpu_ops
             else None)
@@ -352,6 +358,13 @@ class FusedDecoder:
         layout = cache.layout
         if self.gpu_ops and layout is not None and layout.token_table is not None and not layout.chunks:
             cos2d, sin2d = ropes[None][0][:, 0], ropes[None][1][:, 0]
+            if tokens <= self.gpu_layer_rows:
+                for index, layer in enumerate(self.layers):
+                    self._gpu_fused_layer(index, layer, hidden, cos2d, sin2d, cache)
+                normed = gpu_ops.rms_norm(hidden, self.final_norm, self.final_eps)
+                if hidden_index is not None:
+                    self.last_hidden = normed.index_select(0, hidden_index)
+                return self._logits(normed.index_select(0, logit_index))
             delta: torch.Tensor | None = None  # each layer's last product, added to `hidden` by the next norm
             for index, layer in enumerate(self.layers):
                 hidden, delta = self._gpu_layer(index, layer, hidden, delta, cos2d, sin2d, cache, tokens)
@@ -521,6 +534,37 @@ class FusedDecoder:
         attend_tokens(layout.token_table, query, keys, values, cache.block_size, layer.scaling, attended)
         normed = gpu_ops.rms_norm(hidden, layer.post_norm, layer.post_eps, residual=layer.o(attended.view(tokens, -1)))
         return hidden, layer.down(gpu_ops.silu_mul(layer.gate_up(normed), layer.intermediate))
+
+    @staticmethod
+    def _gpu_fused_layer(index: int, layer: _FusedLayer, hidden: torch.Tensor, cos: torch.Tensor,
+                         signed_sin: torch.Tensor, cache: PagedKVCache) -> None:
+        """`_gpu_layer` for a step of at most `gpu_layer_rows` rows, in five launches (`gpu_layer`): the input norm
+        inside the q/k/v product; RoPE, KV write and attention in one (a decode step; else `rope_write` and the
+        paged kernel); the output product adding into `hidden`; the post norm and SiLU-gating inside the gate/up
+        product; the down product adding into `hidden`. Updates `hidden` in place."""
+        layout = cache.layout
+        assert layout is not None and layout.token_table is not None
+        assert isinstance(layer.qkv, Matrix) and isinstance(layer.o, Matrix)
+        assert isinstance(layer.gate_up, Matrix) and isinstance(layer.down, Matrix)
+        keys, values = cache.key_slots[index], cache.value_slots[index]
+        table = layout.token_table
+        tokens = hidden.shape[0]
+        qkv = gpu_layer.linear(hidden, layer.qkv.weight, layer.qkv.bias, norm_weight=layer.input_norm,
+                               eps=layer.input_eps)
+        _norm_queries_and_keys(layer, qkv, tokens)
+        if table.single_query:
+            attended = gpu_layer.rope_attend(qkv, cos, signed_sin, layer.q_heads, layer.kv_heads, keys, values,
+                                             layout.slot_mapping, table, cache.block_size, layer.scaling)
+        else:  # several tokens of a sequence attend to each other's keys: written by one launch, read by the next
+            query = gpu_ops.rope_write(qkv, cos, signed_sin, layer.q_heads, layer.kv_heads, keys, values,
+                                       layout.slot_mapping)
+            attended = torch.empty_like(query)
+            attend_tokens(table, query, keys, values, cache.block_size, layer.scaling, attended)
+            attended = attended.view(tokens, -1)
+        gpu_layer.linear(attended, layer.o.weight, residual=hidden)
+        gated = gpu_layer.linear(hidden, layer.gate_up.weight, norm_weight=layer.post_norm, eps=layer.post_eps,
+                                 gated=True)
+        gpu_layer.linear(gated, layer.down.weight, residual=hidden)
 
     @staticmethod
     def _layer(index: int, layer: _FusedLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
