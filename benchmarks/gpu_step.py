@@ -1,23 +1,37 @@
-"""Batch-1 decode on a GPU: the engine's time per token against the time to read the weights once (the bound).
+"""The GPU path against its bounds: batch-1 decode against reading the weights once, large batches against the
+tensor cores' bf16 rate.
 
-Prints, for one model folder: the engine's time per output token at batch 1 (greedy, `ignore_eos`, a long answer
-so that the prefill is noise), the replay of the batch-1 CUDA graph alone (CUDA events), the weight bytes over the
-measured device-to-device copy bandwidth, and how many host synchronisations the engine makes per step
-(`torch.cuda.set_sync_debug_mode`). Run on the GPU machine:
+For one model folder, in one process:
 
-    python benchmarks/gpu_step.py --model /tmp/smollm2-random --tokens 256
+- batch 1, for each variant of the decode path (alternated over `--repeats` rounds, medians): the engine's time per
+  output token (greedy, `ignore_eos`, a long answer so that the prefill is noise) and the replay of the batch-1 graph
+  alone (CUDA events). The variants: `per-op` (cuBLAS products and one launch per small op, the rotary module each
+  step, one step per token: the path before `kernels/gpu_layer.py`), `five launches` (a layer in five launches, RoPE
+  by lookup), `five launches + runs` (the same, and greedy runs of `decode_run_steps` tokens per graph replay);
+- the weight bytes over the measured device-to-device copy bandwidth (the batch-1 bound), and the host
+  synchronisations per step (`torch.cuda.set_sync_debug_mode`);
+- with `--batches`, throughput at those many concurrent requests (prompts and outputs drawn from 16..1024,
+  `ignore_eos`): output tokens per second, and the decode's share of the bf16 matrix rate measured here
+  (2 x parameters FLOP per token over a large bf16 product's rate).
+
+Run on the GPU machine:
+
+    python benchmarks/gpu_step.py --model /tmp/smollm2-135m --tokens 256 --batches 64,256
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 import warnings
+from typing import Any
 
 import torch
 
 from decodekit import LLM, SamplingParams
+from decodekit.execution.kernels import gpu_layer
 
 
 def copy_bandwidth(gib: float = 1.0) -> float:
@@ -35,45 +49,107 @@ def copy_bandwidth(gib: float = 1.0) -> float:
     return 2 * src.numel() * 4 / statistics.median(times[2:])
 
 
+def bf16_matmul_rate(size: int = 8192) -> float:
+    """A large bf16 matrix product's rate in FLOP/s (random operands, median of 10)."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * size**3 / statistics.median(times[2:])
+
+
+def set_variant(llm: LLM, name: str, rope: Any) -> None:
+    """Switch the engine to a decode-path variant (the graphs are captured anew for it)."""
+    runner = llm.engine.model.runner
+    fused, graphs = runner.fused, runner.graphs
+    fused.gpu_layer_rows = 0 if name == "per-op" else gpu_layer.FUSED_MAX_ROWS
+    fused._device_rope = None if name == "per-op" else rope
+    llm.engine.config.decode_run_steps = 8 if name.endswith("runs") else 1
+    if graphs is not None:
+        graphs._graphs.clear()
+        graphs._runs.clear()
+
+
+def replay_time(graph: Any, replays: int = 200) -> float:
+    """Seconds per replay of a captured graph (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays / 1e3
+
+
+def throughput(llm: LLM, vocab: int, requests: int, seed: int = 0) -> tuple[float, int]:
+    """Output tokens per second of `requests` concurrent greedy requests, prompts and outputs drawn from 16..1024."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 1024))] for _ in range(requests)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(16, 1024), ignore_eos=True)
+              for _ in range(requests)]
+    llm.generate(prompts[:4], params[:4])  # graphs of the first buckets, warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / (time.perf_counter() - start), tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--profile", action="store_true", help="Also print the batch-1 step's kernels by device "
-                        "time (torch.profiler over 20 eager runs of what the graph captures).")
+    parser.add_argument("--batches", default="", help="Comma-separated request counts for the throughput rows.")
+    parser.add_argument("--profile", action="store_true", help="Also print the batch-1 graph's kernels by device "
+                        "time (torch.profiler over 20 replays).")
     args = parser.parse_args()
 
-    llm = LLM(args.model, device="cuda", dtype=args.dtype)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    llm = LLM(args.model, device="cuda", dtype=args.dtype, max_num_seqs=max([1, *batches]),
+              max_num_batched_tokens=4096, kv_cache_memory="24GiB" if batches else "2GiB")
     model = llm.engine.loaded.model
     weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     weight_bytes = sum(weights.values())
+    parameters = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     prompt = llm.tokenizer("The history of the printing press").input_ids
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # capture, warm up
-    per_token = []
+    runner = llm.engine.model.runner
+    graphs = runner.graphs
+    rope = runner.fused._device_rope
+    variants = ["per-op", "five launches", "five launches + runs"]
+    per_token: dict[str, list[float]] = {v: [] for v in variants}
+    replays: dict[str, float] = {}
+    answers: dict[str, list[int]] = {}
     for _ in range(args.repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate([prompt], params)
-        torch.cuda.synchronize()
-        per_token.append((time.perf_counter() - start) / args.tokens)
-    tpot = statistics.median(per_token)
+        for name in variants:
+            set_variant(llm, name, rope)
+            answers[name] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+                                         )[0].outputs[0].token_ids  # capture, warm up
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate([prompt], params)
+            torch.cuda.synchronize()
+            per_token[name].append((time.perf_counter() - start) / args.tokens)
+            if graphs is not None:
+                one = [c for key, c in graphs._graphs.items() if key[:2] == (1, 1)]
+                runs = [(steps, c) for (steps, _), c in graphs._runs.items() if c.graph is not None]
+                if runs:
+                    steps, captured = max(runs, key=lambda r: r[0])
+                    replays[name] = replay_time(captured.graph) / steps
+                elif one and one[0].graph is not None:
+                    replays[name] = replay_time(one[0].graph)
 
-    replay = None
-    graphs = llm.engine.model.runner.graphs
-    if graphs is not None and (1, 1) in graphs._graphs:
-        graph = graphs._graphs[(1, 1)].graph
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(200):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        replay = start.elapsed_time(end) / 200 / 1e3
-
+    set_variant(llm, "five launches", rope)
     steps = 16
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -85,32 +161,41 @@ def main() -> None:
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     sites = sorted({f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno}" for w in syncs})
 
-    if args.profile and graphs is not None and (1, 1) in graphs._graphs:
+    if args.profile and graphs is not None:
         from torch.profiler import ProfilerActivity, profile
 
-        context = int(graphs.meta[4, 0])
+        captured = next(c for key, c in graphs._graphs.items() if key[:2] == (1, 1))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
-                graphs._graphs[(1, 1)].graph.replay()
+                captured.graph.replay()
             torch.cuda.synchronize()
-        print(f"20 replays of the batch-1 graph at context {context}:")
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=70))
+        print("20 replays of the batch-1 graph (five launches a layer):")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
     bandwidth = copy_bandwidth()
     bound = weight_bytes / bandwidth
-    print(f"model {args.model} ({args.dtype}, {weight_bytes / 2**20:.0f} MiB of weights) on "
-          f"{torch.cuda.get_device_name()}; forward {llm.engine.model.forward_name}, "
-          f"CUDA graphs {'on' if graphs is not None else 'off'}")
-    print("| figure | value |")
-    print("|---|---|")
-    print(f"| engine time per token, batch 1 (median of {args.repeats} x {args.tokens} tokens) | "
-          f"{tpot * 1e3:.3f} ms ({1 / tpot:.0f} tok/s) |")
-    if replay is not None:
-        print(f"| batch-1 graph replay alone (200 replays) | {replay * 1e3:.3f} ms |")
-    print(f"| weights read once at the measured copy bandwidth ({bandwidth / 1e12:.2f} TB/s) | {bound * 1e3:.3f} ms |")
-    print(f"| engine time over the bound | {tpot / bound:.1f}x |")
-    print(f"| host synchronisations per step ({steps} steps, prefill included) | {len(syncs) / steps:.1f} "
-          f"({', '.join(sites[:8])}) |")
+    print(f"model {args.model} ({args.dtype}, {weight_bytes / 2**20:.0f} MiB of weights, {parameters / 1e6:.0f}M "
+          f"parameters) on {torch.cuda.get_device_name()}; forward {llm.engine.model.forward_name}, CUDA graphs "
+          f"{'on' if graphs is not None else 'off'}; same tokens across variants: "
+          f"{len({tuple(a) for a in answers.values()}) == 1}")
+    print(f"| batch-1 variant | engine per token (median of {args.repeats} x {args.tokens}) | graph replay per token "
+          f"| engine / bound ({bound * 1e3:.3f} ms: weights at {bandwidth / 1e12:.2f} TB/s) |")
+    print("|---|---|---|---|")
+    for name in variants:
+        tpot = statistics.median(per_token[name])
+        replay = f"{replays[name] * 1e3:.3f} ms" if name in replays else "-"
+        print(f"| {name} | {tpot * 1e3:.3f} ms ({1 / tpot:.0f} tok/s) | {replay} | {tpot / bound:.1f}x |")
+    print(f"host synchronisations per step (five launches, {steps} steps, prefill included): "
+          f"{len(syncs) / steps:.1f} ({', '.join(sites[:8])})")
+    if batches:
+        set_variant(llm, "five launches + runs", rope)
+        rate = bf16_matmul_rate()
+        print(f"| concurrent requests | output tok/s | tokens | share of the bf16 matrix rate ({rate / 1e12:.0f} "
+              f"TFLOP/s measured) |")
+        print("|---|---|---|---|")
+        for requests in batches:
+            tok_s, tokens = throughput(llm, model.config.vocab_size, requests)
+            print(f"| {requests} | {tok_s:.0f} | {tokens} | {tok_s * 2 * parameters / rate:.1%} |")
 
 
 if __name__ == "__main__":

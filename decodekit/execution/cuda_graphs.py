@@ -23,6 +23,7 @@ logic are tested on a machine without a GPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,9 @@ log = logging.getLogger("decodekit.cuda_graphs")
 # Steps whose sequences each bring at most this many tokens can be replayed: decode, and verification of up to 15
 # draft tokens. (The n-gram proposer's adaptive k tops out at 10.)
 MAX_GRAPH_QUERY = 16
+# The most steps of one decode run (`DecodeGraphs.decode_run`): the run's token ids live in one static row of
+# MAX_GRAPH_QUERY columns (the pending token, then each step's argmax).
+MAX_RUN_STEPS = MAX_GRAPH_QUERY - 1
 
 # Rows of the static metadata buffer: token ids, positions, KV slots, token rows, key limits.
 _IDS, _POSITIONS, _SLOTS, _ROWS, _LIMITS = range(5)
@@ -101,9 +105,12 @@ class DecodeGraphs:
         self._host_tables = torch.zeros(self.buckets[-1], self.width, dtype=torch.long, pin_memory=pinned)
         self._host_picks = torch.zeros(2, max_tokens, dtype=torch.long, pin_memory=pinned)
         self._uploaded = torch.cuda.Event() if capture else None
+        # RoPE by lookup for every position a step can reach (the block table's width)
+        fused.prepare_device_rope(self.width * cache.block_size)
         self.kv_heads = cache.key_slots[0].shape[1] if cache.key_slots else 1
         # by (batch bucket, query length, attention parts: `attention_parts`, for decode steps)
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
+        self._runs: dict[tuple[int, int], _Captured] = {}  # decode runs, by (steps, attention parts)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.disabled: str | None = None  # why graphs are off for good (a capture failed), else None
 
@@ -176,6 +183,83 @@ class DecodeGraphs:
         # copies, not views: the next replay overwrites the graph's buffers
         chosen = logits[keep].to(torch.float32, copy=True)
         return chosen, None if rows is None else hidden[rows].clone()
+
+    def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int]
+                   ) -> list[int] | None:
+        """Up to `steps` greedy tokens of one sequence in one replay (`ModelExecutor.decode_run`): the pending `token`
+        at `position`, then each step's argmax fed to the next on the device, so the host waits once per run
+        instead of once per token. Ends after one of `stop_ids` (the tokens computed after it are dropped, their
+        keys and values written to the sequence's own slots, which it then frees). At most `MAX_RUN_STEPS` steps;
+        None (nothing run) where the graphs are off or the run's context passes the static block table."""
+        steps = min(steps, MAX_RUN_STEPS)
+        block_size = self.cache.block_size
+        if self.disabled is not None or steps < 1 or position + steps > self.width * block_size - MAX_GRAPH_QUERY:
+            return None
+        host = [[0] * steps for _ in range(5)]
+        host[_IDS][0] = token
+        for i in range(steps):
+            at = position + i
+            host[_POSITIONS][i] = at
+            host[_SLOTS][i] = block_table[at // block_size] * block_size + at % block_size
+            host[_LIMITS][i] = at + 1
+        width = -(-(position + steps) // block_size)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        self._host_meta[:, :steps].copy_(torch.tensor(host, dtype=torch.long))
+        self._host_tables[0, :width].copy_(torch.tensor(block_table[:width], dtype=torch.long))
+        self.meta[:, :steps].copy_(self._host_meta[:, :steps], non_blocking=True)
+        self.tables[0, :width].copy_(self._host_tables[0, :width], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        parts = attention_parts(1, self.kv_heads, position + steps, self.meta.device)
+        captured = self._runs.get((steps, parts))
+        if captured is None:
+            try:
+                captured = self._runs[(steps, parts)] = self._capture_run(steps, parts)
+            except Exception as exc:
+                self.disabled = f"capturing a run of {steps} steps failed: {exc!r}"
+                log.warning("CUDA graphs off for this engine (%s); steps run eagerly", self.disabled)
+                return None
+        if captured.graph is None:
+            self._run_steps(steps, parts)
+        else:
+            captured.graph.replay()
+        tokens = self.meta[_IDS, 1:steps + 1].tolist()  # the one wait of the run
+        stops = set(stop_ids)
+        for i, new in enumerate(tokens):
+            if new in stops:
+                return tokens[:i + 1]
+        return tokens
+
+    def _run_steps(self, steps: int, parts: int) -> None:
+        """The one-token forwards of a decode run over static column i of the metadata, each step's argmax written
+        as the next step's token id (what a run's graph captures)."""
+        one = self.every_row[:1]
+        try:
+            for i in range(steps):
+                meta = self.meta[:, i:i + 1]
+                self.cache.layout = AttentionLayout(meta[_SLOTS], (), (), token_table=TokenTable(
+                    meta[_ROWS], meta[_LIMITS], self.tables, single_query=True, parts=parts))
+                logits = self.fused(meta[_IDS], meta[_POSITIONS], self.cache, one, None, None)
+                self.meta[_IDS, i + 1:i + 2].copy_(torch.argmax(logits, dim=-1))
+        finally:
+            self.cache.layout = None
+
+    def _capture_run(self, steps: int, parts: int) -> _Captured:
+        """Capture a decode run of `steps` steps (warm-up first, as `_capture`; the static buffers hold the run's
+        real values, so the warm-up writes the keys and values the replay then writes again, identically)."""
+        if not self.capture:
+            return _Captured(None, torch.empty(0), torch.empty(0))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._run_steps(steps, parts)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._run_steps(steps, parts)
+        log.debug("captured a CUDA graph of a %d-step decode run", steps)
+        return _Captured(graph, torch.empty(0), torch.empty(0))
 
     def _pick(self, which: int, rows: list[int]) -> slice | torch.Tensor:
         """Rows of the graph's outputs as an index: a slice when they are consecutive (a plain decode step), else

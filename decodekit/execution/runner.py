@@ -66,18 +66,24 @@ class ModelRunner:
 
     @property
     def runs_decode(self) -> bool:
-        """Whether `decode_run` runs greedy steps natively here (`FusedDecoder.runs_decode`)."""
+        """Whether `decode_run` runs greedy steps in one call here: natively (`FusedDecoder.runs_decode`), or as one
+        graph replay on a GPU (`DecodeGraphs.decode_run`)."""
+        if self.graphs is not None:
+            return self.graphs.disabled is None
         return self.fused is not None and self.fused.runs_decode
 
     @torch.inference_mode()
     def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],
                    block_copies: list[tuple[int, int]]) -> list[int] | None:
-        """Up to `steps` greedy tokens of one sequence, natively (`FusedDecoder.decode_run`), after the pending
-        copy-on-write `block_copies`; None where this runner has no native runs (nothing is run)."""
+        """Up to `steps` greedy tokens of one sequence, natively (`FusedDecoder.decode_run`) or from a graph
+        (`DecodeGraphs.decode_run`), after the pending copy-on-write `block_copies`; None where this runner has no
+        runs (nothing is run)."""
         if not self.runs_decode:
             return None
         assert self.fused is not None
         self.kv_cache.copy_blocks(block_copies)
+        if self.graphs is not None:
+            return self.graphs.decode_run(token, position, block_table, steps, stop_ids)
         return self.fused.decode_run(token, position, block_table, self.kv_cache, steps, stop_ids)
 
     @torch.inference_mode()

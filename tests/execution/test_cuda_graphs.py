@@ -153,3 +153,32 @@ def test_a_failed_capture_turns_the_graphs_off_and_the_step_runs_eagerly(tokeniz
 def test_cuda_graphs_on_a_cpu_model_are_refused_naming_the_option(tokenizer):
     with pytest.raises(ConfigError, match=r"cuda_graphs: .*CUDA device"):
         LLM(tiny_model("llama"), tokenizer, fused_decoder=True, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 9, 13, 40])
+def test_a_lone_greedy_request_decodes_in_graph_runs_with_the_tokens_of_the_eager_path(tokenizer, max_tokens):
+    # a decode run (several steps, each argmax fed to the next on the device) from the graphs' static buffers
+    plain = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4,
+                decode_run_steps=1)
+    graphed = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
+    graphs = _with_static_buffers(graphed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for prompt in random_prompts(3, 3, 30, seed=11):
+        want = plain.generate([prompt], params)[0].outputs[0].token_ids
+        assert graphed.generate([prompt], params)[0].outputs[0].token_ids == want
+    assert (graphed.engine.decode_run_tokens > 0) == (max_tokens > 2)
+    assert all(steps <= 8 for steps, _ in graphs._runs)
+
+
+def test_a_graph_run_ends_at_a_stop_id_mid_run(tokenizer):
+    plain = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", decode_run_steps=1)
+    graphed = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB")
+    _with_static_buffers(graphed)
+    prompt = random_prompts(1, 5, 20, seed=3)[0]
+    free = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop = free.outputs[0].token_ids[4]  # the fifth token: inside the first run of 8
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    want = plain.generate([prompt], params)[0].outputs[0]
+    got = graphed.generate([prompt], params)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    assert graphed.engine.decode_run_tokens > 0

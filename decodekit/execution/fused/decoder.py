@@ -241,6 +241,9 @@ class FusedDecoder:
         self._rope_static = _static_rope(self.rotary_emb)
         self._rope_cache: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rope_positions = 0  # positions the cached tables cover
+        # on a GPU, `[positions, 2 * head_dim]` rows of (cos, signed_sin) for every position the engine reaches
+        # (`prepare_device_rope`), so a step's RoPE is one lookup instead of the rotary module's ~10 launches
+        self._device_rope: torch.Tensor | None = None
         self.final_softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         # quantized copies are multiplied in float32 whatever the model's dtype (a bf16 model on a CPU: see
         # `execution.plan`), so the embeddings and norms they meet are float32 too
@@ -427,6 +430,10 @@ class FusedDecoder:
         rotary module's own elementwise math, so the same values, for ~0.1 ms less a token than calling it."""
         tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         keys: list[str | None] = list(self.rope_types) if self.rope_types else [None]
+        if self._device_rope is not None and hidden.device == self._device_rope.device:
+            rows = self._device_rope.index_select(0, positions)[:, None]
+            half = rows.shape[-1] // 2
+            return {None: (rows[..., :half], rows[..., half:])}
         if self._rope_static and hidden.device.type == "cpu":
             needed = int(positions.max()) + 1 if positions.numel() else 0
             if needed > self._rope_positions:
@@ -438,6 +445,21 @@ class FusedDecoder:
         for key in keys:
             tables[key] = self._rope_rows(hidden, positions, key)
         return tables
+
+    def prepare_device_rope(self, positions: int) -> None:
+        """On the model's device (a GPU; the CPU in tests), compute the RoPE rows of positions `0..positions-1` once,
+        which every later step then looks up (the caller promises no step goes past them: the CUDA graphs size them
+        by the engine's longest context).
+        Only for one static table (not Gemma 3's per-layer-type tables nor a dynamic RoPE); the rows come from the
+        rotary module itself, so they are the values its per-step calls give."""
+        weight = self.final_norm
+        if not self._rope_static or self.rope_types is not None:
+            return
+        if self._device_rope is not None and self._device_rope.shape[0] >= positions:
+            return
+        probe = torch.empty(positions, 1, dtype=self.dtype, device=weight.device)
+        cos, signed_sin = self._rope_rows(probe, torch.arange(positions, device=weight.device), None)
+        self._device_rope = torch.cat([cos[:, 0], signed_sin[:, 0]], dim=-1).contiguous()
 
     def _rope_rows(self, hidden: torch.Tensor, positions: torch.Tensor, key: str | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
