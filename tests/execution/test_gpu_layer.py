@@ -163,3 +163,25 @@ def test_engine_on_the_five_launch_layer_gives_the_tokens_of_the_eager_path(toke
     graphs = runner.graphs
     assert {key[-1] for key in [*graphs._graphs, *graphs._runs]} >= {1, 4}  # attention parts of steps and runs
     assert gpu.engine.decode_run_tokens > 0
+
+
+def test_a_five_launch_kernel_failing_on_first_use_falls_back_to_one_launch_per_op(tokenizer, monkeypatch, caplog):
+    # a kernel this GPU or Triton cannot compile turns the five-launch layer off instead of failing every step
+    plain = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
+    gpu = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
+    runner = gpu.engine.model.runner
+    assert runner.fused is not None
+    runner.fused.gpu_ops = True
+    runner.fused.gpu_layer_rows = gpu_layer.FUSED_MAX_ROWS
+    runner.graphs = DecodeGraphs(runner.fused, gpu.engine.kv_cache, 8, gpu.engine.max_model_len, capture=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(gpu_layer, "rope_attend", broken)
+    prompts = random_prompts(3, 3, 30, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [out.outputs[0].token_ids for out in plain.generate(prompts, params)]
+    outs = gpu.generate(prompts, params)
+    assert [out.outputs[0].token_ids for out in outs] == expected and all(out.error is None for out in outs)
+    assert runner.fused.gpu_layer_rows == 0 and "five-launch GPU layer failed" in caplog.text

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,8 @@ from decodekit.execution.fused.weight_matrices import (
 )
 from decodekit.execution.kernels import gpu_layer, gpu_ops
 from decodekit.execution.kernels.native import NATIVE_GATING_MAX_ROWS, DecodeAttentionPlan, NativeKernels
+
+log = logging.getLogger("decodekit.fused")
 
 # The most keys (context and chunk) of a sequence whose prefill chunk the native attention takes (query by query)
 # instead of SDPA: float32 and widened bf16 arithmetic, and bf16 dot products (`native_chunk_keys`).
@@ -232,6 +235,7 @@ class FusedDecoder:
         # ... and steps of up to this many rows run each layer as five launches (`gpu_layer`; 0: off), which the
         # plain Llama block allows (set after the layers are built)
         self.gpu_layer_rows = 0
+        self._gpu_layer_proven: set[tuple[bool, bool, bool]] = set()  # kernel variants that ran once here
         base = model.model
         self.embed_tokens = base.embed_tokens  # Gemma's scales its rows by sqrt(hidden) itself
         self.rotary_emb = base.rotary_emb
@@ -362,12 +366,26 @@ class FusedDecoder:
         if self.gpu_ops and layout is not None and layout.token_table is not None and not layout.chunks:
             cos2d, sin2d = ropes[None][0][:, 0], ropes[None][1][:, 0]
             if tokens <= self.gpu_layer_rows:
-                for index, layer in enumerate(self.layers):
-                    self._gpu_fused_layer(index, layer, hidden, cos2d, sin2d, cache)
-                normed = gpu_ops.rms_norm(hidden, self.final_norm, self.final_eps)
-                if hidden_index is not None:
-                    self.last_hidden = normed.index_select(0, hidden_index)
-                return self._logits(normed.index_select(0, logit_index))
+                token_table = layout.token_table
+                # what the kernels specialize on
+                variant = (tokens == 1, token_table.single_query, token_table.parts > 1)
+                try:
+                    for index, layer in enumerate(self.layers):
+                        self._gpu_fused_layer(index, layer, hidden, cos2d, sin2d, cache)
+                except Exception as exc:
+                    if variant in self._gpu_layer_proven:
+                        raise
+                    # a kernel this GPU or Triton cannot compile must not fail every step: the per-op path from now
+                    # on (the products have not finished `hidden`, so the step starts over from the embeddings)
+                    log.warning("the five-launch GPU layer failed on first use (%r); running one launch per op", exc)
+                    self.gpu_layer_rows = 0
+                    hidden = self.embed_tokens(input_ids).to(self.dtype)
+                else:
+                    self._gpu_layer_proven.add(variant)
+                    normed = gpu_ops.rms_norm(hidden, self.final_norm, self.final_eps)
+                    if hidden_index is not None:
+                        self.last_hidden = normed.index_select(0, hidden_index)
+                    return self._logits(normed.index_select(0, logit_index))
             delta: torch.Tensor | None = None  # each layer's last product, added to `hidden` by the next norm
             for index, layer in enumerate(self.layers):
                 hidden, delta = self._gpu_layer(index, layer, hidden, delta, cos2d, sin2d, cache, tokens)
