@@ -133,3 +133,23 @@ def test_the_variable_forces_a_lower_path_for_matrices_built_after_it(monkeypatc
     stored, _ = _stored("Q4_0", 4, 32, seed=0)
     assert GgufMatrix([stored], None, kernels).isa == "portable"
     assert row_bytes("Q4_0", 32) == stored.data.shape[1]
+
+
+@needs_kernels
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 5), inter=st.sampled_from([8, 96, 520, 1536]), formats=st.tuples(
+    st.sampled_from(FORMATS), st.sampled_from(FORMATS)), seed=st.integers(0, 2**16))
+def test_the_gated_gate_up_product_equals_the_product_then_silu_gating_bit_for_bit(rows, inter, formats, seed):
+    # each thread multiplies the same rows of the gate and the up parts and gates them itself (the layer stack's
+    # GGUF path): the values of the parts' products, then dk_silu_mul; 1536 rows split over both threads
+    assert not isinstance(kernels, str)
+    width = 256
+    (gate, _), (up, _) = _stored(formats[0], inter, width, seed), _stored(formats[1], inter, width, seed + 1)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+    for isa in ISAS:
+        want = torch.empty(rows, 2 * inter)
+        kernels.quant.linear(x, gate.data, formats[0], want, 0, isa=isa)
+        kernels.quant.linear(x, up.data, formats[1], want, inter, isa=isa)
+        gate_up, gated = kernels.quant.gated(x, (gate.data, formats[0]), (up.data, formats[1]), isa=isa)
+        assert torch.equal(gate_up, want), isa
+        assert torch.equal(gated, kernels.silu_mul(want)), isa

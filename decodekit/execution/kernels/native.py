@@ -77,7 +77,7 @@ log = logging.getLogger("decodekit.runner")
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
            "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack",
-           "dk_stack_timing", "dk_stack_product_seconds", "dk_decode_run")
+           "dk_stack_timing", "dk_stack_product_seconds", "dk_decode_run", "dk_quant_gated")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64

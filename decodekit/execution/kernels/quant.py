@@ -58,6 +58,9 @@ class QuantKernels:
         self._linear = lib.dk_quant_linear
         self._linear.argtypes = [_i, _p, _i, _i, _p, _i, _p, _p, _p, _i, _i]
         self._linear.restype = ctypes.c_int
+        self._gated = lib.dk_quant_gated
+        self._gated.argtypes = [_p, _p, _i, _p, _i, _i, _p, _p, _i]
+        self._gated.restype = ctypes.c_int
         self._dequantize = lib.dk_quant_dequantize
         self._dequantize.argtypes = [_i, _p, _i, _i, _p, _i]
         self._dequantize.restype = ctypes.c_int
@@ -106,6 +109,33 @@ class QuantKernels:
                               None if residual is None else residual.data_ptr() + step, out.data_ptr() + step,
                               out.shape[1], ISAS.index(self.isa(isa)))
         assert status == 0, "dk_quant_linear refused operands the wrapper checked"
+
+    def gated(self, x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str],
+              isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate/up product of float32 rows `x` `[rows, in]` with the gate's and the up's `(blocks, fmt)` (`inter`
+        rows each) and its SiLU-gating, in one parallel region (what the layer stack runs for GGUF layers): returns
+        `(gate_up [rows, 2 inter], silu(gate) * up [rows, inter])`, the values `linear` of both parts then
+        `NativeKernels.silu_mul` give.
+
+        Raises:
+            ValueError: the operands do not fit each other.
+        """
+        rows, width = x.shape
+        (gate_blocks, gate_fmt), (up_blocks, up_fmt) = gate, up
+        inter = gate_blocks.shape[0]
+        for blocks, fmt in (gate, up):
+            if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape != (inter, row_bytes(fmt, width))
+                    or not blocks.is_contiguous()):
+                raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} blocks are not {inter} {fmt} rows of {width}")
+        if not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError("the rows must be contiguous float32")
+        kinds = (ctypes.c_int64 * 2)(GGUF_FORMATS[gate_fmt][0], GGUF_FORMATS[up_fmt][0])
+        pointers = (ctypes.c_void_p * 2)(gate_blocks.data_ptr(), up_blocks.data_ptr())
+        gate_up, gated = x.new_empty(rows, 2 * inter), x.new_empty(rows, inter)
+        status = self._gated(kinds, pointers, inter, x.data_ptr(), rows, width, gate_up.data_ptr(), gated.data_ptr(),
+                             ISAS.index(self.isa(isa)))
+        assert status == 0, "dk_quant_gated refused operands the wrapper checked"
+        return gate_up, gated
 
     def dequantize(self, blocks: torch.Tensor, fmt: str, width: int, isa: str | None = None) -> torch.Tensor:
         """The float32 weight `[n, width]` that `fmt` blocks `[n, row_bytes]` hold (gguf-py's `dequantize`, exactly).

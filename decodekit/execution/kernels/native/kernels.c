@@ -155,6 +155,20 @@ void dk_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64
     }
 }
 
+/* Columns [begin, end) of one row of dk_silu_mul: 8 at a time below the row's last multiple of 8 (`begin` a multiple
+ * of 8), one at a time past it, so each column's value does not depend on the range it is computed in. */
+static inline void silu_mul_row(const float* g, float* o, int64_t inter, int64_t begin, int64_t end) {
+    const float* u = g + inter;
+    int64_t vectors = inter / 8 * 8, stop = end < vectors ? end : vectors;
+    int64_t i = begin;
+    for (; i + 8 <= stop; i += 8) {
+        v8f gi = load8(g + i), neg = -gi;
+        neg = (v8f)(((v8i)neg & (v8i)(neg < splat8(88.0f))) | ((v8i)splat8(88.0f) & ~(v8i)(neg < splat8(88.0f))));
+        store8(o + i, (gi / (splat8(1.0f) + exp8(neg))) * load8(u + i));
+    }
+    for (; i < end; ++i) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+}
+
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]: the SiLU-gated MLP's activation, 8 at a time with exp8
  * (within 2 ulp of expf; -g is capped at 88, past which g / (1 + e^-g) is 0 to float32 anyway, so exp8 never
  * overflows). Rows are split over torch's threads from 64K elements (a prefill chunk's gating). */
@@ -162,18 +176,14 @@ void dk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) 
 #ifdef _OPENMP
 #pragma omp parallel for if (rows > 1 && rows * inter >= 65536)
 #endif
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* g = gate_up + r * 2 * inter;
-        const float* u = g + inter;
-        float* o = out + r * inter;
-        int64_t i = 0;
-        for (; i + 8 <= inter; i += 8) {
-            v8f gi = load8(g + i), neg = -gi;
-            neg = (v8f)(((v8i)neg & (v8i)(neg < splat8(88.0f))) | ((v8i)splat8(88.0f) & ~(v8i)(neg < splat8(88.0f))));
-            store8(o + i, (gi / (splat8(1.0f) + exp8(neg))) * load8(u + i));
-        }
-        for (; i < inter; ++i) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
-    }
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate_up + r * 2 * inter, out + r * inter, inter, 0, inter);
+}
+
+/* dk_silu_mul of columns [begin, end) of each row only (`begin` a multiple of 8, `end` too or `inter`), on the calling
+ * thread, with the same values: what a gate/up product that gates its own share of the rows calls
+ * (`dk_quant_gated`). */
+void dk_silu_mul_range(const float* gate_up, float* out, int64_t rows, int64_t inter, int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate_up + r * 2 * inter, out + r * inter, inter, begin, end);
 }
 
 /* ---- the bf16 activations of a step on bf16 products ---------------------------------------------------------

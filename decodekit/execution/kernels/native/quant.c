@@ -547,7 +547,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
         }                                                                                                       \
         const uint8_t* p = (const uint8_t*)panel;                                                               \
         int64_t pb = in * (int64_t)sizeof(float);                                                               \
-        float sums[16];                                                                                         \
+        float sums[16] = {0};  /* every tile writes it: zeroed once for the compiler's sake */                 \
         for (int64_t m = 0; m < rows; m += 4) {                                                                 \
             int nm = rows - m < 4 ? (int)(rows - m) : 4;                                                        \
             const float* xm = x + m * in;                                                                       \
@@ -632,27 +632,70 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
         }                                                                                                       \
     }
 
+/* A gate/up product (two parts of `inter` rows each: gate into columns [0, inter) of gate_up, up into [inter,
+ * 2 inter)) whose threads each take the same rows of both parts and SiLU-gate them right after their products
+ * (`dk_silu_mul_range`, into gated [rows, inter]): the gating reads only what the thread has just written, in its own
+ * cache, inside the product's parallel region. Split by groups over both parts in a row, the gate half went to one
+ * core and the up half to the other, and the gating was a pass of its own reading across cores. Each group's
+ * arithmetic is the one `linear_ISA` does. Shares of the rows start at multiples of 8 (the gating's vectors). */
+#define DK_QUANT_GATED(ISA)                                                                                     \
+    static void gated_##ISA(const int64_t* kinds, const uint8_t* const* blocks, int64_t inter, const float* x,   \
+                            int64_t rows, int64_t in, float* gate_up, float* gated, int parallel) {              \
+        int64_t span = group_span(rows), unit = span < 8 ? 8 : span, units = (inter + unit - 1) / unit;         \
+        DK_QUANT_PARALLEL(parallel) {                                                                           \
+            int64_t b = units * DK_QUANT_THREAD / DK_QUANT_THREADS * unit;                                      \
+            int64_t e = units * (DK_QUANT_THREAD + 1) / DK_QUANT_THREADS * unit;                                \
+            e = e < inter ? e : inter;                                                                          \
+            for (int64_t p = 0; p < 2; ++p) {                                                                   \
+                int64_t row_bytes = dk_quant_row_bytes(kinds[p], in);                                           \
+                for (int64_t o0 = b; o0 < e; o0 += span) {                                                      \
+                    int64_t nr = e - o0 < span ? e - o0 : span;                                                 \
+                    float* o = gate_up + p * inter;                                                             \
+                    switch (kinds[p]) {                                                                         \
+                        case DK_Q4_0: any_group_##ISA(DK_Q4_0, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
+                        case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
+                        case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
+                        case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
+                        default: any_group_##ISA(DK_Q6_K, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
+                    }                                                                                           \
+                }                                                                                               \
+            }                                                                                                   \
+            if (b < e) dk_silu_mul_range(gate_up, gated, rows, inter, b, e);                                    \
+        }                                                                                                       \
+    }
+
+void dk_silu_mul_range(const float* gate_up, float* out, int64_t rows, int64_t inter, int64_t begin, int64_t end);
+
 /* Parts of one stacked product at most (layers.c's DK_STACK_PARTS). */
 #define DK_QUANT_MAX_PARTS 4
 
 #ifdef _OPENMP
 #define DK_PRAGMA(x) _Pragma(#x)
 #define DK_QUANT_FOR_GROUPS(parallel) DK_PRAGMA(omp parallel for schedule(static) if (parallel))
+#define DK_QUANT_PARALLEL(parallel) DK_PRAGMA(omp parallel if (parallel))
+#define DK_QUANT_THREAD omp_get_thread_num()
+#define DK_QUANT_THREADS omp_get_num_threads()
 #else
 #define DK_QUANT_FOR_GROUPS(parallel) (void)(parallel);
+#define DK_QUANT_PARALLEL(parallel) (void)(parallel);
+#define DK_QUANT_THREAD 0
+#define DK_QUANT_THREADS 1
 #endif
 
 int64_t dk_quant_row_bytes(int64_t kind, int64_t in);
 
 DK_QUANT_GROUP(portable)
 DK_QUANT_PARTS(portable)
+DK_QUANT_GATED(portable)
 #if DK_QUANT_AVX2
 DK_QUANT_GROUP(avx2)
 DK_QUANT_PARTS(avx2)
+DK_QUANT_GATED(avx2)
 #endif
 #if DK_QUANT_AVX512
 DK_QUANT_GROUP(avx512)
 DK_QUANT_PARTS(avx512)
+DK_QUANT_GATED(avx512)
 #endif
 
 /* The best path this library was compiled with: 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
@@ -711,6 +754,25 @@ int dk_quant_linear_parts(int64_t parts, const int64_t* kinds, const uint8_t* co
 #endif
     (void)isa;
     parts_portable(parts, kinds, blocks, starts, part_rows, x, rows, in, bias, residual, out, ld, parallel);
+    return 0;
+}
+
+/* `dk_quant_linear_parts` of a gate/up stack (part 0 the gate's `inter` rows, part 1 the up's, into gate_up [rows,
+ * 2 inter]) and dk_silu_mul of its output into gated [rows, inter], in one parallel region (`DK_QUANT_GATED`): the
+ * same values as the two calls. Returns 0, or -1 (nothing computed) for a type or width it does not take. */
+int dk_quant_gated(const int64_t* kinds, const uint8_t* const* blocks, int64_t inter, const float* x, int64_t rows,
+                   int64_t in, float* gate_up, float* gated, int64_t isa) {
+    if (rows < 0 || inter < 1 || dk_quant_row_bytes(kinds[0], in) == 0 || dk_quant_row_bytes(kinds[1], in) == 0)
+        return -1;
+    int parallel = 2 * inter * in * (rows < 8 ? rows : 8) >= 65536 && 2 * inter > QUANT_GROUP;
+#if DK_QUANT_AVX512
+    if (isa >= 2) { gated_avx512(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel); return 0; }
+#endif
+#if DK_QUANT_AVX2
+    if (isa >= 1) { gated_avx2(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel); return 0; }
+#endif
+    (void)isa;
+    gated_portable(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel);
     return 0;
 }
 
