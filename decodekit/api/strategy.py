@@ -233,6 +233,14 @@ class Strategy:
         into actions."""
         raise NotImplementedError
 
+    def steps_without_drafts(self, request: Request) -> int:
+        """For a strategy that proposes: how many steps of `request` (greedy, one sequence) may run natively, as
+        one decode run (`decodekit.core.decode_runs`), when `propose` left it nothing to verify this step: its
+        `select` then appends the argmax and nothing else that the run could miss (no forks, notes, finishes, or
+        state the next `propose` would not catch up on). 0 (the default): never; the strategy's steps are all
+        its own."""
+        return 0
+
     def finalize(self, request: Request) -> list[StrategyResult] | None:
         """Called once when every sequence of a request has finished (stopping criteria included), before its final
         output is built, when `finalizes` is True: return the outputs, best first (None keeps one per sequence).

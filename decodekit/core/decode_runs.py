@@ -31,31 +31,53 @@ class DecodeRunPlan:
     stop_ids: tuple[int, ...]
 
 
-def plain_greedy(request: Request) -> bool:
-    """Whether `request`'s next tokens are each the argmax of the model's logits and nothing else: greedy, one
-    sequence, no processors or reasoning phases, no logprobs or trace, and a strategy that takes the argmax
-    (`Strategy.greedy_argmax`) without proposing drafts or reading hidden states."""
+def _plain_request(request: Request) -> bool:
+    """Greedy, one sequence, no processors or reasoning phases, no logprobs or trace, no hidden states, and a
+    strategy that neither stops nor finalizes for the engine."""
     plan, params = request.plan, request.params
     if plan is None or not params.greedy or params.n != 1 or len(request.sequences) != 1:
         return False
     strategy = plan.strategy
     return (not plan.stages and plan.phases is None and params.logprobs is None and params.trace is None
-            and strategy.greedy_argmax and type(strategy).propose is Strategy.propose
             and not strategy.handles_stopping and not strategy.finalizes and not wants_hidden_states(request))
 
 
+def plain_greedy(request: Request) -> bool:
+    """Whether `request`'s next tokens are each the argmax of the model's logits and nothing else: greedy, one
+    sequence, no processors or reasoning phases, no logprobs or trace, and a strategy that takes the argmax
+    (`Strategy.greedy_argmax`) without proposing drafts or reading hidden states."""
+    if not _plain_request(request):
+        return False
+    assert request.plan is not None
+    strategy = request.plan.strategy
+    return strategy.greedy_argmax and type(strategy).propose is Strategy.propose
+
+
 def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: tuple[int, ...],
-                    max_model_len: int) -> DecodeRunPlan | None:
+                    max_model_len: int, proposed: bool = False) -> DecodeRunPlan | None:
     """The run to make instead of this step, or None (then the step runs as usual): one request running, none
     waiting that could join it (`max_num_seqs` 1 queues the others until it ends), its sequence decoding one pending
-    token, `plain_greedy`, and room for at least two steps before its
-    `max_tokens` and `max_model_len`."""
+    token, `plain_greedy`, and room for at least two steps before its `max_tokens` and `max_model_len`.
+
+    With `proposed` (asked after the strategies proposed), a proposing strategy's request instead, left with no
+    draft this step, for the steps its strategy allows (`Strategy.steps_without_drafts`): speculative decoding
+    whose proposers found nothing, or whose adaptive k is 0 where speculation cannot pay, decodes at a decode
+    run's pace rather than a step at a time."""
     if config.decode_run_steps < 2 or len(scheduler.running) != 1:
         return None
     if scheduler.waiting and config.max_num_seqs > 1:  # a waiting request could join the next step: no run delays it
         return None
     request = scheduler.running[0]
-    if not plain_greedy(request):
+    limit = config.decode_run_steps
+    if proposed:
+        if not _plain_request(request):
+            return None
+        assert request.plan is not None
+        strategy = request.plan.strategy
+        if type(strategy).propose is Strategy.propose:  # not proposing: `plain_greedy` decided before the step
+            return None
+        limit = min(limit, strategy.steps_without_drafts(request))
+    elif not plain_greedy(request):
         return None
     seq = request.sequences[0]
     if (seq.finished or seq.num_uncomputed != 1 or seq.draft_token_ids or seq.draft_branches
@@ -63,7 +85,7 @@ def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: t
         return None
     params = request.params
     # the last token a run adds is at most the request's last and the context's last
-    steps = min(config.decode_run_steps, max_model_len - len(seq.token_ids) + 1, params.max_tokens - seq.num_generated)
+    steps = min(limit, max_model_len - len(seq.token_ids) + 1, params.max_tokens - seq.num_generated)
     if steps < 2:
         return None
     stops = () if params.ignore_eos else eos_token_ids

@@ -182,6 +182,10 @@ class Engine:
             return self._finish_step(record)
         self._fail(propose(self.scheduler.running, ctx))
         self._fail(self.processing.take_faults())  # a proposer's processors failed for these
+        run = plan_decode_run(self.scheduler, self.config, self.eos_token_ids, self.max_model_len, proposed=True) \
+            if self.model.runs_decode else None
+        if run is not None and self._decode_run(run, ctx):  # nothing drafted: the strategy lets it run natively
+            return self._finish_step(record)
         started = time.perf_counter()  # the step's verification: schedule, forward, process (`StepTiming`)
         sched = self.scheduler.schedule()
         self._fail([(request, request.error or "failed") for request in sched.failed])

@@ -89,6 +89,11 @@ class SpeculativeParams(BaseModel):
     cost_model: Literal["measured", "default"] = Field(
         "measured", description="`adaptive: cost`'s step cost: measured on this machine once (cached on disk), or "
         "`default`, a fixed memory-bound curve (tests).")
+    runs_without_drafts: int = Field(
+        4, ge=0, le=64, description="A greedy request alone in the engine that the proposers left without a draft "
+        "this step (no match, or adaptive k 0) decodes up to this many tokens in one decode run "
+        "(`EngineConfig.decode_run_steps` bounds it) before the proposers are asked again; 0: a step at a time. "
+        "Proposers that read the target's hidden states (eagle) never run so.")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="Draft nothing in steps where at least this many sequences run (vLLM's name): a "
         "large batch keeps the products busy, so verifying drafts costs more than it saves.")
@@ -349,6 +354,18 @@ class SpeculativeStrategy(Strategy):
         """When a proposer that reads hidden states cannot start mid-prompt (`Proposer.partial_hidden_states`)."""
         return any(getattr(p, "hidden_states", False) and not getattr(p, "partial_hidden_states", False)
                    for p in self._used_proposers(options))
+
+    def steps_without_drafts(self, request: Request) -> int:
+        """`runs_without_drafts` for a greedy request whose chain reads no hidden states (the run computes none to
+        give them); the draft model catches up on the run's tokens at its next draft, and a step without a draft
+        leaves nothing else to do than the argmax."""
+        options = request.plan.strategy_options if request.plan is not None else None
+        if not isinstance(options, SpeculativeParams) or not request.params.greedy:
+            return 0
+        chain = (options.proposer, *options.fallbacks)
+        if any(getattr(self._proposer(name), "hidden_states", False) for name in chain):
+            return 0
+        return options.runs_without_drafts
 
     def _used_proposers(self, options: BaseModel | None) -> list[Proposer | None]:
         """The proposer and fallback that requests with these options use (None where not built yet)."""

@@ -156,3 +156,60 @@ def test_runs_keep_a_sliding_window_model_exact():
     for prompt in random_prompts(2, 3, 20, seed=21):
         assert _tokens(runs, [prompt], params) == _tokens(steps, [prompt], params)
     assert runs.engine.decode_run_tokens > 0
+
+
+def _speculative(**options: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, strategy={"speculative": {
+        "proposer": "ngram", "num_speculative_tokens": 3, **options}})
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
+def test_speculation_runs_natively_where_its_proposers_find_nothing_with_the_plain_tokens(proposer):
+    # prompts that repeat (drafts found and verified) and that do not (nothing to draft: the steps run natively)
+    model = tiny_model("llama", seed=5)
+    plain, spec = _pair(model)
+    params = _speculative(proposer=proposer)
+    prompts = [(p * 4)[:32] for p in random_prompts(2, 3, 8, seed=9)] + random_prompts(2, 20, 30, seed=10)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for prompt in prompts:  # one at a time: a lone request is what runs
+        out = spec.generate([prompt], params)[0]
+        assert out.outputs[0].token_ids == _tokens(plain, [prompt], greedy)[0]
+    assert 0 < spec.engine.decode_run_tokens < 4 * 40
+
+
+def test_the_draft_model_catches_up_on_the_tokens_of_runs_between_its_drafts(monkeypatch):
+    # the draft model drafts every other step; in between nothing is drafted and the steps run natively: its next
+    # drafts start from the tokens the runs added (accepted drafts prove its cache holds them)
+    model = tiny_model("llama", seed=5)
+    plain, spec = _pair(model, draft=copy.deepcopy(model))
+    proposer = spec.engine.components.get("proposers", "draft")
+    draft = type(proposer).propose
+    calls = []
+
+    def every_other(self, ctx, seqs, ks, options):
+        calls.append(1)
+        if len(calls) % 2:
+            return [[] for _ in seqs], [None for _ in seqs]
+        return draft(self, ctx, seqs, ks, options)
+
+    monkeypatch.setattr(type(proposer), "propose", every_other)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for prompt in random_prompts(2, 10, 20, seed=12):
+        out = spec.generate([prompt], _speculative(proposer="draft"))[0]
+        assert out.outputs[0].token_ids == _tokens(plain, [prompt], greedy)[0]
+        assert out.metrics.num_accepted_tokens > 0  # the same model drafts: every draft token is right
+    assert spec.engine.decode_run_tokens > 0
+
+
+def test_speculation_does_not_run_natively_when_asked_not_to_or_sampling():
+    model = tiny_model("llama", seed=5)
+    _, spec = _pair(model)
+    prompts = random_prompts(2, 20, 30, seed=10)
+    spec.generate(prompts[:1], _speculative(runs_without_drafts=0))
+    seeded = _speculative()
+    seeded.temperature, seeded.seed = 0.8, 3
+    spec.generate(prompts[1:], seeded)
+    assert spec.engine.decode_run_tokens == 0
+    strategy = spec.engine.components.get("strategies", "speculative")
+    request = spec.engine.add_request(prompts[0], _speculative(proposer="eagle"))
+    assert strategy.steps_without_drafts(request) == 0  # the head reads hidden states a run does not compute
