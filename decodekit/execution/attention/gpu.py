@@ -37,7 +37,7 @@ class TokenTable:
     # Every sequence brings one token (a decode step): `gpu_layer.rope_attend` may then write a token's key and read
     # it back in one launch, as no other token of the step attends to it.
     single_query: bool = False
-    # Programs sharing each token's keys in `gpu_layer.rope_attend` (`gpu_layer.attention_parts`)
+    # Programs sharing each token's keys in `gpu_layer.rope_attend` (`attention_parts`, below)
     parts: int = 1
 
 
