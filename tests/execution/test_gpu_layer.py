@@ -23,22 +23,14 @@ from decodekit.execution.cuda_graphs import DecodeGraphs
 from decodekit.execution.fused.decoder import _rms_norm, _silu_gate
 from decodekit.execution.kernels import gpu_layer, gpu_ops
 from decodekit.models.tiny import tiny_model
+from tests.helpers.gpu_kernels import DEVICE, DTYPES, assert_rounds_like
 from tests.helpers.reference import random_prompts
 
 pytestmark = pytest.mark.cuda
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    DEVICE != "cuda", reason="Triton's interpreter rounds to bf16 differently from torch"))]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-        return
-    diff = (got.float() - want.float()).abs()
-    ulp = want.float().abs().clamp_min(1e-6) * 2**-7
-    assert bool((diff <= ulp * 1.01).all()), float((diff / ulp).max())
-    assert float((diff > 0).float().mean()) <= 0.01, f"{float((diff > 0).float().mean()):.2%} of elements differ"
+    assert_rounds_like(got, want, float32_tolerance=2e-5)
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -144,10 +136,9 @@ def test_attention_parts_split_only_long_contexts_of_few_programs():
     assert attention_parts(1, 2, 600, cpu) == 2  # at least ~256 keys a part
 
 
-def test_engine_on_the_five_launch_layer_gives_the_tokens_of_the_eager_path(tokenizer, monkeypatch):
-    # the whole GPU decode path (graphs' static buffers, token table, the five launches, a long context split over
-    # parts) on the CPU through the interpreter, against the torch forward
-    monkeypatch.setattr("decodekit.execution.attention.gpu._KEYS_PER_PART", 64)  # split the tiny model's contexts
+def _engines(tokenizer) -> tuple[LLM, LLM]:
+    """Two engines on the tiny Llama: the torch forward, and the GPU decode path on the CPU (the five-launch layer
+    through the interpreter, the CUDA graphs' static buffers run eagerly)."""
     plain = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
     gpu = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
     runner = gpu.engine.model.runner
@@ -155,6 +146,15 @@ def test_engine_on_the_five_launch_layer_gives_the_tokens_of_the_eager_path(toke
     runner.fused.gpu_ops = True
     runner.fused.gpu_layer_rows = gpu_layer.FUSED_MAX_ROWS
     runner.graphs = DecodeGraphs(runner.fused, gpu.engine.kv_cache, 8, gpu.engine.max_model_len, capture=False)
+    return plain, gpu
+
+
+def test_engine_on_the_five_launch_layer_gives_the_tokens_of_the_eager_path(tokenizer, monkeypatch):
+    # the whole GPU decode path (graphs' static buffers, token table, the five launches, a long context split over
+    # parts) on the CPU through the interpreter, against the torch forward
+    monkeypatch.setattr("decodekit.execution.attention.gpu._KEYS_PER_PART", 64)  # split the tiny model's contexts
+    plain, gpu = _engines(tokenizer)
+    runner = gpu.engine.model.runner
     prompts = [(p * 40)[:n] for p, n in zip(random_prompts(3, 3, 30, seed=5), (12, 300, 40))]
     params = SamplingParams(temperature=0, max_tokens=10)
     for batch in (prompts, prompts[1:2]):  # alone, the long prompt's keys are split
@@ -167,13 +167,8 @@ def test_engine_on_the_five_launch_layer_gives_the_tokens_of_the_eager_path(toke
 
 def test_a_five_launch_kernel_failing_on_first_use_falls_back_to_one_launch_per_op(tokenizer, monkeypatch, caplog):
     # a kernel this GPU or Triton cannot compile turns the five-launch layer off instead of failing every step
-    plain = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
-    gpu = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
+    plain, gpu = _engines(tokenizer)
     runner = gpu.engine.model.runner
-    assert runner.fused is not None
-    runner.fused.gpu_ops = True
-    runner.fused.gpu_layer_rows = gpu_layer.FUSED_MAX_ROWS
-    runner.graphs = DecodeGraphs(runner.fused, gpu.engine.kv_cache, 8, gpu.engine.max_model_len, capture=False)
 
     def broken(*args, **kwargs):
         raise RuntimeError("PassManager::run failed")

@@ -19,24 +19,11 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from decodekit.execution.fused.decoder import _rms_norm, _rotate, _silu_gate
 from decodekit.execution.kernels import gpu_ops
+from tests.helpers.gpu_kernels import DEVICE, DTYPES
+from tests.helpers.gpu_kernels import assert_rounds_like as _close
 
 # marked `cuda`: run with `pytest -m cuda` on a GPU, or `TRITON_INTERPRET=1 pytest -m cuda` on a CPU with Triton
 pytestmark = pytest.mark.cuda
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# The interpreter does not round float32 to bfloat16 the way torch does, so bf16 is checked on a GPU only.
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    DEVICE != "cuda", reason="Triton's interpreter rounds to bf16 differently from torch"))]
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        return
-    diff = (got.float() - want.float()).abs()
-    ulp = want.float().abs().clamp_min(1e-6) * 2**-7
-    assert bool((diff <= ulp * 1.01).all()), float((diff / ulp).max())
-    assert float((diff > 0).float().mean()) <= 0.01, f"{float((diff > 0).float().mean()):.2%} of elements differ"
-
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_kernel_rounds_like_transformers(dtype):

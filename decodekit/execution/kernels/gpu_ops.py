@@ -36,18 +36,10 @@ def _kernels() -> Any:
     try:
         import triton
         import triton.language as tl
+
+        from decodekit.execution.kernels.triton_layer import round_to  # bf16 rounding as torch rounds
     except ImportError:
         return None
-
-    @triton.jit
-    def round_to(x, dtype: tl.constexpr):
-        """`x` (float32) rounded to `dtype` and back. For bfloat16 by integer arithmetic (round to nearest even):
-        the compiler dropped a plain `.to(bf16).to(f32)` round trip, which then did not round at all."""
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
-        return x.to(dtype).to(tl.float32)
 
     @triton.jit
     def rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, stride_x, stride_d, stride_o, n, eps,

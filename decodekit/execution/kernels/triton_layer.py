@@ -15,7 +15,9 @@ import triton.language as tl
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
-    """`x` (float32) rounded to `dtype` and back (bf16 by integer arithmetic, as `gpu_ops.round_to`)."""
+    """`x` (float32) rounded to `dtype` and back, as torch rounds a product to the model dtype (`gpu_ops` uses it
+    too). For bfloat16 by integer arithmetic (round to nearest even): the compiler dropped a plain
+    `.to(bf16).to(f32)` round trip, which then did not round at all."""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
