@@ -230,7 +230,8 @@ def propose_with_trees(proposer: Proposer, ctx: StepContext, items: list[tuple[S
             # the first branch's distributions: a tree verified as its first branch alone (a chain, or past the
             # step's budget: `drafts.flatten`) needs them for the plain rule
             probs = tree.probs[0]
-            qs[n] = None if any(p is None for p in probs) else torch.stack(probs)  # type: ignore[misc]
+            given = [p for p in probs if p is not None]
+            qs[n] = torch.stack(given) if len(given) == len(probs) else None
             if len(tree.branches) > 1:
                 trees[n] = tree
             else:
