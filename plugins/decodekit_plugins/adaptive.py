@@ -22,8 +22,7 @@ batch size whose plain step has fewer than two timings, steps run plain to measu
 comparison is against what plain decoding costs here, not what the curve says. Probes back off: a sequence whose
 probe did not turn speculation back on waits twice as long before the next (up to `MAX_PROBE_INTERVAL`), and at most
 one in `PROBE_SHARE` of a batch probes in one step, and none where even an acceptance of `HOPEFUL_RATE` would not
-pay (a compute-bound batch: a probe's rows would be spent to learn nothing). A sequence kept from drafting rests
-from the choosing for `REST_STEPS` steps (`Acceptance.rest`), so where speculation is off choosing costs little.
+pay (a compute-bound batch: a probe's rows would be spent to learn nothing).
 
 A seeded sampled sequence chooses as if it ran alone: which draft tokens it verifies changes which random numbers it
 draws, so its output must not depend on the rest of the batch, nor on timings: it chooses from the cached curve
@@ -54,11 +53,6 @@ PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 128
 PROBE_TOKENS = 2
 PROBE_SHARE = 8  # at most one in this many of a batch's sequences probes in one step (the ones idle longest)
-REST_STEPS = 3
-"""A sequence the chooser keeps from drafting (not exploring, not probing) is left out of its next this many steps'
-choices (k 0, idle steps counted towards its probe): a batch where speculation is off then spends a quarter of the
-choosing (after a decode run its Python runs from cold caches, ~0.25 ms a call), and a lone request decodes 32
-tokens between choices in runs of 8."""
 HOPEFUL_RATE = 0.9  # a probe is worth its rows only where drafting at this acceptance would pay
 CHAIN_DECAY = 0.99  # a chain's running acceptance (the prior of its new sequences) follows many verifications
 
@@ -74,8 +68,6 @@ class Acceptance:
     hit: float = 1.0
     """How often the sequence's chain drafted something when asked (moving average)."""
     decay: float = DECAY
-    resting: int = 0
-    """Steps left out of the chooser's choices (`REST_STEPS`)."""
 
     @classmethod
     def starting_from(cls, prior: Acceptance) -> Acceptance:
@@ -94,16 +86,6 @@ class Acceptance:
         if proposed:
             self.accepted = self.decay * self.accepted + accepted
             self.rejected = self.decay * self.rejected + (accepted < proposed)
-
-    def rest(self) -> bool:
-        """Whether this step is one the sequence rests (k 0 without choosing); counts it as idle if so. A rest ends
-        early where the sequence's probe comes due (the chooser decides it)."""
-        if self.resting <= 0 or self.idle_steps + 1 >= self.probe_interval:
-            self.resting = 0
-            return False
-        self.resting -= 1
-        self.idle_steps += 1
-        return True
 
     def record_ask(self, drafted: bool) -> None:
         """The chain was asked for a draft and gave one (`drafted`) or nothing."""
@@ -219,9 +201,6 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     for i in probing:
         lengths[i], states[i].idle_steps = min(PROBE_TOKENS, limits[i]), 0
         states[i].probe_interval = min(2 * states[i].probe_interval, MAX_PROBE_INTERVAL)
-    for i, state in enumerate(states):
-        if not lengths[i] and limits[i] and not (exploring and not alone[i]):
-            state.resting = REST_STEPS
     return lengths
 
 

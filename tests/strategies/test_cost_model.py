@@ -15,9 +15,7 @@ from decodekit.api.step_cost import StepCost
 from decodekit_plugins.adaptive import (
     ACCEPTANCE,
     PROBE_INTERVAL,
-    PROBE_TOKENS,
     PROBE_SHARE,
-    REST_STEPS,
     Acceptance,
     choose_draft_lengths,
     draft_lengths,
@@ -188,28 +186,6 @@ def test_a_batch_size_whose_plain_step_was_never_measured_runs_plain_to_measure_
     never = Calibration(NEARLY_FREE)
     tries = [draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, never) for _ in range(never.explore_tries + 1)]
     assert tries[:-1] == [[0] * 4] * never.explore_tries and all(tries[-1])
-
-
-def test_a_sequence_kept_from_drafting_rests_from_choosing_yet_probes_on_time():
-    # the strategy's loop: a resting sequence takes k 0 without the chooser; its rest counts towards the probe
-    (seq,) = bare_sequences(1, temperature=0)
-    lengths, choices = [], 0
-    for _ in range(PROBE_INTERVAL):
-        state = seq.stash.get(ACCEPTANCE, None)
-        if state is not None and state.rest():
-            lengths.append(0)
-            continue
-        choices += 1
-        lengths.append(draft_lengths([seq], [8], 0, PROPORTIONAL, None)[0])
-    assert lengths == [0] * (PROBE_INTERVAL - 1) + [PROBE_TOKENS]  # as without resting
-    assert choices == -(-(PROBE_INTERVAL - 1) // (REST_STEPS + 1)) + 1  # one in REST_STEPS + 1, and the probe
-    assert seq.stash[ACCEPTANCE].resting == 0  # it drafts now: no rest
-
-
-def test_a_batch_kept_plain_to_measure_its_step_does_not_rest():
-    seqs = bare_sequences(4, temperature=0)
-    assert draft_lengths(seqs, [6] * 4, 0, NEARLY_FREE, None, Calibration(NEARLY_FREE)) == [0] * 4  # exploring
-    assert all(seq.stash[ACCEPTANCE].resting == 0 for seq in seqs)
 
 
 def test_a_plain_step_measured_long_ago_is_measured_again():
