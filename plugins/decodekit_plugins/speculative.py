@@ -360,10 +360,7 @@ class SpeculativeStrategy(Strategy):
         give them); the draft model catches up on the run's tokens at its next draft, and a step without a draft
         leaves nothing else to do than the argmax."""
         options = request.plan.strategy_options if request.plan is not None else None
-        if not isinstance(options, SpeculativeParams) or not request.params.greedy:
-            return 0
-        chain = (options.proposer, *options.fallbacks)
-        if any(getattr(self._proposer(name), "hidden_states", False) for name in chain):
+        if not isinstance(options, SpeculativeParams) or not request.params.greedy or self.reads_hidden_states(options):
             return 0
         return options.runs_without_drafts
 
