@@ -55,6 +55,16 @@ PROBE_TOKENS = 2
 PROBE_SHARE = 8  # at most one in this many of a batch's sequences probes in one step (the ones idle longest)
 HOPEFUL_RATE = 0.9  # a probe is worth its rows only where drafting at this acceptance would pay
 CHAIN_DECAY = 0.99  # a chain's running acceptance (the prior of its new sequences) follows many verifications
+MIN_GAIN = 0.05
+"""A batch's measured choice drafts only where it predicts at least this much more than plain decoding's rate. The
+calibrated cost of a row bucket wanders by 5-15% from step to step, so a smaller predicted gain is noise; and on a
+compute-bound step a sequence that finishes early saves only the rows it would have taken (the batch's steps go on
+for the others), not the step's fixed part that the tokens-per-second objective credits it with. Measured at 24-32
+sequences of the GGUF as stored: drafting for a predicted 2% lost 4-13%."""
+HOLD_STEPS = 8
+"""A batch for which nothing paid keeps that answer for up to this many steps while its sequences and size stay the
+same (nothing it is chosen from changes then, but the calibration's drift), so a batch with speculation switched off
+does not pay the search every step; probes still run on time."""
 
 
 @dataclass
@@ -102,9 +112,9 @@ def expected_tokens(rate: float, k: int) -> float:
 
 def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, target: Callable[[float], float],
                          draft: Callable[[float], float] | None = None, *, hits: Seq[float] | None = None,
-                         host: ChainCharge | None = None) -> list[int]:
+                         host: ChainCharge | None = None, min_gain: float = 0.0) -> list[int]:
     """The draft length of each sequence that maximizes the step's expected tokens per second; all 0 where no
-    drafting beats plain decoding's rate (then nobody drafts, and nobody pays for proposing).
+    drafting beats plain decoding's rate by more than `min_gain` (then nobody drafts, and nobody pays for proposing).
 
     Args:
         rates: each sequence's acceptance rate.
@@ -117,6 +127,8 @@ def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, t
             and verification rows are expected values.
         host: what proposing costs the host (`ChainCharge`): seconds per drafting sequence, and the draft model's
             forwards for the share of sequences that reach it.
+        min_gain: the share by which the best choice must beat plain decoding's rate (`MIN_GAIN` for measured
+            costs); 0: any gain.
     """
     if host is not None and draft is not None:
         raise ValueError("choose_draft_lengths: give the draft model's cost in `draft` or in `host`, not both")
@@ -148,38 +160,73 @@ def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, t
     values = tokens / seconds
     best = float(values.max())
     # the fewest extra rows within rounding of the best; none where drafting cannot beat plain decoding
-    best_n = 0 if best <= plain * (1 + 1e-9) else int(np.argmax(values >= best / (1 + 1e-9))) + 1
+    best_n = 0 if best <= plain * (1 + min_gain) * (1 + 1e-9) else int(np.argmax(values >= best / (1 + 1e-9))) + 1
     chosen = [0] * len(rates)
     for i in seq_of[:best_n].tolist():
         chosen[i] += 1
     return chosen
 
 
+@dataclass
+class OffSwitch:
+    """The chooser's memory of a batch for which nothing paid (`HOLD_STEPS`): which sequences it was, for how many
+    more steps the answer stands, and whether probing it was found useless meanwhile."""
+
+    members: tuple[int, ...] = ()
+    others: int = -1
+    steps_left: int = 0
+    hopeless: bool | None = None
+    """The last probe check of the held batch: not even an acceptance of `HOPEFUL_RATE` would pay (None: not run)."""
+
+    def holds(self, members: tuple[int, ...], others: int) -> bool:
+        """Whether the batch `members` (sequence ids) beside `others` rows is the one switched off, still in time;
+        each answer uses up one step."""
+        if self.steps_left <= 0 or members != self.members or others != self.others:
+            self.release()
+            return False
+        self.steps_left -= 1
+        return True
+
+    def switch_off(self, members: tuple[int, ...], others: int) -> None:
+        """The search found nothing that pays for this batch: hold that for the next `HOLD_STEPS - 1` steps."""
+        self.members, self.others, self.steps_left = members, others, HOLD_STEPS - 1
+
+    def release(self) -> None:
+        """Search again next step (something drafted, or the batch changed)."""
+        self.steps_left, self.hopeless = 0, None
+
+
 def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, target: StepCost,
                   draft: StepCost | None, calibrated: Calibration | None = None,
-                  host: ChainCharge | None = None, prior: Acceptance | None = None) -> list[int]:
+                  host: ChainCharge | None = None, prior: Acceptance | None = None,
+                  off: OffSwitch | None = None) -> list[int]:
     """This step's draft length of each of `seqs` (see the module docstring): the batch's best (from `calibrated`
     and `host` where given, else from the curves), a seeded sampled sequence's best alone from the curves, a probe
     where a sequence was kept from drafting for its probe interval. A new sequence starts from `prior` (its chain's
-    running acceptance and hit rate) where given, unless seeded (its choices must not depend on earlier requests)."""
+    running acceptance and hit rate) where given, unless seeded (its choices must not depend on earlier requests).
+    With `off`, a batch for which nothing paid skips the search while it stays the same (`HOLD_STEPS`)."""
     alone = [not seq.greedy and seq.request.params.seed is not None for seq in seqs]
     states = [seq.stash.setdefault(ACCEPTANCE, Acceptance() if own or prior is None else Acceptance.starting_from(
         prior)) for seq, own in zip(seqs, alone)]
     shared = [i for i, own in enumerate(alone) if not own]
     lengths = [0] * len(seqs)
     others = other_rows + len(seqs) - len(shared)
-    if calibrated is None:
+    members = tuple(seqs[i].seq_id for i in shared) if off is not None else ()
+    holding = off is not None and off.holds(members, others)
+    if holding:
+        chosen = [0] * len(shared)
+    elif calibrated is None:
         chosen = choose_draft_lengths([states[i].rate for i in shared], [limits[i] for i in shared], others,
-                                      target, draft)
+                                      target, draft, min_gain=MIN_GAIN)
     else:
         chosen = choose_draft_lengths([states[i].rate for i in shared], [limits[i] for i in shared], others,
                                       calibrated, hits=[states[i].hit for i in shared],
-                                      host=host if host is not None else ChainCharge(draft=draft))
+                                      host=host if host is not None else ChainCharge(draft=draft), min_gain=MIN_GAIN)
     exploring = any(chosen) and calibrated is not None and calibrated.explore(len(shared) + others)
     for i, k in zip(shared, chosen):
         lengths[i] = 0 if exploring else k
     for i in (i for i, own in enumerate(alone) if own):
-        lengths[i] = choose_draft_lengths([states[i].rate], [limits[i]], 0, target, draft)[0]
+        lengths[i] = choose_draft_lengths([states[i].rate], [limits[i]], 0, target, draft, min_gain=MIN_GAIN)[0]
     due: list[int] = []
     for i, state in enumerate(states):
         if lengths[i] or not limits[i]:
@@ -193,14 +240,23 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     # a seeded sequence probes as it would alone; the others take turns, the longest idle first, and only where
     # a high acceptance would make drafting pay (a compute-bound batch learns nothing useful from a probe)
     shared_due = sorted((i for i in due if not alone[i]), key=lambda i: -states[i].idle_steps)
-    if shared_due and calibrated is not None and not any(choose_draft_lengths(
+    if shared_due and calibrated is not None:
+        hopeless = off.hopeless if off is not None and off.hopeless is not None else not any(choose_draft_lengths(
             [HOPEFUL_RATE] * len(shared), [limits[i] for i in shared], others, calibrated,
-            host=host if host is not None else ChainCharge(draft=draft))):
-        shared_due = []
+            host=host if host is not None else ChainCharge(draft=draft), min_gain=MIN_GAIN))
+        if off is not None:
+            off.hopeless = hopeless
+        if hopeless:
+            shared_due = []
     probing = [i for i in due if alone[i]] + ([] if exploring else shared_due[:math.ceil(len(shared) / PROBE_SHARE)])
     for i in probing:
         lengths[i], states[i].idle_steps = min(PROBE_TOKENS, limits[i]), 0
         states[i].probe_interval = min(2 * states[i].probe_interval, MAX_PROBE_INTERVAL)
+    if off is not None:
+        if exploring or any(lengths[i] for i in shared):
+            off.release()
+        elif not holding:
+            off.switch_off(members, others)
     return lengths
 
 

@@ -48,6 +48,7 @@ from decodekit_plugins.adaptive import (
     ACCEPTANCE,
     CHAIN_DECAY,
     Acceptance,
+    OffSwitch,
     draft_lengths,
     tree_rows,
     tree_shape,
@@ -338,6 +339,7 @@ class SpeculativeStrategy(Strategy):
         self.calibrations: dict[StepCost, Calibration] = {}
         self.host_costs: dict[str, ProposerCost] = {}
         self.chain_priors: dict[tuple[str, ...], Acceptance] = {}  # per chain, its sequences' running acceptance
+        self.off_switches: dict[tuple[Any, ...], OffSwitch] = {}  # per group of the chooser, its switched-off batch
         self._timed: StepTiming | None = None
 
     def bind(self, components: ComponentLookup) -> None:
@@ -465,7 +467,8 @@ class SpeculativeStrategy(Strategy):
                                    for name, curve in zip(chain, curves)])
             chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
                                    ctx.num_running - len(rows), target, draft, calibrated, host,
-                                   self.chain_priors.get(chain))
+                                   self.chain_priors.get(chain), self.off_switches.setdefault(
+                                       (target, curves, chain), OffSwitch()))
             for i, k in zip(rows, chosen):
                 ks[i] = k
             shapes.update(self._tree_shapes(ctx, [seqs[i] for i in rows], [ks[i] for i in rows], target,
@@ -558,6 +561,13 @@ class SpeculativeStrategy(Strategy):
                 offset += self._select_tree(ctx, seq, logits[offset : offset + seq.num_scored_positions])
                 continue
             draft = list(seq.draft_token_ids)
+            if not draft and seq.greedy:  # nothing drafted (a switched-off batch): plain decoding's argmax
+                valid = len(seq.token_ids)
+                states = ctx.hidden_states(seq)
+                ctx.append_token(seq, argmax[offset])
+                offset += 1
+                self._after_verification(seq, states, valid)
+                continue
             if seq.greedy:
                 best = argmax[offset : offset + len(draft) + 1]
                 accepted = 0
@@ -575,10 +585,15 @@ class SpeculativeStrategy(Strategy):
             ctx.accept_draft(seq, accepted, token, drafted_by)
             if draft and seq.request.params.trace is not None:
                 ctx.note(seq, drafts={"proposer": drafted_by})
-            for proposer in self.proposers.values():
-                if states is not None and proposer.hidden_states:
-                    proposer.observe(seq, states, valid)
-                proposer.rollback(seq, valid)
+            self._after_verification(seq, states, valid)
+
+    def _after_verification(self, seq: Sequence, states: Any, valid: int) -> None:
+        """Every proposer in use learns `seq`'s verified step: the hidden states of its computed positions (those
+        that read them) and its first `valid` tokens kept (the rest rolled back)."""
+        for proposer in self.proposers.values():
+            if states is not None and proposer.hidden_states:
+                proposer.observe(seq, states, valid)
+            proposer.rollback(seq, valid)
 
     def _select_tree(self, ctx: StepContext, seq: Sequence, rows: torch.Tensor) -> int:
         """Verify `seq`'s draft tree (`decodekit_plugins.draft_trees.accept_tree`), keep the accepted branch;
