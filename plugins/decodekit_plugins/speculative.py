@@ -103,6 +103,11 @@ class SpeculativeParams(BaseModel):
     _fallback_params: list[Any] = PrivateAttr(default_factory=list)  # each fallback's options, likewise
 
     @property
+    def chain(self) -> tuple[str, ...]:
+        """The proposer and its fallbacks, in the order they are asked."""
+        return (self.proposer, *self.fallbacks)
+
+    @property
     def fallbacks(self) -> list[str]:
         """The chain's links after the first proposer, in order."""
         return [] if self.fallback is None else [self.fallback] if isinstance(self.fallback, str) else self.fallback
@@ -340,6 +345,7 @@ class SpeculativeStrategy(Strategy):
         self.host_costs: dict[str, ProposerCost] = {}
         self.chain_priors: dict[tuple[str, ...], Acceptance] = {}  # per chain, its sequences' running acceptance
         self.off_switches: dict[tuple[Any, ...], OffSwitch] = {}  # per group of the chooser, its switched-off batch
+        self._chain_reads: dict[tuple[str, ...], bool] = {}  # per chain, whether a proposer reads hidden states
         self._timed: StepTiming | None = None
 
     def bind(self, components: ComponentLookup) -> None:
@@ -350,7 +356,16 @@ class SpeculativeStrategy(Strategy):
 
     def reads_hidden_states(self, options: BaseModel | None) -> bool:
         """When the proposer (or the fallback) reads the target's hidden states (`Proposer.hidden_states`)."""
-        return any(getattr(p, "hidden_states", False) for p in self._used_proposers(options))
+        assert isinstance(options, SpeculativeParams)
+        chain = options.chain
+        known = self._chain_reads.get(chain)  # asked per request every step: kept once the chain's proposers exist
+        if known is not None:
+            return known
+        proposers = self._used_proposers(options)
+        reads = any(getattr(p, "hidden_states", False) for p in proposers)
+        if all(p is not None for p in proposers):
+            self._chain_reads[chain] = reads
+        return reads
 
     def needs_every_hidden_state(self, options: BaseModel | None) -> bool:
         """When a proposer that reads hidden states cannot start mid-prompt (`Proposer.partial_hidden_states`)."""
@@ -369,8 +384,7 @@ class SpeculativeStrategy(Strategy):
     def _used_proposers(self, options: BaseModel | None) -> list[Proposer | None]:
         """The proposer and fallback that requests with these options use (None where not built yet)."""
         assert isinstance(options, SpeculativeParams)
-        names = [options.proposer, *options.fallbacks]
-        return [self.proposers.get(name) for name in names]
+        return [self.proposers.get(name) for name in options.chain]
 
     def _proposer(self, name: str) -> Proposer:
         assert self.components is not None, "the registry binds the strategy when it builds it"
@@ -453,7 +467,7 @@ class SpeculativeStrategy(Strategy):
         costs: dict[tuple[str, ...], tuple[StepCost, tuple[StepCost | None, ...]]] = {}  # this step's, by chain
         for i in costed:  # grouped by cost curves and chains: requests may measure, or not, and chain others
             options = seqs[i].request.plan.strategy_options
-            chain = (options.proposer, *options.fallbacks)
+            chain = options.chain
             known = costs.get((options.cost_model, *chain))
             if known is None:
                 known = costs[(options.cost_model, *chain)] = self._costs(options)
@@ -505,7 +519,7 @@ class SpeculativeStrategy(Strategy):
         return target or StepCost.default(), tuple(p.draft_cost(target is not None) for p in self._chain(options))
 
     def _chain(self, options: SpeculativeParams) -> list[Proposer]:
-        return [self._proposer(name) for name in [options.proposer, *options.fallbacks]]
+        return [self._proposer(name) for name in options.chain]
 
     def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]], link: int,
                shapes: dict[int, TreeShape | None]) -> dict[str, list[tuple[Sequence, int, Any]]]:
@@ -538,7 +552,7 @@ class SpeculativeStrategy(Strategy):
         if not costed:
             return
         options = costed[0].request.plan.strategy_options
-        curve = self._costs(options)[1][[options.proposer, *options.fallbacks].index(name)]
+        curve = self._costs(options)[1][options.chain.index(name)]
         predicted = None if curve is None else sum(curve(rows) for rows in draft_forwards([k for _, k, _ in items]))
         self.host_costs.setdefault(name, ProposerCost()).record(seconds, len(items), drafted, predicted)
 
@@ -613,7 +627,7 @@ class SpeculativeStrategy(Strategy):
 
     def _chain_prior(self, options: SpeculativeParams) -> Acceptance:
         """The running acceptance and hit rate of a chain's sequences: where its new (unseeded) sequences start."""
-        return self.chain_priors.setdefault((options.proposer, *options.fallbacks), Acceptance(decay=CHAIN_DECAY))
+        return self.chain_priors.setdefault(options.chain, Acceptance(decay=CHAIN_DECAY))
 
     def _adapt(self, seq: Sequence, proposed: int, accepted: int) -> None:
         options = seq.request.plan.strategy_options
