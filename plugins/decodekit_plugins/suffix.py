@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from decodekit.api.proposer import Proposer
 from decodekit.api.sequence import Sequence
 from decodekit.api.strategy import StepContext
-from decodekit_plugins.suffix_tree import SuffixTrie, TrieCursor
+from decodekit_plugins.suffix_tree import SequenceIndex, SuffixTrie
 
 MAX_DEPTH = 24
 """The tries' depth: matches of up to 23 tokens, each followed by at least one. A trie holds up to this many nodes
@@ -53,24 +53,22 @@ class SuffixParams(BaseModel):
 
 @dataclass
 class _Local:
-    """A sequence's own trie, how far it has read the sequence's tokens, and the options it drafts with."""
+    """A sequence's own tokens, indexed (as far as it has read them), and the options it drafts with."""
 
-    trie: SuffixTrie
-    cursor: TrieCursor
+    index: SequenceIndex
     options: SuffixParams
 
 
-def suffix_draft(tries: list[SuffixTrie], context: list[int], k: int, options: SuffixParams) -> list[int]:
+def suffix_draft(tries: list[SuffixTrie | SequenceIndex], context: list[int], k: int,
+                 options: SuffixParams) -> list[int]:
     """The best draft of at most `k` tokens after `context` from `tries` (the highest expected number of accepted
     tokens; on a tie the earlier trie's)."""
     best: list[int] = []
     best_score = 0.0
     for trie in tries:
-        match = trie.match(context)
-        if match is None:
-            continue
-        limit = min(k, int(options.max_spec_factor * match.length) + options.max_spec_offset)
-        tokens, probs = trie.continuation(match, limit, options.min_token_prob)
+        tokens, probs = trie.follow(
+            context, lambda length: min(k, int(options.max_spec_factor * length) + options.max_spec_offset),
+            options.min_token_prob)
         if tokens and sum(probs) > best_score:
             best, best_score = tokens, sum(probs)
     return best
@@ -83,7 +81,7 @@ class SuffixProposer(Proposer):
     Params = SuffixParams
 
     def __init__(self) -> None:
-        self._local: dict[int, _Local] = {}  # seq_id -> its own trie
+        self._local: dict[int, _Local] = {}  # seq_id -> its own tokens, indexed
         self.global_trie = SuffixTrie(MAX_DEPTH)
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # the outputs in `global_trie`, oldest first
         self.global_tokens = 0
@@ -96,18 +94,16 @@ class SuffixProposer(Proposer):
             # a seeded sampled request drafts from its own tokens only: which drafts it verifies changes which
             # random numbers it draws, and its output must not depend on what the engine served before
             shared = opts.global_outputs and self.global_tokens and (seq.greedy or seq.request.params.seed is None)
-            tries = [local.trie, self.global_trie] if shared else [local.trie]
+            tries: list[SuffixTrie | SequenceIndex] = [local.index, self.global_trie] if shared else [local.index]
             drafts.append(suffix_draft(tries, seq.token_ids, k, opts))
         return drafts, [None] * len(seqs)
 
     def _extend(self, seq: Sequence, options: SuffixParams) -> _Local:
-        """The sequence's trie, with every token it has now (verified tokens only ever append)."""
+        """The sequence's index, with every token it has now (verified tokens only ever append)."""
         local = self._local.get(seq.seq_id)
-        if local is None or local.cursor.length > len(seq.token_ids):  # new (or, defensively, rewound): rebuild
-            trie = SuffixTrie(MAX_DEPTH)
-            local = self._local[seq.seq_id] = _Local(trie, TrieCursor(trie), options)
-        for token in seq.token_ids[local.cursor.length :]:
-            local.cursor.append(token)
+        if local is None or local.index.length > len(seq.token_ids):  # new (or, defensively, rewound): rebuild
+            local = self._local[seq.seq_id] = _Local(SequenceIndex(MAX_DEPTH), options)
+        local.index.extend(seq.token_ids[local.index.length :])
         return local
 
     def release(self, seq: Sequence) -> None:

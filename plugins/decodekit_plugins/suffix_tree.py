@@ -8,13 +8,19 @@ off greedily from there (`continuation`). Sequences can be added and removed (th
 nodes pruned), so a bounded cache of recent outputs evicts by request, and a growing sequence is extended token by
 token in O(max_depth) (`TrieCursor`) instead of re-added.
 
-Pure Python and torch-free, so its properties are checked with hypothesis against a brute-force search.
+A request's own tokens are one growing sequence, whose trie would take up to `max_depth` new nodes per token (text
+rarely repeats beyond a few tokens): `SequenceIndex` finds the same matches and continuations from the positions of
+each token instead, at O(1) per appended token and a vectorized search per draft.
+
+Torch-free (the index uses numpy), so its properties are checked with hypothesis against a brute-force search.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(eq=False, slots=True)  # slots: a trie holds up to max_depth nodes per token
@@ -109,6 +115,12 @@ class SuffixTrie:
             node = child
         return tokens, probs
 
+    def follow(self, context: Sequence[int], limit: Callable[[int], int],
+               min_prob: float) -> tuple[list[int], list[float]]:
+        """`continuation` of `match(context)`, at most `limit(match length)` tokens; nothing without a match."""
+        match = self.match(context)
+        return ([], []) if match is None else self.continuation(match, limit(match.length), min_prob)
+
 
 class TrieCursor:
     """Appends tokens to one growing sequence of a trie: keeps the nodes of the sequence's last `max_depth - 1`
@@ -133,3 +145,95 @@ class TrieCursor:
             extended.append(child)
         self.active = extended[: trie.max_depth - 1]
         self.length += 1
+
+
+@dataclass
+class IndexMatch:
+    """Where a context's longest continued suffix occurs in a `SequenceIndex`: its length and the positions of its
+    last token in each occurrence that a token follows."""
+
+    length: int
+    ends: np.ndarray
+
+
+class SequenceIndex:
+    """One growing sequence's substrings of at most `max_depth` tokens, found from the positions of each token: the
+    same `match` and `continuation` as a `SuffixTrie` holding that sequence, at O(1) per appended token (a trie
+    adds up to `max_depth` nodes per token) and a vectorized search over the last token's occurrences per draft.
+
+    Example:
+        >>> index = SequenceIndex(8)
+        >>> index.extend([1, 2, 3, 1, 2, 4, 1, 2, 3])
+        >>> index.match([5, 1, 2]).length, index.continuation(index.match([5, 1, 2]), 2, 0.0)
+        (2, ([3, 1], [0.6666666666666666, 0.6666666666666666]))
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 1:
+            raise ValueError(f"`max_depth` must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
+        self.length = 0
+        self._tokens = np.zeros(256, dtype=np.int64)  # grown by doubling; the first `length` are the sequence
+        self._positions: dict[int, list[int]] = {}  # token -> where it occurs, in order
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append `tokens` to the sequence."""
+        for token in tokens:
+            if self.length == len(self._tokens):
+                self._tokens = np.concatenate([self._tokens, np.zeros_like(self._tokens)])
+            self._tokens[self.length] = token
+            self._positions.setdefault(token, []).append(self.length)
+            self.length += 1
+
+    def match(self, context: Sequence[int]) -> IndexMatch | None:
+        """The longest suffix of `context` (at most `max_depth - 1` tokens) that occurs in the sequence followed by
+        a token, or None when not even its last token does (`SuffixTrie.match`)."""
+        if not context or self.max_depth < 2:
+            return None
+        seen = self._positions.get(context[-1])
+        if not seen:
+            return None
+        ends = np.asarray(seen, dtype=np.int64)
+        ends = ends[ends < self.length - 1]  # a token follows
+        if not ends.size:
+            return None
+        longest = min(len(context), self.max_depth - 1)
+        length = 1
+        while length < longest:  # a longer suffix's occurrences are among the shorter one's
+            starts = ends - length
+            ends_in = ends[starts >= 0]
+            kept = ends_in[self._tokens[ends_in - length] == context[-1 - length]]
+            if not kept.size:
+                break
+            ends, length = kept, length + 1
+        return IndexMatch(length, ends)
+
+    def continuation(self, match: IndexMatch, limit: int, min_prob: float) -> tuple[list[int], list[float]]:
+        """Up to `limit` tokens after `match`, each the most frequent next token of the path so far (ties to the
+        smaller id), while the product of their frequencies stays at least `min_prob` (`SuffixTrie.continuation`):
+        the tokens and those cumulative probabilities."""
+        tokens: list[int] = []
+        probs: list[float] = []
+        ends, depth, prob = match.ends, match.length, 1.0
+        while len(tokens) < limit and depth < self.max_depth:  # a trie holds no path longer than max_depth
+            following = ends + 1
+            following = following[following < self.length]
+            if not following.size:
+                break
+            nexts = self._tokens[following]
+            values, counts = np.unique(nexts, return_counts=True)  # sorted: the first of the most is the smallest
+            best = int(np.argmax(counts))
+            prob *= int(counts[best]) / following.size
+            if prob < min_prob:
+                break
+            token = int(values[best])
+            tokens.append(token)
+            probs.append(prob)
+            ends, depth = following[nexts == token], depth + 1
+        return tokens, probs
+
+    def follow(self, context: Sequence[int], limit: Callable[[int], int],
+               min_prob: float) -> tuple[list[int], list[float]]:
+        """`continuation` of `match(context)`, at most `limit(match length)` tokens; nothing without a match."""
+        match = self.match(context)
+        return ([], []) if match is None else self.continuation(match, limit(match.length), min_prob)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from decodekit import LLM, SamplingParams
 from decodekit.models.tiny import tiny_model
 from decodekit_plugins.suffix import SuffixParams, suffix_draft
-from decodekit_plugins.suffix_tree import Node, SuffixTrie
+from decodekit_plugins.suffix_tree import Node, SequenceIndex, SuffixTrie
 from tests.helpers.reference import random_prompts
 
 tokens_lists = st.lists(st.integers(0, 3), max_size=40)  # a small alphabet: many repeats, long matches
@@ -94,6 +94,35 @@ def test_a_draft_follows_the_most_frequent_continuation_within_its_length_bound(
         assert match is not None
         _, probs = trie.continuation(match, len(draft), min_prob)
         assert all(a >= b >= min_prob for a, b in itertools.pairwise(probs))
+
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=tokens_lists, more=tokens_lists, context=tokens_lists, depth=depths, limit=st.integers(0, 10),
+       min_prob=st.sampled_from([0.0, 0.3, 0.9]))
+def test_a_sequences_index_matches_and_continues_as_a_trie_of_it_does(text, more, context, depth, limit, min_prob):
+    trie, index = SuffixTrie(depth), SequenceIndex(depth)
+    trie.add(text + more)
+    index.extend(text)  # grown in two parts, as a request's output grows
+    index.extend(more)
+    for ctx in (context, text + more):  # any context, and the sequence itself (as the proposer asks)
+        by_trie, by_index = trie.match(ctx), index.match(ctx)
+        assert (by_trie is None) == (by_index is None)
+        if by_trie is not None and by_index is not None:
+            assert by_index.length == by_trie.length
+            assert index.continuation(by_index, limit, min_prob) == trie.continuation(by_trie, limit, min_prob)
+
+
+
+def test_an_index_grown_past_its_first_buffer_still_matches_the_trie():
+    text = [(i * 7) % 13 for i in range(300)] + list(range(50)) + [(i * 7) % 13 for i in range(400)]
+    trie, index = SuffixTrie(24), SequenceIndex(24)
+    trie.add(text)
+    for token in text:  # a token at a time, as the proposer catches up
+        index.extend([token])
+    by_trie, by_index = trie.match(text), index.match(text)
+    assert by_trie is not None and by_index is not None and by_index.length == by_trie.length == 23
+    assert index.continuation(by_index, 10, 0.1) == trie.continuation(by_trie, 10, 0.1)
 
 
 def _spec(proposer: str = "suffix", options: dict | None = None, **extra) -> dict:
