@@ -21,7 +21,10 @@
   beam's copy), and finished requests leave the batch.
 
 Usage: python benchmarks/strategies.py {spec,beam,all} [--repeats 3] [--threads 1] [--configs "trained head,ngram"]
-       [--batches 1,8,32] [--max-tokens N (a smoke run: shorter outputs)]
+       [--batches 1,8,32] [--max-tokens N (a smoke run: shorter outputs)] [--keep-suffix-outputs]
+
+The suffix proposer keeps a trie of the engine's recent outputs; since the benchmark repeats the same prompts, it
+forgets them before each timed run (`--keep-suffix-outputs`: not, as every run did before 2026-11-28).
 
 The first adaptive run on a machine measures the target's and the draft's step cost (a few seconds, then cached in
 $DECODEKIT_CACHE/step_cost); the untimed warm-up run of each configuration does it before the clock starts.
@@ -82,11 +85,22 @@ def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
     return {"copy": (chat(COPY_PROMPTS), 128), "chat": (chat(CHAT_QUESTIONS), 96)}
 
 
+def forget_suffix_outputs(llm: LLM) -> None:
+    """Clear the suffix proposers' tries of recent outputs: the benchmark repeats its prompts, and a repeat would
+    otherwise draft the previous one's answer (an agent that repeats itself may, a fresh question does not)."""
+    for proposer in llm.engine.components.built("proposers"):
+        forget = getattr(proposer, "forget_outputs", None)
+        if forget is not None:
+            forget()
+
+
 def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None] | None = None,
-               batches: tuple[int, ...] = (1, 8, 32), max_tokens_cap: int = 0) -> list[dict[str, Any]]:
+               batches: tuple[int, ...] = (1, 8, 32), max_tokens_cap: int = 0,
+               keep_outputs: bool = False) -> list[dict[str, Any]]:
     """Every configuration against plain decoding, per prompt set and batch size, interleaved (plain, then each
     configuration, repeated), greedy. Prints and returns one row per (set, batch, configuration): median tokens/s,
     the median of the per-repeat ratios to plain, acceptance per proposer, and whether the output equalled plain's.
+    Before each timed run the suffix proposer forgets the outputs it saw, unless `keep_outputs`.
     """
     configs = configs or SPEC_CONFIGS
     rows = []
@@ -115,6 +129,8 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
             reference = None
             for _ in range(repeats):
                 for name, strategy in configs.items():
+                    if not keep_outputs:
+                        forget_suffix_outputs(llm)
                     elapsed, outs = _timed(lambda s=strategy: run(s))
                     rates[name].append(sum(len(o.token_ids) for o in outs) / elapsed)
                     ids = [o.token_ids for o in outs]
@@ -199,6 +215,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes for `spec`")
     parser.add_argument("--max-tokens", type=int, default=0,
                         help="cap the outputs' length (a smoke run; 0: 128 copy, 96 chat)")
+    parser.add_argument("--keep-suffix-outputs", action="store_true",
+                        help="let the suffix proposer draft from the outputs of earlier repeats of the same prompts "
+                        "(before 2026-11-28 every run did; by default it forgets them before each timed run)")
     parser.add_argument("--draft-quantization", choices=["int8", "bf16"], default="int8",
                         help="the self-draft's weights (the `draft` configurations are named after it)")
     parser.add_argument("--dtype", default="float32",
@@ -220,7 +239,8 @@ def main() -> None:
               **({"draft": "target", "draft_quantization": quantization} if uses_draft else {}))
     print(machine_line(environment(), args.dtype), f"| {llm.engine.model.forward_name}", flush=True)
     if args.which in ("spec", "all"):
-        bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")), args.max_tokens)
+        bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")), args.max_tokens,
+                   args.keep_suffix_outputs)
     if args.which in ("beam", "all"):
         bench_beam(llm, args.repeats)
 

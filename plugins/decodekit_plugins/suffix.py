@@ -106,6 +106,13 @@ class SuffixProposer(Proposer):
         local.index.extend(seq.token_ids[local.index.length :])
         return local
 
+    def forget_outputs(self) -> None:
+        """Drop the recent outputs' trie (a benchmark that repeats its prompts calls it, so a repeat cannot draft
+        the previous one's answer from it)."""
+        self.global_trie = SuffixTrie(MAX_DEPTH)
+        self._outputs.clear()
+        self.global_tokens = 0
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's trie; add its output to the global one (evicting the oldest past the cap)."""
         local = self._local.pop(seq.seq_id, None)

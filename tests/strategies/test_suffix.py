@@ -167,6 +167,22 @@ def test_recent_outputs_draft_a_repeated_answer_and_stay_under_their_cap(llama, 
     assert accepted[True] > accepted[False]  # the second answer is drafted from the first's
 
 
+
+def test_forgotten_outputs_no_longer_draft_a_repeated_answer(llama, tokenizer):
+    prompt = random_prompts(1, 12, 13, seed=21)[0]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, strategy=_spec())
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4)
+    first = llm.generate([prompt], params)[0]
+    remembered = llm.generate([prompt], params)[0]
+    proposer = llm.engine.components.get("proposers", "suffix")
+    proposer.forget_outputs()
+    assert proposer.global_tokens == 0 and proposer.global_trie.num_nodes == 0
+    forgotten = llm.generate([prompt], params)[0]
+    assert forgotten.token_ids == remembered.token_ids == first.token_ids
+    assert forgotten.metrics.num_accepted_tokens == first.metrics.num_accepted_tokens  # as on a fresh engine
+    assert remembered.metrics.num_accepted_tokens > first.metrics.num_accepted_tokens
+
+
 def test_a_chain_of_three_drafts_with_each_link_where_the_earlier_ones_find_nothing(llama, tokenizer):
     llm = LLM(llama, tokenizer, draft=tiny_model("qwen2", seed=3), kv_cache_memory="16MiB", block_size=4)
     prompts = [*_loop_prompts(3, seed=7), *random_prompts(3, 5, 20, seed=8)]
