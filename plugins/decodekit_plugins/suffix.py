@@ -1,14 +1,15 @@
 """The `suffix` proposer: SuffixDecoding (arXiv 2411.04975), training-free drafts from suffix trees.
 
-Two depth-bounded suffix tries (`decodekit_plugins.suffix_tree`) are searched for the longest suffix of the
-sequence that occurred before with a continuation: the request's own (its prompt and output so far, extended token
-by token as the output grows) and one global to the engine, over the outputs of recent finished requests that used
-the proposer (oldest evicted first, at most `global_cache_tokens` tokens). From the match, each draft token is the
-most frequent continuation of the path so far, while the product of those frequencies stays at least
-`min_token_prob`; the draft is at most `max_spec_factor * match_length + max_spec_offset` tokens long (a long match
-is evidence of a long copy, as the paper sets its draft length). Of the two tries' drafts, the one with the higher
-score (the expected number of accepted tokens, the sum of the cumulative frequencies) is proposed. A seeded sampled
-request drafts from its own trie only, so its output is the same whatever the engine served before.
+Two depth-bounded substring indexes (`decodekit_plugins.suffix_tree`: the matches and continuations of a suffix
+trie of that depth, found from each token's positions) are searched for the longest suffix of the sequence that
+occurred before with a continuation: the request's own (its prompt and output so far, extended token by token as the
+output grows) and one global to the engine, over the outputs of recent finished requests that used the proposer
+(oldest evicted first, at most `global_cache_tokens` tokens). From the match, each draft token is the most frequent
+continuation of the path so far, while the product of those frequencies stays at least `min_token_prob`; the draft
+is at most `max_spec_factor * match_length + max_spec_offset` tokens long (a long match is evidence of a long copy,
+as the paper sets its draft length). Of the two drafts, the one with the higher score (the expected number of
+accepted tokens, the sum of the cumulative frequencies) is proposed. A seeded sampled request drafts from its own
+tokens only, so its output is the same whatever the engine served before.
 
 The drafts are deterministic (no `q`), so sampled requests stay lossless under the strategy's acceptance rule.
 
@@ -18,7 +19,6 @@ Example (recipe): `strategy: {speculative: {proposer: suffix}}`, or as a link of
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from decodekit.api.proposer import Proposer
 from decodekit.api.sequence import Sequence
 from decodekit.api.strategy import StepContext
-from decodekit_plugins.suffix_tree import SequenceIndex, SuffixTrie
+from decodekit_plugins.suffix_tree import RecentOutputs, SequenceIndex, SuffixTrie
 
 MAX_DEPTH = 24
-"""The tries' depth: matches of up to 23 tokens, each followed by at least one. A trie holds up to this many nodes
-per token it has seen (text repeats little beyond a few tokens), so it bounds the memory per token."""
+"""The indexes' depth, a suffix trie's: matches of up to 23 tokens, each followed by at least one, and drafts that
+stop where a path of 24 tokens would. (The indexes keep two integers per token; a trie held up to 24 nodes.)"""
 
 
 class SuffixParams(BaseModel):
@@ -82,9 +82,8 @@ class SuffixProposer(Proposer):
 
     def __init__(self) -> None:
         self._local: dict[int, _Local] = {}  # seq_id -> its own tokens, indexed
-        self.global_trie = SuffixTrie(MAX_DEPTH)
-        self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # the outputs in `global_trie`, oldest first
-        self.global_tokens = 0
+        self.recent = RecentOutputs(MAX_DEPTH)  # the outputs of recent finished requests, oldest evicted first
+        self.global_tokens = 0  # the tokens `recent` keeps
 
     def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
                 options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -94,7 +93,7 @@ class SuffixProposer(Proposer):
             # a seeded sampled request drafts from its own tokens only: which drafts it verifies changes which
             # random numbers it draws, and its output must not depend on what the engine served before
             shared = opts.global_outputs and self.global_tokens and (seq.greedy or seq.request.params.seed is None)
-            tries: list[SuffixTrie | SequenceIndex] = [local.index, self.global_trie] if shared else [local.index]
+            tries: list[SuffixTrie | SequenceIndex] = [local.index, self.recent] if shared else [local.index]
             drafts.append(suffix_draft(tries, seq.token_ids, k, opts))
         return drafts, [None] * len(seqs)
 
@@ -107,24 +106,20 @@ class SuffixProposer(Proposer):
         return local
 
     def forget_outputs(self) -> None:
-        """Drop the recent outputs' trie (a benchmark that repeats its prompts calls it, so a repeat cannot draft
-        the previous one's answer from it)."""
-        self.global_trie = SuffixTrie(MAX_DEPTH)
-        self._outputs.clear()
+        """Forget the recent outputs (a benchmark that repeats its prompts calls it, so a repeat cannot draft the
+        previous one's answer from them)."""
+        self.recent = RecentOutputs(MAX_DEPTH)
         self.global_tokens = 0
 
     def release(self, seq: Sequence) -> None:
-        """Drop the sequence's trie; add its output to the global one (evicting the oldest past the cap)."""
+        """Drop the sequence's index; add its output to the recent ones (evicting the oldest past the cap)."""
         local = self._local.pop(seq.seq_id, None)
         if local is None or not local.options.global_outputs:
             return
         cap = local.options.global_cache_tokens
         output = seq.generated_ids[:cap]
         if output:
-            self._outputs[seq.seq_id] = output
-            self.global_trie.add(output)
+            self.recent.add(output)
             self.global_tokens += len(output)
         while self.global_tokens > cap:
-            _, oldest = self._outputs.popitem(last=False)
-            self.global_trie.remove(oldest)
-            self.global_tokens -= len(oldest)
+            self.global_tokens -= self.recent.remove_oldest()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from decodekit import LLM, SamplingParams
 from decodekit.models.tiny import tiny_model
 from decodekit_plugins.suffix import SuffixParams, suffix_draft
-from decodekit_plugins.suffix_tree import Node, SequenceIndex, SuffixTrie
+from decodekit_plugins.suffix_tree import Node, RecentOutputs, SequenceIndex, SuffixTrie
 from tests.helpers.reference import random_prompts
 
 tokens_lists = st.lists(st.integers(0, 3), max_size=40)  # a small alphabet: many repeats, long matches
@@ -114,6 +114,42 @@ def test_a_sequences_index_matches_and_continues_as_a_trie_of_it_does(text, more
 
 
 
+
+@settings(max_examples=200, deadline=None)
+@given(outputs=st.lists(tokens_lists, max_size=6), evicted=st.integers(0, 6), context=tokens_lists, depth=depths,
+       limit=st.integers(0, 8))
+def test_recent_outputs_match_and_continue_as_a_trie_they_were_added_to_and_evicted_from(outputs, evicted, context,
+                                                                                          depth, limit):
+    trie, recent = SuffixTrie(depth), RecentOutputs(depth)
+    for output in outputs:
+        trie.add(output)
+        recent.add(output)
+    for output in outputs[:evicted]:  # oldest first
+        trie.remove(output)
+        assert recent.remove_oldest() == len(output)
+    for ctx in (context, *outputs):
+        by_trie, by_recent = trie.match(ctx), recent.match(ctx)
+        assert (by_trie is None) == (by_recent is None)
+        if by_trie is not None and by_recent is not None:
+            assert by_recent.length == by_trie.length
+            assert recent.continuation(by_recent, limit, 0.0) == trie.continuation(by_trie, limit, 0.0)
+
+
+def test_recent_outputs_compact_what_they_evicted_and_still_match():
+    recent, trie = RecentOutputs(8), SuffixTrie(8)
+    outputs = [[(i * 5 + j) % 11 for j in range(300)] for i in range(40)]
+    for i, output in enumerate(outputs):
+        recent.add(output)
+        trie.add(output)
+        if i >= 3:  # keep the last 3: evictions pass the compaction threshold many times
+            recent.remove_oldest()
+            trie.remove(outputs[i - 3])
+    assert recent.length < 3 * 301 + 4096 + 301  # compacted
+    by_trie, by_recent = trie.match(outputs[-1][:50]), recent.match(outputs[-1][:50])
+    assert by_trie is not None and by_recent is not None and by_recent.length == by_trie.length
+    assert recent.continuation(by_recent, 8, 0.0) == trie.continuation(by_trie, 8, 0.0)
+
+
 def test_an_index_grown_past_its_first_buffer_still_matches_the_trie():
     text = [(i * 7) % 13 for i in range(300)] + list(range(50)) + [(i * 7) % 13 for i in range(400)]
     trie, index = SuffixTrie(24), SequenceIndex(24)
@@ -176,7 +212,7 @@ def test_forgotten_outputs_no_longer_draft_a_repeated_answer(llama, tokenizer):
     remembered = llm.generate([prompt], params)[0]
     proposer = llm.engine.components.get("proposers", "suffix")
     proposer.forget_outputs()
-    assert proposer.global_tokens == 0 and proposer.global_trie.num_nodes == 0
+    assert proposer.global_tokens == 0 and proposer.recent.length == 0
     forgotten = llm.generate([prompt], params)[0]
     assert forgotten.token_ids == remembered.token_ids == first.token_ids
     assert forgotten.metrics.num_accepted_tokens == first.metrics.num_accepted_tokens  # as on a fresh engine
