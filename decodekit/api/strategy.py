@@ -241,6 +241,12 @@ class Strategy:
         its own."""
         return 0
 
+    def ran_natively(self, request: Request, tokens: int, seconds: float) -> None:
+        """After a decode run of `request` that `steps_without_drafts` allowed: `tokens` tokens were decoded
+        natively in `seconds` (the forward, the argmaxes and the run's Python), what plain decoding costs it now.
+        Speculative decoding calibrates its cost model's one-row step with it, so it weighs drafts against the
+        decoding it would otherwise get. Default: nothing."""
+
     def finalize(self, request: Request) -> list[StrategyResult] | None:
         """Called once when every sequence of a request has finished (stopping criteria included), before its final
         output is built, when `finalizes` is True: return the outputs, best first (None keeps one per sequence).

@@ -184,7 +184,8 @@ class Engine:
         self._fail(self.processing.take_faults())  # a proposer's processors failed for these
         run = plan_decode_run(self.scheduler, self.config, self.eos_token_ids, self.max_model_len, proposed=True) \
             if self.model.runs_decode else None
-        if run is not None and self._decode_run(run, ctx):  # nothing drafted: the strategy lets it run natively
+        # nothing drafted: the strategy lets it run natively
+        if run is not None and self._decode_run(run, ctx, proposed=True):
             return self._finish_step(record)
         started = time.perf_counter()  # the step's verification: schedule, forward, process (`StepTiming`)
         sched = self.scheduler.schedule()
@@ -212,15 +213,17 @@ class Engine:
         self.hooks.step_finished(outputs)
         return outputs
 
-    def _decode_run(self, run: DecodeRunPlan, ctx: EngineStepContext) -> bool:
+    def _decode_run(self, run: DecodeRunPlan, ctx: EngineStepContext, proposed: bool = False) -> bool:
         """Make `run` (`decodekit.core.decode_runs`): its tokens appended to its sequence as this step's; False
         where nothing was run (no blocks free for its positions, or the pools are not ones the kernels read: the step
-        then runs as usual). A failed run fails its request."""
+        then runs as usual). A failed run fails its request. A run taken after proposing (`proposed`) tells its
+        strategy what it took (`Strategy.ran_natively`)."""
         seq = run.seq
         start = seq.num_computed_tokens
         if self.allocator.blocks_to_write(seq.seq_id, start, start + run.steps) > self.allocator.num_free_blocks:
             return False
         self.allocator.ensure_slots(seq.seq_id, start, start + run.steps)
+        started = time.perf_counter()
         try:
             tokens = self.model.decode_run(seq.token_ids[-1], start, self.allocator.block_table(seq.seq_id),
                                            run.steps, run.stop_ids, self.allocator.take_pending_copies())
@@ -235,6 +238,8 @@ class Engine:
         for token in tokens:
             ctx.append_token(seq, token)
         self.decode_run_tokens += len(tokens)
+        if proposed and run.request.plan is not None:
+            run.request.plan.strategy.ran_natively(run.request, len(tokens), time.perf_counter() - started)
         return True
 
     def close(self) -> None:

@@ -91,9 +91,10 @@ class SpeculativeParams(BaseModel):
         "measured", description="`adaptive: cost`'s step cost: measured on this machine once (cached on disk), or "
         "`default`, a fixed memory-bound curve (tests).")
     runs_without_drafts: int = Field(
-        4, ge=0, le=64, description="A greedy request alone in the engine that the proposers left without a draft "
-        "this step (no match, or adaptive k 0) decodes up to this many tokens in one decode run "
-        "(`EngineConfig.decode_run_steps` bounds it) before the proposers are asked again; 0: a step at a time. "
+        4, ge=0, le=64, description="A greedy request alone in the engine that the proposers found no draft for "
+        "this step decodes up to this many tokens in one decode run before they are asked again, twice as many "
+        "after each further miss in a row (up to 16x); one whose adaptive k is 0 (speculation cannot pay now) "
+        "decodes plain decoding's runs. `EngineConfig.decode_run_steps` bounds every run; 0: a step at a time. "
         "Proposers that read the target's hidden states (eagle) never run so.")
     disable_by_batch_size: int | None = Field(
         None, ge=1, description="Draft nothing in steps where at least this many sequences run (vLLM's name): a "
@@ -322,6 +323,10 @@ _K = StashKey[int]()  # a sequence's current number of draft tokens (adaptive k)
 _Q = StashKey["torch.Tensor | None"]()  # the probabilities the sequence's draft was sampled from (None: deterministic)
 _TREE = StashKey[DraftTree]()  # the draft tree the sequence's branches came from (its tokens' distributions)
 _BY = StashKey[str]()  # the proposer that drafted the sequence's current draft (with a fallback, either link)
+_MISSES = StashKey[int]()  # asks in a row its chain drafted nothing for; NOT_ASKED: this step's k was 0
+NOT_ASKED = -1
+MAX_RUN_STEPS = 1 << 16  # "as plain decoding does": the engine's `decode_run_steps` bounds every run
+MAX_RUN_DOUBLINGS = 4  # a chain that keeps finding nothing is asked again after at most 16x runs_without_drafts
 
 
 class SpeculativeStrategy(Strategy):
@@ -373,13 +378,33 @@ class SpeculativeStrategy(Strategy):
                    for p in self._used_proposers(options))
 
     def steps_without_drafts(self, request: Request) -> int:
-        """`runs_without_drafts` for a greedy request whose chain reads no hidden states (the run computes none to
-        give them); the draft model catches up on the run's tokens at its next draft, and a step without a draft
-        leaves nothing else to do than the argmax."""
+        """`runs_without_drafts` (doubled per further miss in a row, up to 16x; plain decoding's runs where its k
+        was 0) for a greedy request whose chain reads no hidden states (the run computes none to give them); the
+        draft model catches up on the run's tokens at its next draft, and a step without a draft leaves nothing else
+        to do than the argmax."""
         options = request.plan.strategy_options if request.plan is not None else None
         if not isinstance(options, SpeculativeParams) or not request.params.greedy or self.reads_hidden_states(options):
             return 0
-        return options.runs_without_drafts
+        if not options.runs_without_drafts:
+            return 0
+        misses = request.sequences[0].stash.get(_MISSES, 0)
+        if misses == NOT_ASKED:  # k 0 (speculation cannot pay now): it decodes as plain decoding does
+            return MAX_RUN_STEPS
+        # the chain found nothing: a copied span that diverged may resume soon, free text rarely; each further miss
+        # in a row doubles the run before the next ask
+        return options.runs_without_drafts << min(max(misses - 1, 0), MAX_RUN_DOUBLINGS)
+
+    def ran_natively(self, request: Request, tokens: int, seconds: float) -> None:
+        """A run's tokens are plain decoding's steps for `adaptive: cost`: each calibrates the one-row step, so a
+        lone request's drafts are weighed against the decode runs it would otherwise make (3.0 ms a token on the
+        bundled GGUF against 3.9 for a single step), not against slower single steps."""
+        options = request.plan.strategy_options if request.plan is not None else None
+        if not isinstance(options, SpeculativeParams) or options.adaptation != "cost" or tokens < 1:
+            return
+        target = self._costs(options)[0]
+        calibrated = self.calibrations.setdefault(target, Calibration(target))
+        for _ in range(tokens):
+            calibrated.record(1, seconds / tokens)
 
     def _used_proposers(self, options: BaseModel | None) -> list[Proposer | None]:
         """The proposer and fallback that requests with these options use (None where not built yet)."""
@@ -441,10 +466,16 @@ class SpeculativeStrategy(Strategy):
             groups = self._draft(ctx, groups, link, shapes)
             link += 1
         for seq in asked:  # how often each sequence's chain finds a draft (`adaptive: cost` weighs its gains)
+            drafted = bool(seq.draft_token_ids or seq.draft_branches)
+            seq.stash[_MISSES] = 0 if drafted else max(seq.stash.get(_MISSES, 0), 0) + 1
             if ACCEPTANCE in seq.stash:
-                drafted = bool(seq.draft_token_ids or seq.draft_branches)
                 seq.stash[ACCEPTANCE].record_ask(drafted)
                 self._chain_prior(seq.request.plan.strategy_options).record_ask(drafted)
+        if len(asked) < len(seqs):
+            asked_ids = {id(seq) for seq in asked}
+            for seq in seqs:
+                if id(seq) not in asked_ids:
+                    seq.stash[_MISSES] = NOT_ASKED
 
     def _lengths(self, ctx: StepContext, seqs: list[Sequence]) -> tuple[list[int], dict[int, TreeShape | None]]:
         """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch; and the

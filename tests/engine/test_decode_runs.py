@@ -213,3 +213,49 @@ def test_speculation_does_not_run_natively_when_asked_not_to_or_sampling():
     strategy = spec.engine.components.get("strategies", "speculative")
     request = spec.engine.add_request(prompts[0], _speculative(proposer="eagle"))
     assert strategy.steps_without_drafts(request) == 0  # the head reads hidden states a run does not compute
+
+
+def _run_lengths(llm: LLM) -> list[int]:
+    """Record the length of every decode run `llm`'s engine makes (in a list it returns)."""
+    lengths: list[int] = []
+    make = llm.engine._decode_run
+
+    def recorded(run, ctx, **options):
+        lengths.append(run.steps)
+        return make(run, ctx, **options)
+
+    llm.engine._decode_run = recorded
+    return lengths
+
+
+def test_a_chain_that_keeps_finding_nothing_is_asked_after_ever_longer_runs():
+    model = tiny_model("llama", seed=5)
+    plain, spec = _pair(model, steps=64)
+    lengths = _run_lengths(spec)
+    prompt = random_prompts(1, 20, 21, seed=10)[0]
+    params = _speculative(runs_without_drafts=2, proposer_options={"prompt_lookup_min": 3})
+    params.max_tokens = 60
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    out = spec.generate([prompt], params)[0]
+    assert out.outputs[0].token_ids == _tokens(plain, [prompt], greedy)[0] and out.metrics.num_draft_tokens == 0
+    # each further miss in a row doubles the run (up to 16x runs_without_drafts); the last one ends at max_tokens
+    assert lengths[:-1] == [2, 4, 8, 16] and lengths[-1] == 60 - 1 - sum(lengths[:-1]) <= 32
+
+
+def test_a_request_whose_speculation_cannot_pay_decodes_in_plain_runs_and_calibrates_with_them(monkeypatch):
+    import decodekit_plugins.speculative as speculative
+
+    model = tiny_model("llama", seed=5)
+    plain, spec = _pair(model)
+    monkeypatch.setattr(speculative, "draft_lengths", lambda seqs, *args, **kw: [0] * len(seqs))  # never pays
+    lengths = _run_lengths(spec)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            strategy={"speculative": {"proposer": "suffix", "cost_model": "default"}})
+    prompt = random_prompts(1, 20, 21, seed=11)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = spec.generate([prompt], params)[0]
+    assert out.outputs[0].token_ids == _tokens(plain, [prompt], greedy)[0] and out.metrics.num_draft_tokens == 0
+    assert lengths and all(n == 8 for n in lengths[:-1])  # plain decoding's runs, not runs_without_drafts' 4
+    strategy = spec.engine.components.get("strategies", "speculative")
+    (calibrated,) = strategy.calibrations.values()
+    assert calibrated.observed(1) and calibrated.records >= sum(lengths[:-1])  # every run token timed one row
