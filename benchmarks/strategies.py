@@ -23,7 +23,7 @@
 Usage: python benchmarks/strategies.py {spec,beam,all} [--repeats 3] [--threads 1] [--configs "trained head,ngram"]
        [--batches 1,8,32] [--max-tokens N (a smoke run: shorter outputs)] [--keep-suffix-outputs]
 
-The suffix proposer keeps a trie of the engine's recent outputs; since the benchmark repeats the same prompts, it
+The suffix proposer keeps the engine's recent outputs to draft from; since the benchmark repeats the same prompts, it
 forgets them before each timed run (`--keep-suffix-outputs`: not, as every run did before 2026-11-28).
 
 The first adaptive run on a machine measures the target's and the draft's step cost (a few seconds, then cached in
@@ -86,7 +86,7 @@ def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
 
 
 def forget_suffix_outputs(llm: LLM) -> None:
-    """Clear the suffix proposers' tries of recent outputs: the benchmark repeats its prompts, and a repeat would
+    """Clear the suffix proposers' recent outputs: the benchmark repeats its prompts, and a repeat would
     otherwise draft the previous one's answer (an agent that repeats itself may, a fresh question does not)."""
     for proposer in llm.engine.components.built("proposers"):
         forget = getattr(proposer, "forget_outputs", None)
