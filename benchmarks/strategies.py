@@ -45,6 +45,7 @@ import torch
 from decodekit import LLM, SamplingParams
 from decodekit.bench.machine import environment, machine_line
 from decodekit.bench.workloads import CHAT_QUESTIONS, COPY_PROMPTS, summary_texts
+from decodekit.recipe_runner import forget_outputs
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
@@ -85,15 +86,6 @@ def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
     return {"copy": (chat(COPY_PROMPTS), 128), "chat": (chat(CHAT_QUESTIONS), 96)}
 
 
-def forget_suffix_outputs(llm: LLM) -> None:
-    """Clear the suffix proposers' recent outputs: the benchmark repeats its prompts, and a repeat would
-    otherwise draft the previous one's answer (an agent that repeats itself may, a fresh question does not)."""
-    for proposer in llm.engine.components.built("proposers"):
-        forget = getattr(proposer, "forget_outputs", None)
-        if forget is not None:
-            forget()
-
-
 def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None] | None = None,
                batches: tuple[int, ...] = (1, 8, 32), max_tokens_cap: int = 0,
                keep_outputs: bool = False) -> list[dict[str, Any]]:
@@ -129,8 +121,8 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
             reference = None
             for _ in range(repeats):
                 for name, strategy in configs.items():
-                    if not keep_outputs:
-                        forget_suffix_outputs(llm)
+                    if not keep_outputs:  # a repeat would draft the previous one's answer (Proposer.forget_outputs)
+                        forget_outputs(llm)
                     elapsed, outs = _timed(lambda s=strategy: run(s))
                     rates[name].append(sum(len(o.token_ids) for o in outs) / elapsed)
                     ids = [o.token_ids for o in outs]

@@ -185,13 +185,21 @@ def render_prompts(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest]) 
     return [prompt for prompt, _ in chats], chats[0][1] if chats else None
 
 
+def forget_outputs(llm: Any) -> None:
+    """Have every proposer the engine built forget the outputs of finished requests (`Proposer.forget_outputs`):
+    before each timed run of a comparison, so a repeated prompt is not drafted from the answer an earlier run gave."""
+    for proposer in llm.engine.components.built("proposers"):
+        proposer.forget_outputs()
+
+
 def run_recipe(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest],
                on_output: Callable[[RequestOutput], None] | None = None) -> RunResult:
     """Generate every request in one continuous batch; with `outputs.compare_plain`, run them again with the
     plain `sample` strategy. Before a comparison, an untimed warm-up prefills every prompt (one token each), so
     both timed runs find the prompts in the prefix cache and first-call costs favour neither, and the model's step
-    cost is measured if it is not cached yet: the ratio compares decoding. With `inputs.tools`, outputs are
-    constrained to the tools' calls and read back (`tool_calls`)."""
+    cost is measured if it is not cached yet, and before each timed run the proposers forget earlier runs' outputs
+    (`forget_outputs`): the ratio compares decoding. With `inputs.tools`, outputs are constrained to the tools' calls
+    and read back (`tool_calls`)."""
     texts, plan = render_prompts(recipe, llm, requests)
     # A chat template already holds the special tokens (BOS); adding them again would change the prompt.
     options = {"add_special_tokens": not recipe.inputs.chat, "on_output": on_output}
@@ -216,6 +224,7 @@ def run_recipe(recipe: Recipe, llm: Any, requests: Sequence[RecipeRequest],
             start = time.perf_counter()
             result.plain_outputs = llm.generate(texts, plain_params_list, **options)
             plain_walls.append(time.perf_counter() - start)
+        forget_outputs(llm)  # the first run's answers would draft the second's
         start = time.perf_counter()
         llm.generate(texts, params, add_special_tokens=not recipe.inputs.chat)
         result.strategy_wall_s = (result.wall_s + time.perf_counter() - start) / 2

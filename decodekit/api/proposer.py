@@ -145,6 +145,11 @@ class Proposer:
     def release(self, seq: Sequence) -> None:
         """A sequence is finished: free what the proposer holds for it."""
 
+    def forget_outputs(self) -> None:
+        """Forget what finished requests' outputs taught it (the `suffix` proposer's recent outputs), keeping what it
+        measured: a comparison that runs the same prompts more than once calls it before each timed run, so a run
+        cannot draft an earlier run's answers. Default: nothing."""
+
     def draft_cost(self, measured: bool) -> StepCost | None:
         """What one of its drafting forwards costs by the rows (sequences) it drafts for, for the strategy's
         adaptive draft length: None where drafting costs next to nothing (a lookup); a proposer running a model

@@ -321,3 +321,21 @@ def test_a_comparison_run_measures_the_step_cost_before_its_timed_runs(tiny_dir,
     assert events[:3] == ["generate", "step_cost", "generate"], "warm-up, the cost, then the timed run"
     assert llm.engine._step_costs, "measured (or read from the cache) before the timed run"
     assert result.plain_wall_s is not None and result.strategy_wall_s is not None
+
+
+def test_a_comparisons_second_speculative_run_cannot_draft_the_first_runs_answers(tiny_dir, tmp_path):
+    """The comparison runs the recipe's strategy twice (A B B A) on the same prompts; the suffix proposer keeps the
+    engine's recent outputs, so the second run drafted the first one's answers and flattered the speedup."""
+    from decodekit.recipe_runner import run_recipe
+
+    recipe = load_recipe(_recipe(tmp_path, "model: m\nsampling: {temperature: 0, max_tokens: 6}\n"
+                                 "strategy: {speculative: {proposer: suffix}}\n"
+                                 "inputs: {prompts: [a b a b, c d c d]}\noutputs: {compare_plain: true}\n"),
+                         registry=REGISTRY)
+    requests, bad = read_inputs(recipe, Components(REGISTRY))
+    assert not bad
+    llm = LLM(str(tiny_dir), kv_cache_memory="8MiB")
+    result = run_recipe(recipe, llm, requests)
+    proposer = llm.engine.components.get("proposers", "suffix")
+    # what it keeps is the second run's answers alone: the first run's were forgotten before it
+    assert proposer.global_tokens == sum(len(o.outputs[0].token_ids) for o in result.outputs) > 0
