@@ -301,18 +301,24 @@ def test_recipe_check_notes_a_kv_memory_it_cannot_check_without_the_model(tmp_pa
         result.stderr
 
 
+def _speculative_comparison(tiny_dir, tmp_path, proposer: str):
+    """A recipe comparing speculative decoding with `proposer` against plain, its requests, and an LLM on the tiny
+    model."""
+    recipe = load_recipe(_recipe(tmp_path, "model: m\nsampling: {temperature: 0, max_tokens: 6}\n"
+                                 f"strategy: {{speculative: {{proposer: {proposer}}}}}\n"
+                                 "inputs: {prompts: [a b a b, c d c d]}\noutputs: {compare_plain: true}\n"),
+                         registry=REGISTRY)
+    requests, bad = read_inputs(recipe, Components(REGISTRY))
+    assert not bad
+    return recipe, requests, LLM(str(tiny_dir), kv_cache_memory="8MiB")
+
+
 def test_a_comparison_run_measures_the_step_cost_before_its_timed_runs(tiny_dir, tmp_path):
     """Speculation's cost model reads the step cost at its first step; measured then on a new machine, it landed
     inside the timed speculative run and the demo printed 0.78x instead of 1.3x. The warm-up now asks for it."""
     from decodekit.recipe_runner import run_recipe
 
-    recipe = load_recipe(_recipe(tmp_path, "model: m\nsampling: {temperature: 0, max_tokens: 6}\n"
-                                 "strategy: {speculative: {proposer: ngram}}\n"
-                                 "inputs: {prompts: [a b a b, c d c d]}\noutputs: {compare_plain: true}\n"),
-                         registry=REGISTRY)
-    requests, bad = read_inputs(recipe, Components(REGISTRY))
-    assert not bad
-    llm = LLM(str(tiny_dir), kv_cache_memory="8MiB")
+    recipe, requests, llm = _speculative_comparison(tiny_dir, tmp_path, "ngram")
     events: list[str] = []
     generate, step_cost = llm.generate, llm.engine.step_cost
     llm.generate = lambda *a, **k: (events.append("generate"), generate(*a, **k))[1]  # type: ignore[method-assign]
@@ -328,13 +334,7 @@ def test_a_comparisons_second_speculative_run_cannot_draft_the_first_runs_answer
     engine's recent outputs, so the second run drafted the first one's answers and flattered the speedup."""
     from decodekit.recipe_runner import run_recipe
 
-    recipe = load_recipe(_recipe(tmp_path, "model: m\nsampling: {temperature: 0, max_tokens: 6}\n"
-                                 "strategy: {speculative: {proposer: suffix}}\n"
-                                 "inputs: {prompts: [a b a b, c d c d]}\noutputs: {compare_plain: true}\n"),
-                         registry=REGISTRY)
-    requests, bad = read_inputs(recipe, Components(REGISTRY))
-    assert not bad
-    llm = LLM(str(tiny_dir), kv_cache_memory="8MiB")
+    recipe, requests, llm = _speculative_comparison(tiny_dir, tmp_path, "suffix")
     result = run_recipe(recipe, llm, requests)
     proposer = llm.engine.components.get("proposers", "suffix")
     # what it keeps is the second run's answers alone: the first run's were forgotten before it
