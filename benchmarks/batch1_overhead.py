@@ -8,7 +8,10 @@ A token is the generate call's wall time after its first step (the prefill), ove
 products are the layer stack's weight products timed inside the native library (`dk_stack_product_seconds`: two
 clock reads around each product call) plus the LM head's product timed around its call. The rest — norms, RoPE,
 KV writes, attention, SiLU-gating, sampling, stop checks, the step's Python — is "outside the products", the share
-issue 41 asks under 10% of a token. Median of `--repeats` rounds per format; the formats' rounds alternate. Each
+issue 41 asks under 10% of a token; the second table splits it by the native library's timers of each part (RoPE + KV
+write + attention, the RMSNorms, a separate SiLU-gating pass, a decode run's embedding rows and argmaxes), the rest
+being the step's Python (the engine's stages; step by step, also the final norm, the argmax and the sampling).
+Median of `--repeats` rounds per format; the formats' rounds alternate. Each
 format runs once per `--run-steps` value (`decode_run_steps`: 8, the default, runs a lone greedy request's steps
 natively 8 at a time; 1 decodes step by step), so the two compare in one run.
 """
@@ -54,7 +57,7 @@ class Probe:
             return out
 
         decoder.lm_head = timed_head
-        self.first_step: tuple[float, float] | None = None  # (wall, products) of the round's first step
+        self.first_step: tuple[float, dict[str, float]] | None = None  # (wall, parts) of the round's first step
         engine = self.llm.engine
         step = engine.step
 
@@ -63,29 +66,33 @@ class Probe:
                 return step()
             start = time.perf_counter()
             out = step()
-            self.first_step = (time.perf_counter() - start, self.products())
+            self.first_step = (time.perf_counter() - start, self.parts())
             return out
 
         engine.step = timed_step
 
-    def products(self) -> float:
-        """Product seconds since the round began."""
-        return (self.native.stack_product_seconds() or 0.0) + self.head_seconds
+    def parts(self) -> dict[str, float]:
+        """Seconds of each timed part since the round began (`NativeKernels.stack_seconds`; the products with the LM
+        head's)."""
+        parts = dict(self.native.stack_seconds() or {})
+        parts["products"] = parts.get("products", 0.0) + self.head_seconds
+        return parts
 
-    def round(self, prompt: list[int], tokens: int) -> tuple[float, float]:
-        """One request: (ms a token, ms of products a token), the prefill step left out."""
+    def round(self, prompt: list[int], tokens: int) -> tuple[float, dict[str, float]]:
+        """One request: (ms a token, ms of each timed part a token), the prefill step left out."""
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         self.native.time_stack_products(True)
         self.head_seconds, self.first_step = 0.0, None
         start = time.perf_counter()
         out = self.llm.generate([prompt], params)[0]
         wall = time.perf_counter() - start
-        products = self.products()
+        parts = self.parts()
         self.native.time_stack_products(False)
         assert len(out.outputs[0].token_ids) == tokens and self.first_step is not None
-        first_wall, first_products = self.first_step
+        first_wall, first_parts = self.first_step
         per = tokens - 1
-        return (wall - first_wall) / per * 1e3, (products - first_products) / per * 1e3
+        return (wall - first_wall) / per * 1e3, {name: (parts[name] - first_parts.get(name, 0.0)) / per * 1e3
+                                                  for name in parts}
 
 
 def main() -> None:
@@ -102,7 +109,7 @@ def main() -> None:
     probes = [Probe(name, steps, args.threads) for name in args.formats for steps in args.run_steps]
     for probe in probes:
         probe.round(prompt, 16)  # warm-up: kernels, RoPE tables, allocator
-    results: dict[str, list[tuple[float, float]]] = {probe.name: [] for probe in probes}
+    results: dict[str, list[tuple[float, dict[str, float]]]] = {probe.name: [] for probe in probes}
     for _ in range(args.repeats):
         for probe in probes:
             results[probe.name].append(probe.round(prompt, args.tokens))
@@ -111,10 +118,20 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, rounds in results.items():
         token = statistics.median(t for t, _ in rounds)
-        products = statistics.median(p for _, p in rounds)
-        shares = [(t - p) / t for t, p in rounds]
+        products = statistics.median(p["products"] for _, p in rounds)
+        shares = [(t - p["products"]) / t for t, p in rounds]
         print(f"| {name} | {token:.2f} | {products:.2f} | {token - products:.2f} | "
               f"{statistics.median(shares):.1%} (rounds {min(shares):.1%}-{max(shares):.1%}) |")
+    print()
+    print("outside the products, ms a token (medians of the rounds):")
+    print("| weights | attention (RoPE, KV write) | norms | separate gating | run's embedding and argmax | "
+          "the rest (the step's Python) |")
+    print("|---|---|---|---|---|---|")
+    for name, rounds in results.items():
+        medians = {part: statistics.median(p[part] for _, p in rounds)
+                   for part in ("attention", "norms", "gating", "run")}
+        rest = statistics.median(t - sum(p.values()) for t, p in rounds)
+        print(f"| {name} | " + " | ".join(f"{value:.3f}" for value in medians.values()) + f" | {rest:.3f} |")
     print(f"machine: {machine_line(environment())}")
 
 

@@ -215,6 +215,10 @@ def test_the_stack_times_its_products_only_while_asked_and_within_the_step():
     llm.generate([[5, 6, 7]], params)
     wall = time.perf_counter() - start
     products = native.stack_product_seconds()
+    parts = native.stack_seconds()
     native.time_stack_products(False)
     assert products is not None and 0 < products < wall
-    assert native.stack_product_seconds() is None
+    assert native.stack_product_seconds() is None and native.stack_seconds() is None
+    # every part ran within the generate call, and the parts are disjoint: together they fit in its wall time
+    assert parts is not None and parts["products"] == products
+    assert all(parts[name] > 0 for name in ("attention", "norms", "run")) and sum(parts.values()) < wall

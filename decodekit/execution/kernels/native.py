@@ -67,6 +67,8 @@ GEMV_MAX_ROWS = 8
 # SiLU-gating of more rows than this stays in torch. Set when the native gating was a scalar `expf` per element;
 # it now takes 8 at a time (exp8) and splits rows over threads from 64K elements, so the limit is due a re-measure.
 NATIVE_GATING_MAX_ROWS = 64
+# The parts of a step the layer stack times (`NativeKernels.stack_seconds`), in layers.c's DK_TIME_* order.
+STACK_PARTS = ("products", "attention", "norms", "gating", "run")
 # The KV pool elements the native attention reads and writes (`kv_cache_dtype`).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -77,7 +79,7 @@ log = logging.getLogger("decodekit.runner")
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
            "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack",
-           "dk_stack_timing", "dk_stack_product_seconds", "dk_decode_run", "dk_quant_gated")
+           "dk_stack_timing", "dk_stack_product_seconds", "dk_stack_seconds", "dk_decode_run", "dk_quant_gated")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -257,6 +259,9 @@ class NativeKernels:
         self._stack_product_seconds = lib.dk_stack_product_seconds
         self._stack_product_seconds.argtypes = []
         self._stack_product_seconds.restype = ctypes.c_double
+        self._stack_seconds = lib.dk_stack_seconds
+        self._stack_seconds.argtypes = [_i]
+        self._stack_seconds.restype = ctypes.c_double
         self.quant = QuantKernels(lib)  # GGUF quantized weights multiplied as stored
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
         # keys per tile of the tiled attention (16 built for AVX-512, 8 for AVX2 + FMA; 0: key by key only), for head
@@ -289,6 +294,13 @@ class NativeKernels:
         """Wall seconds the layer stack's products took since `time_stack_products(True)`; None while off."""
         seconds = float(self._stack_product_seconds())
         return None if seconds < 0 else seconds
+
+    def stack_seconds(self) -> dict[str, float] | None:
+        """Wall seconds of each timed part of the layer stack and its decode runs since `time_stack_products(True)`,
+        by `STACK_PARTS` name (the products, GGUF layers' gating included; RoPE + KV write + attention; the
+        RMSNorms; a separate SiLU-gating pass; a run's embedding rows and argmaxes); None while off."""
+        seconds = {name: float(self._stack_seconds(index)) for index, name in enumerate(STACK_PARTS)}
+        return None if any(value < 0 for value in seconds.values()) else seconds
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` for `[rows, 2 * inter]` rows holding gate then up: float32 in and out, or bfloat16 in

@@ -115,18 +115,27 @@ static int stack_product(const dk_stack_matrix* m, const float* x, int64_t rows,
     }
 }
 
-/* Wall seconds the stack's weight products took since timing was last switched on, or -1 while it is off: what
- * `benchmarks/batch1_overhead.py` splits a token into (products; everything else: norms, RoPE, attention, gating,
- * the step's Python). Off by default; a process-wide tally, for one stack run at a time. */
+/* Wall seconds the stack's parts took since timing was last switched on: what `benchmarks/batch1_overhead.py`
+ * splits a token into. The weight products (and, on GGUF layers, the gating they run), then what lies outside
+ * them: RoPE + KV write + attention, the RMSNorms (the run's final one too), a separate SiLU-gating pass, and a
+ * decode run's embedding row and argmax; the rest of a token is the step's Python. Off by default; a process-wide
+ * tally, for one stack run at a time; two clock reads a part while on. */
+enum { DK_TIME_PRODUCTS = 0, DK_TIME_ATTENTION = 1, DK_TIME_NORMS = 2, DK_TIME_GATING = 3, DK_TIME_RUN = 4,
+       DK_TIME_PARTS = 5 };
 static int stack_timing = 0;
-static double stack_product_seconds = 0.0;
+static double stack_seconds[DK_TIME_PARTS];
 
 void dk_stack_timing(int64_t on) {
     stack_timing = on != 0;
-    stack_product_seconds = 0.0;
+    for (int i = 0; i < DK_TIME_PARTS; ++i) stack_seconds[i] = 0.0;
 }
 
-double dk_stack_product_seconds(void) { return stack_timing ? stack_product_seconds : -1.0; }
+double dk_stack_product_seconds(void) { return stack_timing ? stack_seconds[DK_TIME_PRODUCTS] : -1.0; }
+
+/* The seconds of part `part` (DK_TIME_*), or -1 while timing is off or for an unknown part. */
+double dk_stack_seconds(int64_t part) {
+    return stack_timing && part >= 0 && part < DK_TIME_PARTS ? stack_seconds[part] : -1.0;
+}
 
 static double now_seconds(void) {
     struct timespec t;
@@ -134,13 +143,25 @@ static double now_seconds(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* A clock read where timing is on (0 where it is off), and the seconds since `start` added to `part`. */
+static double time_start(void) { return stack_timing ? now_seconds() : 0.0; }
+static void time_add(int part, double start) {
+    if (stack_timing) stack_seconds[part] += now_seconds() - start;
+}
+
 /* stack_product, timed while timing is on. */
 static int timed_product(const dk_stack_matrix* m, const float* x, int64_t rows, const float* residual, float* out) {
-    if (!stack_timing) return stack_product(m, x, rows, residual, out);
-    double start = now_seconds();
+    double start = time_start();
     int status = stack_product(m, x, rows, residual, out);
-    stack_product_seconds += now_seconds() - start;
+    time_add(DK_TIME_PRODUCTS, start);
     return status;
+}
+
+/* dk_rms_norm, timed while timing is on. */
+static void timed_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
+    double start = time_start();
+    dk_rms_norm(x, w, out, rows, dim, eps);
+    time_add(DK_TIME_NORMS, start);
 }
 
 /* Whether the layer's gate/up product gates its own rows (`dk_quant_gated`): GGUF parts, the gate's
@@ -158,10 +179,10 @@ static int gates_in_product(const dk_stack_layer* l) {
  * parallel region). */
 static int timed_gated(const dk_stack_layer* l, const float* x, int64_t rows, float* gate_up, float* gated) {
     const dk_stack_matrix* m = &l->gate_up;
-    double start = stack_timing ? now_seconds() : 0.0;
+    double start = time_start();
     int status = dk_quant_gated(m->part_kind, m->part_blocks, l->intermediate, x, rows, m->in, gate_up, gated,
                                 m->isa) != 0 ? -1 : 0;
-    if (stack_timing) stack_product_seconds += now_seconds() - start;
+    time_add(DK_TIME_PRODUCTS, start);
     return status;
 }
 
@@ -175,20 +196,24 @@ int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, 
     const float* h = hidden;
     for (int64_t i = 0; i < count; ++i) {
         const dk_stack_layer* l = &layers[i];
-        dk_rms_norm(h, l->input_norm, scratch->normed, tokens, hidden_dim, l->input_eps);
+        timed_norm(h, l->input_norm, scratch->normed, tokens, hidden_dim, l->input_eps);
         if (timed_product(&l->qkv, scratch->normed, tokens, 0, scratch->qkv) != 0) return -1;
+        double start = time_start();
         if (dk_rope_cache_attend(scratch->qkv, tokens, l->q_heads, l->kv_heads, l->head_dim, at->cos, at->signed_sin,
                                  key_pools[i], value_pools[i], at->slots, at->tables, at->table_start, at->key_len,
                                  at->block_size, l->scaling, at->parallel_min_keys, l->window, l->softcap,
                                  at->kv_mode, at->tiled, scratch->attended) != 0)
             return -2;
+        time_add(DK_TIME_ATTENTION, start);
         if (timed_product(&l->o, scratch->attended, tokens, h, scratch->mid) != 0) return -1;
-        dk_rms_norm(scratch->mid, l->post_norm, scratch->normed, tokens, hidden_dim, l->post_eps);
+        timed_norm(scratch->mid, l->post_norm, scratch->normed, tokens, hidden_dim, l->post_eps);
         if (gates_in_product(l)) {
             if (timed_gated(l, scratch->normed, tokens, scratch->gate_up, scratch->gated) != 0) return -1;
         } else {
             if (timed_product(&l->gate_up, scratch->normed, tokens, 0, scratch->gate_up) != 0) return -1;
+            start = time_start();
             dk_silu_mul(scratch->gate_up, scratch->gated, tokens, l->intermediate);
+            time_add(DK_TIME_GATING, start);
         }
         if (timed_product(&l->down, scratch->gated, tokens, scratch->mid, out) != 0) return -1;
         h = out;
@@ -273,6 +298,7 @@ int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidde
     for (int64_t i = 0; i < steps; ++i, ++position) {
         if (position >= m->rope_positions || position / at.block_size >= m->blocks || token < 0 || token >= m->vocab)
             return -3;
+        double start = time_start();
         if (m->embed_bf16) {
             const uint16_t* row = (const uint16_t*)m->embed + token * hidden_dim;
             for (int64_t d = 0; d < hidden_dim; ++d) {
@@ -284,6 +310,7 @@ int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidde
         } else {
             __builtin_memcpy(rows->input, (const float*)m->embed + token * hidden_dim, (size_t)hidden_dim * sizeof(float));
         }
+        time_add(DK_TIME_RUN, start);
         slot = m->block_table[position / at.block_size] * at.block_size + position % at.block_size;
         keys = position + 1;
         at.cos = m->cos + position * m->head_dim;
@@ -291,9 +318,11 @@ int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidde
         int status = dk_layer_stack(layers, count, 1, hidden_dim, rows->input, rows->output, key_pools, value_pools,
                                     &at, scratch);
         if (status != 0) return status;
-        dk_rms_norm(rows->output, m->final_norm, rows->normed, 1, hidden_dim, m->final_eps);
+        timed_norm(rows->output, m->final_norm, rows->normed, 1, hidden_dim, m->final_eps);
         if (timed_product(&m->head, rows->normed, 1, 0, rows->logits) != 0) return -1;
+        start = time_start();
         token = first_argmax(rows->logits, m->vocab);
+        time_add(DK_TIME_RUN, start);
         out_tokens[i] = token;
         for (int64_t s = 0; s < m->stop_count; ++s)
             if (m->stop_ids[s] == token) return i + 1;
