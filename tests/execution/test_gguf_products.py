@@ -76,15 +76,15 @@ def test_the_product_of_random_blocks_is_the_float_product_of_their_dequantized_
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa, fmt):
-    """The native tiles (4x1, 2x2, 1x4 in registers; 2x4 and 1x1-1x4 on a dequantized panel from 16 rows) sum each
-    output in one order, so a row alone, in a few rows and in a batch that takes the panels agree bit for bit (a
-    request's tokens do not depend on its batch)."""
+    """The native tiles (one weight row by 1-4 activation rows in registers, 1-8 on AVX-512, two by 3-4; 2x4 and
+    1x1-1x4 on a dequantized panel from 16 rows) sum each output in one order, so a row alone, in a few rows and in a
+    batch that takes the panels agree bit for bit (a request's tokens do not depend on its batch)."""
     per_block = GGUF_FORMATS[fmt][1]
     stored, _ = _stored(fmt, 37, 2 * per_block, seed=1)
     matrix = GgufMatrix([stored], None, kernels, isa)
     x = torch.randn(41, 2 * per_block)
     together = matrix(x)
-    for rows in (1, 3, 5, 17):
+    for rows in (1, 3, 4, 5, 6, 7, 8, 12, 17):
         for start in range(0, x.shape[0] - rows + 1, 7):
             assert torch.equal(matrix(x[start:start + rows]), together[start:start + rows])
 
@@ -137,7 +137,7 @@ def test_the_variable_forces_a_lower_path_for_matrices_built_after_it(monkeypatc
 
 @needs_kernels
 @settings(max_examples=12, deadline=None)
-@given(rows=st.integers(1, 5), inter=st.sampled_from([8, 96, 520, 1536]), formats=st.tuples(
+@given(rows=st.integers(1, 9), inter=st.sampled_from([8, 96, 520, 1536]), formats=st.tuples(
     st.sampled_from(FORMATS), st.sampled_from(FORMATS)), seed=st.integers(0, 2**16))
 def test_the_gated_gate_up_product_equals_the_product_then_silu_gating_bit_for_bit(rows, inter, formats, seed):
     # each thread multiplies the same rows of the gate and the up parts and gates them itself (the layer stack's
