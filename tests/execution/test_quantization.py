@@ -54,14 +54,15 @@ def test_int8_product_is_the_float_product_of_the_dequantized_weight(rows, width
 
 
 @needs_kernels
+@pytest.mark.parametrize("matrix_type", [Int8Matrix, Bf16Matrix])
 @settings(max_examples=20, deadline=None)
 @given(width=st.integers(1, 90), out=st.integers(1, 40), seed=st.integers(0, 2**16))
-def test_an_int8_rows_product_does_not_depend_on_the_rows_multiplied_with_it(width, out, seed):
-    """Blocks of 1-4 rows (1-8 on AVX-512) sum each output in one order, each row rounded to int16 with its own
-    scale: a row alone and in 2-17 rows (every block size, and blocks after a full one) agree bit for bit (a
-    request's tokens do not depend on its batch)."""
+def test_a_rows_int8_or_bf16_product_does_not_depend_on_the_rows_multiplied_with_it(matrix_type, width, out, seed):
+    """Panel blocks of 1-4 rows (1-8 on AVX-512) sum each output in one order (int8: each row rounded to int16 with
+    its own scale): a row alone and in 2-17 rows (every block size, and blocks after a full one) agree bit for bit
+    (a request's tokens do not depend on its batch)."""
     g = torch.Generator().manual_seed(seed)
-    matrix = Int8Matrix(torch.randn(out, width, generator=g), None, kernels)
+    matrix = matrix_type(torch.randn(out, width, generator=g), None, kernels)
     x = torch.randn(17, width, generator=g)
     alone = torch.cat([matrix(x[m:m + 1]) for m in range(17)])
     for rows in range(2, 18):
