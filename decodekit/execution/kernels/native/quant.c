@@ -27,10 +27,10 @@
  *
  * The product y[m, o] = sum_i x[m, i] w[o, i] runs in tiles of R weight rows x M activation rows (1x1-1x4, and
  * 1x5-1x8 and 2x3-2x4 on AVX-512): a chunk of each weight row is dequantized once and multiplied into every
- * activation row of the tile. Groups of 4 output rows are split over torch's OpenMP threads. From QUANT_PANEL_MIN_ROWS activation rows
- * (batches, prefill chunks) a group is 16 output rows, dequantized once into a panel in cache and multiplied from
- * there (2x4 tiles on AVX-512), so each weight is dequantized once per product rather than once per 4 activation
- * rows. Each output's sum runs in one fixed order (chunk by chunk, even and odd vectors in two accumulators),
+ * activation row of the tile. Groups of 4 output rows are split over torch's OpenMP threads. From
+ * QUANT_PANEL_MIN_ROWS activation rows, 21 on AVX-512 (batches, prefill chunks), a group is 16 output rows,
+ * dequantized once into a panel in cache and multiplied from there (2x4 tiles on AVX-512), so each weight is
+ * dequantized once per product rather than once per 4 (or 8) activation rows. Each output's sum runs in one fixed order (chunk by chunk, even and odd vectors in two accumulators),
  * whatever the tile, the panel, the number of rows or of threads: a row's result does not depend on the batch it is
  * multiplied in, nor on the thread count.
  */
@@ -461,9 +461,17 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
 #define TILE_M6_portable 4
 #define TILE_M7_portable 4
 
-/* Output rows per work item for a product of `rows` activation rows. */
-static inline int64_t group_span(int64_t rows) {
-    return rows >= QUANT_PANEL_MIN_ROWS ? QUANT_PANEL_ROWS : QUANT_GROUP;
+/* The activation rows from which each ISA's product takes the panels: AVX-512's 8-row tiles in registers beat the
+ * panel up to 20 rows (Q4_1 layer products, 30 layers, 2-core Zen 5, in one process: 16 rows 1.13x, 17 1.06x, 20
+ * 1.08x the panel's speed; 23 0.91x, 24 0.92x, 32 0.88x); the 4-row tiles elsewhere up to 15 (above). */
+#define PANEL_MIN_ROWS_avx512 21
+#define PANEL_MIN_ROWS_avx2 QUANT_PANEL_MIN_ROWS
+#define PANEL_MIN_ROWS_portable QUANT_PANEL_MIN_ROWS
+
+/* Output rows per work item for a product of `rows` activation rows on a path that takes the panels from
+ * `panel_min_rows`. */
+static inline int64_t group_span(int64_t rows, int64_t panel_min_rows) {
+    return rows >= panel_min_rows ? QUANT_PANEL_ROWS : QUANT_GROUP;
 }
 
 /* The calling thread's panel of at least `floats` floats (grown, never shrunk), or NULL without memory. */
@@ -608,11 +616,11 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
         }                                                                                                       \
     }                                                                                                           \
     /* one group of output rows, the way its rows take: QUANT_GROUP rows in registers, or a panel of            \
-     * QUANT_PANEL_ROWS for QUANT_PANEL_MIN_ROWS activation rows and more (`span` says which) */                \
+     * QUANT_PANEL_ROWS for PANEL_MIN_ROWS_ISA activation rows and more (`span` says which) */                 \
     ALWAYS_INLINE void any_group_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,    \
                                        int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,            \
                                        const float* residual, float* out, int64_t ld) {                         \
-        if (rows >= QUANT_PANEL_MIN_ROWS)                                                                       \
+        if (rows >= PANEL_MIN_ROWS_##ISA)                                                                       \
             panel_group_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld, PANEL_R_##ISA); \
         else                                                                                                    \
             group_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);                      \
@@ -621,7 +629,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
     static void linear_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,             \
                              int64_t out_rows, const float* bias, const float* residual, float* out, int64_t ld,\
                              int64_t row_bytes, int parallel) {                                                 \
-        int64_t span = group_span(rows);                                                                        \
+        int64_t span = group_span(rows, PANEL_MIN_ROWS_##ISA);                                                  \
         int64_t groups = (out_rows + span - 1) / span;                                                          \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < groups; ++g) {                                    \
             int64_t o0 = g * span, nr = out_rows - o0 < span ? out_rows - o0 : span;                            \
@@ -644,7 +652,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
                             const int64_t* starts, const int64_t* part_rows, const float* x, int64_t rows,      \
                             int64_t in, const float* bias, const float* residual, float* out, int64_t ld,       \
                             int parallel) {                                                                     \
-        int64_t first[DK_QUANT_MAX_PARTS + 1] = {0}, span = group_span(rows);                                   \
+        int64_t first[DK_QUANT_MAX_PARTS + 1] = {0}, span = group_span(rows, PANEL_MIN_ROWS_##ISA);             \
         for (int64_t p = 0; p < parts; ++p) first[p + 1] = first[p] + (part_rows[p] + span - 1) / span;        \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < first[parts]; ++g) {                              \
             int64_t p = 0;                                                                                      \
@@ -673,7 +681,8 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
 #define DK_QUANT_GATED(ISA)                                                                                     \
     static void gated_##ISA(const int64_t* kinds, const uint8_t* const* blocks, int64_t inter, const float* x,   \
                             int64_t rows, int64_t in, float* gate_up, float* gated, int parallel) {              \
-        int64_t span = group_span(rows), unit = span < 8 ? 8 : span, units = (inter + unit - 1) / unit;         \
+        int64_t span = group_span(rows, PANEL_MIN_ROWS_##ISA), unit = span < 8 ? 8 : span;                     \
+        int64_t units = (inter + unit - 1) / unit;                                                              \
         DK_QUANT_PARALLEL(parallel) {                                                                           \
             int64_t b = units * DK_QUANT_THREAD / DK_QUANT_THREADS * unit;                                      \
             int64_t e = units * (DK_QUANT_THREAD + 1) / DK_QUANT_THREADS * unit;                                \
