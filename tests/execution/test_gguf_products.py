@@ -76,7 +76,7 @@ def test_the_product_of_random_blocks_is_the_float_product_of_their_dequantized_
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa, fmt):
-    """The native tiles (one weight row by 1-4 activation rows in registers, 1-8 on AVX-512, two by 3-4; 2x4 and
+    """The native tiles (one weight row by 1-4 activation rows in registers, 1-8 on AVX-512, two by 3-5; 2x4 and
     1x1-1x4 on a dequantized panel from 16 rows, 21 on AVX-512) sum each output in one order, so a row alone, in a
     few rows and in a batch that takes the panels agree bit for bit (a request's tokens do not depend on its
     batch)."""

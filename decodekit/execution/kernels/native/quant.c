@@ -26,7 +26,7 @@
  *   0  portable C: GCC/Clang vector extensions of 8 floats (whatever the target makes of them).
  *
  * The product y[m, o] = sum_i x[m, i] w[o, i] runs in tiles of R weight rows x M activation rows (1x1-1x4, and
- * 1x5-1x8 and 2x3-2x4 on AVX-512): a chunk of each weight row is dequantized once and multiplied into every
+ * 1x5-1x8 and 2x3-2x5 on AVX-512): a chunk of each weight row is dequantized once and multiplied into every
  * activation row of the tile. Groups of 4 output rows are split over torch's OpenMP threads. From
  * QUANT_PANEL_MIN_ROWS activation rows, 21 on AVX-512 (batches, prefill chunks), a group is 16 output rows,
  * dequantized once into a panel in cache and multiplied from there (2x4 tiles on AVX-512), so each weight is
@@ -525,12 +525,14 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
             const float* xm = x + m * in;                                                                       \
             int64_t r = 0;                                                                                      \
             /* where the registers hold them (AVX-512), pairs of weight rows: each activation vector loaded       \
-             * once for two (4-12 rows of SmolLM2's products 4-5% faster than one weight row at a time) */       \
-            if (PANEL_R_##ISA == 2 && nm >= 3 && nm <= 4)                                                      \
+             * once for two (4-12 rows of SmolLM2's products 4-5% faster than one weight row at a time; 5 rows     \
+             * 1.09x and 13 rows 1.05x against one weight row by 5; two by 6 measured no faster than one by 6) */  \
+            if (PANEL_R_##ISA == 2 && nm >= 3 && nm <= 5)                                                      \
                 for (; r + 2 <= nr; r += 2) {                                                                   \
-                    float two[8];                                                                               \
+                    float two[10];                                                                              \
                     if (nm == 3) tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 3, two);            \
-                    else tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 4, two);                    \
+                    else if (nm == 4) tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 4, two);       \
+                    else tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, TILE_M5_##ISA, two);        \
                     for (int64_t k = 0; k < nm; ++k) {                                                          \
                         sums[k * nr + r] = two[k * 2];                                                          \
                         sums[k * nr + r + 1] = two[k * 2 + 1];                                                  \
