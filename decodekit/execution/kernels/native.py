@@ -285,9 +285,9 @@ class NativeKernels:
         return out
 
     def time_stack_products(self, on: bool) -> None:
-        """Start (and zero) or stop timing the layer stack's weight products (`stack_product_seconds`). For
-        benchmarks: the tally is process-wide, for one stack running at a time, and costs two clock reads a
-        product while on."""
+        """Start (and zero) or stop timing the layer stack's weight products and the parts outside them
+        (`stack_product_seconds`, `stack_seconds`). For benchmarks: the tally is process-wide, for one stack running
+        at a time, and costs two clock reads a part while on."""
         self._stack_timing(int(on))
 
     def stack_product_seconds(self) -> float | None:
