@@ -1098,14 +1098,14 @@ typedef void (*panel_block_fn)(const panel_operands* ops, int64_t p, int64_t m, 
 /* The most rows a panel block takes (I8_PANEL_ROWS on AVX-512). */
 #define PANEL_MAX_ROWS 8
 
-/* out = the product of `rows` rows and `out_dim` outputs, block by block: panels are split over torch's OpenMP
- * threads one at a time, rows go `block_rows` (at most PANEL_MAX_ROWS) at a time; each block's sums are times row_scale[m] (when given) and
- * stored by `store_panel_sums`. Each output is computed as on one thread, so results do not depend on the thread
- * count. One panel at a time, each thread streams its panels front to back as one run (consecutive panels are
- * adjacent in memory): one row or two took 4 or 2 panels at a time before (interleaved streams, each activation
- * broadcast serving more panels), and one panel at a time measured a SmolLM2 token 1.13x as fast in bf16 and 1.19x
- * in int8, two-row steps 1.13x and 1.22x (2-core Zen 5, two engines alternating in one process), as the float32
- * kernel's single stream did (`dk_gemv`). */
+/* out = the product of `rows` rows and `out_dim` outputs, block by block: panels are split over torch's OpenMP threads
+ * one at a time, rows go `block_rows` (at most PANEL_MAX_ROWS) at a time; each block's sums are times row_scale[m]
+ * (when given) and stored by `store_panel_sums`. Each output is computed as on one thread, so results do not depend on
+ * the thread count. One panel at a time, each thread streams its panels front to back as one run (consecutive panels
+ * are adjacent in memory): one row or two took 4 or 2 panels at a time before (interleaved streams, each activation
+ * broadcast serving more panels), and one panel at a time measured a SmolLM2 token 1.13x as fast in bf16 and 1.19x in
+ * int8, two-row steps 1.13x and 1.22x (2-core Zen 5, two engines alternating in one process), as the float32 kernel's
+ * single stream did (`dk_gemv`). */
 static void panel_product(const panel_operands* ops, panel_block_fn block, int64_t block_rows, int64_t rows,
                           int64_t out_dim, const float* row_scale, const float* scale, const float* bias,
                           const float* residual, float* out) {

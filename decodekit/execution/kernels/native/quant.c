@@ -30,9 +30,9 @@
  * activation row of the tile. Groups of 4 output rows are split over torch's OpenMP threads. From
  * QUANT_PANEL_MIN_ROWS activation rows, 21 on AVX-512 (batches, prefill chunks), a group is 16 output rows,
  * dequantized once into a panel in cache and multiplied from there (2x4 tiles on AVX-512), so each weight is
- * dequantized once per product rather than once per 4 (or 8) activation rows. Each output's sum runs in one fixed order (chunk by chunk, even and odd vectors in two accumulators),
- * whatever the tile, the panel, the number of rows or of threads: a row's result does not depend on the batch it is
- * multiplied in, nor on the thread count.
+ * dequantized once per product rather than once per 4 (or 8) activation rows. Each output's sum runs in one fixed
+ * order (chunk by chunk, even and odd vectors in two accumulators), whatever the tile, the panel, the number of rows
+ * or of threads: a row's result does not depend on the batch it is multiplied in, nor on the thread count.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,8 +41,9 @@
 #include <omp.h>
 #endif
 /* GCC turns a group's store of its few outputs (no bias, no residual) into a call to memcpy: a library call and a
- * vzeroupper per four outputs, ~3.5% of a batch-1 GGUF token's samples under perf. Without it a token measured 1.06x
- * as fast (2-core Zen 5, the two libraries in alternating processes, same tokens). */
+ * vzeroupper per four outputs, ~3.5% of a batch-1 GGUF token's samples under perf. Without it a token measured
+ * 0.98-1.09x as fast, ~1.03x in the median (2-core Zen 5, the two libraries alternating in one process, 30-40 rounds
+ * each, same tokens). */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("no-tree-loop-distribute-patterns")
 #endif
