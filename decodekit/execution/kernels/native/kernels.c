@@ -1036,19 +1036,7 @@ DK_PANEL_TILE(1, 6)
 DK_PANEL_TILE(1, 7)
 DK_PANEL_TILE(1, 8)
 #define BF16_PANEL_ROWS 8
-#define BF16_PANEL_SUMS(x, n, wp)                                                                               \
-    do {                                                                                                        \
-        switch (nm) {                                                                                           \
-            case 1: panel_tile_1_1(x, n, wp, sums); break;                                                     \
-            case 2: panel_tile_1_2(x, n, wp, sums); break;                                                     \
-            case 3: panel_tile_1_3(x, n, wp, sums); break;                                                     \
-            case 4: panel_tile_1_4(x, n, wp, sums); break;                                                     \
-            case 5: panel_tile_1_5(x, n, wp, sums); break;                                                     \
-            case 6: panel_tile_1_6(x, n, wp, sums); break;                                                     \
-            case 7: panel_tile_1_7(x, n, wp, sums); break;                                                     \
-            default: panel_tile_1_8(x, n, wp, sums); break;                                                    \
-        }                                                                                                       \
-    } while (0)
+#define BF16_PANEL_SUMS(x, n, wp) DK_PANEL_SUMS_8(panel, x, n, wp)
 #endif
 
 /* A panel block's epilogue: out[m + k, o] = sums[k][o - 16p] (* scale[o]) (+ bias[o]) (+ residual[m + k, o]) for
@@ -1081,6 +1069,19 @@ static void store_panel_sums(const float* sums, int64_t p, int64_t m, int64_t nm
             case 2: NAME##_tile_1_2(x, n, wp, sums); break;                                                    \
             case 3: NAME##_tile_1_3(x, n, wp, sums); break;                                                    \
             default: NAME##_tile_1_4(x, n, wp, sums); break;                                                   \
+        }                                                                                                       \
+    } while (0)
+
+/* DK_PANEL_SUMS for nm <= 8, by the tiles NAME##_tile_1_1 .. NAME##_tile_1_8 (built where the registers hold 8 rows:
+ * AVX-512). */
+#define DK_PANEL_SUMS_8(NAME, x, n, wp)                                                                         \
+    do {                                                                                                        \
+        switch (nm) {                                                                                           \
+            case 1: case 2: case 3: case 4: DK_PANEL_SUMS(NAME, x, n, wp); break;                               \
+            case 5: NAME##_tile_1_5(x, n, wp, sums); break;                                                    \
+            case 6: NAME##_tile_1_6(x, n, wp, sums); break;                                                    \
+            case 7: NAME##_tile_1_7(x, n, wp, sums); break;                                                    \
+            default: NAME##_tile_1_8(x, n, wp, sums); break;                                                   \
         }                                                                                                       \
     } while (0)
 
@@ -1236,19 +1237,7 @@ DK_I8_PANEL_TILE(1, 6)
 DK_I8_PANEL_TILE(1, 7)
 DK_I8_PANEL_TILE(1, 8)
 #define I8_PANEL_ROWS 8
-#define I8_PANEL_SUMS(x, n, wp)                                                                                 \
-    do {                                                                                                        \
-        switch (nm) {                                                                                           \
-            case 1: i8_panel_tile_1_1(x, n, wp, sums); break;                                                  \
-            case 2: i8_panel_tile_1_2(x, n, wp, sums); break;                                                  \
-            case 3: i8_panel_tile_1_3(x, n, wp, sums); break;                                                  \
-            case 4: i8_panel_tile_1_4(x, n, wp, sums); break;                                                  \
-            case 5: i8_panel_tile_1_5(x, n, wp, sums); break;                                                  \
-            case 6: i8_panel_tile_1_6(x, n, wp, sums); break;                                                  \
-            case 7: i8_panel_tile_1_7(x, n, wp, sums); break;                                                  \
-            default: i8_panel_tile_1_8(x, n, wp, sums); break;                                                 \
-        }                                                                                                       \
-    } while (0)
+#define I8_PANEL_SUMS(x, n, wp) DK_PANEL_SUMS_8(i8_panel, x, n, wp)
 #define DK_HAVE_I16 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DK_I8_PANEL_TILE(P, M)                                                                                  \

@@ -445,22 +445,14 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
 #define PANEL_R_avx2 1
 #define PANEL_R_portable 1
 /* Activation rows per tile of one weight row: 8 where the registers hold 8 x 2 accumulators beside the weight
- * vectors (AVX-512's 32), else 4; TILE_Mk_ISA is the tile for k rows (k where the ISA takes it). With 5-8 rows in
- * one tile instead of two, each chunk is dequantized once for all of them: SmolLM2's Q4_1 layer products (30
- * layers, 2-core Zen 5, the two libraries alternating in one process, equal outputs) 1.19x as fast at 5 rows,
+ * vectors (AVX-512's 32), else 4; TILE_M_UPTO(ISA, k) is the tile for k rows (k where the ISA takes it). With 5-8
+ * rows in one tile instead of two, each chunk is dequantized once for all of them: SmolLM2's Q4_1 layer products
+ * (30 layers, 2-core Zen 5, the two libraries alternating in one process, equal outputs) 1.19x as fast at 5 rows,
  * 1.14x at 6, 1.12x at 7, 1.07x at 8 (a speculative step's verification rows); 1-4 rows run the same code. */
 #define TILE_M_avx512 8
 #define TILE_M_avx2 4
 #define TILE_M_portable 4
-#define TILE_M5_avx512 5
-#define TILE_M6_avx512 6
-#define TILE_M7_avx512 7
-#define TILE_M5_avx2 4
-#define TILE_M6_avx2 4
-#define TILE_M7_avx2 4
-#define TILE_M5_portable 4
-#define TILE_M6_portable 4
-#define TILE_M7_portable 4
+#define TILE_M_UPTO(ISA, k) (TILE_M_##ISA < (k) ? TILE_M_##ISA : (k))
 
 /* The activation rows from which each ISA's product takes the panels: AVX-512's 8-row tiles in registers beat the
  * panel up to 20 rows (Q4_1 layer products, 30 layers, 2-core Zen 5, in one process: 16 rows 1.13x, 17 1.06x, 20
@@ -533,7 +525,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
                     float two[10];                                                                              \
                     if (nm == 3) tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 3, two);            \
                     else if (nm == 4) tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 4, two);       \
-                    else tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, TILE_M5_##ISA, two);        \
+                    else tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, TILE_M_UPTO(ISA, 5), two);  \
                     for (int64_t k = 0; k < nm; ++k) {                                                          \
                         sums[k * nr + r] = two[k * 2];                                                          \
                         sums[k * nr + r + 1] = two[k * 2 + 1];                                                  \
@@ -548,9 +540,9 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
                     case 4: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, 4, one); break;          \
                     /* 5-8 activation rows where the registers hold 16 accumulators (AVX-512's 32): each chunk   \
                      * dequantized once for all of them, not once per 4 */                                       \
-                    case 5: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, TILE_M5_##ISA, one); break; \
-                    case 6: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, TILE_M6_##ISA, one); break; \
-                    case 7: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, TILE_M7_##ISA, one); break; \
+                    case 5: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, TILE_M_UPTO(ISA, 5), one); break; \
+                    case 6: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, TILE_M_UPTO(ISA, 6), one); break; \
+                    case 7: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, TILE_M_UPTO(ISA, 7), one); break; \
                     default: tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 1, TILE_M_##ISA, one); break; \
                 }                                                                                               \
                 for (int64_t k = 0; k < nm; ++k) sums[k * nr + r] = one[k];                                     \
