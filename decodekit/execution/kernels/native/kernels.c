@@ -37,31 +37,46 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-/* exp of 8 floats at once (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), within 2 ulp of
- * expf; inputs below -87.3 give 0. Attention's softmax calls it once per (head, key): libm's scalar expf there
- * cost as much as the dot products. */
-static inline v8f exp8(v8f x) {
-    const v8f lowest = splat8(-87.3365447f);
-    v8i under = x < lowest;
-    x = (v8f)(((v8i)x & ~under) | ((v8i)lowest & under));
-    v8f fx = x * splat8(1.44269504088896341f) + splat8(0.5f);
-    v8i n = __builtin_convertvector(fx, v8i);  /* truncates; floor() for the negative values below */
-    v8f fn = __builtin_convertvector(n, v8f);
-    v8i above = fn > fx;
-    n += above;  /* -1 where truncation rounded up */
-    fn += __builtin_convertvector(above, v8f);
-    x = x - fn * splat8(0.693359375f);
-    x = x - fn * splat8(-2.12194440e-4f);
-    v8f y = splat8(1.9875691500e-4f);
-    y = y * x + splat8(1.3981999507e-3f);
-    y = y * x + splat8(8.3334519073e-3f);
-    y = y * x + splat8(4.1665795894e-2f);
-    y = y * x + splat8(1.6666665459e-1f);
-    y = y * x + splat8(5.0000001201e-1f);
-    y = y * (x * x) + x + splat8(1.0f);
-    v8f scale = (v8f)((n + 127) << 23);
-    return (v8f)((v8i)(y * scale) & ~under);
-}
+/* exp8: exp of 8 floats at once (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n), within 2 ulp
+ * of expf; inputs below -87.3 give 0. Attention's softmax calls it once per (head, key): libm's scalar expf there
+ * cost as much as the dot products. DK_DEFINE_EXP defines it (`static V NAME(V x)`) for a vector type V of floats,
+ * VI its int32 twin and SPLAT its broadcast: every lane goes through the same operations, so a wider vector gives
+ * each lane exp8's bits. */
+#define DK_DEFINE_EXP(NAME, V, VI, SPLAT)                                                                       \
+    static inline V NAME(V x) {                                                                                 \
+        const V lowest = SPLAT(-87.3365447f);                                                                   \
+        VI under = x < lowest;                                                                                  \
+        x = (V)(((VI)x & ~under) | ((VI)lowest & under));                                                       \
+        V fx = x * SPLAT(1.44269504088896341f) + SPLAT(0.5f);                                                   \
+        VI n = __builtin_convertvector(fx, VI); /* truncates; floor() for the negative values below */          \
+        V fn = __builtin_convertvector(n, V);                                                                   \
+        VI above = fn > fx;                                                                                     \
+        n += above; /* -1 where truncation rounded up */                                                        \
+        fn += __builtin_convertvector(above, V);                                                                \
+        x = x - fn * SPLAT(0.693359375f);                                                                       \
+        x = x - fn * SPLAT(-2.12194440e-4f);                                                                    \
+        V y = SPLAT(1.9875691500e-4f);                                                                          \
+        y = y * x + SPLAT(1.3981999507e-3f);                                                                    \
+        y = y * x + SPLAT(8.3334519073e-3f);                                                                    \
+        y = y * x + SPLAT(4.1665795894e-2f);                                                                    \
+        y = y * x + SPLAT(1.6666665459e-1f);                                                                    \
+        y = y * x + SPLAT(5.0000001201e-1f);                                                                    \
+        y = y * (x * x) + x + SPLAT(1.0f);                                                                      \
+        V scale = (V)((n + 127) << 23);                                                                         \
+        return (V)((VI)(y * scale) & ~under);                                                                   \
+    }
+DK_DEFINE_EXP(exp8, v8f, v8i, splat8)
+
+#if defined(__AVX512F__)
+/* 16 lanes where the CPU has AVX-512: exp8's values at half the instructions (softmax and SiLU-gating take it for
+ * each whole 16 floats, then exp8, then expf as before, so each value is what it was). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+static inline v16f load16(const float* p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline v16f splat16(float x) { v16f v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; return v; }
+DK_DEFINE_EXP(exp16, v16f, v16i, splat16)
+#endif
 
 /* ---- the KV pool's element: float32, or bfloat16 (`kv_cache_dtype`) ------------------------------------------
  * Attention reads every cached key and value once per query, so a bf16 pool halves those bytes and doubles the
@@ -161,6 +176,13 @@ static inline void silu_mul_row(const float* g, float* o, int64_t inter, int64_t
     const float* u = g + inter;
     int64_t vectors = inter / 8 * 8, stop = end < vectors ? end : vectors;
     int64_t i = begin;
+#if defined(__AVX512F__)
+    for (; i + 16 <= stop; i += 16) {  /* exp16: exp8's values, 16 at a time */
+        v16f gi = load16(g + i), neg = -gi;
+        neg = (v16f)(((v16i)neg & (v16i)(neg < splat16(88.0f))) | ((v16i)splat16(88.0f) & ~(v16i)(neg < splat16(88.0f))));
+        store16(o + i, (gi / (splat16(1.0f) + exp16(neg))) * load16(u + i));
+    }
+#endif
     for (; i + 8 <= stop; i += 8) {
         v8f gi = load8(g + i), neg = -gi;
         neg = (v8f)(((v8i)neg & (v8i)(neg < splat8(88.0f))) | ((v8i)splat8(88.0f) & ~(v8i)(neg < splat8(88.0f))));
@@ -285,10 +307,28 @@ static int rope_store(float* qkv, int64_t tokens, int64_t heads, int64_t kv_head
 /* softmax of n scores in place: the largest subtracted, exp8 8 at a time, the sum's pairwise order fixed (both
  * attention paths share it). */
 static void softmax_in_place(float* sc, int64_t n) {
-    float m = sc[0];
-    for (int64_t j = 1; j < n; ++j) m = sc[j] > m ? sc[j] : m;
-    v8f sums = {0};
+    /* the largest score as `m = sc[j] > m ? sc[j] : m` from sc[0] finds it (NaNs skipped unless sc[0] is one), 8
+     * lanes at a time: one scalar chain of compares was ~20% of a decode token's attention */
+    v8f best = splat8(sc[0]);
     int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8f x = load8(sc + j);
+        v8i more = x > best;
+        best = (v8f)(((v8i)x & more) | ((v8i)best & ~more));
+    }
+    float m = best[0];
+    for (int k = 1; k < 8; ++k) m = best[k] > m ? best[k] : m;
+    for (; j < n; ++j) m = sc[j] > m ? sc[j] : m;
+    v8f sums = {0};
+    j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16) {  /* exp16, its halves summed in exp8's order */
+        v16f e = exp16(load16(sc + j) - splat16(m));
+        store16(sc + j, e);
+        sums += __builtin_shufflevector(e, e, 0, 1, 2, 3, 4, 5, 6, 7);
+        sums += __builtin_shufflevector(e, e, 8, 9, 10, 11, 12, 13, 14, 15);
+    }
+#endif
     for (; j + 8 <= n; j += 8) {
         v8f e = exp8(load8(sc + j) - splat8(m));
         store8(sc + j, e);
