@@ -22,6 +22,12 @@
 #include <immintrin.h>
 #endif
 
+/* layers.c: a step's keys and values prefetched by the threads of the product before its attention (a hint). */
+void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units);
+void dk_side_prefetch_share(int64_t part, int64_t parts, int64_t i, int64_t count);
+/* Output rows of a float32 product between two such prefetches. */
+#define GEMV_SIDE_ROWS 16
+
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -1156,6 +1162,11 @@ static void panel_product(const panel_operands* ops, panel_block_fn block, int64
 #pragma omp parallel for schedule(static) if (work >= 65536)
 #endif
     for (int64_t p = 0; p < num_panels; ++p) {
+#ifdef _OPENMP
+        dk_side_prefetch(omp_get_thread_num(), omp_get_num_threads(), p, num_panels);
+#else
+        dk_side_prefetch(0, 1, p, num_panels);
+#endif
         for (int64_t m = 0; m < rows; m += block_rows) {
             int64_t nm = rows - m < block_rows ? rows - m : block_rows;
             float sums[PANEL_MAX_ROWS * PANEL];
@@ -1544,7 +1555,13 @@ int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t ou
 #endif
         int64_t o0 = out * part / parts, o1 = out * (part + 1) / parts;
         if (o0 < o1) {
-            gemv_rows(x, rows, w, in, out, o0, o1, y);
+            /* GEMV_SIDE_ROWS output rows at a time, each output computed as in one call */
+            int64_t pieces = (o1 - o0 + GEMV_SIDE_ROWS - 1) / GEMV_SIDE_ROWS;
+            for (int64_t k = 0; k < pieces; ++k) {
+                dk_side_prefetch_share(part, parts, k, pieces);
+                int64_t a = o0 + k * GEMV_SIDE_ROWS, b = a + GEMV_SIDE_ROWS < o1 ? a + GEMV_SIDE_ROWS : o1;
+                gemv_rows(x, rows, w, in, out, a, b, y);
+            }
             for (int64_t m = 0; m < rows; ++m)
                 for (int64_t o = o0; o < o1; ++o) {
                     float v = y[m * out + o];

@@ -14,7 +14,11 @@
  * allocated once. */
 #define _POSIX_C_SOURCE 199309L  /* clock_gettime under -std=c11 */
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* The library's entry points called here (kernels.c, quant.c). */
 void dk_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps);
@@ -157,6 +161,74 @@ static int timed_product(const dk_stack_matrix* m, const float* x, int64_t rows,
     return status;
 }
 
+/* ---- a lone token's keys and values, prefetched while its layer's q/k/v product runs --------------------------
+ * A decode step of one sequence reads each layer's cached keys and values once, cold: the weights streamed since the
+ * previous token (~100 MB for the bundled GGUF) have pushed them out of every cache. Read then, by the attention,
+ * they cost about as much again as the attention's arithmetic. The q/k/v product just before it streams weights
+ * from memory on every thread too; each of its threads, as it goes, prefetches into L2 the share of those keys and
+ * values that the same thread will read in the attention (its kv heads' slices of every key), so the attention
+ * finds them in its own core's cache. A hint only: nothing computed depends on it. */
+#define DK_SIDE_MAX_PARTS 64
+static struct {
+    int on;
+    const char* kpool;
+    const char* vpool;
+    const int64_t* rows;  /* bytes from a pool's start to each key's row (kv head 0) */
+    int64_t n, parts;
+    int64_t offset[DK_SIDE_MAX_PARTS], bytes[DK_SIDE_MAX_PARTS];  /* each thread's slice of a row */
+} side;
+
+/* Called by a product's thread `part` of `parts` before the `i`-th of the `count` units of work it has: prefetches
+ * the share of its slices of the keys and values that falls to that unit. */
+void dk_side_prefetch_share(int64_t part, int64_t parts, int64_t i, int64_t count) {
+    if (!side.on || parts != side.parts || part < 0 || part >= parts) return;
+    int64_t bytes = side.bytes[part];
+    if (i < 0 || i >= count || bytes <= 0) return;
+    int64_t from = i * side.n / count, to = (i + 1) * side.n / count;
+    for (int64_t j = from; j < to; ++j) {
+        const char* k = side.kpool + side.rows[j] + side.offset[part];
+        const char* v = side.vpool + side.rows[j] + side.offset[part];
+        for (int64_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(k + b, 0, 2);  /* into L2 (prefetcht1 on x86) */
+            __builtin_prefetch(v + b, 0, 2);
+        }
+    }
+}
+
+/* dk_side_prefetch_share for the unit `unit` of `units` split over the threads by an OpenMP static schedule (libgomp's:
+ * the first units % parts threads take one more). */
+void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units) {
+    if (!side.on || parts <= 0) return;
+    int64_t q = units / parts, r = units % parts;
+    int64_t begin = part < r ? part * (q + 1) : part * q + r;
+    dk_side_prefetch_share(part, parts, unit - begin, q + (part < r));
+}
+
+/* Sets up `side` for a step of one token: the rows of the keys before the token's own (`rows`, room for key_len - 1)
+ * and each thread's kv heads as dk_rope_cache_attend will split them. Returns whether there is anything to fetch. */
+static int side_plan(const dk_stack_attention* at, int64_t kv_heads, int64_t dim, int64_t* rows) {
+    int64_t n = at->key_len[0] - 1, elem = at->kv_mode ? 2 : 4, width = kv_heads * dim * elem;
+    if (n <= 0 || at->block_size <= 0) return 0;
+    const int64_t* table = at->tables + at->table_start[0];
+    for (int64_t j = 0; j < n; ++j) rows[j] = (table[j / at->block_size] * at->block_size + j % at->block_size) * width;
+    int64_t parts = 1;
+#ifdef _OPENMP
+    parts = omp_get_max_threads();
+#endif
+    if (parts > DK_SIDE_MAX_PARTS) return 0;
+    int split = parts > 1 && (n + 1) * kv_heads >= at->parallel_min_keys;
+    for (int64_t p = 0; p < parts; ++p) {  /* range_start's shares of equal kv heads: [ceil(p H / P), ceil((p + 1) H / P)) */
+        int64_t h0 = split ? (p * kv_heads + parts - 1) / parts : (p == 0 ? 0 : kv_heads);
+        int64_t h1 = split ? ((p + 1) * kv_heads + parts - 1) / parts : kv_heads;
+        side.offset[p] = h0 * dim * elem;
+        side.bytes[p] = (h1 - h0) * dim * elem;
+    }
+    side.rows = rows;
+    side.n = n;
+    side.parts = parts;
+    return 1;
+}
+
 /* dk_rms_norm, timed while timing is on. */
 static void timed_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps) {
     double start = time_start();
@@ -186,18 +258,20 @@ static int timed_gated(const dk_stack_layer* l, const float* x, int64_t rows, fl
     return status;
 }
 
-/* Runs `count` layers over `tokens` rows: `hidden` [T, hidden_dim] is the first layer's input (not written), `out`
- * [T, hidden_dim] receives the last layer's output (and serves as each layer's output along the way); the layers'
- * KV pools are key_pools[i] / value_pools[i]. Returns 0; -1 if a product refused its operands (nothing the fused
- * decoder builds) or -2 if the attention could not allocate its scratch memory. */
-int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, int64_t hidden_dim,
-                   const float* hidden, float* out, void* const* key_pools, void* const* value_pools,
-                   const dk_stack_attention* at, const dk_stack_scratch* scratch) {
+/* dk_layer_stack's layers (`planned`: `side` holds the step's keys to prefetch). */
+static int run_layers(const dk_stack_layer* layers, int64_t count, int64_t tokens, int64_t hidden_dim,
+                      const float* hidden, float* out, void* const* key_pools, void* const* value_pools,
+                      const dk_stack_attention* at, const dk_stack_scratch* scratch, int planned) {
     const float* h = hidden;
     for (int64_t i = 0; i < count; ++i) {
         const dk_stack_layer* l = &layers[i];
         timed_norm(h, l->input_norm, scratch->normed, tokens, hidden_dim, l->input_eps);
-        if (timed_product(&l->qkv, scratch->normed, tokens, 0, scratch->qkv) != 0) return -1;
+        side.on = planned && l->window == 0 && l->kv_heads == layers[0].kv_heads && l->head_dim == layers[0].head_dim;
+        side.kpool = (const char*)key_pools[i];
+        side.vpool = (const char*)value_pools[i];
+        int product = timed_product(&l->qkv, scratch->normed, tokens, 0, scratch->qkv);
+        side.on = 0;
+        if (product != 0) return -1;
         double start = time_start();
         if (dk_rope_cache_attend(scratch->qkv, tokens, l->q_heads, l->kv_heads, l->head_dim, at->cos, at->signed_sin,
                                  key_pools[i], value_pools[i], at->slots, at->tables, at->table_start, at->key_len,
@@ -219,6 +293,26 @@ int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, 
         h = out;
     }
     return 0;
+}
+
+/* Runs `count` layers over `tokens` rows: `hidden` [T, hidden_dim] is the first layer's input (not written), `out`
+ * [T, hidden_dim] receives the last layer's output (and serves as each layer's output along the way); the layers'
+ * KV pools are key_pools[i] / value_pools[i]. Returns 0; -1 if a product refused its operands (nothing the fused
+ * decoder builds) or -2 if the attention could not allocate its scratch memory. */
+int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, int64_t hidden_dim,
+                   const float* hidden, float* out, void* const* key_pools, void* const* value_pools,
+                   const dk_stack_attention* at, const dk_stack_scratch* scratch) {
+    int64_t* side_rows = NULL;
+    int planned = 0;
+    if (tokens == 1 && count > 0 && at->key_len[0] > 1) {
+        side_rows = malloc((size_t)(at->key_len[0] - 1) * sizeof(int64_t));
+        planned = side_rows != NULL && side_plan(at, layers[0].kv_heads, layers[0].head_dim, side_rows);
+    }
+    int status = run_layers(layers, count, tokens, hidden_dim, hidden, out, key_pools, value_pools, at, scratch,
+                            planned);
+    side.on = 0;
+    free(side_rows);
+    return status;
 }
 
 /* What a decode run needs beyond the layers: the embeddings, the final norm, the LM head, the RoPE tables by

@@ -650,6 +650,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
         int64_t first[DK_QUANT_MAX_PARTS + 1] = {0}, span = group_span(rows, PANEL_MIN_ROWS_##ISA);             \
         for (int64_t p = 0; p < parts; ++p) first[p + 1] = first[p] + (part_rows[p] + span - 1) / span;        \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < first[parts]; ++g) {                              \
+            dk_side_prefetch(DK_QUANT_THREAD, DK_QUANT_THREADS, g, first[parts]);                               \
             int64_t p = 0;                                                                                      \
             while (g >= first[p + 1]) ++p;                                                                      \
             int64_t o0 = (g - first[p]) * span, left = part_rows[p] - o0;                                       \
@@ -719,6 +720,7 @@ void dk_silu_mul_range(const float* gate_up, float* out, int64_t rows, int64_t i
 #endif
 
 int64_t dk_quant_row_bytes(int64_t kind, int64_t in);
+void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units);
 
 DK_QUANT_GROUP(portable)
 DK_QUANT_PARTS(portable)
