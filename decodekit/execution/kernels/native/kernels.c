@@ -831,8 +831,9 @@ KV_INLINE int attend_items_tiled(const float* qkv, int64_t unit_begin, int64_t u
 }
 #endif
 
-/* The first item of the `part`-th of `parts` consecutive ranges of about equal work (keys read). */
-static int64_t range_start(const int64_t* key_len, int64_t tokens, int64_t kv_heads, int64_t total, int64_t part,
+/* The first item of the `part`-th of `parts` consecutive ranges of about equal work (keys read): how
+ * dk_rope_cache_attend splits its items over threads (layers.c plans its prefetches by it too). */
+int64_t dk_range_start(const int64_t* key_len, int64_t tokens, int64_t kv_heads, int64_t total, int64_t part,
                            int64_t parts) {
     if (part <= 0) return 0;
     if (part >= parts) return tokens * kv_heads;
@@ -922,8 +923,8 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
     {
         int64_t parts = 1, part = 0;
 #endif
-        int64_t begin = range_start(key_len, tokens, per_unit, total, part, parts);
-        int64_t end = range_start(key_len, tokens, per_unit, total, part + 1, parts);
+        int64_t begin = dk_range_start(key_len, tokens, per_unit, total, part, parts);
+        int64_t end = dk_range_start(key_len, tokens, per_unit, total, part + 1, parts);
         /* two inlined copies of each path, one per pool element (its flag a constant in each) */
 #ifdef TILE
         if (use_tiled && use_dot)

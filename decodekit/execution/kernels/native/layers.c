@@ -22,6 +22,9 @@
 
 /* The library's entry points called here (kernels.c, quant.c). */
 void dk_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps);
+int dk_tiled_attention(void);
+int64_t dk_range_start(const int64_t* key_len, int64_t tokens, int64_t kv_heads, int64_t total, int64_t part,
+                       int64_t parts);
 void dk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
 int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
                          const float* cos, const float* signed_sin, void* kpool, void* vpool,
@@ -169,26 +172,30 @@ static int timed_product(const dk_stack_matrix* m, const float* x, int64_t rows,
  * values that the same thread will read in the attention (its kv heads' slices of every key), so the attention
  * finds them in its own core's cache. A hint only: nothing computed depends on it. */
 #define DK_SIDE_MAX_PARTS 64
+/* Bytes of keys (and as many of values) a thread prefetches at most for one layer: its share must stay in its L2
+ * beside the weights streaming through (a step of many tokens or long contexts is not prefetched). */
+#define DK_SIDE_MAX_BYTES (512 * 1024)
+typedef struct {
+    int64_t at, bytes;  /* a key's row slice: its offset in bytes from the pool's start, its length */
+} side_span;
 static struct {
     int on;
     const char* kpool;
     const char* vpool;
-    const int64_t* rows;  /* bytes from a pool's start to each key's row (kv head 0) */
-    int64_t n, parts;
-    int64_t offset[DK_SIDE_MAX_PARTS], bytes[DK_SIDE_MAX_PARTS];  /* each thread's slice of a row */
+    const side_span* spans;                /* every thread's slices, thread by thread */
+    int64_t first[DK_SIDE_MAX_PARTS + 1];  /* thread p's: spans[first[p] .. first[p + 1]) */
+    int64_t parts;
 } side;
 
 /* Called by a product's thread `part` of `parts` before the `i`-th of the `count` units of work it has: prefetches
  * the share of its slices of the keys and values that falls to that unit. */
 void dk_side_prefetch_share(int64_t part, int64_t parts, int64_t i, int64_t count) {
-    if (!side.on || parts != side.parts || part < 0 || part >= parts) return;
-    int64_t bytes = side.bytes[part];
-    if (i < 0 || i >= count || bytes <= 0) return;
-    int64_t from = i * side.n / count, to = (i + 1) * side.n / count;
-    for (int64_t j = from; j < to; ++j) {
-        const char* k = side.kpool + side.rows[j] + side.offset[part];
-        const char* v = side.vpool + side.rows[j] + side.offset[part];
-        for (int64_t b = 0; b < bytes; b += 64) {
+    if (!side.on || parts != side.parts || part < 0 || part >= parts || i < 0 || i >= count) return;
+    int64_t begin = side.first[part], n = side.first[part + 1] - begin;
+    for (int64_t j = begin + i * n / count, end = begin + (i + 1) * n / count; j < end; ++j) {
+        const char* k = side.kpool + side.spans[j].at;
+        const char* v = side.vpool + side.spans[j].at;
+        for (int64_t b = 0; b < side.spans[j].bytes; b += 64) {
             __builtin_prefetch(k + b, 0, 2);  /* into L2 (prefetcht1 on x86) */
             __builtin_prefetch(v + b, 0, 2);
         }
@@ -204,29 +211,46 @@ void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units) 
     dk_side_prefetch_share(part, parts, unit - begin, q + (part < r));
 }
 
-/* Sets up `side` for a step of one token: the rows of the keys before the token's own (`rows`, room for key_len - 1)
- * and each thread's kv heads as dk_rope_cache_attend will split them. Returns whether there is anything to fetch. */
-static int side_plan(const dk_stack_attention* at, int64_t kv_heads, int64_t dim, int64_t* rows) {
-    int64_t n = at->key_len[0] - 1, elem = at->kv_mode ? 2 : 4, width = kv_heads * dim * elem;
-    if (n <= 0 || at->block_size <= 0) return 0;
-    const int64_t* table = at->tables + at->table_start[0];
-    for (int64_t j = 0; j < n; ++j) rows[j] = (table[j / at->block_size] * at->block_size + j % at->block_size) * width;
-    int64_t parts = 1;
+/* Plans `side` for a step: each thread's slices of the keys its attention will read, split as dk_rope_cache_attend
+ * splits its items (whole tokens on the tiled path when there are at least as many tokens as threads, else (token,
+ * kv head) items; all on thread 0 below `parallel_min_keys`). Returns the spans (to be freed), or NULL where there is
+ * nothing to prefetch or too much. */
+static side_span* side_plan(const dk_stack_attention* at, int64_t tokens, int64_t kv_heads, int64_t dim) {
+    int64_t threads = 1;
 #ifdef _OPENMP
-    parts = omp_get_max_threads();
+    threads = omp_get_max_threads();
 #endif
-    if (parts > DK_SIDE_MAX_PARTS) return 0;
-    int split = parts > 1 && (n + 1) * kv_heads >= at->parallel_min_keys;
-    for (int64_t p = 0; p < parts; ++p) {  /* range_start's shares of equal kv heads: [ceil(p H / P), ceil((p + 1) H / P)) */
-        int64_t h0 = split ? (p * kv_heads + parts - 1) / parts : (p == 0 ? 0 : kv_heads);
-        int64_t h1 = split ? ((p + 1) * kv_heads + parts - 1) / parts : kv_heads;
-        side.offset[p] = h0 * dim * elem;
-        side.bytes[p] = (h1 - h0) * dim * elem;
+    if (threads > DK_SIDE_MAX_PARTS || at->block_size <= 0) return NULL;
+    int64_t tile = dk_tiled_attention(), elem = at->kv_mode ? 2 : 4, width = kv_heads * dim * elem;
+    int use_tiled = at->tiled && tile > 0 && dim % tile == 0;
+    int per_head = !use_tiled || tokens < threads;
+    int64_t per_unit = per_head ? kv_heads : 1, units = tokens * per_unit, total = 0;
+    for (int64_t t = 0; t < tokens; ++t) total += at->key_len[t] * per_unit;
+    int parallel = threads > 1 && total * (kv_heads / per_unit) >= at->parallel_min_keys && units > 1;
+    if (total == 0 || total * (per_head ? dim * elem : width) / (parallel ? threads : 1) > DK_SIDE_MAX_BYTES)
+        return NULL;
+    side_span* spans = malloc((size_t)total * sizeof(side_span));
+    if (spans == NULL) return NULL;
+    int64_t count = 0;
+    for (int64_t p = 0; p < threads; ++p) {
+        int64_t u0 = parallel ? dk_range_start(at->key_len, tokens, per_unit, total, p, threads) : (p == 0 ? 0 : units);
+        int64_t u1 = parallel ? dk_range_start(at->key_len, tokens, per_unit, total, p + 1, threads) : units;
+        side.first[p] = count;
+        for (int64_t u = u0; u < u1; ++u) {
+            int64_t t = u / per_unit, g0 = per_head ? u % kv_heads : 0, heads = per_head ? 1 : kv_heads;
+            const int64_t* table = at->tables + at->table_start[t];
+            for (int64_t j = 0; j < at->key_len[t]; ++j) {
+                int64_t slot = table[j / at->block_size] * at->block_size + j % at->block_size;
+                spans[count].at = slot * width + g0 * dim * elem;
+                spans[count].bytes = heads * dim * elem;
+                ++count;
+            }
+        }
     }
-    side.rows = rows;
-    side.n = n;
-    side.parts = parts;
-    return 1;
+    side.first[threads] = count;
+    side.spans = spans;
+    side.parts = threads;
+    return spans;
 }
 
 /* dk_rms_norm, timed while timing is on. */
@@ -302,16 +326,11 @@ static int run_layers(const dk_stack_layer* layers, int64_t count, int64_t token
 int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, int64_t hidden_dim,
                    const float* hidden, float* out, void* const* key_pools, void* const* value_pools,
                    const dk_stack_attention* at, const dk_stack_scratch* scratch) {
-    int64_t* side_rows = NULL;
-    int planned = 0;
-    if (tokens == 1 && count > 0 && at->key_len[0] > 1) {
-        side_rows = malloc((size_t)(at->key_len[0] - 1) * sizeof(int64_t));
-        planned = side_rows != NULL && side_plan(at, layers[0].kv_heads, layers[0].head_dim, side_rows);
-    }
+    side_span* spans = count > 0 ? side_plan(at, tokens, layers[0].kv_heads, layers[0].head_dim) : NULL;
     int status = run_layers(layers, count, tokens, hidden_dim, hidden, out, key_pools, value_pools, at, scratch,
-                            planned);
+                            spans != NULL);
     side.on = 0;
-    free(side_rows);
+    free(spans);
     return status;
 }
 
