@@ -213,8 +213,8 @@ void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units) 
 
 /* Plans `side` for a step: each thread's slices of the keys its attention will read, split as dk_rope_cache_attend
  * splits its items (whole tokens on the tiled path when there are at least as many tokens as threads, else (token,
- * kv head) items; all on thread 0 below `parallel_min_keys`). Returns the spans (to be freed), or NULL where there is
- * nothing to prefetch or too much. */
+ * kv head) items; all on thread 0 below `parallel_min_keys`), each key once per thread. Returns the spans (to be
+ * freed), or NULL where there is nothing to prefetch or more than DK_SIDE_MAX_BYTES for a thread. */
 static side_span* side_plan(const dk_stack_attention* at, int64_t tokens, int64_t kv_heads, int64_t dim) {
     int64_t threads = 1;
 #ifdef _OPENMP
@@ -227,8 +227,7 @@ static side_span* side_plan(const dk_stack_attention* at, int64_t tokens, int64_
     int64_t per_unit = per_head ? kv_heads : 1, units = tokens * per_unit, total = 0;
     for (int64_t t = 0; t < tokens; ++t) total += at->key_len[t] * per_unit;
     int parallel = threads > 1 && total * (kv_heads / per_unit) >= at->parallel_min_keys && units > 1;
-    if (total == 0 || total * (per_head ? dim * elem : width) / (parallel ? threads : 1) > DK_SIDE_MAX_BYTES)
-        return NULL;
+    if (total == 0) return NULL;
     side_span* spans = malloc((size_t)total * sizeof(side_span));
     if (spans == NULL) return NULL;
     int64_t count = 0;
@@ -236,15 +235,27 @@ static side_span* side_plan(const dk_stack_attention* at, int64_t tokens, int64_
         int64_t u0 = parallel ? dk_range_start(at->key_len, tokens, per_unit, total, p, threads) : (p == 0 ? 0 : units);
         int64_t u1 = parallel ? dk_range_start(at->key_len, tokens, per_unit, total, p + 1, threads) : units;
         side.first[p] = count;
+        int64_t bytes = 0, last_g = -1, last_table = -1, last_len = 0;
         for (int64_t u = u0; u < u1; ++u) {
             int64_t t = u / per_unit, g0 = per_head ? u % kv_heads : 0, heads = per_head ? 1 : kv_heads;
+            /* a sequence's later tokens (speculative verification, a prompt's last rows) see its earlier tokens'
+             * keys and a few more: only those more */
+            int64_t from = at->table_start[t] == last_table && g0 == last_g ? last_len : 0;
             const int64_t* table = at->tables + at->table_start[t];
-            for (int64_t j = 0; j < at->key_len[t]; ++j) {
+            for (int64_t j = from; j < at->key_len[t]; ++j) {
                 int64_t slot = table[j / at->block_size] * at->block_size + j % at->block_size;
                 spans[count].at = slot * width + g0 * dim * elem;
                 spans[count].bytes = heads * dim * elem;
+                bytes += spans[count].bytes;
                 ++count;
             }
+            last_table = at->table_start[t];
+            last_g = g0;
+            last_len = at->key_len[t] > last_len || from == 0 ? at->key_len[t] : last_len;
+        }
+        if (bytes > DK_SIDE_MAX_BYTES) {  /* more than its L2 holds beside the weights: no prefetch this step */
+            free(spans);
+            return NULL;
         }
     }
     side.first[threads] = count;
