@@ -11,7 +11,10 @@ KV writes, attention, SiLU-gating, sampling, stop checks, the step's Python — 
 issue 41 asks under 10% of a token; the second table splits it by the native library's timers of each part (RoPE + KV
 write + attention, the RMSNorms, a separate SiLU-gating pass, a decode run's embedding rows and argmaxes), the rest
 being the step's Python (the engine's stages; step by step, also the final norm, the argmax and the sampling).
-Median of `--repeats` rounds per format; the formats' rounds alternate. Each
+"Of the bound": the weights read once (`step_curve.step_weight_bytes`) at the read bandwidth measured just before
+the round (`read_bandwidth`, a 2-thread `torch.sum`), against the round's token: the machine's bandwidth moves by
+the minute, so each round is set against its own. Median of `--repeats` rounds per format; the formats' rounds
+alternate. Each
 format runs once per `--run-steps` value (`decode_run_steps`: 8, the default, runs a lone greedy request's steps
 natively 8 at a time; 1 decodes step by step), so the two compare in one run.
 """
@@ -24,9 +27,10 @@ import time
 from typing import Any
 
 import torch
+from step_curve import step_weight_bytes
 
 from decodekit import LLM, SamplingParams
-from decodekit.bench.machine import environment, machine_line
+from decodekit.bench.machine import environment, machine_line, read_bandwidth
 
 FORMATS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": "float32"},
@@ -47,6 +51,7 @@ class Probe:
         if decoder is None or decoder.native is None or getattr(decoder, "native_stack", None) is None:
             raise SystemExit(f"{weights}: the native layer stack is not running this model; nothing to split")
         self.native = decoder.native
+        self.weight_bytes = step_weight_bytes(self.llm)
         self.head_seconds = 0.0
         head = decoder.lm_head
 
@@ -79,7 +84,9 @@ class Probe:
         return parts
 
     def round(self, prompt: list[int], tokens: int) -> tuple[float, dict[str, float]]:
-        """One request: (ms a token, ms of each timed part a token), the prefill step left out."""
+        """One request: (ms a token, ms of each timed part a token), the prefill step left out; the parts also
+        hold "bound": the ms its weights take to read once at the bandwidth measured just before."""
+        bound = self.weight_bytes / read_bandwidth() * 1e3
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         self.native.time_stack_products(True)
         self.head_seconds, self.first_step = 0.0, None
@@ -91,8 +98,8 @@ class Probe:
         assert len(out.outputs[0].token_ids) == tokens and self.first_step is not None
         first_wall, first_parts = self.first_step
         per = tokens - 1
-        return (wall - first_wall) / per * 1e3, {name: (parts[name] - first_parts.get(name, 0.0)) / per * 1e3
-                                                  for name in parts}
+        timed = {name: (parts[name] - first_parts.get(name, 0.0)) / per * 1e3 for name in parts}
+        return (wall - first_wall) / per * 1e3, {**timed, "bound": bound}
 
 
 def main() -> None:
@@ -114,13 +121,15 @@ def main() -> None:
         for probe in probes:
             results[probe.name].append(probe.round(prompt, args.tokens))
     print(f"batch 1, 32-token prompt, {args.tokens} greedy tokens, median of {args.repeats} rounds")
-    print("| weights | ms a token | products ms | outside the products ms | outside, share of a token |")
-    print("|---|---|---|---|---|")
+    print("| weights | ms a token | of the bound | products ms | outside the products ms | outside, share of a token |")
+    print("|---|---|---|---|---|---|")
     for name, rounds in results.items():
         token = statistics.median(t for t, _ in rounds)
         products = statistics.median(p["products"] for _, p in rounds)
         shares = [(t - p["products"]) / t for t, p in rounds]
-        print(f"| {name} | {token:.2f} | {products:.2f} | {token - products:.2f} | "
+        bounds = [p["bound"] / t for t, p in rounds]
+        bound = f"{statistics.median(bounds):.0%} (rounds {min(bounds):.0%}-{max(bounds):.0%})"
+        print(f"| {name} | {token:.2f} | {bound} | {products:.2f} | {token - products:.2f} | "
               f"{statistics.median(shares):.1%} (rounds {min(shares):.1%}-{max(shares):.1%}) |")
     print()
     print("outside the products, ms a token (medians of the rounds):")
@@ -130,7 +139,7 @@ def main() -> None:
     for name, rounds in results.items():
         medians = {part: statistics.median(p[part] for _, p in rounds)
                    for part in ("attention", "norms", "gating", "run")}
-        rest = statistics.median(t - sum(p.values()) for t, p in rounds)
+        rest = statistics.median(t - sum(v for k, v in p.items() if k != "bound") for t, p in rounds)
         print(f"| {name} | " + " | ".join(f"{value:.3f}" for value in medians.values()) + f" | {rest:.3f} |")
     print(f"machine: {machine_line(environment())}")
 
