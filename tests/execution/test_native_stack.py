@@ -222,3 +222,21 @@ def test_the_stack_times_its_products_only_while_asked_and_within_the_step():
     # every part ran within the generate call, and the parts are disjoint: together they fit in its wall time
     assert parts is not None and parts["products"] == products
     assert all(parts[name] > 0 for name in ("attention", "norms", "run")) and sum(parts.values()) < wall
+
+
+def test_two_engines_decoding_at_once_on_two_threads_get_the_tokens_each_gets_alone():
+    """The layer stack plans its keys-and-values prefetch in process-wide state (`dk_side_prefetch`); two engines
+    stepping at once from two Python threads (ctypes lets go of the GIL) must still each decode exactly as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    llms = [_tiny()(), _tiny("qwen2", quantization="int8")()]
+    prompts = [[5 + i + 3 * k for i in range(6 + 5 * k)] for k in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def decode(llm: LLM) -> list[list[int]]:
+        return [list(out.outputs[0].token_ids) for _ in range(4) for out in llm.generate(prompts, params)]
+
+    alone = [decode(llm) for llm in llms]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        together = list(pool.map(decode, llms))
+    assert together == alone

@@ -14,7 +14,6 @@
  * allocated once. */
 #define _POSIX_C_SOURCE 199309L  /* clock_gettime under -std=c11 */
 #include <stdint.h>
-#include <stdlib.h>
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -164,17 +163,22 @@ static int timed_product(const dk_stack_matrix* m, const float* x, int64_t rows,
     return status;
 }
 
-/* ---- a lone token's keys and values, prefetched while its layer's q/k/v product runs --------------------------
- * A decode step of one sequence reads each layer's cached keys and values once, cold: the weights streamed since the
- * previous token (~100 MB for the bundled GGUF) have pushed them out of every cache. Read then, by the attention,
- * they cost about as much again as the attention's arithmetic. The q/k/v product just before it streams weights
- * from memory on every thread too; each of its threads, as it goes, prefetches into L2 the share of those keys and
- * values that the same thread will read in the attention (its kv heads' slices of every key), so the attention
- * finds them in its own core's cache. A hint only: nothing computed depends on it. */
+/* ---- a step's keys and values, prefetched while its layers' q/k/v products run ---------------------------------
+ * A decode step reads each layer's cached keys and values once, cold: the weights streamed since the previous step
+ * (~100 MB for the bundled GGUF) have pushed them out of every cache. Read then, by the attention, they cost about
+ * as much again as the attention's arithmetic. The q/k/v product just before it streams weights from memory on every
+ * thread too; each of its threads, as it goes, prefetches into L2 the share of those keys and values that the same
+ * thread will read in the attention (its kv heads' or its tokens' slices of every key), so the attention finds them
+ * in its own core's cache. A hint only: nothing computed depends on it, and a prefetch of any address is harmless
+ * (it never faults). One stack at a time plans them (`side_busy`); a stack run meanwhile on another thread of the
+ * process prefetches nothing of its own, and the spans live in a static array, so a product that reads them while
+ * another step replans reads valid memory. */
 #define DK_SIDE_MAX_PARTS 64
 /* Bytes of keys (and as many of values) a thread prefetches at most for one layer: its share must stay in its L2
  * beside the weights streaming through (a step of many tokens or long contexts is not prefetched). */
 #define DK_SIDE_MAX_BYTES (512 * 1024)
+/* Key slices a step's plan holds at most (the threads' together). */
+#define DK_SIDE_MAX_SPANS 16384
 typedef struct {
     int64_t at, bytes;  /* a key's row slice: its offset in bytes from the pool's start, its length */
 } side_span;
@@ -182,15 +186,18 @@ static struct {
     int on;
     const char* kpool;
     const char* vpool;
-    const side_span* spans;                /* every thread's slices, thread by thread */
-    int64_t first[DK_SIDE_MAX_PARTS + 1];  /* thread p's: spans[first[p] .. first[p + 1]) */
+    int64_t first[DK_SIDE_MAX_PARTS + 1];  /* thread p's slices: spans[first[p] .. first[p + 1]) */
     int64_t parts;
+    side_span spans[DK_SIDE_MAX_SPANS];    /* every thread's slices, thread by thread */
 } side;
+static int side_busy;  /* a stack holds `side` */
 
 /* Called by a product's thread `part` of `parts` before the `i`-th of the `count` units of work it has: prefetches
  * the share of its slices of the keys and values that falls to that unit. */
 void dk_side_prefetch_share(int64_t part, int64_t parts, int64_t i, int64_t count) {
-    if (!side.on || parts != side.parts || part < 0 || part >= parts || i < 0 || i >= count) return;
+    if (!__atomic_load_n(&side.on, __ATOMIC_RELAXED) || parts != side.parts || part < 0 || part >= parts || i < 0
+        || i >= count)
+        return;
     int64_t begin = side.first[part], n = side.first[part + 1] - begin;
     for (int64_t j = begin + i * n / count, end = begin + (i + 1) * n / count; j < end; ++j) {
         const char* k = side.kpool + side.spans[j].at;
@@ -205,7 +212,7 @@ void dk_side_prefetch_share(int64_t part, int64_t parts, int64_t i, int64_t coun
 /* dk_side_prefetch_share for the unit `unit` of `units` split over the threads by an OpenMP static schedule (libgomp's:
  * the first units % parts threads take one more). */
 void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units) {
-    if (!side.on || parts <= 0) return;
+    if (!__atomic_load_n(&side.on, __ATOMIC_RELAXED) || parts <= 0) return;
     int64_t q = units / parts, r = units % parts;
     int64_t begin = part < r ? part * (q + 1) : part * q + r;
     dk_side_prefetch_share(part, parts, unit - begin, q + (part < r));
@@ -213,23 +220,22 @@ void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units) 
 
 /* Plans `side` for a step: each thread's slices of the keys its attention will read, split as dk_rope_cache_attend
  * splits its items (whole tokens on the tiled path when there are at least as many tokens as threads, else (token,
- * kv head) items; all on thread 0 below `parallel_min_keys`), each key once per thread. Returns the spans (to be
- * freed), or NULL where there is nothing to prefetch or more than DK_SIDE_MAX_BYTES for a thread. */
-static side_span* side_plan(const dk_stack_attention* at, int64_t tokens, int64_t kv_heads, int64_t dim) {
+ * kv head) items; all on thread 0 below `parallel_min_keys`), each key once per thread. Returns whether there is
+ * something to prefetch within DK_SIDE_MAX_BYTES a thread and DK_SIDE_MAX_SPANS in all. */
+static int side_plan(const dk_stack_attention* at, int64_t tokens, int64_t kv_heads, int64_t dim) {
     int64_t threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    if (threads > DK_SIDE_MAX_PARTS || at->block_size <= 0) return NULL;
+    if (threads > DK_SIDE_MAX_PARTS || at->block_size <= 0) return 0;
     int64_t tile = dk_tiled_attention(), elem = at->kv_mode ? 2 : 4, width = kv_heads * dim * elem;
     int use_tiled = at->tiled && tile > 0 && dim % tile == 0;
     int per_head = !use_tiled || tokens < threads;
     int64_t per_unit = per_head ? kv_heads : 1, units = tokens * per_unit, total = 0;
     for (int64_t t = 0; t < tokens; ++t) total += at->key_len[t] * per_unit;
     int parallel = threads > 1 && total * (kv_heads / per_unit) >= at->parallel_min_keys && units > 1;
-    if (total == 0) return NULL;
-    side_span* spans = malloc((size_t)total * sizeof(side_span));
-    if (spans == NULL) return NULL;
+    if (total == 0) return 0;
+    side_span* spans = side.spans;
     int64_t count = 0;
     for (int64_t p = 0; p < threads; ++p) {
         int64_t u0 = parallel ? dk_range_start(at->key_len, tokens, per_unit, total, p, threads) : (p == 0 ? 0 : units);
@@ -242,6 +248,7 @@ static side_span* side_plan(const dk_stack_attention* at, int64_t tokens, int64_
              * keys and a few more: only those more */
             int64_t from = at->table_start[t] == last_table && g0 == last_g ? last_len : 0;
             const int64_t* table = at->tables + at->table_start[t];
+            if (count + at->key_len[t] - from > DK_SIDE_MAX_SPANS) return 0;
             for (int64_t j = from; j < at->key_len[t]; ++j) {
                 int64_t slot = table[j / at->block_size] * at->block_size + j % at->block_size;
                 spans[count].at = slot * width + g0 * dim * elem;
@@ -253,15 +260,11 @@ static side_span* side_plan(const dk_stack_attention* at, int64_t tokens, int64_
             last_g = g0;
             last_len = at->key_len[t] > last_len || from == 0 ? at->key_len[t] : last_len;
         }
-        if (bytes > DK_SIDE_MAX_BYTES) {  /* more than its L2 holds beside the weights: no prefetch this step */
-            free(spans);
-            return NULL;
-        }
+        if (bytes > DK_SIDE_MAX_BYTES) return 0;  /* more than its L2 holds beside the weights: none this step */
     }
     side.first[threads] = count;
-    side.spans = spans;
     side.parts = threads;
-    return spans;
+    return 1;
 }
 
 /* dk_rms_norm, timed while timing is on. */
@@ -301,11 +304,14 @@ static int run_layers(const dk_stack_layer* layers, int64_t count, int64_t token
     for (int64_t i = 0; i < count; ++i) {
         const dk_stack_layer* l = &layers[i];
         timed_norm(h, l->input_norm, scratch->normed, tokens, hidden_dim, l->input_eps);
-        side.on = planned && l->window == 0 && l->kv_heads == layers[0].kv_heads && l->head_dim == layers[0].head_dim;
-        side.kpool = (const char*)key_pools[i];
-        side.vpool = (const char*)value_pools[i];
+        int side_on = planned && l->window == 0 && l->kv_heads == layers[0].kv_heads && l->head_dim == layers[0].head_dim;
+        if (side_on) {
+            side.kpool = (const char*)key_pools[i];
+            side.vpool = (const char*)value_pools[i];
+            __atomic_store_n(&side.on, 1, __ATOMIC_RELEASE);
+        }
         int product = timed_product(&l->qkv, scratch->normed, tokens, 0, scratch->qkv);
-        side.on = 0;
+        if (side_on) __atomic_store_n(&side.on, 0, __ATOMIC_RELEASE);
         if (product != 0) return -1;
         double start = time_start();
         if (dk_rope_cache_attend(scratch->qkv, tokens, l->q_heads, l->kv_heads, l->head_dim, at->cos, at->signed_sin,
@@ -337,11 +343,11 @@ static int run_layers(const dk_stack_layer* layers, int64_t count, int64_t token
 int dk_layer_stack(const dk_stack_layer* layers, int64_t count, int64_t tokens, int64_t hidden_dim,
                    const float* hidden, float* out, void* const* key_pools, void* const* value_pools,
                    const dk_stack_attention* at, const dk_stack_scratch* scratch) {
-    side_span* spans = count > 0 ? side_plan(at, tokens, layers[0].kv_heads, layers[0].head_dim) : NULL;
+    int mine = count > 0 && !__atomic_exchange_n(&side_busy, 1, __ATOMIC_ACQUIRE);
+    int planned = mine && side_plan(at, tokens, layers[0].kv_heads, layers[0].head_dim);
     int status = run_layers(layers, count, tokens, hidden_dim, hidden, out, key_pools, value_pools, at, scratch,
-                            spans != NULL);
-    side.on = 0;
-    free(spans);
+                            planned);
+    if (mine) __atomic_store_n(&side_busy, 0, __ATOMIC_RELEASE);
     return status;
 }
 
