@@ -845,6 +845,27 @@ int64_t dk_range_start(const int64_t* key_len, int64_t tokens, int64_t kv_heads,
     return tokens * kv_heads;
 }
 
+/* How dk_rope_cache_attend splits a step's attention over `threads` (layers.c plans its prefetches by it too): returns
+ * whether its items are (token, kv head) pairs (off the tiled path, or with fewer tokens than threads) rather than
+ * whole tokens; *total gets the keys its items read, *split whether it runs on the threads at all (at least
+ * `parallel_min_keys` keys read and more than one item). */
+int dk_attention_split(const int64_t* key_len, int64_t tokens, int64_t kv_heads, int64_t dim, int64_t tiled,
+                       int64_t parallel_min_keys, int64_t threads, int64_t* total, int* split) {
+    int use_tiled = 0;
+#ifdef TILE
+    use_tiled = tiled != 0 && dim % TILE == 0;
+#else
+    (void)dim;
+    (void)tiled;
+#endif
+    int per_head = !use_tiled || tokens < threads;
+    int64_t per_unit = per_head ? kv_heads : 1;
+    *total = 0;
+    for (int64_t t = 0; t < tokens; ++t) *total += key_len[t] * per_unit;
+    *split = threads > 1 && *total * (kv_heads / per_unit) >= parallel_min_keys && tokens * per_unit > 1;
+    return per_head;
+}
+
 /* Whether this library was built with OpenMP (attention then runs on torch's threads: the library links the
  * libgomp torch has already loaded, so the two share one thread pool and one thread count). */
 int dk_parallel(void) {
@@ -907,16 +928,15 @@ int dk_rope_cache_attend(float* qkv, int64_t tokens, int64_t heads, int64_t kv_h
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    /* the units split over threads: whole tokens on the tiled path, unless there are fewer than threads; else
-     * (token, kv head) items */
-    int per_head = !use_tiled || tokens < threads;
+    int64_t total;
+    int split;
+    int per_head = dk_attention_split(key_len, tokens, kv_heads, dim, tiled, parallel_min_keys, threads, &total, &split);
+    (void)use_tiled;  /* read on the tiled paths only */
+    (void)split;      /* read by OpenMP only */
     int64_t per_unit = per_head ? kv_heads : 1;
-    int64_t total = 0;
-    for (int64_t t = 0; t < tokens; ++t) total += key_len[t] * per_unit;
     int failed = 0;
 #ifdef _OPENMP
-#pragma omp parallel if (total * (kv_heads / per_unit) >= parallel_min_keys && tokens * per_unit > 1) \
-    reduction(|| : failed)
+#pragma omp parallel if (split) reduction(|| : failed)
     {
         int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
 #else

@@ -21,7 +21,8 @@
 
 /* The library's entry points called here (kernels.c, quant.c). */
 void dk_rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t dim, float eps);
-int dk_tiled_attention(void);
+int dk_attention_split(const int64_t* key_len, int64_t tokens, int64_t kv_heads, int64_t dim, int64_t tiled,
+                       int64_t parallel_min_keys, int64_t threads, int64_t* total, int* split);
 int64_t dk_range_start(const int64_t* key_len, int64_t tokens, int64_t kv_heads, int64_t total, int64_t part,
                        int64_t parts);
 void dk_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
@@ -229,12 +230,11 @@ static int side_plan(const dk_stack_attention* at, int64_t tokens, int64_t kv_he
     threads = omp_get_max_threads();
 #endif
     if (threads > DK_SIDE_MAX_PARTS || at->block_size <= 0) return 0;
-    int64_t tile = dk_tiled_attention(), elem = at->kv_mode ? 2 : 4, width = kv_heads * dim * elem;
-    int use_tiled = at->tiled && tile > 0 && dim % tile == 0;
-    int per_head = !use_tiled || tokens < threads;
-    int64_t per_unit = per_head ? kv_heads : 1, units = tokens * per_unit, total = 0;
-    for (int64_t t = 0; t < tokens; ++t) total += at->key_len[t] * per_unit;
-    int parallel = threads > 1 && total * (kv_heads / per_unit) >= at->parallel_min_keys && units > 1;
+    int64_t elem = at->kv_mode ? 2 : 4, width = kv_heads * dim * elem, total;
+    int parallel;
+    int per_head = dk_attention_split(at->key_len, tokens, kv_heads, dim, at->tiled, at->parallel_min_keys, threads,
+                                      &total, &parallel);
+    int64_t per_unit = per_head ? kv_heads : 1, units = tokens * per_unit;
     if (total == 0) return 0;
     side_span* spans = side.spans;
     int64_t count = 0;
