@@ -34,6 +34,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -62,6 +63,9 @@ SERIAL_FLAGS = ["-Wno-unknown-pragmas"]
 # are a visible share. On SmolLM2, 2 cores, splitting measured no slower from 300 keys up (batch 1 to 8, within the
 # noise) and 1.5-2x faster attention at batch 16, context 250 (docs/history/benchmarks-2026-11.md, "Serving").
 PARALLEL_MIN_KEYS = 512
+# Seconds a build of the library may take, its sources compiled in parallel (quant.c alone took 47-70 s on a
+# 2-core machine; a hung compiler must not hang the engine's start for ever).
+BUILD_TIMEOUT_S = 600
 # Rows `dk_gemv` multiplies at most (GEMV_MAX_ROWS in kernels.c).
 GEMV_MAX_ROWS = 8
 # SiLU-gating of more rows than this stays in torch. Set when the native gating was a scalar `expf` per element;
@@ -159,8 +163,41 @@ def _distrust(target: Path) -> str | None:
     return None
 
 
+def _compile_library(compiler: str, extra: list[str], output: str) -> str | None:
+    """Compile every source to an object at once (one compiler a source, in parallel), then link them into `output`.
+
+    The sources compile in parallel because quant.c alone takes about a minute at -O3 (its products for every
+    block format and ISA): one command for all three ran past two minutes on a busy 2-core machine.
+
+    Returns:
+        None when the library was built, else the failing compiler's error output.
+
+    Raises:
+        subprocess.TimeoutExpired: the build ran past BUILD_TIMEOUT_S (the compilers still running are killed).
+    """
+    flags = [flag for flag in compile_flags() if flag != "-shared"]
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    with tempfile.TemporaryDirectory(dir=Path(output).parent) as work:
+        objects = [str(Path(work) / f"{source.stem}.o") for source in SOURCES]
+        compiles = [subprocess.Popen([compiler, *flags, *extra, "-c", "-o", obj, str(source)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True) for obj, source in zip(objects, SOURCES)]
+        try:
+            outputs = [proc.communicate(timeout=max(deadline - time.monotonic(), 0))[0] for proc in compiles]
+        finally:
+            for proc in compiles:  # a timeout leaves the others running
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        failed = [out for proc, out in zip(compiles, outputs) if proc.returncode != 0]
+        if failed:
+            return "\n".join(failed)
+        link = subprocess.run([compiler, *compile_flags(), *extra, "-o", output, *objects, "-lm"],
+                              capture_output=True, text=True, timeout=max(deadline - time.monotonic(), 1))
+        return None if link.returncode == 0 else link.stderr
+
+
 def build_library(compiler: str) -> Path:
-    """Compile `kernels.c` for this CPU (or reuse a trusted cached build) and return the library's path.
+    """Compile the sources for this CPU (or reuse a trusted cached build) and return the library's path.
 
     Raises:
         RuntimeError: the cache folder is not private, or the compiler failed (its output is in the message).
@@ -179,16 +216,14 @@ def build_library(compiler: str) -> Path:
     fd, partial_hash = tempfile.mkstemp(suffix=".sha256", dir=target.parent)  # mkstemp makes it 0600
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *compile_flags(), *OPENMP_FLAGS, "-o", partial, *map(str, SOURCES), "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:  # no OpenMP with this compiler: the serial build
+        failure = _compile_library(compiler, OPENMP_FLAGS, partial)
+        if failure is not None:  # no OpenMP with this compiler: the serial build
             log.info("native kernels built without OpenMP (%s): attention runs on one thread",
-                     done.stderr.strip().splitlines()[-1:] or done.returncode)
-            done = subprocess.run([compiler, *compile_flags(), *SERIAL_FLAGS, "-o", partial, *map(str, SOURCES),
-                                   "-lm"], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
+                     failure.strip().splitlines()[-1:] or failure)
+            failure = _compile_library(compiler, SERIAL_FLAGS, partial)
+        if failure is not None:
             names = ", ".join(path.name for path in SOURCES)
-            raise RuntimeError(f"{compiler} failed to build {names}:\n{done.stderr.strip()}")
+            raise RuntimeError(f"{compiler} failed to build {names}:\n{failure.strip()}")
         os.chmod(partial, 0o700)  # the linker created it anew, under the umask
         Path(partial_hash).write_text(_sha256(partial) + "\n")
         os.replace(partial, target)

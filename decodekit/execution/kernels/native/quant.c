@@ -620,7 +620,22 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
         else                                                                                                    \
             group_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);                      \
     }                                                                                                           \
-    /* the whole product on one path, one instantiation per weight type */                                     \
+    /* one group of output rows of weights of type `kind`: the one place each type's tiles are instantiated (the  \
+     * products below all call it, out of line: a call per group of 4-16 output rows, where inlining it into each \
+     * took the compiler three times as long, quant.c's -O3 build past two minutes on a 2-core Zen 3) */         \
+    static __attribute__((noinline)) void kind_group_##ISA(int kind, const float* x, int64_t rows, int64_t in,  \
+                                                           const uint8_t* w, int64_t row_bytes, int64_t o0,     \
+                                                           int64_t nr, const float* bias, const float* residual,\
+                                                           float* out, int64_t ld) {                            \
+        switch (kind) {                                                                                         \
+            case DK_Q4_0: any_group_##ISA(DK_Q4_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+            case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+            case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+            case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+            default: any_group_##ISA(DK_Q6_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+        }                                                                                                       \
+    }                                                                                                           \
+    /* the whole product on one path */                                                                        \
     static void linear_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,             \
                              int64_t out_rows, const float* bias, const float* residual, float* out, int64_t ld,\
                              int64_t row_bytes, int parallel) {                                                 \
@@ -628,13 +643,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
         int64_t groups = (out_rows + span - 1) / span;                                                          \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < groups; ++g) {                                    \
             int64_t o0 = g * span, nr = out_rows - o0 < span ? out_rows - o0 : span;                            \
-            switch (kind) {                                                                                     \
-                case DK_Q4_0: any_group_##ISA(DK_Q4_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-                case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-                case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-                case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-                default: any_group_##ISA(DK_Q6_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-            }                                                                                                   \
+            kind_group_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);                 \
         }                                                                                                       \
     }
 
@@ -658,13 +667,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
             int64_t row_bytes = dk_quant_row_bytes(kinds[p], in);                                               \
             const float* b = bias ? bias + start : 0;                                                           \
             const float* r = residual ? residual + start : 0;                                                   \
-            switch (kinds[p]) {                                                                                 \
-                case DK_Q4_0: any_group_##ISA(DK_Q4_0, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-                case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-                case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-                case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-                default: any_group_##ISA(DK_Q6_K, x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld); break; \
-            }                                                                                                   \
+            kind_group_##ISA((int)kinds[p], x, rows, in, blocks[p], row_bytes, o0, nr, b, r, out + start, ld);  \
         }                                                                                                       \
     }
 
@@ -688,13 +691,7 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
                 for (int64_t o0 = b; o0 < e; o0 += span) {                                                      \
                     int64_t nr = e - o0 < span ? e - o0 : span;                                                 \
                     float* o = gate_up + p * inter;                                                             \
-                    switch (kinds[p]) {                                                                         \
-                        case DK_Q4_0: any_group_##ISA(DK_Q4_0, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
-                        case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
-                        case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
-                        case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
-                        default: any_group_##ISA(DK_Q6_K, x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); break; \
-                    }                                                                                           \
+                    kind_group_##ISA((int)kinds[p], x, rows, in, blocks[p], row_bytes, o0, nr, 0, 0, o, 2 * inter); \
                 }                                                                                               \
             }                                                                                                   \
             if (b < e) dk_silu_mul_range(gate_up, gated, rows, inter, b, e);                                    \
