@@ -41,6 +41,7 @@ import torch
 
 from decodekit.api.cpu import kernel_compile_flags
 from decodekit.execution.attention.kv_cache import BATCHED_MAX_QUERY
+from decodekit.execution.kernels.gemv_prefetch import GemvPrefetchChoice, apply_gemv_prefetch
 from decodekit.execution.kernels.quant import QuantKernels
 from decodekit.models.loader import cache_dir
 
@@ -83,7 +84,8 @@ log = logging.getLogger("decodekit.runner")
 SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", "dk_tiled_attention",
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
            "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack",
-           "dk_stack_timing", "dk_stack_product_seconds", "dk_stack_seconds", "dk_decode_run", "dk_quant_gated")
+           "dk_stack_timing", "dk_stack_product_seconds", "dk_stack_seconds", "dk_decode_run", "dk_quant_gated",
+           "dk_gemv_set_prefetch")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -277,6 +279,9 @@ class NativeKernels:
         self._gemv = lib.dk_gemv
         self._gemv.argtypes = [_p, _i, _p, _i, _i, _p, _p, _p]
         self._gemv.restype = ctypes.c_int
+        self._gemv_set_prefetch = lib.dk_gemv_set_prefetch
+        self._gemv_set_prefetch.argtypes = [_i]
+        self._gemv_set_prefetch.restype = _i
         # the whole layer stack of a step in one call: (layers, count, tokens, hidden_dim, hidden, out, key_pools,
         # value_pools, attention, scratch) -> status, the structures `fused.layer_stack` fills (see `layers.c`)
         self.layer_stack = lib.dk_layer_stack
@@ -298,6 +303,8 @@ class NativeKernels:
         self._stack_seconds.argtypes = [_i]
         self._stack_seconds.restype = ctypes.c_double
         self.quant = QuantKernels(lib)  # GGUF quantized weights multiplied as stored
+        # how far `gemv` prefetches, once `load_kernels` has chosen it for this machine
+        self.gemv_prefetch: GemvPrefetchChoice | None = None
         self.parallel = bool(lib.dk_parallel())  # attention on torch's threads (built with OpenMP)
         # keys per tile of the tiled attention (16 built for AVX-512, 8 for AVX2 + FMA; 0: key by key only), for head
         # sizes that are a multiple of it
@@ -423,6 +430,12 @@ class NativeKernels:
                             None if residual is None else residual.data_ptr(), out.data_ptr())
         assert status == 0, "dk_gemv refused the rows checked above"
         return out
+
+    def set_gemv_prefetch(self, floats: int | None) -> int:
+        """How far ahead `gemv` prefetches its weight stream, in floats per activation row, for the whole process
+        (0: no software prefetch; None: the library's default); returns the setting before. Speed only: no result
+        changes (`kernels.gemv_prefetch` chooses it per machine)."""
+        return int(self._gemv_set_prefetch(-1 if floats is None else floats))
 
     def rope_cache_attend(self, qkv: torch.Tensor, heads: int, kv_heads: int, key_slots: torch.Tensor,
                           value_slots: torch.Tensor, plan: DecodeAttentionPlan, scaling: float,
@@ -572,6 +585,8 @@ def load_kernels() -> NativeKernels | str:
     if compiler is None:
         return "no C compiler (cc, gcc or clang) on PATH"
     try:
-        return NativeKernels(build_library(compiler))
+        kernels = NativeKernels(build_library(compiler))
     except (RuntimeError, OSError, subprocess.SubprocessError) as error:
         return str(error)
+    apply_gemv_prefetch(kernels)  # times the kernels just loaded, once per machine and library
+    return kernels

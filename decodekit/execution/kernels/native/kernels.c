@@ -1434,8 +1434,20 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
 #ifndef GEMV_PREFETCH_ROW
 #define GEMV_PREFETCH_ROW 1024
 #endif
+/* The floats per activation row dk_gemv prefetches ahead, process-wide: GEMV_PREFETCH_ROW unless
+ * `dk_gemv_set_prefetch` says otherwise. The software prefetch carried a 2-core Zen 5's stream across pages, but on a
+ * 2-core Zen 3 a float32 token ran 1.16x as fast without it (its hardware prefetcher alone kept up, and the extra
+ * requests only competed with it), so the engine measures both once per machine and sets the faster
+ * (`kernels.gemv_prefetch`). A hint: no value changes. */
+static int64_t gemv_prefetch_row = GEMV_PREFETCH_ROW;
+
+/* Sets the floats per activation row that dk_gemv prefetches its weight stream ahead (0: none, the hardware
+ * prefetcher alone; negative: GEMV_PREFETCH_ROW); returns the setting before. */
+int64_t dk_gemv_set_prefetch(int64_t floats) {
+    return __atomic_exchange_n(&gemv_prefetch_row, floats < 0 ? GEMV_PREFETCH_ROW : floats, __ATOMIC_RELAXED);
+}
 #ifndef GEMV_AHEAD
-#define GEMV_AHEAD(rows) (GEMV_PREFETCH_ROW * (rows))
+#define GEMV_AHEAD(rows) (__atomic_load_n(&gemv_prefetch_row, __ATOMIC_RELAXED) * (rows))
 #endif
 
 #if defined(__FMA__)
