@@ -444,6 +444,13 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
 #define PANEL_R_avx512 2
 #define PANEL_R_avx2 1
 #define PANEL_R_portable 1
+/* Weight rows per tile of ONE activation row (a batch-1 step): two on AVX2, whose one-row tile is bound by its
+ * multiply-adds' latency (two accumulator chains an output, each step waiting for the one before), so a second weight
+ * row's independent chains fill the gaps: each output's sum is the same, in the same order. AVX-512 keeps one: its
+ * 16-lane tiles read the memory at its pace (two rows there were no faster, above). */
+#define ONE_ROW_R_avx512 1
+#define ONE_ROW_R_avx2 2
+#define ONE_ROW_R_portable 1
 /* Activation rows per tile of one weight row: 8 where the registers hold 8 x 2 accumulators beside the weight
  * vectors (AVX-512's 32), else 4; TILE_M_UPTO(ISA, k) is the tile for k rows (k where the ISA takes it). With 5-8
  * rows in one tile instead of two, each chunk is dequantized once for all of them: SmolLM2's Q4_1 layer products
@@ -530,6 +537,13 @@ ALWAYS_INLINE void dequantize_chunk_avx512(int kind, const uint8_t* row, int64_t
                         sums[k * nr + r] = two[k * 2];                                                          \
                         sums[k * nr + r + 1] = two[k * 2 + 1];                                                  \
                     }                                                                                           \
+                }                                                                                               \
+            if (ONE_ROW_R_##ISA == 2 && nm == 1)                                                               \
+                for (; r + 2 <= nr; r += 2) {                                                                   \
+                    float two[2];                                                                               \
+                    tile_##ISA(kind, xm, in, wr + r * row_bytes, row_bytes, 2, 1, two);                         \
+                    sums[r] = two[0];                                                                           \
+                    sums[r + 1] = two[1];                                                                       \
                 }                                                                                               \
             for (; r < nr; ++r) {                                                                               \
                 float one[TILE_MAX_M];                                                                          \
