@@ -115,3 +115,16 @@ def test_a_garbled_cache_is_measured_over(native, tmp_path, monkeypatch):
     monkeypatch.setattr(gemv_prefetch, "measure_gemv_prefetch", lambda k: GemvPrefetchChoice(0, 2.0, 1.0))
     assert apply_gemv_prefetch(library).floats == 0
     assert json.loads(choice_path(library).read_text()) == {"floats": 0, "with_prefetch_ms": 2.0, "without_ms": 1.0}
+
+
+def test_a_failed_timing_keeps_the_default_prefetch_and_caches_nothing(native, tmp_path, monkeypatch):
+    monkeypatch.delenv(gemv_prefetch.ENV, raising=False)
+
+    def out_of_memory(k):
+        raise MemoryError("no 100 MB to spare")
+
+    monkeypatch.setattr(gemv_prefetch, "measure_gemv_prefetch", out_of_memory)
+    library = LibraryAt(native, tmp_path / "lib.so")
+    choice = apply_gemv_prefetch(library)
+    assert (choice.floats, choice.source) == (None, "default")
+    assert native.set_gemv_prefetch(None) == 1024 and not choice_path(library).exists()

@@ -40,7 +40,8 @@ ENV = "DECODEKIT_GEMV_PREFETCH"
 @dataclass(frozen=True)
 class GemvPrefetchChoice:
     """What `dk_gemv` was set to: `floats` per activation row ahead (None: the library's default; 0: none), and the
-    timings it was chosen by (medians in ms of one product with and without the prefetch; None where not timed)."""
+    timings it was chosen by (medians in ms of one product with and without the prefetch; None where not timed),
+    and where it came from: "measured", "cached", the environment variable's name, or "default" (timing failed)."""
 
     floats: int | None
     with_prefetch_ms: float | None = None
@@ -126,7 +127,11 @@ def apply_gemv_prefetch(kernels: PrefetchingGemv) -> GemvPrefetchChoice:
             choice = GemvPrefetchChoice(None, source=ENV)
     else:
         path = choice_path(kernels)
-        choice = _cached(path) or measure_gemv_prefetch(kernels)
+        try:
+            choice = _cached(path) or measure_gemv_prefetch(kernels)
+        except (RuntimeError, MemoryError) as error:  # no 100 MB to spare: the default, measured another time
+            log.warning("dk_gemv's prefetch not measured (%s); keeping the default", error)
+            choice = GemvPrefetchChoice(None, source="default")
         if choice.source == "measured":
             log.info("dk_gemv's software prefetch %s (one float32 product: %.2f ms with, %.2f ms without)",
                      "off" if choice.floats == 0 else "on", choice.with_prefetch_ms, choice.without_ms)

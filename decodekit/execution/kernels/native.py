@@ -64,8 +64,9 @@ SERIAL_FLAGS = ["-Wno-unknown-pragmas"]
 # are a visible share. On SmolLM2, 2 cores, splitting measured no slower from 300 keys up (batch 1 to 8, within the
 # noise) and 1.5-2x faster attention at batch 16, context 250 (docs/history/benchmarks-2026-11.md, "Serving").
 PARALLEL_MIN_KEYS = 512
-# Seconds a build of the library may take, its sources compiled in parallel (quant.c alone took 47-70 s on a
-# 2-core machine; a hung compiler must not hang the engine's start for ever).
+# Seconds a build of the library may take, its sources compiled in parallel (quant.c, the longest, 38.5 s on a 2-core
+# Zen 3: 126 s before each weight type's tiles were instantiated once a path, past the 120 s limit then; a hung
+# compiler must not hang the engine's start for ever).
 BUILD_TIMEOUT_S = 600
 # Rows `dk_gemv` multiplies at most (GEMV_MAX_ROWS in kernels.c).
 GEMV_MAX_ROWS = 8
@@ -168,8 +169,8 @@ def _distrust(target: Path) -> str | None:
 def _compile_library(compiler: str, extra: list[str], output: str) -> str | None:
     """Compile every source to an object at once (one compiler a source, in parallel), then link them into `output`.
 
-    The sources compile in parallel because quant.c alone takes about a minute at -O3 (its products for every
-    block format and ISA): one command for all three ran past two minutes on a busy 2-core machine.
+    In parallel, because quant.c takes most of a minute at -O3 on a 2-core machine (its tiles for every block
+    format on each path) and the others a few seconds: the build takes about as long as quant.c alone.
 
     Returns:
         None when the library was built, else the failing compiler's error output.
