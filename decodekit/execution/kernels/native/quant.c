@@ -446,8 +446,9 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
 #define PANEL_R_portable 1
 /* Weight rows per tile of ONE activation row (a batch-1 step): two on AVX2, whose one-row tile is bound by its
  * multiply-adds' latency (two accumulator chains an output, each step waiting for the one before), so a second weight
- * row's independent chains fill the gaps: each output's sum is the same, in the same order. AVX-512 keeps one: its
- * 16-lane tiles read the memory at its pace (two rows there were no faster, above). */
+ * row's independent chains fill the gaps: each output's sum is the same, in the same order (a Q4_1 token 1.03x on a
+ * 2-core Zen 3). AVX-512 keeps one weight row at a time (1.09x against four interleaved on a Zen 5, below); two rows
+ * of one activation row are untried there, though its one-row tile is latency-bound too. */
 #define ONE_ROW_R_avx512 1
 #define ONE_ROW_R_avx2 2
 #define ONE_ROW_R_portable 1
