@@ -210,6 +210,9 @@ def test_replica_options_give_a_fixed_count_or_an_autoscaling_config_and_refuse_
         ReplicaOptions(min_replicas=3, max_replicas=2).deployment_options()
 
 
+# ~80 s, nearly all of it Ray Data starting its three jobs (halving the rows saved nothing); CI keeps the replica jobs
+# (`test_a_200_row_job_on_2_ray_replicas_gives_the_in_process_rows`, the killed replica) and runs this with -m slow.
+@pytest.mark.slow
 def test_a_folder_job_reads_and_writes_through_ray_data_and_resumes_from_the_files_there(ray_cluster, recipe,
                                                                                      tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
