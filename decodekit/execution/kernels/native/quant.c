@@ -22,7 +22,7 @@
  * with; native.py picks it unless DECODEKIT_QUANT_ISA asks for a lower one):
  *   2  AVX-512: 4-bit quants index a 16-entry table of the block's 16 possible weights (`vpermps`: one permute per
  *      16 weights instead of a conversion and a multiply-add), 16 lanes;
- *   1  AVX2 + FMA: quants widened to int32 and converted, 8 lanes;
+ *   1  AVX2 + FMA: quants widened to int32 (8 bytes at a time, from memory) and converted, 8 lanes;
  *   0  portable C: GCC/Clang vector extensions of 8 floats (whatever the target makes of them).
  *
  * The product y[m, o] = sum_i x[m, i] w[o, i] runs in tiles of R weight rows x M activation rows (1x1-1x4, and
