@@ -78,7 +78,7 @@ def test_the_choice_is_measured_once_per_library_then_read_from_beside_it(native
 
 def test_the_prefetch_goes_off_only_where_its_absence_is_clearly_faster(native, monkeypatch):
     clock = iter(range(10**6))
-    pace = {None: 100, 0: 96}  # ms a product: 4% faster without, inside the margin
+    pace = {None: 100, 0: 98}  # ms a product: 2% faster without, inside the margin
 
     def fake_gemv(x, weight, bias=None, residual=None):
         step = pace[current[0]]

@@ -29,11 +29,14 @@ log = logging.getLogger("decodekit.runner")
 
 # The weight timed: SmolLM2's widest input (1536) by 16K outputs, 100 MB of float32: more than an L3 holds.
 CALIBRATION_SHAPE = (16384, 1536)
-# Timed products each way, alternating (the first of each is a warm-up, not counted).
-TRIALS = 7
-# The prefetch goes off only where its absence is this much faster in the median: a machine's bandwidth moves by the
-# minute, and the prefetch is the path measured on the machines this project is tuned on.
-MARGIN = 0.05
+# Timed products each way, alternating (the first of each is a warm-up, not counted). 7 a way chose wrongly on a 2-core
+# Zen 3 where a float32 token runs 1.15x as fast without the prefetch: single timings there moved between 3% and 18%
+# apart from one library build to the next, so each pair of neighbouring products is compared and the median of
+# those ratios decides (~0.2 s in all, once per library).
+TRIALS = 15
+# The prefetch goes off only where, in the median pair, its absence is this much faster: a machine's bandwidth moves
+# by the minute, and the prefetch is the path measured on the machines this project is tuned on.
+MARGIN = 0.03
 ENV = "DECODEKIT_GEMV_PREFETCH"
 
 
@@ -65,7 +68,8 @@ class PrefetchingGemv(Protocol):
 
 def measure_gemv_prefetch(kernels: PrefetchingGemv, trials: int = TRIALS) -> GemvPrefetchChoice:
     """Time one `CALIBRATION_SHAPE` product with the default prefetch and without, alternating, on torch's current
-    threads; choose none only where it is `MARGIN` faster. Leaves the library set as it found it."""
+    threads; choose none only where, in the median of the trials' ratios (each trial one product each way, back to
+    back), it is `MARGIN` faster. Leaves the library set as it found it."""
     weight = torch.ones(CALIBRATION_SHAPE)
     x = torch.ones(1, CALIBRATION_SHAPE[1])
     times: dict[int | None, list[float]] = {None: [], 0: []}
@@ -81,7 +85,8 @@ def measure_gemv_prefetch(kernels: PrefetchingGemv, trials: int = TRIALS) -> Gem
     finally:
         kernels.set_gemv_prefetch(before)
     on, off = (statistics.median(times[key]) * 1e3 for key in (None, 0))
-    return GemvPrefetchChoice(0 if off < on * (1 - MARGIN) else None, round(on, 3), round(off, 3))
+    ratio = statistics.median(without / with_ for with_, without in zip(times[None], times[0]))
+    return GemvPrefetchChoice(0 if ratio < 1 - MARGIN else None, round(on, 3), round(off, 3))
 
 
 def choice_path(kernels: PrefetchingGemv) -> Path:
