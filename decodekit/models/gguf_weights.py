@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from decodekit.api.huge_pages import on_huge_pages
 from decodekit.api.models import StoredWeight
 
 log = logging.getLogger("decodekit.models")
@@ -64,7 +65,8 @@ def read_stored_weights(path: Path, model: Any) -> dict[str, StoredWeight]:
         if param.device.type == "meta":
             blocks = torch.empty(data.shape, dtype=torch.uint8, device="meta")
         else:
-            blocks = torch.from_numpy(np.ascontiguousarray(data[order]))
+            # on huge pages: a batch-1 step streams every block (`api.huge_pages`)
+            blocks = on_huge_pages(torch.from_numpy(np.ascontiguousarray(data[order])))
             if not _matches(blocks, fmt, param):
                 log.warning("%s: %s's %s blocks do not dequantize to the loaded weight; it runs dequantized",
                             path.name, name, fmt)

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decodekit import LLM, SamplingParams
+from decodekit.api import huge_pages
 from decodekit.api.errors import ConfigError
 from decodekit.execution.fused.blocks import fused_decoder_refusal
 from decodekit.execution.fused.decoder import FusedDecoder, _rms_norm
 from decodekit.models.tiny import tiny_model
+from tests.execution.test_huge_pages import vm_flags
 from tests.helpers.reference import hf_greedy, random_prompts
 
 
@@ -26,8 +28,11 @@ def _gpt2():
                                       eos_token_id=2, bos_token_id=1)).eval()
 
 
+@pytest.mark.parametrize("huge", [False, True], ids=["torch's memory", "huge pages"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_fusing_keeps_every_weight_value_and_stores_none_twice(arch):
+def test_fusing_keeps_every_weight_value_and_stores_none_twice(arch, huge, monkeypatch):
+    if huge:  # the tiny model's weights moved onto huge pages too (`api.huge_pages`)
+        monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
     pristine = tiny_model(arch, tie_word_embeddings=True)
     model = copy.deepcopy(pristine)
     before = sum(p.numel() for p in model.parameters())
@@ -39,6 +44,8 @@ def test_fusing_keeps_every_weight_value_and_stores_none_twice(arch):
     storages = {p.weight.untyped_storage().data_ptr() for p in (attn.q_proj, attn.k_proj, attn.v_proj)}
     assert len(storages) == 1, "q/k/v must be views of one fused buffer"
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    if huge and huge_pages.huge_pages_available():
+        assert "hg" in vm_flags(model.model.layers[0].mlp.down_proj.weight.data_ptr())
     prompt = random_prompts(1, 5, 20, seed=1)[0]
     assert hf_greedy(model, prompt, 12) == hf_greedy(pristine, prompt, 12), "transformers must still run it"
 

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodekit.api.huge_pages import on_huge_pages
 from decodekit.api.models import StoredWeight
 from decodekit.execution.attention.gpu import attend_tokens, kernel_available
 from decodekit.execution.attention.kv_cache import PagedKVCache, attend_chunks, paged_attention
@@ -136,7 +137,7 @@ def _share(module: nn.Linear, weight_view: torch.Tensor) -> None:
 def _fuse_rows(modules: list[nn.Linear]) -> torch.Tensor:
     """One `[sum(out), in]` buffer holding every module's weight, stacked by output rows; the modules then view into
     it (each a contiguous block of its rows)."""
-    fused = torch.cat([module.weight.detach() for module in modules])
+    fused = on_huge_pages(torch.cat([module.weight.detach() for module in modules]))
     start = 0
     for module in modules:
         width = module.weight.shape[0]
@@ -146,12 +147,13 @@ def _fuse_rows(modules: list[nn.Linear]) -> torch.Tensor:
 
 
 def _own_rows(module: nn.Linear) -> torch.Tensor:
-    """The module's `[out, in]` weight, made contiguous in place where it is not (the module then holds the copy)."""
+    """The module's `[out, in]` weight, made contiguous and moved onto huge pages in place where it is not yet (the
+    module then holds the copy)."""
     weight = module.weight.detach()
-    if not weight.is_contiguous():
-        weight = weight.contiguous()
-        _share(module, weight)
-    return weight
+    moved = on_huge_pages(weight.contiguous())
+    if moved is not weight:
+        _share(module, moved)
+    return moved
 
 
 def release_layer_weights(model: Any) -> int:
@@ -268,7 +270,11 @@ class FusedDecoder:
             with torch.no_grad():
                 self.layers = [self._fuse(layer, prepack, native, gemma, by_type) for layer in base.layers]
                 # a head tied to the input embeddings keeps sharing their Parameter (its rows are the lookups' rows)
+                embeddings = model.get_input_embeddings()
+                tied = embeddings is not None and embeddings.weight is model.lm_head.weight
                 self.lm_head = Matrix(_own_rows(model.lm_head), None, prepack, native)
+                if tied:
+                    embeddings.weight = model.lm_head.weight
         if self.gpu_ops and all(layer.attn_out_norm is None and not layer.gelu and isinstance(m, Matrix)
                                 for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)):
             self.gpu_layer_rows = gpu_layer.FUSED_MAX_ROWS

@@ -45,6 +45,7 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
     """
     embeddings = model.get_input_embeddings()
     head = model.get_output_embeddings()
+    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
     count = 0
     # float32 weights; bf16 ones too for bf16 copies (a bf16 model whose other weights are widened after)
     dtypes = (torch.float32,) if quantization != "bf16" else (torch.float32, torch.bfloat16)
@@ -56,6 +57,8 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
                 continue
             if quantization is None:
                 _route(module, prepack, native)
+                if tied and module is head:  # its rows moved (onto huge pages): the lookups follow them
+                    embeddings.weight = head.weight
             else:
                 assert native is not None, "quantized products run on the native kernels"
                 matrix = quantized_matrix(quantization, bf16_gemm)(module.weight, module.bias, native)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from decodekit.api.cpu import cpu_flags
+from decodekit.api.huge_pages import on_huge_pages
 from decodekit.execution.kernels.native import (
     GEMV_MAX_ROWS,
     PANEL,
@@ -118,7 +119,8 @@ class Int8Matrix:
         rows = weight.detach().to(torch.float32)
         self.out_dim, self.in_dim = rows.shape
         scale = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        self.panels = pack_int8_panels(torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.panels = on_huge_pages(
+            pack_int8_panels(torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)))
         self.scale = scale.contiguous()
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.native = native
@@ -160,7 +162,7 @@ class Bf16Matrix:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native: NativeKernels,
                  bf16_gemm: bool = False) -> None:
         self.out_dim, self.in_dim = weight.shape
-        self.panels = pack_bf16_panels(weight)
+        self.panels = on_huge_pages(pack_bf16_panels(weight))
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.native = native
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(),

@@ -1,0 +1,66 @@
+"""Weights on transparent huge pages: the same values, in memory advised MADV_HUGEPAGE (a fused model on them:
+`test_fused_decoder.test_fusing_keeps_every_weight_value_and_stores_none_twice`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from decodekit.api import huge_pages
+from decodekit.api.huge_pages import ALIGN, HugePageArena, huge_pages_available, on_huge_pages
+
+needs_huge_pages = pytest.mark.skipif(not huge_pages_available(),
+                                      reason="no transparent huge pages to ask for here (not Linux, or `never`)")
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.int8])
+def test_a_copy_has_the_same_values_and_lies_in_memory_advised_onto_huge_pages(dtype):
+    source = (torch.randn(512, 768) * 100).to(dtype)
+    moved = on_huge_pages(source)
+    assert moved is not source and moved.dtype == dtype and moved.shape == source.shape and moved.is_contiguous()
+    assert torch.equal(moved, source)
+    assert moved.data_ptr() % ALIGN == 0
+    assert "hg" in vm_flags(moved.data_ptr()), "the mapping is not advised MADV_HUGEPAGE"
+
+
+def test_small_tensors_and_a_turned_off_setting_keep_the_tensor_itself(monkeypatch):
+    small = torch.randn(64, 64)
+    assert on_huge_pages(small) is small
+    monkeypatch.setenv("DECODEKIT_HUGE_PAGES", "0")
+    huge_pages.huge_pages_available.cache_clear()
+    try:
+        large = torch.randn(512, 512)
+        assert on_huge_pages(large) is large
+    finally:
+        monkeypatch.undo()
+        huge_pages.huge_pages_available.cache_clear()
+
+
+@needs_huge_pages
+def test_the_arena_hands_out_disjoint_page_aligned_tensors_and_maps_a_larger_one_whole():
+    arena = HugePageArena(chunk_bytes=8 * 2**20)
+    tensors = [torch.full((n,), float(i)) for i, n in enumerate([1000, 300_000, 5, 1_500_000, 3_000_000])]
+    copies = [arena.copy(t) for t in tensors]  # the last two are past the chunk's room, the last past a chunk
+    for t, c in zip(tensors, copies):
+        assert torch.equal(t, c) and c.data_ptr() % ALIGN == 0
+    spans = sorted((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans)), "two tensors overlap"
+    del arena  # the tensors keep their chunks alive
+    assert [float(c[0]) for c in copies] == [float(i) for i in range(len(copies))]
