@@ -64,6 +64,7 @@ class HugePageArena:
         self._chunk: mmap.mmap | None = None
         self._next = 0  # offset of the next free byte in the current chunk
         self._end = 0
+        self._spans: list[tuple[int, int]] = []  # every chunk's addresses, first to last byte
 
     def _new_chunk(self, nbytes: int) -> None:
         size = max(self.chunk_bytes, nbytes) + HUGE_PAGE  # room to start on a 2 MiB boundary
@@ -71,6 +72,12 @@ class HugePageArena:
         chunk.madvise(mmap.MADV_HUGEPAGE)
         address = ctypes.addressof(ctypes.c_char.from_buffer(chunk))
         self._chunk, self._next, self._end = chunk, -address % HUGE_PAGE, size
+        self._spans.append((address, address + size))
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s bytes lie in this arena (a copy made here, or a view of one)."""
+        address = tensor.data_ptr()
+        return any(start <= address < end for start, end in self._spans)
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of `tensor` (same shape, dtype and values) in the arena."""
@@ -89,9 +96,28 @@ class HugePageArena:
 _ARENA = HugePageArena()
 
 
+def in_file_mapping(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s bytes lie in a memory-mapped file (/proc/self/maps; False where that cannot be read): a
+    weight transformers read from safetensors with mmap. Moving such a weight frees nothing while any other tensor
+    keeps the file mapped (its pages stay resident, as page cache), so a copy would add its size to the process."""
+    address = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                if start <= address < end:
+                    return len(fields) >= 6 and fields[5].startswith("/")
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` copied onto transparent huge pages (the process's arena), or `tensor` itself where that does not
-    apply (see the module's docstring)."""
-    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < MIN_BYTES or not huge_pages_available():
+    apply (see the module's docstring) or it lies there already: a weight moved once is never copied again (the
+    fused decoder and the re-laid linears may both take the same module's rows)."""
+    if (tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < MIN_BYTES
+            or not huge_pages_available() or _ARENA.holds(tensor)):
         return tensor
     return _ARENA.copy(tensor.detach())

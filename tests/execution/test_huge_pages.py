@@ -38,6 +38,8 @@ def test_a_copy_has_the_same_values_and_lies_in_memory_advised_onto_huge_pages(d
     assert torch.equal(moved, source)
     assert moved.data_ptr() % ALIGN == 0
     assert "hg" in vm_flags(moved.data_ptr()), "the mapping is not advised MADV_HUGEPAGE"
+    assert on_huge_pages(moved) is moved and on_huge_pages(moved[1:]) is not None, "moved twice"
+    assert on_huge_pages(moved[7:]).data_ptr() == moved[7:].data_ptr()
 
 
 def test_small_tensors_and_a_turned_off_setting_keep_the_tensor_itself(monkeypatch):

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodekit.api.huge_pages import on_huge_pages
+from decodekit.api.huge_pages import in_file_mapping, on_huge_pages
 from decodekit.api.models import StoredWeight
 from decodekit.execution.attention.gpu import attend_tokens, kernel_available
 from decodekit.execution.attention.kv_cache import PagedKVCache, attend_chunks, paged_attention
@@ -148,9 +148,10 @@ def _fuse_rows(modules: list[nn.Linear]) -> torch.Tensor:
 
 def _own_rows(module: nn.Linear) -> torch.Tensor:
     """The module's `[out, in]` weight, made contiguous and moved onto huge pages in place where it is not yet (the
-    module then holds the copy)."""
+    module then holds the copy). A weight read from a memory-mapped file stays there (contiguous): a copy would not
+    free the file's pages, only add its own."""
     weight = module.weight.detach()
-    moved = on_huge_pages(weight.contiguous())
+    moved = weight.contiguous() if in_file_mapping(weight) else on_huge_pages(weight.contiguous())
     if moved is not weight:
         _share(module, moved)
     return moved
@@ -275,6 +276,8 @@ class FusedDecoder:
                 self.lm_head = Matrix(_own_rows(model.lm_head), None, prepack, native)
                 if tied:
                     embeddings.weight = model.lm_head.weight
+        # the rows moved onto huge pages left their old blocks in the C heap's middle: give them back
+        _trim_heap()
         if self.gpu_ops and all(layer.attn_out_norm is None and not layer.gelu and isinstance(m, Matrix)
                                 for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)):
             self.gpu_layer_rows = gpu_layer.FUSED_MAX_ROWS

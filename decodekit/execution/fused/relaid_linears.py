@@ -67,7 +67,7 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
                     module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,
                                                              device="meta"), requires_grad=False)
             count += 1
-    if release and quantization is not None:
+    if quantization is None or release:  # rows moved onto huge pages, or released: their old blocks go back
         _trim_heap()
     return count
 
