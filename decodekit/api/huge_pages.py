@@ -113,11 +113,13 @@ def in_file_mapping(tensor: torch.Tensor) -> bool:
     return False
 
 
-def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+def on_huge_pages(tensor: torch.Tensor, unless_file_mapped: bool = False) -> torch.Tensor:
     """`tensor` copied onto transparent huge pages (the process's arena), or `tensor` itself where that does not
     apply (see the module's docstring) or it lies there already: a weight moved once is never copied again (the
-    fused decoder and the re-laid linears may both take the same module's rows)."""
+    fused decoder and the re-laid linears may both take the same module's rows). With `unless_file_mapped`, a tensor
+    in a memory-mapped file stays too (`in_file_mapping`: for a weight the caller does not copy anyway)."""
     if (tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < MIN_BYTES
-            or not huge_pages_available() or _ARENA.holds(tensor)):
+            or not huge_pages_available() or _ARENA.holds(tensor)
+            or (unless_file_mapped and in_file_mapping(tensor))):
         return tensor
     return _ARENA.copy(tensor.detach())

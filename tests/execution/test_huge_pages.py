@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from decodekit.api import huge_pages
-from decodekit.api.huge_pages import ALIGN, HugePageArena, huge_pages_available, on_huge_pages
+from decodekit.api.huge_pages import ALIGN, HugePageArena, huge_pages_available, in_file_mapping, on_huge_pages
 
 needs_huge_pages = pytest.mark.skipif(not huge_pages_available(),
                                       reason="no transparent huge pages to ask for here (not Linux, or `never`)")
@@ -66,3 +66,14 @@ def test_the_arena_hands_out_disjoint_page_aligned_tensors_and_maps_a_larger_one
     assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans)), "two tensors overlap"
     del arena  # the tensors keep their chunks alive
     assert [float(c[0]) for c in copies] == [float(i) for i in range(len(copies))]
+
+
+@needs_huge_pages
+def test_a_tensor_in_a_memory_mapped_file_stays_there_when_asked(tmp_path):
+    path = tmp_path / "weights.bin"
+    torch.randn(512, 512).numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=True, size=512 * 512).view(512, 512)
+    assert in_file_mapping(mapped) and not in_file_mapping(torch.randn(512, 512))
+    assert on_huge_pages(mapped, unless_file_mapped=True) is mapped
+    moved = on_huge_pages(mapped)
+    assert moved is not mapped and torch.equal(moved, mapped)

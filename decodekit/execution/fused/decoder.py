@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodekit.api.huge_pages import in_file_mapping, on_huge_pages
+from decodekit.api.huge_pages import on_huge_pages
 from decodekit.api.models import StoredWeight
 from decodekit.execution.attention.gpu import attend_tokens, kernel_available
 from decodekit.execution.attention.kv_cache import PagedKVCache, attend_chunks, paged_attention
@@ -151,7 +151,7 @@ def _own_rows(module: nn.Linear) -> torch.Tensor:
     module then holds the copy). A weight read from a memory-mapped file stays there (contiguous): a copy would not
     free the file's pages, only add its own."""
     weight = module.weight.detach()
-    moved = weight.contiguous() if in_file_mapping(weight) else on_huge_pages(weight.contiguous())
+    moved = on_huge_pages(weight.contiguous(), unless_file_mapped=True)
     if moved is not weight:
         _share(module, moved)
     return moved
