@@ -5,8 +5,8 @@ A float32 SmolLM2 token reads 538 MB of weights, 131,000 pages of 4 KiB; on 2 Mi
 gives huge pages only to memory that asks for them (`/sys/kernel/mm/transparent_hugepage/enabled` set to
 `madvise`, the usual default), torch's allocations never ask, so the weights lie on 4 KiB pages. Measured on a
 2-core Zen 3 (AVX2, `madvise`): SmolLM2's 120 layer products of one row on `dk_gemv` (425 MB) took 22.8 ms on
-torch's memory and 20.0 ms on huge pages (1.14x, alternating in one process). llama.cpp reads its weights from a
-memory-mapped file, which this kernel serves from large page-cache folios.
+torch's memory and 20.0 ms on huge pages (1.14x, alternating in one process). (llama.cpp reads its weights from a
+memory-mapped file; this machine showed 424 MB of file-backed huge pages while it ran.)
 
 `on_huge_pages(tensor)` copies a CPU tensor of at least `MIN_BYTES` into an arena of anonymous memory advised
 `MADV_HUGEPAGE` (chunks of `CHUNK_BYTES`, 2 MiB-aligned, each tensor 4 KiB-aligned in it) and returns the copy; the

@@ -16,7 +16,7 @@ from decodekit.api.errors import ConfigError
 from decodekit.execution.fused.blocks import fused_decoder_refusal
 from decodekit.execution.fused.decoder import FusedDecoder, _rms_norm
 from decodekit.models.tiny import tiny_model
-from tests.execution.test_huge_pages import vm_flags
+from tests.helpers.memory_maps import vm_flags
 from tests.helpers.reference import hf_greedy, random_prompts
 
 
