@@ -22,6 +22,7 @@ import functools
 import mmap
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -64,7 +65,9 @@ class HugePageArena:
         self._chunk: mmap.mmap | None = None
         self._next = 0  # offset of the next free byte in the current chunk
         self._end = 0
-        self._spans: list[tuple[int, int]] = []  # every chunk's addresses, first to last byte
+        # every live chunk's addresses, first to last byte: a chunk unmapped when its last tensor died is forgotten,
+        # since the kernel may hand its addresses to the next mapping (a file's, torch's allocator's)
+        self._spans: list[tuple[int, int, weakref.ref[mmap.mmap]]] = []
 
     def _new_chunk(self, nbytes: int) -> None:
         size = max(self.chunk_bytes, nbytes) + HUGE_PAGE  # room to start on a 2 MiB boundary
@@ -72,12 +75,17 @@ class HugePageArena:
         chunk.madvise(mmap.MADV_HUGEPAGE)
         address = ctypes.addressof(ctypes.c_char.from_buffer(chunk))
         self._chunk, self._next, self._end = chunk, -address % HUGE_PAGE, size
-        self._spans.append((address, address + size))
+        self._spans.append((address, address + size, weakref.ref(chunk)))
+
+    def holds_address(self, address: int) -> bool:
+        """Whether `address` lies in one of this arena's chunks that is still mapped."""
+        with self._lock:
+            self._spans = [span for span in self._spans if span[2]() is not None]
+            return any(start <= address < end for start, end, _ in self._spans)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor`'s bytes lie in this arena (a copy made here, or a view of one)."""
-        address = tensor.data_ptr()
-        return any(start <= address < end for start, end in self._spans)
+        return self.holds_address(tensor.data_ptr())
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of `tensor` (same shape, dtype and values) in the arena."""

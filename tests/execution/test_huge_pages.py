@@ -64,3 +64,15 @@ def test_a_tensor_in_a_memory_mapped_file_stays_there_when_asked(tmp_path):
     assert on_huge_pages(mapped, unless_file_mapped=True) is mapped
     moved = on_huge_pages(mapped)
     assert moved is not mapped and torch.equal(moved, mapped)
+
+
+@needs_huge_pages
+def test_a_chunk_unmapped_with_its_last_tensor_is_forgotten_so_a_later_mapping_there_is_not_taken_for_the_arena():
+    arena = HugePageArena(chunk_bytes=2**20)
+    first = arena.copy(torch.randn(200_000))
+    address = first.data_ptr()
+    kept = arena.copy(torch.randn(400_000))  # past the first chunk's room: the arena moves to a second chunk
+    assert arena.holds_address(address) and arena.holds(kept)
+    del first  # the first chunk's last tensor: the chunk is unmapped, and its addresses are free for any mapping
+    assert not arena.holds_address(address), "an unmapped chunk's addresses still count as the arena's"
+    assert arena.holds(kept)
