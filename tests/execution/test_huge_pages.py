@@ -71,7 +71,8 @@ def test_a_chunk_unmapped_with_its_last_tensor_is_forgotten_so_a_later_mapping_t
     arena = HugePageArena(chunk_bytes=2**20)
     first = arena.copy(torch.randn(200_000))
     address = first.data_ptr()
-    kept = arena.copy(torch.randn(400_000))  # past the first chunk's room: the arena moves to a second chunk
+    # larger than a whole chunk (its 1 MiB and the 2 MiB kept to align its start): the arena maps a second chunk
+    kept = arena.copy(torch.randn(800_000))
     assert arena.holds_address(address) and arena.holds(kept)
     del first  # the first chunk's last tensor: the chunk is unmapped, and its addresses are free for any mapping
     assert not arena.holds_address(address), "an unmapped chunk's addresses still count as the arena's"
