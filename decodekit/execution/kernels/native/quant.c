@@ -176,8 +176,8 @@ ALWAYS_INLINE dk_v8f load_v8f(const float* p) { dk_v8f v; memcpy(&v, p, sizeof v
  * constants (`ksuper_avx2`) to compute. */
 ALWAYS_INLINE void ksuper_portable(int kind, const uint8_t* sb, float* ks) { (void)kind, (void)sb, (void)ks; }
 
-ALWAYS_INLINE void chunk_portable(int kind, const uint8_t* row, int64_t c, dk_v8f* w, const float* ks) {
-    (void)ks;
+ALWAYS_INLINE void chunk_portable(int kind, const uint8_t* row, int64_t c, dk_v8f* w, const float* ks, int half) {
+    (void)ks, (void)half;
     float f[CHUNK];
     chunk_scalar(kind, row, c, f);
     for (int v = 0; v < 4; ++v) w[v] = load_v8f(f + 8 * v);
@@ -271,7 +271,7 @@ ALWAYS_INLINE void ksuper_avx2(int kind, const uint8_t* sb, float* ks) {
 }
 
 /* Chunk c of a row as four vectors; `ks` holds its super-block's constants (ksuper_avx2) for a K-quant. */
-ALWAYS_INLINE void chunk_avx2(int kind, const uint8_t* row, int64_t c, __m256* w, const float* ks) {
+ALWAYS_INLINE void chunk_avx2(int kind, const uint8_t* row, int64_t c, __m256* w, const float* ks, int half) {
     if (kind == DK_F32) {
         for (int k = 0; k < 4; ++k) w[k] = _mm256_loadu_ps((const float*)row + c * CHUNK + 8 * k);
         return;
@@ -297,9 +297,14 @@ ALWAYS_INLINE void chunk_avx2(int kind, const uint8_t* row, int64_t c, __m256* w
         int64_t j = c % 8;
         __m256 ds = _mm256_broadcast_ss(ks + j), ndm = _mm256_broadcast_ss(ks + 8 + j);
         const uint8_t* qs = b + 16 + 32 * (j / 2);
-        __m128i shift = _mm_cvtsi32_si128((int)(4 * (j % 2)));
         for (int v = 0; v < 4; ++v) {
-            __m256i quants = _mm256_and_si256(_mm256_srl_epi32(widen8_avx2(qs + 8 * v, 0), shift), _mm256_set1_epi32(15));
+            __m256i bytes = widen8_avx2(qs + 8 * v, 0), quants;
+            /* an even sub-block's quants are the low nibbles, an odd one's the high ones: one operation each where
+             * the caller knows which (`half`), a shift by j % 2 nibbles and a mask where not */
+            if (half == 0) quants = _mm256_and_si256(bytes, _mm256_set1_epi32(15));
+            else if (half == 1) quants = _mm256_srli_epi32(bytes, 4);
+            else quants = _mm256_and_si256(_mm256_srl_epi32(bytes, _mm_cvtsi32_si128((int)(4 * (j % 2)))),
+                                           _mm256_set1_epi32(15));
             w[v] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(quants), ndm);
         }
     } else {  /* DK_Q6_K */
@@ -344,8 +349,8 @@ ALWAYS_INLINE __m512 iota16(void) {
 
 ALWAYS_INLINE void ksuper_avx512(int kind, const uint8_t* sb, float* ks) { (void)kind, (void)sb, (void)ks; }
 
-ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512* w, const float* ks) {
-    (void)ks;
+ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512* w, const float* ks, int half) {
+    (void)ks, (void)half;
     if (kind == DK_F32) {
         w[0] = _mm512_loadu_ps((const float*)row + c * CHUNK);
         w[1] = _mm512_loadu_ps((const float*)row + c * CHUNK + 16);
@@ -411,7 +416,12 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
             for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = ZERO;                                     \
         int64_t chunks = in / CHUNK, step = row_bytes / chunks; /* a chunk's bytes (K-quants: on average) */  \
         float ks[4][16]; /* each weight row's K-quant super-block constants (ksuper_ISA) */                     \
-        for (int64_t c = 0; c < chunks; ++c) {                                                                  \
+        /* Q4_K two chunks a turn, so each knows its sub-block's parity (chunk_ISA's `half`): one weight row by   \
+         * one activation row 1.12-1.19x, by 4 rows 1.06x (in cache, AVX2, 2-core Zen 3; the same sums) */       \
+        int64_t turn = kind == DK_Q4_K ? 2 : 1;                                                                 \
+        for (int64_t c0 = 0; c0 < chunks; c0 += turn)                                                          \
+        _Pragma("GCC unroll 2") for (int64_t half = 0; half < turn; ++half) {                                   \
+            int64_t c = c0 + half;                                                                              \
             VEC wv[4][NV];                                                                                      \
             /* a loop of its own: inside the next one it kept the compiler from unrolling that, and the chunk's   \
              * vectors went through memory */                                                                   \
@@ -421,7 +431,7 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
             for (int r = 0; r < R; ++r) {                                                                       \
                 if (kind != DK_F32) /* a panel is in cache already */                                           \
                     __builtin_prefetch(w + r * row_bytes + c * step + QUANT_PREFETCH_BYTES);                    \
-                chunk_##ISA(kind, w + r * row_bytes, c, wv[r], ks[r]);                                          \
+                chunk_##ISA(kind, w + r * row_bytes, c, wv[r], ks[r], turn == 2 ? (int)half : -1);              \
             }                                                                                                   \
             for (int m = 0; m < M; ++m)                                                                         \
                 for (int v = 0; v < NV; ++v) {                                                                  \
@@ -557,7 +567,7 @@ ALWAYS_INLINE void dequantize_row_avx2(int kind, const uint8_t* row, int64_t row
         __builtin_prefetch(row + c * step + QUANT_PREFETCH_BYTES);
         if (is_kquant(kind) && c % 8 == 0) ksuper_avx2(kind, row + c / 8 * block_bytes(kind), ks);
         __m256 v[4];
-        chunk_avx2(kind, row, c, v, ks);
+        chunk_avx2(kind, row, c, v, ks, -1);
         for (int k = 0; k < 4; ++k) _mm256_storeu_ps(dst + c * CHUNK + 8 * k, v[k]);
     }
 }
@@ -569,7 +579,7 @@ ALWAYS_INLINE void dequantize_row_avx512(int kind, const uint8_t* row, int64_t r
     for (int64_t c = 0; c < chunks; ++c) {
         __builtin_prefetch(row + c * step + QUANT_PREFETCH_BYTES);
         __m512 v[2];
-        chunk_avx512(kind, row, c, v, NULL);
+        chunk_avx512(kind, row, c, v, NULL, -1);
         _mm512_storeu_ps(dst + c * CHUNK, v[0]);
         _mm512_storeu_ps(dst + c * CHUNK + 16, v[1]);
     }
