@@ -48,7 +48,7 @@ from decodekit.models.loader import cache_dir
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
 # The library's sources: the small ops, attention, float/bf16/int8 products; the GGUF quantized products
 # (`kernels.quant` binds those); the fused decoder's layer stack in one call (`fused.layer_stack` describes it).
-SOURCES = (SOURCE, SOURCE.with_name("quant.c"), SOURCE.with_name("layers.c"))
+SOURCES: tuple[Path, ...] = (SOURCE, SOURCE.with_name("quant.c"), SOURCE.with_name("layers.c"))
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
 # bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
 # `DECODEKIT_CPU_ISA` appends its flags (`api.cpu.kernel_compile_flags`: an AVX2 build on an AVX-512 CPU).
