@@ -40,8 +40,10 @@ def sources_at(revision: str, into: Path) -> tuple[Path, ...]:
     paths = []
     for source in native.SOURCES:
         relative = source.relative_to(ROOT).as_posix()
-        text = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
+        shown = subprocess.run(["git", "show", f"{revision}:{relative}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode != 0:
+            raise SystemExit(f"--before {revision}: git has no {relative} there ({shown.stderr.strip()})")
+        text = shown.stdout
         path = into / source.name
         path.write_text(text)
         paths.append(path)
@@ -117,6 +119,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=600, help="products a round")
     args = parser.parse_args()
+    for fmt in args.formats:
+        try:
+            row_bytes(fmt, args.width)
+        except ValueError as error:
+            parser.error(f"--width {args.width}: {error}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         libraries = [kernels_from(sources_at(args.before, Path(folder))), kernels_from(native.SOURCES)]

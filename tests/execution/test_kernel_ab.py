@@ -44,3 +44,8 @@ def test_one_library_against_itself_reports_equal_outputs_and_a_ratio(fmt):
     fields = line.split()
     assert fields[0] == fmt and fields[1] == "3" and fields[-1] == "equal"
     assert float(fields[-2].rstrip("x")) > 0
+
+
+def test_a_revision_git_does_not_know_is_refused_naming_it(tmp_path):
+    with pytest.raises(SystemExit, match="--before no-such-revision: git has no"):
+        _script().sources_at("no-such-revision", tmp_path)
