@@ -62,7 +62,7 @@ def test_the_choice_is_measured_once_per_library_then_read_from_beside_it(native
 
     def counting(k, trials=gemv_prefetch.TRIALS):
         timed.append(k)
-        return real_measure(k, trials=2)
+        return dataclasses.replace(real_measure(k, trials=2), decided=True)  # this machine's result, taken as clear
 
     monkeypatch.setattr(gemv_prefetch, "measure_gemv_prefetch", counting)
     library = LibraryAt(native, tmp_path / "lib.so")
@@ -91,9 +91,33 @@ def test_the_prefetch_goes_off_only_where_its_absence_is_clearly_faster(native, 
     monkeypatch.setattr(library, "gemv", fake_gemv)
     monkeypatch.setattr(library, "set_gemv_prefetch", lambda floats: current.__setitem__(0, floats) or 0)
     monkeypatch.setattr(gemv_prefetch.time, "perf_counter", lambda: next(clock) / 1000)
-    assert gemv_prefetch.measure_gemv_prefetch(library, trials=3).floats is None
+    close = gemv_prefetch.measure_gemv_prefetch(library, trials=3)
+    assert close.floats is None and not close.decided
     pace[0] = 80  # 20% faster without
-    assert gemv_prefetch.measure_gemv_prefetch(library, trials=3).floats == 0
+    clear = gemv_prefetch.measure_gemv_prefetch(library, trials=3)
+    assert clear.floats == 0 and clear.decided
+    pace[0] = 125  # 20% slower without
+    kept = gemv_prefetch.measure_gemv_prefetch(library, trials=3)
+    assert kept.floats is None and kept.decided
+
+
+def test_a_measurement_too_close_to_call_is_not_cached_and_is_taken_again_next_time(native, tmp_path, monkeypatch):
+    monkeypatch.delenv(gemv_prefetch.ENV, raising=False)
+    results = iter([GemvPrefetchChoice(None, 16.0, 15.99, decided=False), GemvPrefetchChoice(0, 6.5, 5.9)])
+    timed = []
+
+    def measure(k, trials=gemv_prefetch.TRIALS):
+        timed.append(k)
+        return next(results)
+
+    monkeypatch.setattr(gemv_prefetch, "measure_gemv_prefetch", measure)
+    first = apply_gemv_prefetch(LibraryAt(native, tmp_path / "lib.so"))
+    assert first.floats is None and not choice_path(LibraryAt(native, tmp_path / "lib.so")).exists()
+    second = apply_gemv_prefetch(LibraryAt(native, tmp_path / "lib.so"))
+    assert len(timed) == 2 and (second.source, second.floats) == ("measured", 0)
+    assert json.loads(choice_path(LibraryAt(native, tmp_path / "lib.so")).read_text()) == {
+        "floats": 0, "with_prefetch_ms": 6.5, "without_ms": 5.9}
+    native.set_gemv_prefetch(None)
 
 
 @pytest.mark.parametrize(("setting", "floats"), [("off", 0), ("0", 0), ("on", None), ("2048", 2048),

@@ -7,7 +7,8 @@ one process, same tokens). Which is faster is the memory system's business, not 
 measured: the first time a library is loaded on a machine, one product of ~100 MB of weights (past any L3) is timed
 with and without the prefetch, alternating, and the prefetch is turned off only where that is clearly faster
 (`MARGIN`). The choice is cached beside the library (its name carries the source and the CPU), so later processes
-read it instead of timing; `DECODEKIT_GEMV_PREFETCH` overrides it (`auto`, the default; `off`/0; or floats per row).
+read it instead of timing (a result too close to call is not cached: measured again by the next process);
+`DECODEKIT_GEMV_PREFETCH` overrides it (`auto`, the default; `off`/0; or floats per row).
 Only speed depends on it: a prefetch changes no value.
 """
 
@@ -44,12 +45,14 @@ ENV = "DECODEKIT_GEMV_PREFETCH"
 class GemvPrefetchChoice:
     """What `dk_gemv` was set to: `floats` per activation row ahead (None: the library's default; 0: none), and the
     timings it was chosen by (medians in ms of one product with and without the prefetch; None where not timed),
-    and where it came from: "measured", "cached", the environment variable's name, or "default" (timing failed)."""
+    where it came from: "measured", "cached", the environment variable's name, or "default" (timing failed), and
+    whether a measurement was `decided` (one way `MARGIN` faster; only such a choice is cached)."""
 
     floats: int | None
     with_prefetch_ms: float | None = None
     without_ms: float | None = None
     source: str = "measured"
+    decided: bool = True
 
 
 class PrefetchingGemv(Protocol):
@@ -69,7 +72,10 @@ class PrefetchingGemv(Protocol):
 def measure_gemv_prefetch(kernels: PrefetchingGemv, trials: int = TRIALS) -> GemvPrefetchChoice:
     """Time one `CALIBRATION_SHAPE` product with the default prefetch and without, alternating, on torch's current
     threads; choose none only where, in the median of the trials' ratios (each trial one product each way, back to
-    back), it is `MARGIN` faster. Leaves the library set as it found it."""
+    back), it is `MARGIN` faster. Within `MARGIN` either way the result is not `decided`: on a machine whose memory
+    is saturated by other work both ways take the same time, and that says nothing about the machine when it is
+    not (one library first loaded while a test suite ran kept the prefetch this way, and its float32 token then ran
+    0.84x as fast as without, on a 2-core Zen 3). Leaves the library set as it found it."""
     weight = torch.ones(CALIBRATION_SHAPE)
     x = torch.ones(1, CALIBRATION_SHAPE[1])
     times: dict[int | None, list[float]] = {None: [], 0: []}
@@ -86,7 +92,8 @@ def measure_gemv_prefetch(kernels: PrefetchingGemv, trials: int = TRIALS) -> Gem
         kernels.set_gemv_prefetch(before)
     on, off = (statistics.median(times[key]) * 1e3 for key in (None, 0))
     ratio = statistics.median(without / with_ for with_, without in zip(times[None], times[0]))
-    return GemvPrefetchChoice(0 if ratio < 1 - MARGIN else None, round(on, 3), round(off, 3))
+    return GemvPrefetchChoice(0 if ratio < 1 - MARGIN else None, round(on, 3), round(off, 3),
+                              decided=abs(ratio - 1) >= MARGIN)
 
 
 def choice_path(kernels: PrefetchingGemv) -> Path:
@@ -138,10 +145,13 @@ def apply_gemv_prefetch(kernels: PrefetchingGemv) -> GemvPrefetchChoice:
             log.warning("dk_gemv's prefetch not measured (%s); keeping the default", error)
             choice = GemvPrefetchChoice(None, source="default")
         if choice.source == "measured":
-            log.info("dk_gemv's software prefetch %s (one float32 product: %.2f ms with, %.2f ms without)",
-                     "off" if choice.floats == 0 else "on", choice.with_prefetch_ms, choice.without_ms)
-            with contextlib.suppress(OSError):  # an unwritable cache only means timing again next time
-                path.write_text(json.dumps({key: value for key, value in asdict(choice).items() if key != "source"}))
+            log.info("dk_gemv's software prefetch %s (one float32 product: %.2f ms with, %.2f ms without%s)",
+                     "off" if choice.floats == 0 else "on", choice.with_prefetch_ms, choice.without_ms,
+                     "" if choice.decided else "; too close to call: measured again next time")
+            if choice.decided:
+                with contextlib.suppress(OSError):  # an unwritable cache only means timing again next time
+                    path.write_text(json.dumps({key: value for key, value in asdict(choice).items()
+                                                if key not in ("source", "decided")}))
     kernels.set_gemv_prefetch(choice.floats)
     kernels.gemv_prefetch = choice
     return choice
