@@ -31,8 +31,8 @@ from decodekit.execution.kernels import native
 from decodekit.execution.kernels.quant import GGUF_FORMATS, row_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-# Bytes of one block and where its fp16 scales lie (overwritten with small values: random bytes make infinities).
-BLOCKS = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q8_0": (34, (0,)), "Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+# Where each format's fp16 scales lie in a block (overwritten with small values: random bytes make infinities).
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def sources_at(revision: str, into: Path) -> tuple[Path, ...]:
@@ -69,10 +69,9 @@ def stored_blocks(fmt: str, out: int, width: int) -> torch.Tensor:
     """Random blocks of `fmt` for an [out, width] weight, each fp16 scale 0.01 (finite, so outputs compare)."""
     data = torch.randint(0, 256, (out, row_bytes(fmt, width)), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(0))
-    size, scales = BLOCKS[fmt]
-    blocks = data.view(out, -1, size)
+    blocks = data.view(out, -1, GGUF_FORMATS[fmt][2])  # (type id, weights a block, bytes a block)
     half = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-    for offset in scales:
+    for offset in SCALE_OFFSETS[fmt]:
         blocks[:, :, offset:offset + 2] = half
     return data
 
