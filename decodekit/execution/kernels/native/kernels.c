@@ -1057,17 +1057,21 @@ static inline void interleave_panel_sums(float* dst, __m256 even, __m256 odd) {
         __m256 acc[P][2][M];                                                                                    \
         for (int q = 0; q < P; ++q)                                                                             \
             for (int m = 0; m < M; ++m) acc[q][0][m] = acc[q][1][m] = _mm256_setzero_ps();                      \
-        for (int64_t i = 0; i < in; ++i) {                                                                      \
-            __m256 xb[M];                                                                                       \
-            for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * in + i);                            \
-            for (int q = 0; q < P; ++q) {                                                                       \
-                if ((i & 1) == 0) __builtin_prefetch(w + (q * in + i) * PANEL + PANEL_PREFETCH);                 \
-                __m256i pair = _mm256_loadu_si256((const __m256i*)(w + (q * in + i) * PANEL));                  \
-                __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));                                 \
-                __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pair, high));                                 \
-                for (int m = 0; m < M; ++m) {                                                                   \
-                    acc[q][0][m] = _mm256_fmadd_ps(even, xb[m], acc[q][0][m]);                                  \
-                    acc[q][1][m] = _mm256_fmadd_ps(odd, xb[m], acc[q][1][m]);                                   \
+        /* two inputs (a 64-byte line of a panel) a turn: one prefetch a line and no test (the same sums) */      \
+        for (int64_t i = 0; i < in; i += 2) {                                                                   \
+            int two = i + 1 < in;                                                                               \
+            for (int q = 0; q < P; ++q) __builtin_prefetch(w + (q * in + i) * PANEL + PANEL_PREFETCH);          \
+            for (int t = 0; t < 1 + two; ++t) {                                                                 \
+                __m256 xb[M];                                                                                   \
+                for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * in + i + t);                    \
+                for (int q = 0; q < P; ++q) {                                                                   \
+                    __m256i pair = _mm256_loadu_si256((const __m256i*)(w + (q * in + i + t) * PANEL));          \
+                    __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));                             \
+                    __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pair, high));                             \
+                    for (int m = 0; m < M; ++m) {                                                               \
+                        acc[q][0][m] = _mm256_fmadd_ps(even, xb[m], acc[q][0][m]);                              \
+                        acc[q][1][m] = _mm256_fmadd_ps(odd, xb[m], acc[q][1][m]);                               \
+                    }                                                                                           \
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
