@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.cpu import cpu_flags
 from decodekit.api.errors import ConfigError, RecipeError
 from decodekit.execution.fused.weight_matrices import INT8_NATIVE_MAX_ROWS, Bf16Matrix, Int8Matrix
-from decodekit.execution.kernels.native import load_kernels
+from decodekit.execution.kernels.native import load_kernels, pack_int8_panels
 from decodekit.models.tiny import tiny_model
 from decodekit.recipe import recipe_from_data
 from tests.helpers.reference import hf_greedy, random_prompts
@@ -51,6 +52,41 @@ def test_int8_product_is_the_float_product_of_the_dequantized_weight(rows, width
         bound = torch.zeros_like(bound)  # BLAS on the dequantized weight: float rounding only
     error = (matrix(x, res) - want).abs()
     assert torch.all(error <= bound * 1.001 + 1e-5 * (1 + want.abs())), float((error - bound).max())
+
+
+def _int8_product_by_its_definition(x: torch.Tensor, int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`dk_linear_i8`'s result computed from its definition, in float32 where it rounds: each row rounded to int16 with
+    its own step max|x| / 32767 (halves to even), each output's products summed exactly over chunks of 512 inputs,
+    each chunk's sum rounded to float32 and added to the output's float32 total in order, then times the row's
+    step and the output's scale."""
+    out = torch.empty(x.shape[0], int8.shape[0])
+    for m, row in enumerate(x):
+        peak = row.abs().max()
+        step = peak / 32767 if peak > 0 else torch.tensor(1.0)
+        quantized = torch.round(row * (torch.tensor(1.0) / step)).long()
+        total = torch.zeros(int8.shape[0])
+        for begin in range(0, x.shape[1], 512):  # I8_PAIRS_CHUNK pairs of inputs
+            exact = (int8[:, begin:begin + 512].long() * quantized[begin:begin + 512]).sum(dim=1)
+            total = total + exact.float()
+        out[m] = total * step * scale
+    return out
+
+
+@needs_kernels
+@pytest.mark.skipif("avx2" not in cpu_flags(), reason="the int16 path needs AVX2 (elsewhere the float path runs)")
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 8), width=st.integers(1, 1100), out=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_the_native_int8_product_is_its_definition_bit_for_bit(rows, width, out, seed):
+    """The rounding of each activation row to int16 (eight at a time on AVX2, one by one in the tails), the exact
+    integer sums over pairs (two pairs a turn, an odd count's last alone) and their flushes to float every 512 inputs
+    agree with the definition to the last bit, across row counts (one to two tiles) and widths (tails, a second
+    chunk)."""
+    g = torch.Generator().manual_seed(seed)
+    int8 = torch.randint(-127, 128, (out, width), generator=g, dtype=torch.int8)
+    scale = torch.rand(out, generator=g) * 0.01
+    x = torch.randn(rows, width, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    got = kernels.linear_i8(x, pack_int8_panels(int8), scale)
+    assert torch.equal(got, _int8_product_by_its_definition(x, int8, scale))
 
 
 @needs_kernels
