@@ -293,6 +293,18 @@ def test_a_new_sequence_starts_from_its_chains_running_acceptance_unless_seeded(
     assert seeded.stash[ACCEPTANCE].rate == pytest.approx(Acceptance().rate) and seeded.stash[ACCEPTANCE].hit == 1.0
 
 
+def test_a_chains_high_running_acceptance_does_not_raise_a_new_sequences_start_above_the_fixed_prior():
+    prior = Acceptance(decay=0.99)
+    for _ in range(200):  # the chain's earlier sequences copied their prompts: every draft token accepted
+        prior.record(6, 6)
+        prior.record_ask(True)
+    assert prior.rate > Acceptance().rate
+    greedy = bare_sequences(1, temperature=0)[0]
+    draft_lengths([greedy], [6], 0, NEARLY_FREE, None, Calibration(NEARLY_FREE), None, prior)
+    assert greedy.stash[ACCEPTANCE].rate == pytest.approx(Acceptance().rate)
+    assert greedy.stash[ACCEPTANCE].hit == pytest.approx(prior.hit)
+
+
 def run_chooser(seqs, steps: int, curve: StepCost, off: OffSwitch | None) -> list[list[int]]:
     """`steps` steps of the chooser on `seqs` (none of them verified: what a switched-off batch sees)."""
     calibrated = Calibration(curve)
