@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from decodekit.api.cpu import hardware_cpu_flags
 from decodekit.api.errors import ConfigError
 from decodekit.bench.baselines import OnDone, RunRecord, System
 from decodekit.bench.report import token_agreement
@@ -518,6 +519,24 @@ class VllmPeer(System):
         self.worker.close()
 
 
+# What to tell a user whose llama.cpp crashed on a CPU with AMX: llama.cpp repacks quantized weights for its AMX
+# matrix products there, and that path segfaults on some machines and models (seen here on the bundled Q4_1 file
+# and its Q8_0 copy with any prompt over one token: llama-cpp-python 0.3.36, a 2-core Intel Xeon with amx_int8).
+LLAMA_AMX_CRASH_HINT = (
+    "llama.cpp crashed (SIGSEGV) on a CPU with AMX: its AMX backend for quantized weights is known to segfault on "
+    "some machines (ggml-org/llama.cpp#20824). Build the peer without it and pass that Python instead, e.g. "
+    "CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
+    "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" pip install llama-cpp-python")
+
+
+def explain_llama_crash(error: PeerError, flags: frozenset[str] | set[str] | None = None) -> PeerError:
+    """`error` with the AMX hint added where a llama.cpp worker died of SIGSEGV on a CPU with AMX int8 tiles."""
+    flags = hardware_cpu_flags() if flags is None else flags
+    if "status -11" in str(error) and "amx_int8" in flags:
+        return PeerError(f"{error}\n{LLAMA_AMX_CRASH_HINT}")
+    return error
+
+
 class LlamaCppPeer(System):
     """llama-cpp-python, one request at a time (see the module docstring).
 
@@ -558,9 +577,9 @@ class LlamaCppPeer(System):
             try:
                 self.info = self.worker.call({"cmd": "load", "backend": "llama.cpp", "options": options},
                                              load_timeout_s).get("info") or {}
-            except PeerError:
+            except PeerError as error:
                 self.worker.close(10)
-                raise
+                raise explain_llama_crash(error) from None
         where = "in this process" if python is None else f"in {python}"
         made = "" if gguf else f" (made from {source_gguf.name if source_gguf else '?'} with llama_model_quantize)"
         self.notes = (f"llama-cpp-python {self.info.get('llama_cpp_python')} {where}, {precision} GGUF "
@@ -577,7 +596,10 @@ class LlamaCppPeer(System):
         if self.backend is not None:
             return dict(self.backend.generate(_wire(requests), on_done))
         assert self.worker is not None
-        answer = self.worker.call({"cmd": "generate", "requests": _wire(requests)}, self.round_timeout_s)
+        try:
+            answer = self.worker.call({"cmd": "generate", "requests": _wire(requests)}, self.round_timeout_s)
+        except PeerError as error:
+            raise explain_llama_crash(error) from None
         if on_done is not None:
             on_done(len(requests))
         return answer

@@ -17,8 +17,10 @@ from typer.testing import CliRunner
 
 from decodekit.api.errors import ConfigError
 from decodekit.bench import harness, run_benchmark
+from decodekit.bench import peers as peers_module
 from decodekit.bench.matrix import MatrixCell, MatrixResult, matrix_markdown
 from decodekit.bench.peers import (
+    LlamaCppPeer,
     PeerError,
     PeerSpec,
     PeerUnavailable,
@@ -303,6 +305,19 @@ def test_a_worker_that_dies_is_reported_with_its_output(tmp_path):
     script.write_text("import sys\nsys.stdin.readline()\nprint('something broke', file=sys.stderr)\nsys.exit(3)\n")
     with pytest.raises(PeerError, match=r"(?s)exited with status 3.*something broke"):
         VllmPeer(sys.executable, tmp_path, "float32", threads=1, worker=script)
+
+
+@pytest.mark.parametrize("flags", [{"avx512f", "amx_tile", "amx_int8"}, {"avx2", "fma"}])
+def test_a_llama_cpp_worker_killed_by_sigsegv_names_the_amx_crash_only_on_a_cpu_with_amx(tmp_path, monkeypatch,
+                                                                                        flags):
+    script = tmp_path / "segfaults.py"
+    script.write_text("import os, signal, sys\nsys.stdin.readline()\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setattr(peers_module, "hardware_cpu_flags", lambda: frozenset(flags))
+    with pytest.raises(PeerError, match=r"exited with status -11") as raised:
+        LlamaCppPeer(sys.executable, gguf=str(tmp_path / "model.gguf"), source_gguf=None, precision="Q4_1",
+                     threads=1, worker=script)
+    assert ("ggml-org/llama.cpp#20824" in str(raised.value)) == ("amx_int8" in flags)
+    assert ("-mno-amx-int8" in str(raised.value)) == ("amx_int8" in flags)
 
 
 def test_the_worker_answers_each_command_and_reports_errors_without_dying():

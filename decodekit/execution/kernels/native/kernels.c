@@ -1311,18 +1311,23 @@ static int quantize_rows_i16(const float* x, int64_t rows, int64_t in, int16_t* 
             __m512i acc[P][M];                                                                                  \
             for (int q = 0; q < P; ++q)                                                                         \
                 for (int m = 0; m < M; ++m) acc[q][m] = _mm512_setzero_si512();                                 \
-            for (int64_t j = j0; j < j1; ++j) {                                                                 \
-                __m512i xb[M];                                                                                  \
-                for (int m = 0; m < M; ++m) {                                                                   \
-                    int32_t pair;                                                                               \
-                    memcpy(&pair, x + m * pairs * 2 + 2 * j, sizeof pair);                                      \
-                    xb[m] = _mm512_set1_epi32(pair);                                                            \
-                }                                                                                               \
-                for (int q = 0; q < P; ++q) {                                                                   \
-                    if ((j & 1) == 0) __builtin_prefetch(w + (q * pairs + j) * 2 * PANEL + I8_PANEL_PREFETCH);  \
-                    __m512i wide = _mm512_cvtepi8_epi16(                                                        \
-                        _mm256_loadu_si256((const __m256i*)(w + (q * pairs + j) * 2 * PANEL)));                 \
-                    for (int m = 0; m < M; ++m) acc[q][m] = I8_DOT_ADD(acc[q][m], wide, xb[m]);                 \
+            /* two pairs (a 64-byte line of a panel) a turn: one prefetch a line, no test per pair */           \
+            for (int64_t j = j0; j < j1; j += 2) {                                                              \
+                int two = j + 1 < j1;                                                                           \
+                for (int q = 0; q < P; ++q)                                                                     \
+                    __builtin_prefetch(w + (q * pairs + j) * 2 * PANEL + I8_PANEL_PREFETCH);                    \
+                for (int t = 0; t < 1 + two; ++t) {                                                             \
+                    __m512i xb[M];                                                                              \
+                    for (int m = 0; m < M; ++m) {                                                               \
+                        int32_t pair;                                                                           \
+                        memcpy(&pair, x + m * pairs * 2 + 2 * (j + t), sizeof pair);                            \
+                        xb[m] = _mm512_set1_epi32(pair);                                                        \
+                    }                                                                                           \
+                    for (int q = 0; q < P; ++q) {                                                               \
+                        __m512i wide = _mm512_cvtepi8_epi16(                                                    \
+                            _mm256_loadu_si256((const __m256i*)(w + (q * pairs + j + t) * 2 * PANEL)));         \
+                        for (int m = 0; m < M; ++m) acc[q][m] = I8_DOT_ADD(acc[q][m], wide, xb[m]);             \
+                    }                                                                                           \
                 }                                                                                               \
             }                                                                                                   \
             for (int q = 0; q < P; ++q)                                                                         \
