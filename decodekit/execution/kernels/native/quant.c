@@ -335,12 +335,20 @@ ALWAYS_INLINE void table_lookup_avx512(__m512 table, __m128i lo16, __m128i hi16,
     w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi16), table);
 }
 
-/* half_at(p) in every lane: the half broadcast, then widened (exactly, as half_at), two instructions instead of a
- * scalar load, widening and broadcast. */
-ALWAYS_INLINE __m512 half_splat_avx512(const uint8_t* p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+/* A block's fp16 scale at p (and, with `m`, the fp16 min after it) widened to float in every lane: exactly as
+ * half_at. The 4 halves at p widened by one 128-bit `vcvtph2ps` from memory, stored, and each broadcast from there
+ * by `vbroadcastss` from memory, which takes a load port only. A 512-bit `vcvtph2ps` of a broadcast half per value
+ * (what this was) costs the shuffle port twice each, the port the quants' widening and `vpermps` need: in cache, one
+ * Q4_1 weight row by one activation row 1.15x as fast for it (2-core Intel Xeon with AVX-512, equal outputs). The
+ * asm keeps the compiler from turning either back into register shuffles (it loads the halves into a register
+ * first, then widens them: 1.07x). Reads 8 bytes at p: within every block it is used on (18, 20, 34 bytes). */
+ALWAYS_INLINE void head_splat_avx512(const uint8_t* p, __m512* d, __m512* m) {
+    float slot[4] __attribute__((aligned(16)));
+    __m128 wide;
+    __asm__("vcvtph2ps %1, %0" : "=x"(wide) : "m"(*(const char(*)[8])p));
+    _mm_store_ps(slot, wide);
+    __asm__("vbroadcastss %1, %0" : "=v"(*d) : "m"(slot[0]));
+    if (m != NULL) __asm__("vbroadcastss %1, %0" : "=v"(*m) : "m"(slot[1]));
 }
 
 ALWAYS_INLINE __m512 iota16(void) {
@@ -357,8 +365,9 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
     } else if (kind == DK_Q4_0 || kind == DK_Q4_1) {
         int one = kind == DK_Q4_1;
         const uint8_t* b = row + c * (one ? 20 : 18);
-        __m512 d = half_splat_avx512(b);
-        __m512 table = one ? _mm512_fmadd_ps(d, iota16(), half_splat_avx512(b + 2))
+        __m512 d, m;
+        head_splat_avx512(b, &d, one ? &m : NULL);
+        __m512 table = one ? _mm512_fmadd_ps(d, iota16(), m)
                            : _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)));
         /* the 16 bytes widened once: a lane's low nibble indexes as it is, its high one after a shift (one
          * widening instead of two: 7% faster in cache on Zen 5) */
@@ -367,7 +376,8 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
         w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
     } else if (kind == DK_Q8_0) {
         const uint8_t* b = row + c * 34;
-        __m512 d = half_splat_avx512(b);
+        __m512 d;
+        head_splat_avx512(b, &d, NULL);
         for (int v = 0; v < 2; ++v)
             w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2 + 16 * v)))), d);
     } else if (kind == DK_Q4_K) {
