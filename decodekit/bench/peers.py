@@ -521,7 +521,10 @@ class VllmPeer(System):
 
 # What to tell a user whose llama.cpp crashed on a CPU with AMX: llama.cpp repacks quantized weights for its AMX
 # matrix products there, and that path segfaults on some machines and models (seen here on the bundled Q4_1 file
-# and its Q8_0 copy with any prompt over one token: llama-cpp-python 0.3.36, a 2-core Intel Xeon with amx_int8).
+# and its Q8_0 copy with any batch of more than one token: llama-cpp-python 0.3.36, a 2-core Intel Xeon with
+# amx_int8). One token at a time it runs, and its one-token decode is its fastest on such a CPU (the same build
+# without AMX decoded Q4_1 at half its speed there), so the peer retries once with `n_batch=1`
+# (`LLAMA_ONE_TOKEN_NOTE`) before giving up with this hint.
 LLAMA_AMX_CRASH_HINT = (
     "llama.cpp crashed (SIGSEGV) on a CPU with AMX: its AMX backend for quantized weights is known to segfault on "
     "some machines (ggml-org/llama.cpp#20824). Build the peer without it and pass that Python instead, e.g. "
@@ -529,10 +532,21 @@ LLAMA_AMX_CRASH_HINT = (
     "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" pip install llama-cpp-python")
 
 
+LLAMA_ONE_TOKEN_NOTE = (
+    "llama.cpp's AMX backend crashed on a batch of several tokens (ggml-org/llama.cpp#20824), so it ran with "
+    "n_batch=1: the prompt a token at a time. Its TPOT is its decode speed; its TTFT and useful tok/s also pay for "
+    "that prefill, so compare TPOT")
+
+
+def amx_crash(error: PeerError, flags: frozenset[str] | set[str] | None = None) -> bool:
+    """Whether `error` is a llama.cpp worker killed by SIGSEGV on a CPU with AMX int8 tiles."""
+    flags = hardware_cpu_flags() if flags is None else flags
+    return "status -11" in str(error) and "amx_int8" in flags
+
+
 def explain_llama_crash(error: PeerError, flags: frozenset[str] | set[str] | None = None) -> PeerError:
     """`error` with the AMX hint added where a llama.cpp worker died of SIGSEGV on a CPU with AMX int8 tiles."""
-    flags = hardware_cpu_flags() if flags is None else flags
-    if "status -11" in str(error) and "amx_int8" in flags:
+    if amx_crash(error, flags):
         return PeerError(f"{error}\n{LLAMA_AMX_CRASH_HINT}")
     return error
 
@@ -567,39 +581,60 @@ class LlamaCppPeer(System):
                            target_gguf=str(cache_dir() / "llama.cpp" / f"{source_gguf.stem}-{size}-{precision}.gguf"))
         self.worker: WorkerProcess | None = None
         self.backend: Any = None
+        self._python, self._worker_script, self._load_timeout_s = python, worker, load_timeout_s
+        self._options = options
         if python is None:
             self.backend = LlamaCppBackend(options)
             self.info: dict[str, Any] = self.backend.info()
         else:
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            env.pop("PYTHONPATH", None)
-            self.worker = WorkerProcess(python, env=env, name=name, worker=worker)
-            try:
-                self.info = self.worker.call({"cmd": "load", "backend": "llama.cpp", "options": options},
-                                             load_timeout_s).get("info") or {}
-            except PeerError as error:
-                self.worker.close(10)
-                raise explain_llama_crash(error) from None
+            self.info = self._start_worker()
         where = "in this process" if python is None else f"in {python}"
         made = "" if gguf else f" (made from {source_gguf.name if source_gguf else '?'} with llama_model_quantize)"
-        self.notes = (f"llama-cpp-python {self.info.get('llama_cpp_python')} {where}, {precision} GGUF "
-                      f"{self.info.get('gguf')}{made}, {threads} threads; one request at a time (the Python binding "
-                      "decodes one sequence), so later requests wait for earlier ones in TTFT",)
+        self.notes: tuple[str, ...] = (
+            f"llama-cpp-python {self.info.get('llama_cpp_python')} {where}, {precision} GGUF "
+            f"{self.info.get('gguf')}{made}, {threads} threads; one request at a time (the Python binding decodes one "
+            "sequence), so later requests wait for earlier ones in TTFT",)
         self.threads = threads
         self.precision = precision
 
+    def _start_worker(self) -> dict[str, Any]:
+        """Start the worker and load the model with `self._options`; its info."""
+        assert self._python is not None
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("PYTHONPATH", None)
+        self.worker = WorkerProcess(self._python, env=env, name=self.name, worker=self._worker_script)
+        try:
+            return self.worker.call({"cmd": "load", "backend": "llama.cpp", "options": self._options},
+                                    self._load_timeout_s).get("info") or {}
+        except PeerError as error:
+            self.worker.close(10)
+            raise explain_llama_crash(error) from None
+
     def describe(self) -> str:
-        """The peer in the machine line: its version, precision and threads."""
-        return f"llama-cpp-python {self.info.get('llama_cpp_python')}, {self.precision}, {self.threads} threads"
+        """The peer in the machine line: its version, precision and threads (and n_batch when it is not llama.cpp's
+        default)."""
+        batch = f", n_batch={self._options['n_batch']}" if "n_batch" in self._options else ""
+        return f"llama-cpp-python {self.info.get('llama_cpp_python')}, {self.precision}, {self.threads} threads{batch}"
 
     def _generate(self, requests: list[BenchRequest], on_done: OnDone | None = None) -> dict[str, Any]:
         if self.backend is not None:
             return dict(self.backend.generate(_wire(requests), on_done))
         assert self.worker is not None
+        message = {"cmd": "generate", "requests": _wire(requests)}
         try:
-            answer = self.worker.call({"cmd": "generate", "requests": _wire(requests)}, self.round_timeout_s)
+            answer = self.worker.call(message, self.round_timeout_s)
         except PeerError as error:
-            raise explain_llama_crash(error) from None
+            if not amx_crash(error) or self._options.get("n_batch") == 1:
+                raise explain_llama_crash(error) from None
+            # llama.cpp's AMX path crashed on a multi-token batch: once more, a token at a time
+            self.worker.close(10)
+            self._options = {**self._options, "n_batch": 1}
+            self.info = self._start_worker()
+            self.notes = (*self.notes, LLAMA_ONE_TOKEN_NOTE)
+            try:
+                answer = self.worker.call(message, self.round_timeout_s)
+            except PeerError as again:
+                raise explain_llama_crash(again) from None
         if on_done is not None:
             on_done(len(requests))
         return answer

@@ -320,6 +320,54 @@ def test_a_llama_cpp_worker_killed_by_sigsegv_names_the_amx_crash_only_on_a_cpu_
     assert ("-mno-amx-int8" in str(raised.value)) == ("amx_int8" in flags)
 
 
+FAKE_AMX_LLAMA = """
+import json, os, signal, sys
+options = {}
+for line in sys.stdin:
+    message = json.loads(line)
+    if message["cmd"] == "load":
+        options = message["options"]
+        print(json.dumps({"ok": True, "info": {"llama_cpp_python": "fake", "gguf": options["gguf"]}}), flush=True)
+    elif message["cmd"] == "generate":
+        if options.get("n_batch") != 1:  # as llama.cpp's AMX path: a multi-token batch segfaults
+            os.kill(os.getpid(), signal.SIGSEGV)
+        print(json.dumps({"ok": True, "ran_with_n_batch": options["n_batch"]}), flush=True)
+    else:
+        print(json.dumps({"ok": True}), flush=True)
+        break
+"""
+
+
+def test_a_llama_cpp_that_segfaults_on_multi_token_batches_on_an_amx_cpu_is_rerun_a_token_at_a_time(tmp_path,
+                                                                                                  monkeypatch):
+    script = tmp_path / "amx_llama.py"
+    script.write_text(FAKE_AMX_LLAMA)
+    monkeypatch.setattr(peers_module, "hardware_cpu_flags", lambda: frozenset({"avx512f", "amx_tile", "amx_int8"}))
+    peer = LlamaCppPeer(sys.executable, gguf=str(tmp_path / "model.gguf"), source_gguf=None, precision="Q4_1",
+                        threads=1, worker=script)
+    try:
+        answer = peer._generate([BenchRequest(prompt_ids=[1, 2, 3], output_len=4)])
+        assert answer["ran_with_n_batch"] == 1
+        assert any("n_batch=1" in note and "compare TPOT" in note for note in peer.notes)
+        assert "n_batch=1" in peer.describe()
+    finally:
+        peer.close()
+
+
+def test_a_llama_cpp_that_segfaults_without_amx_is_not_retried(tmp_path, monkeypatch):
+    script = tmp_path / "amx_llama.py"
+    script.write_text(FAKE_AMX_LLAMA)
+    monkeypatch.setattr(peers_module, "hardware_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    peer = LlamaCppPeer(sys.executable, gguf=str(tmp_path / "model.gguf"), source_gguf=None, precision="Q4_1",
+                        threads=1, worker=script)
+    try:
+        with pytest.raises(PeerError, match="status -11"):
+            peer._generate([BenchRequest(prompt_ids=[1, 2, 3], output_len=4)])
+        assert "n_batch" not in peer.describe()
+    finally:
+        peer.close()
+
+
 def test_the_worker_answers_each_command_and_reports_errors_without_dying():
     """The worker script itself, by path with this Python: an unknown backend or command, `generate` before `load`
     and a malformed line each get `ok: false` and the worker reads on; `quit` ends it."""
