@@ -517,9 +517,11 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
 /* Weight rows per tile of ONE activation row (a batch-1 step): two on AVX2, whose one-row tile is bound by its
  * multiply-adds' latency (two accumulator chains an output, each step waiting for the one before), so a second weight
  * row's independent chains fill the gaps: each output's sum is the same, in the same order (a Q4_1 token 1.03x on a
- * 2-core Zen 3). AVX-512 keeps one weight row at a time (1.09x against four interleaved on a Zen 5, below); two rows
- * of one activation row are untried there, though its one-row tile is latency-bound too. */
-#define ONE_ROW_R_avx512 1
+ * 2-core Zen 3). Two on AVX-512 too, whose one-row tile is as latency-bound (four interleaved rows measured 1.09x
+ * slower than one on a Zen 5, below; two were not tried there): on a 2-core Intel Xeon one Q4_1 row in cache 1.04x
+ * (576 wide) and 1.10x (1536), Q8_0 1.06x, a batch-1 GGUF token 1.05x on top of the scales' broadcast from memory
+ * (`head_splat_avx512`), two engines alternating in one process, same tokens. */
+#define ONE_ROW_R_avx512 2
 #define ONE_ROW_R_avx2 2
 #define ONE_ROW_R_portable 1
 /* Activation rows per tile of one weight row: 8 where the registers hold 8 x 2 accumulators beside the weight
