@@ -63,6 +63,12 @@ calibrated cost of a row bucket wanders by 5-15% from step to step, so a smaller
 compute-bound step a sequence that finishes early saves only the rows it would have taken (the batch's steps go on
 for the others), not the step's fixed part that the tokens-per-second objective credits it with. At 24-32 sequences
 of the GGUF as stored, batches that drafted on predictions of ~2% measured 0.86-0.96x plain."""
+FRESH_PROBES = True
+"""New sequences of a batch chosen by measured costs are probed on their first decode step, all at once, where a
+high acceptance would pay (not `hopeless`), instead of waiting `PROBE_INTERVAL` steps and taking turns: their rate is
+only the prior, at which a batch of 8 (float32, 2-core Intel Xeon) found nothing paid, held that, then probed one
+sequence a step, and spent ~24 of its ~40 steps before drafting at the 81-95% its int8 self-draft was accepted at.
+One probe each costs one step `PROBE_TOKENS` rows a sequence longer, once."""
 HOLD_STEPS = 8
 """A batch for which nothing paid keeps that answer for up to this many steps while its sequences and size stay the
 same (nothing it is chosen from changes then, but the calibration's drift), so a batch with speculation switched off
@@ -80,6 +86,9 @@ class Acceptance:
     hit: float = 1.0
     """How often the sequence's chain drafted something when asked (moving average)."""
     decay: float = DECAY
+    fresh: bool = False
+    """A new sequence's state (`draft_lengths` makes it so) before its first probe or verified draft: its rate is
+    only the prior, so it is probed at once (`FRESH_PROBES`)."""
 
     @classmethod
     def starting_from(cls, prior: Acceptance) -> Acceptance:
@@ -90,7 +99,7 @@ class Acceptance:
         rows for every sequence until their own estimates fell (the first such run 0.82x plain, the chain drafting
         89 tokens, against 0.95-1.02x and 0-4 tokens where the chain had no copying history)."""
         rate = min(prior.rate, PRIOR_ACCEPTANCE)
-        return cls(rate * PRIOR_WEIGHT, (1 - rate) * PRIOR_WEIGHT, hit=prior.hit)
+        return cls(rate * PRIOR_WEIGHT, (1 - rate) * PRIOR_WEIGHT, hit=prior.hit, fresh=True)
 
     @property
     def rate(self) -> float:
@@ -101,6 +110,7 @@ class Acceptance:
         """A verified draft of `proposed` tokens whose first `accepted` were accepted (the rest rejected at once:
         one rejection, since verification stops at the first)."""
         if proposed:
+            self.fresh = False
             self.accepted = self.decay * self.accepted + accepted
             self.rejected = self.decay * self.rejected + (accepted < proposed)
 
@@ -213,8 +223,8 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     running acceptance and hit rate) where given, unless seeded (its choices must not depend on earlier requests).
     With `off`, a batch for which nothing paid skips the search while it stays the same (`HOLD_STEPS`)."""
     alone = [not seq.greedy and seq.request.params.seed is not None for seq in seqs]
-    states = [seq.stash.setdefault(ACCEPTANCE, Acceptance() if own or prior is None else Acceptance.starting_from(
-        prior)) for seq, own in zip(seqs, alone)]
+    states = [seq.stash.setdefault(ACCEPTANCE, Acceptance(fresh=True) if own or prior is None else
+                                   Acceptance.starting_from(prior)) for seq, own in zip(seqs, alone)]
     shared = [i for i, own in enumerate(alone) if not own]
     lengths = [0] * len(seqs)
     others = other_rows + len(seqs) - len(shared)
@@ -242,7 +252,8 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
                 state.probe_interval = PROBE_INTERVAL  # speculation pays for it again: probe soon when it stops
             continue
         state.idle_steps += 1
-        if state.idle_steps >= state.probe_interval:
+        if state.idle_steps >= state.probe_interval or (FRESH_PROBES and state.fresh and calibrated is not None
+                                                        and not alone[i]):
             due.append(i)
     # a seeded sequence probes as it would alone; the others take turns, the longest idle first, and only where
     # a high acceptance would make drafting pay (a compute-bound batch learns nothing useful from a probe)
@@ -255,10 +266,16 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
             off.hopeless = hopeless
         if hopeless:
             shared_due = []
-    probing = [i for i in due if alone[i]] + ([] if exploring else shared_due[:math.ceil(len(shared) / PROBE_SHARE)])
+    # new sequences all at once (their first probe), the others a share of the batch a step
+    fresh = [i for i in shared_due if states[i].fresh]
+    turns = [i for i in shared_due if not states[i].fresh][:math.ceil(len(shared) / PROBE_SHARE)]
+    probing = [i for i in due if alone[i]] + ([] if exploring else fresh + turns)
     for i in probing:
         lengths[i], states[i].idle_steps = min(PROBE_TOKENS, limits[i]), 0
-        states[i].probe_interval = min(2 * states[i].probe_interval, MAX_PROBE_INTERVAL)
+        if states[i].fresh:  # a first probe: the next one waits the usual interval
+            states[i].fresh = False
+        else:
+            states[i].probe_interval = min(2 * states[i].probe_interval, MAX_PROBE_INTERVAL)
     if off is not None:
         if exploring or any(lengths[i] for i in shared):
             off.release()

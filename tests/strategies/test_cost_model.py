@@ -19,6 +19,7 @@ from decodekit_plugins.adaptive import (
     MIN_GAIN,
     PROBE_INTERVAL,
     PROBE_SHARE,
+    PROBE_TOKENS,
     Acceptance,
     OffSwitch,
     choose_draft_lengths,
@@ -341,3 +342,30 @@ def test_a_switched_off_batch_is_searched_once_per_hold_and_again_when_it_change
     assert searches == [16, 16]
     run_chooser(seqs[1:], 1, PROPORTIONAL, off)  # a sequence left the batch: searched again (then its probe check)
     assert searches[:3] == [16, 16, 15]
+
+
+def test_new_sequences_of_a_measured_batch_are_all_probed_on_their_first_step_then_wait_their_interval():
+    # a batch of 8 on a curve where the prior's acceptance does not pay but a high one would (each row costs 0.2 of
+    # a step): the new sequences probe together at once, not one a step after PROBE_INTERVAL idle steps
+    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.2))
+    seqs = bare_sequences(8, temperature=0)
+    steps = run_chooser(seqs, PROBE_INTERVAL, curve, OffSwitch())
+    assert steps[0] == [PROBE_TOKENS] * 8
+    assert all(not any(step) for step in steps[1:])  # nothing verified (a probe found nothing): the usual wait
+    states = [seq.stash[ACCEPTANCE] for seq in seqs]
+    assert not any(state.fresh for state in states) and all(s.probe_interval == PROBE_INTERVAL for s in states)
+
+
+def test_new_sequences_of_a_compute_bound_batch_are_not_probed():
+    seqs = bare_sequences(16, temperature=0)
+    assert run_chooser(seqs, 4, PROPORTIONAL, OffSwitch()) == [[0] * 16] * 4
+    assert all(seq.stash[ACCEPTANCE].fresh for seq in seqs)  # still unmeasured: probed once rows get cheap
+
+
+def test_a_seeded_sequence_is_not_probed_early_for_being_new():
+    (seeded,) = bare_sequences(1, temperature=0.8, seed=9)
+    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.2))
+    alone = [draft_lengths([seeded], [6], 0, curve, None)[0] for _ in range(3)]
+    (again,) = bare_sequences(1, temperature=0.8, seed=9)
+    batched = run_chooser([again, *bare_sequences(7, temperature=0)], 3, curve, OffSwitch())
+    assert [step[0] for step in batched] == alone
