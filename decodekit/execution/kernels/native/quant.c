@@ -172,8 +172,8 @@ typedef float dk_v8f __attribute__((vector_size(32)));
 
 ALWAYS_INLINE dk_v8f load_v8f(const float* p) { dk_v8f v; memcpy(&v, p, sizeof v); return v; }
 
-/* The portable path (and AVX-512's, below) computes a K-quant's scale and min in each chunk: no super-block
- * constants (`ksuper_avx2`) to compute. */
+/* The portable path computes a K-quant's scale and min in each chunk: no super-block
+ * constants (`ksuper_avx2`, `ksuper_avx512`) to compute. */
 ALWAYS_INLINE void ksuper_portable(int kind, const uint8_t* sb, float* ks) { (void)kind, (void)sb, (void)ks; }
 
 ALWAYS_INLINE void chunk_portable(int kind, const uint8_t* row, int64_t c, dk_v8f* w, const float* ks, int half) {
@@ -355,10 +355,13 @@ ALWAYS_INLINE __m512 iota16(void) {
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-ALWAYS_INLINE void ksuper_avx512(int kind, const uint8_t* sb, float* ks) { (void)kind, (void)sb, (void)ks; }
+/* A K-quant super-block's constants once for its 8 chunks, as on AVX2 (`ksuper_avx2`: the same floats), broadcast
+ * from memory by each chunk instead of unpacked, widened and multiplied in every chunk. */
+ALWAYS_INLINE void ksuper_avx512(int kind, const uint8_t* sb, float* ks) { ksuper_avx2(kind, sb, ks); }
 
+/* Chunk c of a row as two vectors; `ks` holds its super-block's constants (ksuper_avx512) for a K-quant, and
+ * `half` (0, 1; -1: unknown) whether a Q4_K chunk is an even or odd sub-block. */
 ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512* w, const float* ks, int half) {
-    (void)ks, (void)half;
     if (kind == DK_F32) {
         w[0] = _mm512_loadu_ps((const float*)row + c * CHUNK);
         w[1] = _mm512_loadu_ps((const float*)row + c * CHUNK + 16);
@@ -383,22 +386,20 @@ ALWAYS_INLINE void chunk_avx512(int kind, const uint8_t* row, int64_t c, __m512*
     } else if (kind == DK_Q4_K) {
         const uint8_t* b = row + (c / 8) * 144;
         int64_t j = c % 8;
-        int sc, mn;
-        q4k_scale_min(b + 4, j, &sc, &mn);
-        __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(half_at(b) * (float)sc), iota16(),
-                                       _mm512_set1_ps(-(half_at(b + 2) * (float)mn)));
+        __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(ks[j]), iota16(), _mm512_set1_ps(ks[8 + j]));
         __m256i bytes = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (j / 2)));
-        bytes = _mm256_srl_epi16(bytes, _mm_cvtsi32_si128((int)(4 * (j % 2))));
+        /* an odd sub-block's quants are the high nibbles (`vpermps` reads only the low 4 bits of an index) */
+        if (half == 1) bytes = _mm256_srli_epi16(bytes, 4);
+        else if (half != 0) bytes = _mm256_srl_epi16(bytes, _mm_cvtsi32_si128((int)(4 * (j % 2))));
         table_lookup_avx512(table, _mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1), w);
     } else {  /* DK_Q6_K */
         const uint8_t* b = row + (c / 8) * 210;
         int64_t k = c % 8, h = k / 4, kk = k % 4;
-        const int8_t* sc = (const int8_t*)(b + 192) + 8 * h + 2 * kk;
-        float d = half_at(b + 208);
         __m256i q = q6k_bytes(b, h, kk);
-        w[0] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[0]),
+        /* sub-block scales 8h + 2kk and the next: ks[2k], ks[2k + 1] */
+        w[0] = _mm512_mul_ps(_mm512_set1_ps(ks[2 * k]),
                              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
-        w[1] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[1]),
+        w[1] = _mm512_mul_ps(_mm512_set1_ps(ks[2 * k + 1]),
                              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
     }
 }
@@ -588,10 +589,12 @@ ALWAYS_INLINE void dequantize_row_avx2(int kind, const uint8_t* row, int64_t row
 ALWAYS_INLINE void dequantize_row_avx512(int kind, const uint8_t* row, int64_t row_bytes, int64_t chunks,
                                        float* dst) {
     int64_t step = row_bytes / chunks;  /* a chunk's bytes (K-quants: on average) */
+    float ks[16];
     for (int64_t c = 0; c < chunks; ++c) {
         __builtin_prefetch(row + c * step + QUANT_PREFETCH_BYTES);
+        if (is_kquant(kind) && c % 8 == 0) ksuper_avx512(kind, row + c / 8 * block_bytes(kind), ks);
         __m512 v[2];
-        chunk_avx512(kind, row, c, v, NULL, -1);
+        chunk_avx512(kind, row, c, v, ks, -1);
         _mm512_storeu_ps(dst + c * CHUNK, v[0]);
         _mm512_storeu_ps(dst + c * CHUNK + 16, v[1]);
     }
