@@ -78,17 +78,28 @@ def cost_at(cost: Callable[[float], float], rows: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Scaled:
-    """A curve times a factor (a draft model's measured curve times its calls' measured over predicted)."""
+    """A curve times a factor (a draft model's measured curve times its calls' measured over predicted): the factor
+    of `rows`' bucket where `factors` has one, else `factor` (over every call)."""
 
     curve: StepCost
     factor: float = 1.0
+    factors: dict[int, float] | None = None
+
+    def factor_at(self, rows: float) -> float:
+        """The factor for a forward of `rows` rows."""
+        if self.factors:
+            return self.factors.get(bucket(rows), self.factor)
+        return self.factor
 
     def __call__(self, rows: float) -> float:
-        return self.curve(rows) * self.factor
+        return self.curve(rows) * self.factor_at(rows)
 
     def many(self, rows: np.ndarray) -> np.ndarray:
         """The cost of each of `rows`."""
-        return curve_at(self.curve, rows) * self.factor
+        if not self.factors:
+            return curve_at(self.curve, rows) * self.factor
+        table = np.array([self.factors.get(b, self.factor) for b in range(int(buckets(rows).max(initial=0)) + 1)])
+        return curve_at(self.curve, rows) * table[buckets(rows)]
 
 
 @dataclass
@@ -207,6 +218,14 @@ class ProposerCost:
     """Seconds per sequence asked (a proposer without a draft model)."""
     model_factor: LowEstimate = field(default_factory=LowEstimate)
     """Measured seconds over the draft curve's prediction (a proposer with a draft model)."""
+    model_factors: dict[int, LowEstimate] = field(default_factory=dict)
+    """The same by the row bucket of a call's sequences (its first forward's rows), each bucket's first call left
+    out (a new shape's first forward builds its kernels' state) and used from its second kept one. A forward's fixed
+    cost (its Python, its processors' calls) weighs more at 1 row than at 8: one factor over all calls charged a batch
+    of 8 what a chain's lone sequences had cost (1.5x the draft curve), and speculation at batch 8 stayed off in some
+    runs. Kept by bucket (float32 target, 2-core Intel Xeon, `strategies.py spec --batches 8`): chat b8 int8 draft
+    0.99x -> 1.18x, tree 1.00x -> 1.21x; the chain at chat b8 0.86x (0.90-1.00x in earlier runs): its draft link's
+    few sequences now draft at their own, lower cost."""
     hit: float = 1.0
     """How often a sequence asked gets a draft (moving average; a new proposer is assumed to draft always)."""
     calls: int = 0
@@ -225,6 +244,11 @@ class ProposerCost:
             self.per_sequence.add(seconds / asked)
         elif predicted > 0:
             self.model_factor.add(seconds / predicted)
+            by_rows = self.model_factors.get(bucket(asked))
+            if by_rows is None:
+                self.model_factors[bucket(asked)] = LowEstimate()  # this bucket's first call: not kept
+            else:
+                by_rows.add(seconds / predicted)
 
 
 def draft_forwards(lengths: Sequence[int]) -> list[int]:
@@ -273,6 +297,7 @@ class ChainCharge:
             if curve is None:
                 per_sequence += reach * (cost.per_sequence.value or 0.0)
             elif draft is None:  # a second model link is rare; the first one's forwards are charged
-                draft, draft_reach = Scaled(curve, cost.model_factor.value or 1.0), reach
+                factors = {b: e.value for b, e in cost.model_factors.items() if e.value is not None and e.count >= 2}
+                draft, draft_reach = Scaled(curve, cost.model_factor.value or 1.0, factors), reach
             reach *= max(0.0, 1.0 - cost.hit)
         return cls(per_sequence, draft, draft_reach)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -369,3 +370,24 @@ def test_a_seeded_sequence_is_not_probed_early_for_being_new():
     (again,) = bare_sequences(1, temperature=0.8, seed=9)
     batched = run_chooser([again, *bare_sequences(7, temperature=0)], 3, curve, OffSwitch())
     assert [step[0] for step in batched] == alone
+
+
+def test_a_draft_models_measured_cost_is_charged_by_the_rows_of_the_forward_not_one_factor_for_all():
+    # lone sequences' calls cost 3x the curve (a forward's fixed Python), batches of 8 cost 1.2x: a batch of 8 is
+    # charged its own factor, a lone sequence its own, and a size never measured the factor over all calls; each
+    # size's first call (a new shape's kernels built) is left out of its own factor
+    curve = StepCost((1, 8, 64), (0.004, 0.006, 0.04))
+    cost = ProposerCost()
+    cost.record(1.0, 1, 1, 1.0)  # the first call opens the model: not kept
+    cost.record(50 * curve(8), 8, 8, curve(8))  # the first call of 8: not kept for 8 rows
+    for _ in range(6):
+        cost.record(3 * curve(1), 1, 1, curve(1))
+        cost.record(1.2 * curve(8), 8, 8, curve(8))
+    charge = ChainCharge.of([(cost, curve)])
+    assert charge.draft is not None
+    assert charge.draft(8) == pytest.approx(1.2 * curve(8), rel=0.02)
+    assert charge.draft(1) == pytest.approx(3 * curve(1), rel=0.02)
+    overall = cost.model_factor.value
+    assert overall is not None and charge.draft(64) == pytest.approx(overall * curve(64))
+    rows = np.array([1.0, 8.0, 64.0])
+    assert charge.draft.many(rows) == pytest.approx([charge.draft(r) for r in rows])  # type: ignore[attr-defined]
