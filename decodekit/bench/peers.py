@@ -538,15 +538,14 @@ LLAMA_ONE_TOKEN_NOTE = (
     "that prefill, so compare TPOT")
 
 
-def amx_crash(error: PeerError, flags: frozenset[str] | set[str] | None = None) -> bool:
+def amx_crash(error: PeerError) -> bool:
     """Whether `error` is a llama.cpp worker killed by SIGSEGV on a CPU with AMX int8 tiles."""
-    flags = hardware_cpu_flags() if flags is None else flags
-    return "status -11" in str(error) and "amx_int8" in flags
+    return "status -11" in str(error) and "amx_int8" in hardware_cpu_flags()
 
 
-def explain_llama_crash(error: PeerError, flags: frozenset[str] | set[str] | None = None) -> PeerError:
+def explain_llama_crash(error: PeerError) -> PeerError:
     """`error` with the AMX hint added where a llama.cpp worker died of SIGSEGV on a CPU with AMX int8 tiles."""
-    if amx_crash(error, flags):
+    if amx_crash(error):
         return PeerError(f"{error}\n{LLAMA_AMX_CRASH_HINT}")
     return error
 

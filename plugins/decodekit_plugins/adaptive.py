@@ -63,12 +63,6 @@ calibrated cost of a row bucket wanders by 5-15% from step to step, so a smaller
 compute-bound step a sequence that finishes early saves only the rows it would have taken (the batch's steps go on
 for the others), not the step's fixed part that the tokens-per-second objective credits it with. At 24-32 sequences
 of the GGUF as stored, batches that drafted on predictions of ~2% measured 0.86-0.96x plain."""
-FRESH_PROBES = True
-"""New sequences of a batch chosen by measured costs are probed on their first decode step, all at once, where a
-high acceptance would pay (not `hopeless`), instead of waiting `PROBE_INTERVAL` steps and taking turns: their rate is
-only the prior, at which a batch of 8 (float32, 2-core Intel Xeon) found nothing paid, held that, then probed one
-sequence a step, and spent ~24 of its ~40 steps before drafting at the 81-95% its int8 self-draft was accepted at.
-One probe each costs one step `PROBE_TOKENS` rows a sequence longer, once."""
 HOLD_STEPS = 8
 """A batch for which nothing paid keeps that answer for up to this many steps while its sequences and size stay the
 same (nothing it is chosen from changes then, but the calibration's drift), so a batch with speculation switched off
@@ -87,8 +81,12 @@ class Acceptance:
     """How often the sequence's chain drafted something when asked (moving average)."""
     decay: float = DECAY
     fresh: bool = False
-    """A new sequence's state (`draft_lengths` makes it so) before its first probe or verified draft: its rate is
-    only the prior, so it is probed at once (`FRESH_PROBES`)."""
+    """A new sequence's state (`draft_lengths` makes it so) before its first probe or verified draft. In a batch
+    chosen by measured costs it is probed on its first decode step, with the batch's other new sequences, where a high
+    acceptance would pay (not `hopeless`), instead of waiting `PROBE_INTERVAL` steps and taking turns: its rate is only
+    the prior, at which a batch of 8 (float32, 2-core Intel Xeon) found nothing paid, held that, then probed one
+    sequence a step, and spent ~24 of its ~40 steps before drafting at the 81-95% its int8 self-draft was accepted
+    at. One probe each costs one step `PROBE_TOKENS` rows a sequence longer, once."""
 
     @classmethod
     def starting_from(cls, prior: Acceptance) -> Acceptance:
@@ -252,8 +250,7 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
                 state.probe_interval = PROBE_INTERVAL  # speculation pays for it again: probe soon when it stops
             continue
         state.idle_steps += 1
-        if state.idle_steps >= state.probe_interval or (FRESH_PROBES and state.fresh and calibrated is not None
-                                                        and not alone[i]):
+        if state.idle_steps >= state.probe_interval or (state.fresh and calibrated is not None and not alone[i]):
             due.append(i)
     # a seeded sequence probes as it would alone; the others take turns, the longest idle first, and only where
     # a high acceptance would make drafting pay (a compute-bound batch learns nothing useful from a probe)

@@ -571,34 +571,26 @@ ALWAYS_INLINE void dequantize_row_portable(int kind, const uint8_t* row, int64_t
         chunk_scalar(kind, row, c, dst + c * CHUNK);
     }
 }
-#if DK_QUANT_AVX2
-ALWAYS_INLINE void dequantize_row_avx2(int kind, const uint8_t* row, int64_t row_bytes, int64_t chunks,
-                                       float* dst) {
-    int64_t step = row_bytes / chunks;  /* a chunk's bytes (K-quants: on average) */
-    float ks[16];
-    for (int64_t c = 0; c < chunks; ++c) {
-        __builtin_prefetch(row + c * step + QUANT_PREFETCH_BYTES);
-        if (is_kquant(kind) && c % 8 == 0) ksuper_avx2(kind, row + c / 8 * block_bytes(kind), ks);
-        __m256 v[4];
-        chunk_avx2(kind, row, c, v, ks, -1);
-        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(dst + c * CHUNK + 8 * k, v[k]);
+/* The same with an ISA's chunks (NV vectors of WIDTH floats each), a K-quant's super-block constants computed once
+ * for its 8 chunks (`ksuper_ISA`) as the tiles compute them. */
+#define DK_DEQUANTIZE_ROW(ISA, VEC, NV, WIDTH, STORE)                                                           \
+    ALWAYS_INLINE void dequantize_row_##ISA(int kind, const uint8_t* row, int64_t row_bytes, int64_t chunks,    \
+                                            float* dst) {                                                       \
+        int64_t step = row_bytes / chunks;  /* a chunk's bytes (K-quants: on average) */                       \
+        float ks[16];                                                                                           \
+        for (int64_t c = 0; c < chunks; ++c) {                                                                  \
+            __builtin_prefetch(row + c * step + QUANT_PREFETCH_BYTES);                                          \
+            if (is_kquant(kind) && c % 8 == 0) ksuper_##ISA(kind, row + c / 8 * block_bytes(kind), ks);         \
+            VEC v[NV];                                                                                          \
+            chunk_##ISA(kind, row, c, v, ks, -1);                                                               \
+            for (int k = 0; k < NV; ++k) STORE(dst + c * CHUNK + WIDTH * k, v[k]);                              \
+        }                                                                                                       \
     }
-}
+#if DK_QUANT_AVX2
+DK_DEQUANTIZE_ROW(avx2, __m256, 4, 8, _mm256_storeu_ps)
 #endif
 #if DK_QUANT_AVX512
-ALWAYS_INLINE void dequantize_row_avx512(int kind, const uint8_t* row, int64_t row_bytes, int64_t chunks,
-                                       float* dst) {
-    int64_t step = row_bytes / chunks;  /* a chunk's bytes (K-quants: on average) */
-    float ks[16];
-    for (int64_t c = 0; c < chunks; ++c) {
-        __builtin_prefetch(row + c * step + QUANT_PREFETCH_BYTES);
-        if (is_kquant(kind) && c % 8 == 0) ksuper_avx512(kind, row + c / 8 * block_bytes(kind), ks);
-        __m512 v[2];
-        chunk_avx512(kind, row, c, v, ks, -1);
-        _mm512_storeu_ps(dst + c * CHUNK, v[0]);
-        _mm512_storeu_ps(dst + c * CHUNK + 16, v[1]);
-    }
-}
+DK_DEQUANTIZE_ROW(avx512, __m512, 2, 16, _mm512_storeu_ps)
 #endif
 
 /* The outputs [o0, o0 + nr) (nr <= QUANT_GROUP) for every activation row, in tiles of one weight row by up to 4
