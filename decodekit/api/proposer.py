@@ -150,6 +150,15 @@ class Proposer:
         measured: a comparison that runs the same prompts more than once calls it before each timed run, so a run
         cannot draft an earlier run's answers. Default: nothing."""
 
+    def forward_rows(self) -> list[int] | None:
+        """The rows (tokens fed) of each model forward its last `propose` or `propose_tree` call ran, for the
+        strategy's cost model to weigh that call's time against; None (the default) where it runs no model or does
+        not say: its forwards are then taken to feed one row per sequence drafting. A draft model's first forward
+        of a call also feeds what its cache lacks (a new prompt, the tokens decoded while drafting was off): a call
+        that catches up on 8 prompts costs ~100 times a drafting forward, and charged as one it made every later
+        draft look 2.5 times dearer than it was (speculation at batch 8 then stayed off)."""
+        return None
+
     def draft_cost(self, measured: bool) -> StepCost | None:
         """What one of its drafting forwards costs by the rows (sequences) it drafts for, for the strategy's
         adaptive draft length: None where drafting costs next to nothing (a lookup); a proposer running a model

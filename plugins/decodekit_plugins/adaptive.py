@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -87,6 +87,12 @@ class Acceptance:
     the prior, at which a batch of 8 (float32, 2-core Intel Xeon) found nothing paid, held that, then probed one
     sequence a step, and spent ~24 of its ~40 steps before drafting at the 81-95% its int8 self-draft was accepted
     at. One probe each costs one step `PROBE_TOKENS` rows a sequence longer, once."""
+    probing: bool = False
+    """This step's length is a probe's (`draft_lengths`), not the chooser's: it is kept as it is."""
+    links: dict[str, list[float]] = field(default_factory=dict)
+    """Per link of the chain (proposer name), the discounted accepted and rejected draft tokens of its own drafts:
+    `link_rate`. A chain's links differ (suffix decoding's chat drafts 12-16% accepted, the int8 draft model's 80-90%),
+    and a draft's length is chosen from the rate of the link that drafts it (`lengths_by_answer`)."""
 
     @classmethod
     def starting_from(cls, prior: Acceptance) -> Acceptance:
@@ -97,20 +103,35 @@ class Acceptance:
         rows for every sequence until their own estimates fell (the first such run 0.82x plain, the chain drafting
         89 tokens, against 0.95-1.02x and 0-4 tokens where the chain had no copying history)."""
         rate = min(prior.rate, PRIOR_ACCEPTANCE)
-        return cls(rate * PRIOR_WEIGHT, (1 - rate) * PRIOR_WEIGHT, hit=prior.hit, fresh=True)
+        links = {name: [r * PRIOR_WEIGHT, (1 - r) * PRIOR_WEIGHT]
+                 for name in prior.links for r in [min(prior.link_rate(name), PRIOR_ACCEPTANCE)]}
+        return cls(rate * PRIOR_WEIGHT, (1 - rate) * PRIOR_WEIGHT, hit=prior.hit, fresh=True, links=links)
 
     @property
     def rate(self) -> float:
         """The estimated chance that a draft token is accepted (given the ones before it were)."""
         return min(self.accepted / (self.accepted + self.rejected), MAX_RATE)
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def link_rate(self, link: str) -> float:
+        """The acceptance of link `link`'s drafts for this sequence; the fixed prior's until it drafted (a rate
+        borrowed from the other links would be theirs)."""
+        tally = self.links.get(link)
+        if tally is None:
+            return PRIOR_ACCEPTANCE
+        return min(tally[0] / (tally[0] + tally[1]), MAX_RATE)
+
+    def record(self, proposed: int, accepted: int, link: str | None = None) -> None:
         """A verified draft of `proposed` tokens whose first `accepted` were accepted (the rest rejected at once:
-        one rejection, since verification stops at the first)."""
+        one rejection, since verification stops at the first), drafted by link `link` where given."""
         if proposed:
             self.fresh = False
             self.accepted = self.decay * self.accepted + accepted
             self.rejected = self.decay * self.rejected + (accepted < proposed)
+            if link is not None:
+                tally = self.links.setdefault(link, [PRIOR_ACCEPTANCE * PRIOR_WEIGHT,
+                                                     (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT])
+                tally[0] = self.decay * tally[0] + accepted
+                tally[1] = self.decay * tally[1] + (accepted < proposed)
 
     def record_ask(self, drafted: bool) -> None:
         """The chain was asked for a draft and gave one (`drafted`) or nothing."""
@@ -127,7 +148,8 @@ def expected_tokens(rate: float, k: int) -> float:
 
 def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, target: Callable[[float], float],
                          draft: Callable[[float], float] | None = None, *, hits: Seq[float] | None = None,
-                         host: ChainCharge | None = None, min_gain: float = 0.0) -> list[int]:
+                         host: ChainCharge | None = None, min_gain: float = 0.0,
+                         reach: Seq[float] | None = None) -> list[int]:
     """The draft length of each sequence that maximizes the step's expected tokens per second; all 0 where no
     drafting beats plain decoding's rate by more than `min_gain` (then nobody drafts, and nobody pays for proposing).
 
@@ -144,42 +166,114 @@ def choose_draft_lengths(rates: Seq[float], limits: Seq[int], other_rows: int, t
             forwards for the share of sequences that reach it.
         min_gain: the share by which the best choice must beat plain decoding's rate (`MIN_GAIN` for measured
             costs); 0: any gain.
+        reach: each sequence's share of the draft model's forwards (the host's `draft_reach` where not given): 0
+            for a sequence whose draft a lookup already gave (`lengths_by_answer`).
     """
-    if host is not None and draft is not None:
-        raise ValueError("choose_draft_lengths: give the draft model's cost in `draft` or in `host`, not both")
-    charge = host if host is not None else ChainCharge(draft=draft)
-    chance = np.asarray(list(hits) if hits is not None else [1.0] * len(rates), dtype=np.float64)
-    base = len(rates) + other_rows
-    plain = base / target(base)  # every row without a draft gives one token, the others' decode rows included
-    depth = max(limits, default=0)
-    if depth <= 0 or not len(rates):
-        return [0] * len(rates)
-    # each sequence's j-th draft token gains chance * rate^j; listed sequence by sequence in j order and sorted
-    # stably, so a sequence's gains are always taken first to last (they never grow with j)
-    j = np.arange(1, depth + 1)
-    seq_of, j_of = np.nonzero(j[None, :] <= np.asarray(limits)[:, None])
-    j_of = j_of + 1
-    gains = chance[seq_of] * np.asarray(rates, dtype=np.float64)[seq_of] ** j_of
-    order = np.argsort(-gains, kind="stable")
-    seq_of, j_of, gains = seq_of[order], j_of[order], gains[order]
-    # the step with the first n of them (n = 1, 2, ...): expected tokens, rows, and seconds
-    tokens = base + np.cumsum(gains)
-    rows = base + np.cumsum(chance[seq_of])  # a verification row where the chain drafts something
-    seconds = cost_at(target, rows)
-    seconds += charge.per_sequence * np.cumsum(j_of == 1)  # lookups run whether or not they find anything
-    if charge.draft is not None:  # the j-th draft forward gets draft_reach more expected rows (or starts)
-        taken = np.cumsum(j_of[:, None] == j[None, :], axis=0)[np.arange(len(j_of)), j_of - 1]
-        added = expected_costs(charge.draft, charge.draft_reach * taken) - \
-            expected_costs(charge.draft, charge.draft_reach * (taken - 1))
-        seconds += np.cumsum(added)
-    values = tokens / seconds
-    best = float(values.max())
-    # the fewest extra rows within rounding of the best; none where drafting cannot beat plain decoding
-    best_n = 0 if best <= plain * (1 + min_gain) * (1 + 1e-9) else int(np.argmax(values >= best / (1 + 1e-9))) + 1
+    plan = _Allocations(rates, limits, other_rows, target, draft, hits, host, reach)
     chosen = [0] * len(rates)
-    for i in seq_of[:best_n].tolist():
+    if plan.values is None:
+        return chosen
+    best = float(plan.values.max())
+    # the fewest extra rows within rounding of the best; none where drafting cannot beat plain decoding
+    best_n = 0 if best <= plan.plain * (1 + min_gain) * (1 + 1e-9) else \
+        int(np.argmax(plan.values >= best / (1 + 1e-9))) + 1
+    for i in plan.seq_of[:best_n].tolist():
         chosen[i] += 1
     return chosen
+
+
+def best_rate(rates: Seq[float], limits: Seq[int], other_rows: int, target: Callable[[float], float],
+              draft: Callable[[float], float] | None = None, reach: Seq[float] | None = None) -> float:
+    """The most expected tokens per second of a step (drafting or not) for these sequences (`choose_draft_lengths`'s
+    arguments, every sequence drafting when asked)."""
+    plan = _Allocations(rates, limits, other_rows, target, draft, None, None, reach)
+    return plan.plain if plan.values is None else max(plan.plain, float(plan.values.max()))
+
+
+class _Allocations:
+    """The candidate allocations of draft rows to a batch's sequences, best gains first: after the first n of them
+    (n = 1, 2, ...) the step's expected tokens per second (`values`, None where nobody may draft), against plain
+    decoding's (`plain`); `seq_of[n]` is the sequence the (n+1)-th extra row drafts for."""
+
+    def __init__(self, rates: Seq[float], limits: Seq[int], other_rows: int, target: Callable[[float], float],
+                 draft: Callable[[float], float] | None, hits: Seq[float] | None, host: ChainCharge | None,
+                 reach: Seq[float] | None) -> None:
+        if host is not None and draft is not None:
+            raise ValueError("choose_draft_lengths: give the draft model's cost in `draft` or in `host`, not both")
+        charge = host if host is not None else ChainCharge(draft=draft)
+        chance = np.asarray(list(hits) if hits is not None else [1.0] * len(rates), dtype=np.float64)
+        share = np.asarray(list(reach) if reach is not None else [charge.draft_reach] * len(rates), dtype=np.float64)
+        base = len(rates) + other_rows
+        self.plain = base / target(base)  # every row without a draft gives one token, the others' decode rows too
+        self.values: np.ndarray | None = None
+        self.seq_of = np.zeros(0, dtype=np.int64)
+        depth = max(limits, default=0)
+        if depth <= 0 or not len(rates):
+            return
+        # each sequence's j-th draft token gains chance * rate^j; listed sequence by sequence in j order and sorted
+        # stably, so a sequence's gains are always taken first to last (they never grow with j)
+        j = np.arange(1, depth + 1)
+        seq_of, j_of = np.nonzero(j[None, :] <= np.asarray(limits)[:, None])
+        j_of = j_of + 1
+        gains = chance[seq_of] * np.asarray(rates, dtype=np.float64)[seq_of] ** j_of
+        order = np.argsort(-gains, kind="stable")
+        seq_of, j_of, gains = seq_of[order], j_of[order], gains[order]
+        # the step with the first n of them (n = 1, 2, ...): expected tokens, rows, and seconds
+        tokens = base + np.cumsum(gains)
+        rows = base + np.cumsum(chance[seq_of])  # a verification row where the chain drafts something
+        seconds = cost_at(target, rows)
+        seconds += charge.per_sequence * np.cumsum(j_of == 1)  # lookups run whether or not they find anything
+        if charge.draft is not None:  # the j-th draft forward gets the sequence's reach more expected rows
+            weight = share[seq_of]
+            taken = np.cumsum((j_of[:, None] == j[None, :]) * weight[:, None], axis=0)[np.arange(len(j_of)),
+                                                                                      j_of - 1]
+            added = expected_costs(charge.draft, taken) - expected_costs(charge.draft, taken - weight)
+            seconds += np.cumsum(added)
+        self.values = tokens / seconds
+        self.seq_of = seq_of
+
+
+def lengths_by_answer(answers: Seq[tuple[float, int] | None], model_rates: Seq[float], limits: Seq[int],
+                      other_rows: int, target: Callable[[float], float],
+                      draft: Callable[[float], float] | None) -> tuple[list[int], list[bool]]:
+    """Each sequence's draft length from the rate of the link that will draft it, once the chain's lookups have
+    answered, and whether it keeps its lookup's draft (else its chain's draft model drafts it).
+
+    A chain's sequence was chosen a length before its proposers ran, from one rate; but its lookups' drafts, when
+    they find one, preempt the draft model's, and their acceptance is their own (suffix decoding's on chat 12-16%,
+    the int8 draft model's 80-90%). So the lookups run first (`answers`: the answering lookup's acceptance for the
+    sequence and its draft's length, None where none answered). Every answer is kept, then, the answers least
+    promising against the draft model first (`model_rates`, up to `limits`, at `draft`'s cost), each is handed to
+    the model where that raises the batch's best expected tokens per second beside `other_rows` (the model's forwards
+    are shared: once one sequence pays for them, another's rows in them cost little). The lengths are then chosen
+    for the batch from those rates, the draft model charged only for the sequences it drafts (the lookups have run:
+    their cost is spent). Without a draft model (`draft` None) an unanswered sequence drafts nothing."""
+    keep = [answer is not None for answer in answers]
+
+    def plan(keep: list[bool]) -> tuple[list[float], list[int], list[float]]:
+        rates = [answer[0] if kept and answer is not None else model_rate
+                 for answer, kept, model_rate in zip(answers, keep, model_rates)]
+        lengths = [answer[1] if kept and answer is not None else limit if draft is not None else 0
+                   for answer, kept, limit in zip(answers, keep, limits)]
+        return rates, lengths, [0.0 if kept else 1.0 for kept in keep]
+
+    if draft is not None:
+        rates, lengths, reach = plan(keep)
+        best = best_rate(rates, lengths, other_rows, target, draft, reach)
+        doubtful = sorted((answer[0] - model_rate, i)
+                          for i, (answer, model_rate) in enumerate(zip(answers, model_rates))
+                          if answer is not None and model_rate > answer[0])
+        for _, i in doubtful:
+            trial = keep.copy()
+            trial[i] = False
+            rates, lengths, reach = plan(trial)
+            value = best_rate(rates, lengths, other_rows, target, draft, reach)
+            if value > best:
+                keep, best = trial, value
+    rates, lengths, reach = plan(keep)
+    chosen = choose_draft_lengths(rates, lengths, other_rows, target, host=ChainCharge(draft=draft), reach=reach,
+                                  min_gain=MIN_GAIN)
+    return chosen, keep
 
 
 @dataclass
@@ -214,16 +308,23 @@ class OffSwitch:
 def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, target: StepCost,
                   draft: StepCost | None, calibrated: Calibration | None = None,
                   host: ChainCharge | None = None, prior: Acceptance | None = None,
-                  off: OffSwitch | None = None) -> list[int]:
+                  off: OffSwitch | None = None, rate_link: str | None = None) -> list[int]:
     """This step's draft length of each of `seqs` (see the module docstring): the batch's best (from `calibrated`
     and `host` where given, else from the curves), a seeded sampled sequence's best alone from the curves, a probe
-    where a sequence was kept from drafting for its probe interval. A new sequence starts from `prior` (its chain's
-    running acceptance and hit rate) where given, unless seeded (its choices must not depend on earlier requests).
-    With `off`, a batch for which nothing paid skips the search while it stays the same (`HOLD_STEPS`)."""
+    where a sequence was kept from drafting for its probe interval (its state's `probing` set). A new sequence
+    starts from `prior` (its chain's running acceptance and hit rate) where given, unless seeded (its choices must
+    not depend on earlier requests). With `off`, a batch for which nothing paid skips the search while it stays the
+    same (`HOLD_STEPS`). With `rate_link`, the batch's sequences (not the seeded ones) choose by the higher of the
+    chain's rate and that link's: the draft model of a chain whose lookups answer first and are kept only where
+    they promise more (`lengths_by_answer`), so the chain drafts at least as well as its model would."""
     alone = [not seq.greedy and seq.request.params.seed is not None for seq in seqs]
     states = [seq.stash.setdefault(ACCEPTANCE, Acceptance(fresh=True) if own or prior is None else
                                    Acceptance.starting_from(prior)) for seq, own in zip(seqs, alone)]
+    for state in states:
+        state.probing = False
     shared = [i for i, own in enumerate(alone) if not own]
+    rates = [states[i].rate if rate_link is None else max(states[i].rate, states[i].link_rate(rate_link))
+             for i in shared]
     lengths = [0] * len(seqs)
     others = other_rows + len(seqs) - len(shared)
     members = tuple(seqs[i].seq_id for i in shared) if off is not None else ()
@@ -231,10 +332,9 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     if holding:
         chosen = [0] * len(shared)
     elif calibrated is None:
-        chosen = choose_draft_lengths([states[i].rate for i in shared], [limits[i] for i in shared], others,
-                                      target, draft, min_gain=MIN_GAIN)
+        chosen = choose_draft_lengths(rates, [limits[i] for i in shared], others, target, draft, min_gain=MIN_GAIN)
     else:
-        chosen = choose_draft_lengths([states[i].rate for i in shared], [limits[i] for i in shared], others,
+        chosen = choose_draft_lengths(rates, [limits[i] for i in shared], others,
                                       calibrated, hits=[states[i].hit for i in shared],
                                       host=host if host is not None else ChainCharge(draft=draft), min_gain=MIN_GAIN)
     exploring = any(chosen) and calibrated is not None and calibrated.explore(len(shared) + others)
@@ -268,7 +368,7 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     turns = [i for i in shared_due if not states[i].fresh][:math.ceil(len(shared) / PROBE_SHARE)]
     probing = [i for i in due if alone[i]] + ([] if exploring else fresh + turns)
     for i in probing:
-        lengths[i], states[i].idle_steps = min(PROBE_TOKENS, limits[i]), 0
+        lengths[i], states[i].idle_steps, states[i].probing = min(PROBE_TOKENS, limits[i]), 0, True
         if states[i].fresh:  # a first probe: the next one waits the usual interval
             states[i].fresh = False
         else:

@@ -28,6 +28,8 @@ it is unsure, all verified in one forward (`decodekit_plugins.draft_trees`; docs
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -50,6 +52,7 @@ from decodekit_plugins.adaptive import (
     Acceptance,
     OffSwitch,
     draft_lengths,
+    lengths_by_answer,
     tree_rows,
     tree_shape,
     worst_tree_rows,
@@ -198,6 +201,20 @@ class NgramProposer(Proposer):
         return drafts, [None] * len(seqs)
 
 
+class _CountedForwards:
+    """A `ProposerModel` that notes how many tokens each forward feeds (into `fed`), for `Proposer.forward_rows`."""
+
+    def __init__(self, model: ProposerModel, fed: list[int]) -> None:
+        self._model, self._fed = model, fed
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        self._fed.append(sum(len(tokens) for _, tokens in batch))
+        return self._model.forward(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
 class DraftModelProposer(Proposer):
     """The engine's draft model (`LLM(draft=...)`, recipe `draft:`), run with its own paged KV cache (opened through
     the public `ComponentInfo.open_model`), proposing for a batch of sequences with k batched forwards. It applies
@@ -215,6 +232,7 @@ class DraftModelProposer(Proposer):
         self.info: ComponentInfo | None = None
         self.model: ProposerModel | None = None
         self.tree_roots: dict[int, tuple[int, list[int]]] = {}  # what a tree left in each sequence's cache
+        self._fed: list[int] = []  # the tokens each forward of the last call fed (`forward_rows`)
 
     def setup(self, info: ComponentInfo) -> None:
         self.info = info
@@ -235,7 +253,8 @@ class DraftModelProposer(Proposer):
     def propose(self, ctx: StepContext, seqs: list[Sequence], ks: list[int],
                 options: list[Any]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Draft `ks[i]` tokens for `seqs[i]`; returns the drafts and, for sampled rows, their q rows `[k, vocab]`."""
-        model = self._model()
+        self._fed = []
+        model = _CountedForwards(self._model(), self._fed)
         for seq in seqs:  # a failed call may have cached draft tokens: the last token is always fed here
             if model.num_cached(seq.seq_id) >= len(seq.token_ids):
                 model.truncate(seq.seq_id, len(seq.token_ids) - 1)
@@ -263,7 +282,12 @@ class DraftModelProposer(Proposer):
     def propose_tree(self, ctx: StepContext, seqs: list[Sequence], ks: list[int], options: list[Any],
                      shape: TreeShape) -> list[DraftTree]:
         """A tree per sequence: branches where the draft model is unsure (`decodekit_plugins.draft_trees`)."""
-        return draft_tree(self._model(), ctx, seqs, ks, shape, self.tree_roots)
+        self._fed = []
+        return draft_tree(_CountedForwards(self._model(), self._fed), ctx, seqs, ks, shape, self.tree_roots)
+
+    def forward_rows(self) -> list[int] | None:
+        """The tokens each forward of the last call fed (its first one's catch-up included)."""
+        return list(self._fed)
 
     def draft_cost(self, measured: bool) -> StepCost | None:
         """The draft model's forward by rows, measured on this machine (or, in the curve's units, a share of the
@@ -322,6 +346,19 @@ def accept_sampled(draft: list[int], rows: torch.Tensor, q: torch.Tensor | None,
 _K = StashKey[int]()  # a sequence's current number of draft tokens (adaptive k)
 _Q = StashKey["torch.Tensor | None"]()  # the probabilities the sequence's draft was sampled from (None: deterministic)
 _TREE = StashKey[DraftTree]()  # the draft tree the sequence's branches came from (its tokens' distributions)
+@dataclass
+class _AnswerFirst:
+    """One chooser group of a step whose chain starts with lookups: the sequences (indices in the step) whose
+    lengths wait for the lookups' answers, their chain, the target's calibrated cost, the draft model link's cost and
+    name (None: the chain has no model)."""
+
+    indices: list[int]
+    chain: tuple[str, ...]
+    target: Calibration
+    draft: Callable[[float], float] | None
+    model_link: str | None
+
+
 _BY = StashKey[str]()  # the proposer that drafted the sequence's current draft (with a fallback, either link)
 _MISSES = StashKey[int]()  # asks in a row its chain drafted nothing for; NOT_ASKED: this step's k was 0
 NOT_ASKED = -1
@@ -451,20 +488,26 @@ class SpeculativeStrategy(Strategy):
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
-        ks, shapes = self._lengths(ctx, seqs)
+        ks, shapes, limits, answer_first = self._lengths(ctx, seqs)
+        first = {i for group in answer_first for i in group.indices}
         asked = []
-        for seq, k in zip(seqs, ks):
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
             options = seq.request.plan.strategy_options
             seq.stash.pop(_BY, None)
             if options.disable_by_batch_size is not None and ctx.num_running >= options.disable_by_batch_size:
                 continue
             if k > 0:  # k 0: the proposers are not asked at all, so an off-switched batch pays no lookups
-                groups.setdefault(options.proposer, []).append((seq, k, options._proposer_params))
+                if i not in first:
+                    groups.setdefault(options.proposer, []).append((seq, k, options._proposer_params))
                 asked.append(seq)
-        link = 0
+        asked_ids = {id(seq) for seq in asked}
+        for group in answer_first:
+            indices = [i for i in group.indices if id(seqs[i]) in asked_ids]
+            for name, items in self._answer_first(ctx, group, [seqs[i] for i in indices],
+                                                  [limits[i] for i in indices]).items():
+                groups.setdefault(name, []).extend(items)
         while groups:  # each link of the chain drafts for the sequences the links before it left without a draft
-            groups = self._draft(ctx, groups, link, shapes)
-            link += 1
+            groups = self._draft(ctx, groups, shapes)
         for seq in asked:  # how often each sequence's chain finds a draft (`adaptive: cost` weighs its gains)
             drafted = bool(seq.draft_token_ids or seq.draft_branches)
             seq.stash[_MISSES] = 0 if drafted else max(seq.stash.get(_MISSES, 0), 0) + 1
@@ -472,15 +515,16 @@ class SpeculativeStrategy(Strategy):
                 seq.stash[ACCEPTANCE].record_ask(drafted)
                 self._chain_prior(seq.request.plan.strategy_options).record_ask(drafted)
         if len(asked) < len(seqs):
-            asked_ids = {id(seq) for seq in asked}
             for seq in seqs:
                 if id(seq) not in asked_ids:
                     seq.stash[_MISSES] = NOT_ASKED
 
-    def _lengths(self, ctx: StepContext, seqs: list[Sequence]) -> tuple[list[int], dict[int, TreeShape | None]]:
-        """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch; and the
+    def _lengths(self, ctx: StepContext, seqs: list[Sequence]
+                 ) -> tuple[list[int], dict[int, TreeShape | None], list[int], list[_AnswerFirst]]:
+        """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch; the
         tree shape of each `adaptive: cost` sequence that asks for a tree, cut to the rows that are nearly free
-        (None: a plain draft this step)."""
+        (None: a plain draft this step); each sequence's most draft tokens; and the groups whose chain's lookups
+        answer before their lengths are final (`_answer_first`)."""
         ks, limits, costed = [], [], []
         for i, seq in enumerate(seqs):
             options = seq.request.plan.strategy_options
@@ -504,21 +548,71 @@ class SpeculativeStrategy(Strategy):
                 known = costs[(options.cost_model, *chain)] = self._costs(options)
             by_costs.setdefault((*known, chain), []).append(i)
         shapes: dict[int, TreeShape | None] = {}
+        answer_first: list[_AnswerFirst] = []
         for (target, curves, chain), rows in by_costs.items():
             calibrated = self.calibrations.setdefault(target, Calibration(target))
             # the chain's first model link's curve, for the seeded sequences' timing-free choice
             draft = next((c for c in curves if c is not None), None)
             host = ChainCharge.of([(self.host_costs.setdefault(name, ProposerCost()), curve)
                                    for name, curve in zip(chain, curves)])
+            # a chain that starts with a lookup: its lookups answer first, then each length is chosen by the
+            # answering link's rate; before that, by the higher of the chain's and its draft model's
+            lookups_first = len(chain) > 1 and curves[0] is None
+            model_link = next((name for name, c in zip(chain, curves) if c is not None), None)
             chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
                                    ctx.num_running - len(rows), target, draft, calibrated, host,
                                    self.chain_priors.get(chain), self.off_switches.setdefault(
-                                       (target, curves, chain), OffSwitch()))
+                                       (target, curves, chain), OffSwitch()),
+                                   rate_link=model_link if lookups_first else None)
             for i, k in zip(rows, chosen):
                 ks[i] = k
+            if lookups_first:
+                first = [i for i in rows if ks[i] > 0 and self._answers_first(seqs[i])]
+                if first:
+                    answer_first.append(_AnswerFirst(first, chain, calibrated, host.draft, model_link))
             shapes.update(self._tree_shapes(ctx, [seqs[i] for i in rows], [ks[i] for i in rows], target,
                                             calibrated, sum(ks)))
-        return ks, shapes
+        return ks, shapes, limits, answer_first
+
+    @staticmethod
+    def _answers_first(seq: Sequence) -> bool:
+        """Whether `seq`'s length this step waits for its chain's lookups: not a probe's (kept as it is), not a
+        seeded sampled sequence's (chosen alone from the curves), not a tree's (its shape follows its length)."""
+        state = seq.stash.get(ACCEPTANCE, None)
+        return (state is not None and not state.probing and seq.request.plan.strategy_options.tree is None
+                and (seq.greedy or seq.request.params.seed is None))
+
+    def _answer_first(self, ctx: StepContext, group: _AnswerFirst, seqs: list[Sequence], limits: list[int]
+                      ) -> dict[str, list[tuple[Sequence, int, Any]]]:
+        """Ask `group`'s leading lookups for up to each sequence's limit, then choose each length by the rate of
+        the link that answered (`adaptive.lengths_by_answer`): keep a lookup's draft, cut to its length, where it
+        promises as much as the draft model; return the sequences the model link drafts, with their lengths."""
+        if not seqs:
+            return {}
+        chain = group.chain
+        pending: dict[str, list[tuple[Sequence, int, Any]]] = {
+            chain[0]: [(seq, limit, seq.request.plan.strategy_options._proposer_params)
+                       for seq, limit in zip(seqs, limits)]}
+        while pending and next(iter(pending)) != group.model_link:  # one chain: one link at a time
+            pending = self._draft(ctx, pending, {})
+        states = [seq.stash[ACCEPTANCE] for seq in seqs]
+        answers = [(state.link_rate(seq.stash[_BY]), len(seq.draft_token_ids)) if seq.draft_token_ids else None
+                   for seq, state in zip(seqs, states)]
+        model_rates = [state.link_rate(group.model_link) if group.model_link else 0.0 for state in states]
+        lengths, keep = lengths_by_answer(answers, model_rates, limits, ctx.num_running - len(seqs), group.target,
+                                          group.draft)
+        to_model: list[tuple[Sequence, int, Any]] = []
+        for seq, k, kept in zip(seqs, lengths, keep):
+            if kept:
+                seq.draft_token_ids = seq.draft_token_ids[:k]
+                continue
+            seq.draft_token_ids = []
+            seq.stash.pop(_BY, None)
+            if k > 0 and group.model_link is not None:
+                options = seq.request.plan.strategy_options
+                link = chain.index(group.model_link)
+                to_model.append((seq, k, options._proposer_params if link == 0 else options._fallback_params[link - 1]))
+        return {group.model_link: to_model} if to_model and group.model_link is not None else {}
 
     @staticmethod
     def _tree_shapes(ctx: StepContext, seqs: list[Sequence], ks: list[int], target: StepCost,
@@ -552,10 +646,10 @@ class SpeculativeStrategy(Strategy):
     def _chain(self, options: SpeculativeParams) -> list[Proposer]:
         return [self._proposer(name) for name in options.chain]
 
-    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]], link: int,
+    def _draft(self, ctx: StepContext, groups: dict[str, list[tuple[Sequence, int, Any]]],
                shapes: dict[int, TreeShape | None]) -> dict[str, list[tuple[Sequence, int, Any]]]:
-        """Run each proposer (link `link` of its sequences' chains) on its sequences, timing it for the cost
-        model; return the undrafted ones grouped by their next link."""
+        """Run each proposer (a link of its sequences' chains) on its sequences, timing it for the cost model;
+        return the undrafted ones grouped by their next link."""
         fallbacks: dict[str, list[tuple[Sequence, int, Any]]] = {}
         for name, items in groups.items():
             started = time.perf_counter()
@@ -570,6 +664,7 @@ class SpeculativeStrategy(Strategy):
                     seq.draft_branches = [list(b) for b in tree.branches]
                     seq.stash[_TREE] = tree
                 options = seq.request.plan.strategy_options
+                link = options.chain.index(name)  # the next link is fallback number `link`
                 if not seq.draft_token_ids and not seq.draft_branches and link < len(options.fallbacks):
                     fallbacks.setdefault(options.fallbacks[link], []).append(
                         (seq, k, options._fallback_params[link]))
@@ -584,7 +679,9 @@ class SpeculativeStrategy(Strategy):
             return
         options = costed[0].request.plan.strategy_options
         curve = self._costs(options)[1][options.chain.index(name)]
-        predicted = None if curve is None else sum(curve(rows) for rows in draft_forwards([k for _, k, _ in items]))
+        fed = self._proposer(name).forward_rows()  # a catch-up's tokens are the forward's rows too
+        forwards = fed if fed else draft_forwards([k for _, k, _ in items])
+        predicted = None if curve is None else sum(curve(rows) for rows in forwards)
         self.host_costs.setdefault(name, ProposerCost()).record(seconds, len(items), drafted, predicted)
 
     def _calibrate(self, ctx: StepContext) -> None:
@@ -667,8 +764,9 @@ class SpeculativeStrategy(Strategy):
             k = seq.stash[_K]
             seq.stash[_K] = min(k + 2, options.max_speculative_tokens) if accepted == proposed else max(1, k - 1)
         elif mode == "cost" and ACCEPTANCE in seq.stash:
-            seq.stash[ACCEPTANCE].record(proposed, accepted)
-            self._chain_prior(options).record(proposed, accepted)
+            link = seq.stash.get(_BY, None)
+            seq.stash[ACCEPTANCE].record(proposed, accepted, link)
+            self._chain_prior(options).record(proposed, accepted, link)
 
     def on_request_finished(self, request: Request) -> None:
         for proposer in self.proposers.values():

@@ -253,3 +253,64 @@ def test_the_engine_times_decode_steps_for_the_strategies(llama, tokenizer):
     assert not seen[0][0].decode_only  # the prompts' step
     decode = [(timing, rows) for timing, rows in seen if timing.decode_only]
     assert decode and all(timing.rows == rows for timing, rows in decode)  # every computed row was scored
+
+
+class Liar(Proposer):
+    """A lookup that always answers and is always wrong (each draft token one past the target's): a chain's first
+    link whose drafts would preempt its draft model's on every step, as suffix decoding's often-wrong chat drafts
+    do, were lengths chosen by one rate for the whole chain."""
+
+    name = "liar"
+    answers: ClassVar[dict[tuple[int, ...], list[int]]] = {}
+
+    def propose(self, ctx, seqs, ks, options):
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            answer = self.answers[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+            drafts.append([(t + 1) % 64 for t in answer[seq.num_generated : seq.num_generated + k]])
+        return drafts, [None] * len(seqs)
+
+
+class CheapDraftModel(Oracle):
+    """The oracle's drafts at a draft model's place in a chain: it says its forwards cost a twentieth of the
+    target's (`draft_cost`), so the chooser charges it as a model link, whatever the test machine's speed."""
+
+    name = "cheap_draft_model"
+
+    def setup(self, info):
+        self.info = info
+
+    def draft_cost(self, measured):
+        target = self.info.step_cost(None) if measured and self.info.step_cost is not None else None
+        return (target or StepCost.default()).scaled(0.05)
+
+
+class LookupsPlugin:
+    @hookimpl
+    def decodekit_register_proposers(self, register):
+        for proposer in (Liar, Oracle, CheapDraftModel):
+            register(proposer.name, proposer)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize(("lookup", "by"), [("liar", "cheap_draft_model"), ("oracle", "oracle")])
+def test_a_chains_draft_comes_from_the_link_whose_own_acceptance_promises_most(llama, tokenizer, batch, lookup, by):
+    # a draft model whose every draft is accepted behind a free lookup: a lookup that is always wrong is soon passed
+    # over for the model (it answers every step: one rate for the whole chain let it draft on and kept the model's
+    # drafts short), one that is always right is kept and the model not run
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager(LookupsPlugin()))
+    prompts = random_prompts(batch, 6, 7, seed=12)
+    greedy = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    plain = llm.generate(prompts, SamplingParams(**greedy))
+    answers = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    Liar.answers, Oracle.answers, Oracle.delay, CheapDraftModel.delay = answers, answers, 0.0, 0.0
+    strategy = {"speculative": {"proposer": lookup, "fallback": "cheap_draft_model"}}
+    spec = llm.generate(prompts, SamplingParams(**greedy, strategy=strategy))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    for out in spec:
+        tokens = out.metrics.proposer_tokens
+        assert tokens.get(by, {}).get("accepted", 0) >= 20, tokens  # half the answer or more from the right link
+        if lookup == "liar":  # drafted until its own rate fell: a step or two, never most of them
+            assert tokens.get("liar", {}).get("steps", 0) <= 3, tokens
+        else:
+            assert "cheap_draft_model" not in tokens, tokens

@@ -26,6 +26,7 @@ from decodekit_plugins.adaptive import (
     choose_draft_lengths,
     draft_lengths,
     expected_tokens,
+    lengths_by_answer,
     tree_rows,
     tree_shape,
     worst_tree_rows,
@@ -391,3 +392,55 @@ def test_a_draft_models_measured_cost_is_charged_by_the_rows_of_the_forward_not_
     assert overall is not None and charge.draft(64) == pytest.approx(overall * curve(64))
     rows = np.array([1.0, 8.0, 64.0])
     assert charge.draft.many(rows) == pytest.approx([charge.draft(r) for r in rows])  # type: ignore[attr-defined]
+
+
+def rate_with_reach(ks: list[int], rates: list[float], reach: list[float], other: int, target, draft) -> float:
+    """Expected tokens per second of a step with draft lengths `ks`, from the definitions: each sequence adds
+    `reach` of a row to each draft forward it drafts in (0: its lookup's draft is already there)."""
+    tokens = other + sum(expected_tokens(a, k) for a, k in zip(rates, ks))
+    seconds = target(other + len(ks) + sum(ks))
+    if draft is not None:
+        seconds += sum(expected_cost(draft, sum(r for k, r in zip(ks, reach) if k > j)) for j in range(max(ks)))
+    return tokens / seconds
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), cost=curves, draft=curves, other=st.integers(0, 4), limit=st.integers(1, 5))
+def test_a_sequence_whose_draft_is_in_hand_is_not_charged_the_draft_models_forwards(data, cost, draft, other, limit):
+    n = data.draw(st.integers(1, 4))
+    rates = data.draw(st.lists(st.floats(0.0, 0.99), min_size=n, max_size=n))
+    reach = data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n))
+    chosen = choose_draft_lengths(rates, [limit] * n, other, cost, host=ChainCharge(draft=draft), reach=reach)
+    got = rate_with_reach(chosen, rates, reach, other, cost, draft)
+    assert got >= rate_with_reach([0] * n, rates, reach, other, cost, draft) * (1 - 1e-9)
+    if not any(reach):  # nobody runs the model: the chooser is exact, as with free drafts
+        best = max(rate_with_reach(list(ks), rates, reach, other, cost, draft)
+                   for ks in itertools.product(range(limit + 1), repeat=n))
+        assert got == pytest.approx(best, rel=1e-9)
+
+
+def test_a_lookups_draft_is_kept_only_where_its_own_rate_promises_as_much_as_the_draft_model():
+    draft = StepCost((1, 256), (0.25, 0.3))  # a quarter of a nearly-free step per draft forward
+    # a lookup answering at suffix decoding's chat rate is passed over for a draft model accepted 85% of the time;
+    # one answering at 85% (free) is kept and cut to its own best length; without an answer the model drafts
+    lengths, keep = lengths_by_answer([(0.15, 8), (0.85, 8), None], [0.85] * 3, [8] * 3, 0, NEARLY_FREE, draft)
+    assert keep == [False, True, False]
+    assert lengths[0] == lengths[2] >= 4 and lengths[1] >= lengths[0]
+    # a model-free chain: an unanswered sequence drafts nothing, a kept draft is never longer than the lookup's
+    lengths, keep = lengths_by_answer([None, (0.9, 3)], [0.0, 0.0], [8, 8], 0, NEARLY_FREE, None)
+    assert keep == [False, True] and lengths[0] == 0 and 0 < lengths[1] <= 3
+    # every row its share of the step: nothing pays, whichever link answered
+    assert lengths_by_answer([(0.5, 8), None], [0.6] * 2, [8] * 2, 0, PROPORTIONAL, draft)[0] == [0, 0]
+
+
+def test_each_link_keeps_its_own_acceptance_and_a_new_sequence_starts_from_the_chains_capped():
+    state = Acceptance()
+    for _ in range(30):
+        state.record(4, 0, "suffix")
+        state.record(6, 6, "draft")
+    assert state.link_rate("suffix") < 0.05 and state.link_rate("draft") > 0.95
+    assert 0.05 < state.rate < 0.95  # the chain's rate mixes them
+    assert state.link_rate("ngram") == Acceptance().rate  # a link that never drafted: the fixed prior
+    new = Acceptance.starting_from(state)
+    assert new.link_rate("suffix") == pytest.approx(state.link_rate("suffix"))
+    assert new.link_rate("draft") == pytest.approx(Acceptance().rate)  # never above the fixed prior

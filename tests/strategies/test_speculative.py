@@ -144,6 +144,26 @@ def test_the_draft_model_reuses_the_prompt_blocks_an_earlier_request_computed(to
     assert proposer.model.allocator.num_free_blocks == proposer.model.allocator.num_blocks
 
 
+def test_a_draft_models_forward_rows_count_what_it_caught_up_on_as_its_runner_fed_them(tokenizer):
+    # the adaptive cost model weighs a draft call's time against the rows its forwards fed: the first forward of a
+    # request's first call feeds the whole prompt, not one row (charged as one, it made drafts look 100x dearer)
+    llm = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("qwen2", seed=3), kv_cache_memory="16MiB",
+              block_size=4)
+    llm.generate([[5, 6, 7]], _spec("draft", 3, max_tokens=4, temperature=0))  # opens the draft model
+    proposer = llm.engine.components.get("proposers", "draft")
+    fed: list[int] = []
+    forward = proposer.model.runner.forward
+    proposer.model.runner.forward = lambda items, copies: (fed.append(sum(len(i.token_ids) for i in items)),
+                                                           forward(items, copies))[1]
+    reported: list[list[int]] = []
+    propose = proposer.propose
+    proposer.propose = lambda *args: (propose(*args), reported.append(proposer.forward_rows()))[0]
+    prompts = random_prompts(2, 30, 31, seed=4)
+    llm.generate(prompts, _spec("draft", 3, max_tokens=12, temperature=0, ignore_eos=True))
+    assert [rows for call in reported for rows in call] == fed
+    assert reported[0][0] >= 2 * 30 and reported[0][1:] == [2, 2]  # both prompts, then a token each a forward
+
+
 def test_speculative_requests_share_the_batch_with_plain_and_beam_requests(llama, tokenizer):
     llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
     prompts = _repetitive_prompts(6, seed=2)
