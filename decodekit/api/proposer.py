@@ -44,6 +44,13 @@ class ProposerModel(Protocol):
         float32 logits `[len(batch), vocab]` after each sequence's last new token."""
         ...
 
+    def adopt_target_kv(self, key: int, token_ids: Seq[int], computed: int) -> int:
+        """Take the target's keys and values of sequence `key`'s tokens past `num_cached(key)`, up to `computed` (the
+        sequence's `num_computed_tokens`; never its last token), instead of computing them, where this model is the
+        target's own in another format (a self-draft; otherwise nothing happens); returns `num_cached(key)` after.
+        Call it after `reserve`."""
+        ...
+
     def truncate(self, key: int, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens of sequence `key`."""
         ...

@@ -118,8 +118,19 @@ class Engine:
         # own, made with the engine's; another model's under the engine's options).
         plan = self.plan.draft if loaded is self.draft and self.plan.draft is not None else \
             self.plan.for_model(loaded)
-        return ModelExecutor(loaded, plan, self.allocator.num_blocks,
-                             release_sources=loaded.model is not self.loaded.model)
+        executor = ModelExecutor(loaded, plan, self.allocator.num_blocks,
+                                 release_sources=loaded.model is not self.loaded.model)
+        # the target's own model in another format (a self-draft) takes the target's keys and values of the tokens
+        # the target computed instead of computing them again (`ModelExecutor.adopt_target_kv`)
+        target_pool, pool = self.kv_cache.pool.shape, executor.kv_cache.pool.shape
+        if loaded.model is self.loaded.model and self.plan.tensor_parallel == 1 and plan.tensor_parallel == 1 \
+                and target_pool[:2] == pool[:2] and target_pool[4:] == pool[4:]:
+            executor.kv_source = self._target_kv
+        return executor
+
+    def _target_kv(self, seq_id: int) -> ModelExecutor | None:
+        """The target, where it holds sequence `seq_id` (a self-draft's `kv_source`)."""
+        return self.model if self.allocator.has(seq_id) else None
 
     def step_cost(self) -> StepCost | None:
         """The target model's forward time by rows on this machine (what speculation's cost model reads), measured

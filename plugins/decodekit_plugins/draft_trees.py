@@ -77,6 +77,7 @@ def draft_tree(model: ProposerModel, ctx: StepContext, seqs: list[Sequence], ks:
     nodes = [0] * len(seqs)
     for i, seq in enumerate(seqs):
         if ks[i] > 0 and model.reserve(seq.seq_id, len(seq.token_ids) + ks[i] - 1, seq.token_ids):
+            model.adopt_target_kv(seq.seq_id, seq.token_ids, seq.num_computed_tokens)  # a self-draft's catch-up
             branches[i].append(_Branch(i, seq.seq_id))
     try:
         for depth in range(max(ks, default=0)):

@@ -263,6 +263,8 @@ class DraftModelProposer(Proposer):
         # the last draft token is never fed: the target verifies it
         active = [i for i, seq in enumerate(seqs) if ks[i] > 0
                   and model.reserve(seq.seq_id, len(seq.token_ids) + ks[i] - 1, seq.token_ids)]
+        for i in active:  # a self-draft copies what the target computed (its prompt, a run without drafts)
+            model.adopt_target_kv(seqs[i].seq_id, seqs[i].token_ids, seqs[i].num_computed_tokens)
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if len(drafts[i]) < ks[i] and step == len(drafts[i])]
             if not rows:

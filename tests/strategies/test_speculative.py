@@ -164,6 +164,48 @@ def test_a_draft_models_forward_rows_count_what_it_caught_up_on_as_its_runner_fe
     assert reported[0][0] >= 2 * 30 and reported[0][1:] == [2, 2]  # both prompts, then a token each a forward
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_self_draft_takes_the_targets_keys_and_values_instead_of_computing_them(tokenizer, quantization):
+    # the target's own model as draft (as is, or in int8): its cache is filled from the target's pool, so each draft
+    # forward feeds one token a sequence (the prompt is not prefilled again), and output stays the target's
+    target = tiny_model("llama")
+    llm = LLM(target, tokenizer, draft=target, draft_quantization=quantization, kv_cache_memory="16MiB",
+              block_size=4)
+    prompts = random_prompts(3, 20, 30, seed=8)
+    greedy = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    plain = llm.generate(prompts, SamplingParams(**greedy))
+    llm.generate([[5, 6, 7]], _spec("draft", 3, max_tokens=4, temperature=0))  # opens the draft model
+    proposer = llm.engine.components.get("proposers", "draft")
+    fed: list[int] = []
+    forward = proposer.model.runner.forward
+    proposer.model.runner.forward = lambda items, copies: (fed.append(max(len(i.token_ids) for i in items)),
+                                                           forward(items, copies))[1]
+    spec = llm.generate(prompts, _spec("draft", 3, **greedy))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert fed and max(fed) == 1  # never a prompt, never a catch-up: one token a sequence a forward
+    drafted = sum(o.metrics.num_draft_tokens for o in spec)
+    accepted = sum(o.metrics.num_accepted_tokens for o in spec)
+    if quantization is None:  # the same model reading the same keys and values: every draft token accepted
+        assert drafted > 0 and accepted == drafted
+    else:
+        assert accepted > drafted // 2
+    assert proposer.model.allocator.num_free_blocks == proposer.model.allocator.num_blocks
+
+
+def test_a_draft_of_another_model_computes_its_own_keys_and_values(tokenizer):
+    llm = LLM(tiny_model("llama"), tokenizer, draft=tiny_model("llama", seed=5), kv_cache_memory="16MiB",
+              block_size=4)
+    llm.generate([[5, 6, 7]], _spec("draft", 3, max_tokens=4, temperature=0))
+    proposer = llm.engine.components.get("proposers", "draft")
+    assert proposer.model.kv_source is None
+    fed: list[int] = []
+    forward = proposer.model.runner.forward
+    proposer.model.runner.forward = lambda items, copies: (fed.append(max(len(i.token_ids) for i in items)),
+                                                           forward(items, copies))[1]
+    llm.generate(random_prompts(2, 20, 21, seed=3), _spec("draft", 3, max_tokens=8, temperature=0, ignore_eos=True))
+    assert max(fed) >= 20  # its first forward prefilled the prompt
+
+
 def test_speculative_requests_share_the_batch_with_plain_and_beam_requests(llama, tokenizer):
     llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
     prompts = _repetitive_prompts(6, seed=2)
