@@ -24,6 +24,19 @@ def _spec(proposer: str = "ngram", k: int = 4, adaptive: bool = False, **samplin
                                                     "adaptive": adaptive}}, **sampling)
 
 
+def _fed_tokens(proposer, per_forward) -> list[int]:
+    """Patch the draft model's runner to note `per_forward` (sum, max) of each forward's sequences' fed tokens."""
+    fed: list[int] = []
+    forward = proposer.model.runner.forward
+
+    def counted(items, copies):
+        fed.append(per_forward(len(item.token_ids) for item in items))
+        return forward(items, copies)
+
+    proposer.model.runner.forward = counted
+    return fed
+
+
 def test_ngram_proposal_continues_the_latest_earlier_occurrence():
     assert ngram_proposal([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 1, 3) == [7, 5, 1]
     assert ngram_proposal([4, 5, 6], 2, 1, 3) == []
@@ -132,10 +145,7 @@ def test_the_draft_model_reuses_the_prompt_blocks_an_earlier_request_computed(to
     plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
     llm.generate([[5, 6, 7]], params)  # opens the draft model
     proposer = llm.engine.components.get("proposers", "draft")
-    fed: list[int] = []
-    forward = proposer.model.runner.forward
-    proposer.model.runner.forward = lambda items, copies: (fed.append(sum(len(i.token_ids) for i in items)),
-                                                           forward(items, copies))[1]
+    fed = _fed_tokens(proposer, sum)
     first = llm.generate([prompt], params)[0]
     cold, fed[:] = sum(fed), []
     second = llm.generate([prompt], params)[0]
@@ -151,10 +161,7 @@ def test_a_draft_models_forward_rows_count_what_it_caught_up_on_as_its_runner_fe
               block_size=4)
     llm.generate([[5, 6, 7]], _spec("draft", 3, max_tokens=4, temperature=0))  # opens the draft model
     proposer = llm.engine.components.get("proposers", "draft")
-    fed: list[int] = []
-    forward = proposer.model.runner.forward
-    proposer.model.runner.forward = lambda items, copies: (fed.append(sum(len(i.token_ids) for i in items)),
-                                                           forward(items, copies))[1]
+    fed = _fed_tokens(proposer, sum)
     reported: list[list[int]] = []
     propose = proposer.propose
     proposer.propose = lambda *args: (propose(*args), reported.append(proposer.forward_rows()))[0]
@@ -176,10 +183,7 @@ def test_a_self_draft_takes_the_targets_keys_and_values_instead_of_computing_the
     plain = llm.generate(prompts, SamplingParams(**greedy))
     llm.generate([[5, 6, 7]], _spec("draft", 3, max_tokens=4, temperature=0))  # opens the draft model
     proposer = llm.engine.components.get("proposers", "draft")
-    fed: list[int] = []
-    forward = proposer.model.runner.forward
-    proposer.model.runner.forward = lambda items, copies: (fed.append(max(len(i.token_ids) for i in items)),
-                                                           forward(items, copies))[1]
+    fed = _fed_tokens(proposer, max)
     spec = llm.generate(prompts, _spec("draft", 3, **greedy))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert fed and max(fed) == 1  # never a prompt, never a catch-up: one token a sequence a forward
@@ -198,10 +202,7 @@ def test_a_draft_of_another_model_computes_its_own_keys_and_values(tokenizer):
     llm.generate([[5, 6, 7]], _spec("draft", 3, max_tokens=4, temperature=0))
     proposer = llm.engine.components.get("proposers", "draft")
     assert proposer.model.kv_source is None
-    fed: list[int] = []
-    forward = proposer.model.runner.forward
-    proposer.model.runner.forward = lambda items, copies: (fed.append(max(len(i.token_ids) for i in items)),
-                                                           forward(items, copies))[1]
+    fed = _fed_tokens(proposer, max)
     llm.generate(random_prompts(2, 20, 21, seed=3), _spec("draft", 3, max_tokens=8, temperature=0, ignore_eos=True))
     assert max(fed) >= 20  # its first forward prefilled the prompt
 
