@@ -348,6 +348,13 @@ def accept_sampled(draft: list[int], rows: torch.Tensor, q: torch.Tensor | None,
 _K = StashKey[int]()  # a sequence's current number of draft tokens (adaptive k)
 _Q = StashKey["torch.Tensor | None"]()  # the probabilities the sequence's draft was sampled from (None: deterministic)
 _TREE = StashKey[DraftTree]()  # the draft tree the sequence's branches came from (its tokens' distributions)
+_BY = StashKey[str]()  # the proposer that drafted the sequence's current draft (with a fallback, either link)
+_MISSES = StashKey[int]()  # asks in a row its chain drafted nothing for; NOT_ASKED: this step's k was 0
+NOT_ASKED = -1
+MAX_RUN_STEPS = 1 << 16  # "as plain decoding does": the engine's `decode_run_steps` bounds every run
+MAX_RUN_DOUBLINGS = 4  # a chain that keeps finding nothing is asked again after at most 16x runs_without_drafts
+
+
 @dataclass
 class _AnswerFirst:
     """One chooser group of a step whose chain starts with lookups: the sequences (indices in the step) whose
@@ -359,13 +366,6 @@ class _AnswerFirst:
     target: Calibration
     draft: Callable[[float], float] | None
     model_link: str | None
-
-
-_BY = StashKey[str]()  # the proposer that drafted the sequence's current draft (with a fallback, either link)
-_MISSES = StashKey[int]()  # asks in a row its chain drafted nothing for; NOT_ASKED: this step's k was 0
-NOT_ASKED = -1
-MAX_RUN_STEPS = 1 << 16  # "as plain decoding does": the engine's `decode_run_steps` bounds every run
-MAX_RUN_DOUBLINGS = 4  # a chain that keeps finding nothing is asked again after at most 16x runs_without_drafts
 
 
 class SpeculativeStrategy(Strategy):
