@@ -308,7 +308,7 @@ class OffSwitch:
 def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, target: StepCost,
                   draft: StepCost | None, calibrated: Calibration | None = None,
                   host: ChainCharge | None = None, prior: Acceptance | None = None,
-                  off: OffSwitch | None = None, rate_link: str | None = None) -> list[int]:
+                  off: OffSwitch | None = None, rate_link: str | None = None, vetoed: bool = False) -> list[int]:
     """This step's draft length of each of `seqs` (see the module docstring): the batch's best (from `calibrated`
     and `host` where given, else from the curves), a seeded sampled sequence's best alone from the curves, a probe
     where a sequence was kept from drafting for its probe interval (its state's `probing` set). A new sequence
@@ -316,7 +316,9 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     not depend on earlier requests). With `off`, a batch for which nothing paid skips the search while it stays the
     same (`HOLD_STEPS`). With `rate_link`, the batch's sequences (not the seeded ones) choose by the higher of the
     chain's rate and that link's: the draft model of a chain whose lookups answer first and are kept only where
-    they promise more (`lengths_by_answer`), so the chain drafts at least as well as its model would."""
+    they promise more (`lengths_by_answer`), so the chain drafts at least as well as its model would. `vetoed`:
+    this batch size's speculating steps measured slower than plain decoding (`cost_model.RealizedGain`): its
+    sequences (not the seeded ones) draft nothing and probe nothing this step."""
     alone = [not seq.greedy and seq.request.params.seed is not None for seq in seqs]
     states = [seq.stash.setdefault(ACCEPTANCE, Acceptance(fresh=True) if own or prior is None else
                                    Acceptance.starting_from(prior)) for seq, own in zip(seqs, alone)]
@@ -329,7 +331,7 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     others = other_rows + len(seqs) - len(shared)
     members = tuple(seqs[i].seq_id for i in shared) if off is not None else ()
     holding = off is not None and off.holds(members, others)
-    if holding:
+    if holding or vetoed:
         chosen = [0] * len(shared)
     elif calibrated is None:
         chosen = choose_draft_lengths(rates, [limits[i] for i in shared], others, target, draft, min_gain=MIN_GAIN)
@@ -354,7 +356,7 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
             due.append(i)
     # a seeded sequence probes as it would alone; the others take turns, the longest idle first, and only where
     # a high acceptance would make drafting pay (a compute-bound batch learns nothing useful from a probe)
-    shared_due = sorted((i for i in due if not alone[i]), key=lambda i: -states[i].idle_steps)
+    shared_due = [] if vetoed else sorted((i for i in due if not alone[i]), key=lambda i: -states[i].idle_steps)
     if shared_due and calibrated is not None:
         hopeless = off.hopeless if off is not None and off.hopeless is not None else not any(choose_draft_lengths(
             [HOPEFUL_RATE] * len(shared), [limits[i] for i in shared], others, calibrated,

@@ -57,7 +57,14 @@ from decodekit_plugins.adaptive import (
     tree_shape,
     worst_tree_rows,
 )
-from decodekit_plugins.cost_model import Calibration, ChainCharge, ProposerCost, draft_forwards
+from decodekit_plugins.cost_model import (
+    Calibration,
+    ChainCharge,
+    ProposerCost,
+    RealizedGain,
+    bucket,
+    draft_forwards,
+)
 from decodekit_plugins.draft_trees import accept_tree, draft_tree, propose_with_trees, tree_rollback
 
 DEFAULT_K = 4  # the first k of `adaptive: heuristic` without `num_speculative_tokens`
@@ -391,6 +398,11 @@ class SpeculativeStrategy(Strategy):
         self.off_switches: dict[tuple[Any, ...], OffSwitch] = {}  # per group of the chooser, its switched-off batch
         self._chain_reads: dict[tuple[str, ...], bool] = {}  # per chain, whether a proposer reads hidden states
         self._timed: StepTiming | None = None
+        # per target curve and batch size bucket, what its speculating steps measured against plain decoding; this
+        # step's, where the chooser drafted, with the calibration it is measured against and the propose time
+        self.realized: dict[tuple[StepCost, int], RealizedGain] = {}
+        self._measuring: tuple[RealizedGain, Calibration] | None = None
+        self._propose_seconds = 0.0
 
     def bind(self, components: ComponentLookup) -> None:
         self.components = components
@@ -489,6 +501,8 @@ class SpeculativeStrategy(Strategy):
                              "be chained with a draft tree; remove `tree` or the hidden-state proposer")
 
     def propose(self, ctx: StepContext, seqs: list[Sequence]) -> None:
+        started = time.perf_counter()
+        self._measuring = None
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
         ks, shapes, limits, answer_first = self._lengths(ctx, seqs)
         first = {i for group in answer_first for i in group.indices}
@@ -520,6 +534,7 @@ class SpeculativeStrategy(Strategy):
             for seq in seqs:
                 if id(seq) not in asked_ids:
                     seq.stash[_MISSES] = NOT_ASKED
+        self._propose_seconds = time.perf_counter() - started
 
     def _lengths(self, ctx: StepContext, seqs: list[Sequence]
                  ) -> tuple[list[int], dict[int, TreeShape | None], list[int], list[_AnswerFirst]]:
@@ -561,13 +576,17 @@ class SpeculativeStrategy(Strategy):
             # answering link's rate; before that, by the higher of the chain's and its draft model's
             lookups_first = len(chain) > 1 and curves[0] is None
             model_link = next((name for name, c in zip(chain, curves) if c is not None), None)
+            realized = self.realized.setdefault((target, bucket(ctx.num_running)), RealizedGain())
+            vetoed = realized.vetoed(frozenset(seqs[i].seq_id for i in rows))
             chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
                                    ctx.num_running - len(rows), target, draft, calibrated, host,
                                    self.chain_priors.get(chain), self.off_switches.setdefault(
                                        (target, curves, chain), OffSwitch()),
-                                   rate_link=model_link if lookups_first else None)
+                                   rate_link=model_link if lookups_first else None, vetoed=vetoed)
             for i, k in zip(rows, chosen):
                 ks[i] = k
+            if self._measuring is None and any(k and not self._alone_or_probing(seqs[i]) for i, k in zip(rows, chosen)):
+                self._measuring = (realized, calibrated)  # the chooser drafted: measure what the step gives
             if lookups_first:
                 first = [i for i in rows if ks[i] > 0 and self._answers_first(seqs[i])]
                 if first:
@@ -575,6 +594,12 @@ class SpeculativeStrategy(Strategy):
             shapes.update(self._tree_shapes(ctx, [seqs[i] for i in rows], [ks[i] for i in rows], target,
                                             calibrated, sum(ks)))
         return ks, shapes, limits, answer_first
+
+    @staticmethod
+    def _alone_or_probing(seq: Sequence) -> bool:
+        """Whether `seq`'s length this step is not the batch's choice: a seeded sampled sequence's, or a probe's."""
+        state = seq.stash.get(ACCEPTANCE, None)
+        return (not seq.greedy and seq.request.params.seed is not None) or (state is not None and state.probing)
 
     @staticmethod
     def _answers_first(seq: Sequence) -> bool:
@@ -698,6 +723,24 @@ class SpeculativeStrategy(Strategy):
 
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
         self._calibrate(ctx)
+        before = sum(len(seq.token_ids) for seq in seqs)
+        self._select(ctx, seqs, logits)
+        self._measure(ctx, sum(len(seq.token_ids) for seq in seqs) - before + ctx.num_running - len(seqs))
+
+    def _measure(self, ctx: StepContext, tokens: int) -> None:
+        """Once per step the chooser drafted in: the step's tokens per second (proposing included) against plain
+        decoding's calibrated rate at this batch size (`RealizedGain`)."""
+        timing = getattr(ctx, "step_timing", None)
+        measuring, self._measuring = self._measuring, None
+        if measuring is None or timing is None or not timing.decode_only or ctx.num_running < 1:
+            return
+        realized, calibrated = measuring
+        seconds = timing.seconds + self._propose_seconds
+        plain = ctx.num_running / calibrated(ctx.num_running)
+        if seconds > 0 and plain > 0:
+            realized.record(tokens / seconds / plain)
+
+    def _select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
         argmax = logits.argmax(dim=-1).tolist()
         offset = 0
         for seq in seqs:

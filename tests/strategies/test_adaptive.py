@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from typing import ClassVar
 
@@ -23,6 +24,7 @@ from decodekit_plugins.adaptive import (
     draft_lengths,
     expected_tokens,
 )
+from decodekit_plugins.cost_model import REALIZED_MIN_STEPS, VETO_BELOW
 from tests.helpers.reference import random_prompts
 from tests.helpers.step_costs import NEARLY_FREE, PROPORTIONAL, bare_sequences
 
@@ -314,3 +316,33 @@ def test_a_chains_draft_comes_from_the_link_whose_own_acceptance_promises_most(l
             assert tokens.get("liar", {}).get("steps", 0) <= 3, tokens
         else:
             assert "cheap_draft_model" not in tokens, tokens
+
+
+def test_the_strategy_measures_what_its_speculating_steps_really_gave_against_plain_decoding(
+        llama, tokenizer, monkeypatch):
+    # every draft accepted and the proposer free; but each step that drafts stalls where no part of the cost model
+    # looks (before the step's timed verification, outside the proposer's timed call): the measured steps say
+    # drafting ran far slower than plain decoding, and that earns a veto (`RealizedGain`, unit-tested in
+    # test_cost_model.py) unless the request ends or the cost model stops drafting first
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager(OraclePlugin()))
+    prompt = random_prompts(1, 6, 7, seed=4)[0]
+    greedy = {"max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    (plain,) = llm.generate([prompt], SamplingParams(**greedy))
+    Oracle.answers, Oracle.delay, Oracle.calls = {tuple(prompt): plain.token_ids}, 0.0, 0
+    speculative = llm.engine.components.get("strategies", "speculative")
+    lengths = speculative._lengths
+
+    def stalled(ctx, seqs):
+        chosen = lengths(ctx, seqs)
+        if any(chosen[0]):
+            time.sleep(0.05)
+        return chosen
+
+    monkeypatch.setattr(speculative, "_lengths", stalled)
+    strategy = {"speculative": {"proposer": "oracle", "max_speculative_tokens": 2}}
+    (spec,) = llm.generate([prompt], SamplingParams(**greedy, strategy=strategy))
+    assert spec.token_ids == plain.token_ids
+    (gain,) = speculative.realized.values()
+    measured = gain.vetoes * REALIZED_MIN_STEPS + gain.steps
+    assert measured >= min(REALIZED_MIN_STEPS, Oracle.calls - 1) > 0, gain
+    assert gain.vetoes >= 1 or gain.log_ratio < math.log(VETO_BELOW), gain  # a stalled step gives ~0.1x plain

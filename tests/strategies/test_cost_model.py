@@ -32,10 +32,14 @@ from decodekit_plugins.adaptive import (
     worst_tree_rows,
 )
 from decodekit_plugins.cost_model import (
+    MAX_VETO_STEPS,
+    REALIZED_MIN_STEPS,
     STALE_AFTER,
+    VETO_STEPS,
     Calibration,
     ChainCharge,
     ProposerCost,
+    RealizedGain,
     bucket,
     draft_forwards,
     expected_cost,
@@ -444,3 +448,59 @@ def test_each_link_keeps_its_own_acceptance_and_a_new_sequence_starts_from_the_c
     new = Acceptance.starting_from(state)
     assert new.link_rate("suffix") == pytest.approx(state.link_rate("suffix"))
     assert new.link_rate("draft") == pytest.approx(Acceptance().rate)  # never above the fixed prior
+
+
+def test_a_batch_size_whose_drafting_measures_slower_than_plain_is_vetoed_for_longer_each_time():
+    gain = RealizedGain()
+    for _ in range(REALIZED_MIN_STEPS - 1):
+        gain.record(0.8)
+    assert not gain.vetoed()  # too few steps to judge
+    gain.record(0.8)
+    assert [gain.vetoed() for _ in range(VETO_STEPS + 1)] == [True] * VETO_STEPS + [False]
+    for _ in range(REALIZED_MIN_STEPS):  # measured afresh: still slower, twice as long
+        gain.record(0.9)
+    assert sum(gain.vetoed() for _ in range(4 * VETO_STEPS)) == 2 * VETO_STEPS
+    for _ in range(REALIZED_MIN_STEPS):  # now it pays: the next veto starts short again
+        gain.record(1.3)
+    assert not gain.vetoed() and gain.veto_length == VETO_STEPS
+    for _ in range(20):
+        for _ in range(REALIZED_MIN_STEPS):
+            gain.record(0.5)
+        while gain.vetoed():
+            pass
+    assert gain.veto_length == MAX_VETO_STEPS and gain.vetoes == 22
+
+
+def test_a_sequence_joining_the_batch_ends_a_veto_and_starts_the_measurement_afresh():
+    gain = RealizedGain()
+    batch = frozenset({1, 2})
+    gain.vetoed(batch)
+    for _ in range(REALIZED_MIN_STEPS):
+        gain.record(0.5)
+    assert gain.vetoed(batch) and gain.vetoed(frozenset({2}))  # one finished: the rest stay vetoed
+    assert not gain.vetoed(frozenset({2, 3}))  # a new one: its text was never measured
+    for _ in range(REALIZED_MIN_STEPS - 1):
+        gain.record(0.5)
+    assert not gain.vetoed(frozenset({2, 3}))
+
+
+def test_drafting_that_pays_is_never_vetoed():
+    gain = RealizedGain()
+    for ratio in [1.5, 0.9, 1.4, 0.95, 1.6] * 20:  # noisy, but faster than plain on average
+        gain.record(ratio)
+        assert not gain.vetoed()
+
+
+def test_a_vetoed_batch_drafts_and_probes_nothing_but_a_seeded_sequence_still_chooses_alone():
+    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.2))
+    seqs = bare_sequences(7, temperature=0)  # new: they would all probe at once
+    (seeded,) = bare_sequences(1, temperature=0.8, seed=3)
+    calibrated = Calibration(curve)
+    for rows in (1, 8):
+        calibrated.record(rows, curve(rows))
+        calibrated.record(rows, curve(rows))
+    alone = draft_lengths([seeded], [6], 0, curve, None)[0]
+    (again,) = bare_sequences(1, temperature=0.8, seed=3)
+    lengths = draft_lengths([*seqs, again], [6] * 8, 0, curve, None, calibrated, vetoed=True)
+    assert lengths == [0] * 7 + [alone]
+    assert all(seq.stash[ACCEPTANCE].fresh for seq in seqs)  # not probed: their first probe waits for the veto's end
