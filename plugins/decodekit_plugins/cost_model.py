@@ -252,9 +252,9 @@ class ProposerCost:
 
 
 VETO_BELOW = 0.97
-"""A batch size whose speculating steps measure (moving average) under this share of plain decoding's calibrated
-rate drafts nothing for a while (`RealizedGain`)."""
-REALIZED_WEIGHT = 0.25  # weight of a speculating step in its batch size's moving average (about the last 4-8 count)
+"""A batch size whose speculating steps measure (moving average) under this share of its plain steps' measured rate
+drafts nothing for a while (`RealizedGain`)."""
+REALIZED_WEIGHT = 0.25  # weight of a step in its batch size's moving averages (about the last 4-8 count)
 REALIZED_MIN_STEPS = 6  # speculating steps measured before their average may veto
 VETO_STEPS = 32
 MAX_VETO_STEPS = 512
@@ -262,52 +262,70 @@ MAX_VETO_STEPS = 512
 
 @dataclass
 class RealizedGain:
-    """What speculating steps at one batch size (a row bucket of running sequences) really gave: tokens per second of
-    the whole step (proposing, verifying, selecting) over plain decoding's calibrated rate at that size, a moving
-    average in log space; and the veto it earns.
+    """What steps at one batch size (a row bucket of running sequences) of one chain really gave, in tokens per second
+    of the whole step (proposing, verifying, selecting): moving averages in log space of the steps in which the
+    chooser drafted and of those in which nobody drafted (plain decoding's, exploration and native runs included);
+    and the veto that earns.
 
     The chooser's predictions can be wrong in ways no part of the cost model sees alone (acceptance that falls as a
-    draft grows, a proposer's Python, a machine whose multi-row steps wander), and where drafting barely pays they
-    decide run to run (float32 target, int8 self-draft, chat at batch 8, 2-core Intel Xeon: 0.82-1.10x plain the
-    same day). So the steps that drafted are measured against plain decoding: where their average falls under
-    `VETO_BELOW` over at least `REALIZED_MIN_STEPS` steps, that batch size drafts nothing (no probes either) for
-    `VETO_STEPS` steps, twice as long after each further veto (up to `MAX_VETO_STEPS`), back to `VETO_STEPS` once
-    drafting measures at least as fast as plain decoding. What is measured belongs to the sequences it was measured
-    on: a sequence joining the batch (new text, perhaps a copying request after a chatting one) starts the average
-    afresh and ends a veto."""
+    draft grows, a proposer's or the chooser's own Python, a machine whose multi-row steps wander), and where drafting
+    barely pays they decide run to run (float32 target, int8 self-draft, chat at batch 8, 2-core Intel Xeon: 0.82-1.10x
+    plain the same day). So the steps that drafted are measured against the plain steps measured alike (not against the
+    calibrated curve, whose unmeasured buckets can be far off): where their average falls under `VETO_BELOW` of plain's
+    over at least `REALIZED_MIN_STEPS` steps, that batch size drafts nothing (no probes either) for `VETO_STEPS` steps,
+    twice as long after each further veto (up to `MAX_VETO_STEPS`), back to `VETO_STEPS` once drafting measures at
+    least as fast as plain decoding. Without a plain measurement nothing is vetoed. What is measured belongs to the
+    sequences it was measured on: a sequence joining the batch (new text, perhaps a copying request after a chatting
+    one) starts the speculating average afresh and ends a veto."""
 
-    log_ratio: float | None = None
+    log_rate: float | None = None
+    plain_log_rate: float | None = None
     steps: int = 0
     veto_left: int = 0
     veto_length: int = VETO_STEPS
     vetoes: int = 0
     members: frozenset[int] = frozenset()
 
-    def record(self, ratio: float) -> None:
-        """One speculating step gave `ratio` times plain decoding's calibrated tokens per second."""
-        logged = math.log(max(ratio, 1e-6))
-        self.log_ratio = logged if self.log_ratio is None else \
-            self.log_ratio + REALIZED_WEIGHT * (logged - self.log_ratio)
+    def record(self, tokens_per_second: float) -> None:
+        """One step in which the chooser drafted gave `tokens_per_second`."""
+        self.log_rate = _averaged(self.log_rate, tokens_per_second)
         self.steps += 1
-        if self.steps < REALIZED_MIN_STEPS:
+        if self.steps < REALIZED_MIN_STEPS or self.plain_log_rate is None:
             return
-        if self.log_ratio < math.log(VETO_BELOW):
+        if self.log_rate - self.plain_log_rate < math.log(VETO_BELOW):
             self.veto_left, self.vetoes = self.veto_length, self.vetoes + 1
             self.veto_length = min(2 * self.veto_length, MAX_VETO_STEPS)
-            self.log_ratio, self.steps = None, 0  # measured afresh once the veto ends
-        elif self.log_ratio >= 0.0:
+            self.log_rate, self.steps = None, 0  # measured afresh once the veto ends
+        elif self.log_rate >= self.plain_log_rate:
             self.veto_length = VETO_STEPS
+
+    def record_plain(self, tokens_per_second: float) -> None:
+        """One step in which nobody drafted gave `tokens_per_second`."""
+        self.plain_log_rate = _averaged(self.plain_log_rate, tokens_per_second)
+
+    @property
+    def ratio(self) -> float | None:
+        """The speculating steps' average rate over the plain steps' (None until both are measured)."""
+        if self.log_rate is None or self.plain_log_rate is None:
+            return None
+        return math.exp(self.log_rate - self.plain_log_rate)
 
     def vetoed(self, members: frozenset[int] = frozenset()) -> bool:
         """Whether drafting at this batch size is vetoed this step for the batch's sequences `members` (ids; each
         answer uses up one step of a veto)."""
         if not members <= self.members:  # someone new: what was measured is not about them
-            self.log_ratio, self.steps, self.veto_left = None, 0, 0
+            self.log_rate, self.steps, self.veto_left = None, 0, 0
         self.members = members
         if self.veto_left <= 0:
             return False
         self.veto_left -= 1
         return True
+
+
+def _averaged(log_average: float | None, value: float) -> float:
+    """`log_average` moved `REALIZED_WEIGHT` of the way to log(`value`) (log(`value`) where None)."""
+    logged = math.log(max(value, 1e-12))
+    return logged if log_average is None else log_average + REALIZED_WEIGHT * (logged - log_average)
 
 
 def draft_forwards(lengths: Sequence[int]) -> list[int]:

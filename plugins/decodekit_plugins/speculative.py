@@ -49,6 +49,7 @@ from decodekit.api.strategy import StepContext, Strategy, TokenDistribution
 from decodekit_plugins.adaptive import (
     ACCEPTANCE,
     CHAIN_DECAY,
+    PROBE_TOKENS,
     Acceptance,
     OffSwitch,
     draft_lengths,
@@ -398,10 +399,10 @@ class SpeculativeStrategy(Strategy):
         self.off_switches: dict[tuple[Any, ...], OffSwitch] = {}  # per group of the chooser, its switched-off batch
         self._chain_reads: dict[tuple[str, ...], bool] = {}  # per chain, whether a proposer reads hidden states
         self._timed: StepTiming | None = None
-        # per target curve and batch size bucket, what its speculating steps measured against plain decoding; this
-        # step's, where the chooser drafted, with the calibration it is measured against and the propose time
-        self.realized: dict[tuple[StepCost, int], RealizedGain] = {}
-        self._measuring: tuple[RealizedGain, Calibration] | None = None
+        # per target curve, chain and batch size bucket, what its steps measured with and without drafts; this
+        # step's (its first chooser group's), whether the chooser drafted in it, and the propose time
+        self.realized: dict[tuple[StepCost, tuple[str, ...], int], RealizedGain] = {}
+        self._measuring: tuple[RealizedGain, bool] | None = None
         self._propose_seconds = 0.0
 
     def bind(self, components: ComponentLookup) -> None:
@@ -456,6 +457,8 @@ class SpeculativeStrategy(Strategy):
         calibrated = self.calibrations.setdefault(target, Calibration(target))
         for _ in range(tokens):
             calibrated.record(1, seconds / tokens)
+        if seconds > 0:  # what plain decoding gives a lone request here, for the veto's comparison
+            self.realized.setdefault((target, options.chain, bucket(1)), RealizedGain()).record_plain(tokens / seconds)
 
     def _used_proposers(self, options: BaseModel | None) -> list[Proposer | None]:
         """The proposer and fallback that requests with these options use (None where not built yet)."""
@@ -566,6 +569,7 @@ class SpeculativeStrategy(Strategy):
             by_costs.setdefault((*known, chain), []).append(i)
         shapes: dict[int, TreeShape | None] = {}
         answer_first: list[_AnswerFirst] = []
+        first_group = True
         for (target, curves, chain), rows in by_costs.items():
             calibrated = self.calibrations.setdefault(target, Calibration(target))
             # the chain's first model link's curve, for the seeded sequences' timing-free choice
@@ -576,7 +580,7 @@ class SpeculativeStrategy(Strategy):
             # answering link's rate; before that, by the higher of the chain's and its draft model's
             lookups_first = len(chain) > 1 and curves[0] is None
             model_link = next((name for name, c in zip(chain, curves) if c is not None), None)
-            realized = self.realized.setdefault((target, bucket(ctx.num_running)), RealizedGain())
+            realized = self.realized.setdefault((target, chain, bucket(ctx.num_running)), RealizedGain())
             vetoed = realized.vetoed(frozenset(seqs[i].seq_id for i in rows))
             chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
                                    ctx.num_running - len(rows), target, draft, calibrated, host,
@@ -585,8 +589,10 @@ class SpeculativeStrategy(Strategy):
                                    rate_link=model_link if lookups_first else None, vetoed=vetoed)
             for i, k in zip(rows, chosen):
                 ks[i] = k
-            if self._measuring is None and any(k and not self._alone_or_probing(seqs[i]) for i, k in zip(rows, chosen)):
-                self._measuring = (realized, calibrated)  # the chooser drafted: measure what the step gives
+            if first_group:  # what the step gives: with the chooser's drafts, or plain (a probe's step is neither)
+                first_group = False
+                drafted = any(k and not self._alone_or_probing(seqs[i]) for i, k in zip(rows, chosen))
+                self._measuring = (realized, drafted) if drafted or not any(chosen) else None
             if lookups_first:
                 first = [i for i in rows if ks[i] > 0 and self._answers_first(seqs[i])]
                 if first:
@@ -603,10 +609,11 @@ class SpeculativeStrategy(Strategy):
 
     @staticmethod
     def _answers_first(seq: Sequence) -> bool:
-        """Whether `seq`'s length this step waits for its chain's lookups: not a probe's (kept as it is), not a
-        seeded sampled sequence's (chosen alone from the curves), not a tree's (its shape follows its length)."""
+        """Whether `seq`'s draft this step waits for its chain's lookups: not a seeded sampled sequence's (chosen
+        alone from the curves), not a tree's (its shape follows its length). A probe's does (its length stays the
+        probe's): a probe answered by a lookup that is always wrong measured that lookup, never the draft model."""
         state = seq.stash.get(ACCEPTANCE, None)
-        return (state is not None and not state.probing and seq.request.plan.strategy_options.tree is None
+        return (state is not None and seq.request.plan.strategy_options.tree is None
                 and (seq.greedy or seq.request.params.seed is None))
 
     def _answer_first(self, ctx: StepContext, group: _AnswerFirst, seqs: list[Sequence], limits: list[int]
@@ -628,6 +635,10 @@ class SpeculativeStrategy(Strategy):
         model_rates = [state.link_rate(group.model_link) if group.model_link else 0.0 for state in states]
         lengths, keep = lengths_by_answer(answers, model_rates, limits, ctx.num_running - len(seqs), group.target,
                                           group.draft)
+        for n, (state, answer) in enumerate(zip(states, answers)):
+            if state.probing:  # a probe drafts its own length, from the link the routing chose
+                lengths[n] = min(PROBE_TOKENS, answer[1]) if keep[n] and answer is not None else \
+                    min(PROBE_TOKENS, limits[n]) if group.model_link is not None else 0
         to_model: list[tuple[Sequence, int, Any]] = []
         for seq, k, kept in zip(seqs, lengths, keep):
             if kept:
@@ -728,17 +739,18 @@ class SpeculativeStrategy(Strategy):
         self._measure(ctx, sum(len(seq.token_ids) for seq in seqs) - before + ctx.num_running - len(seqs))
 
     def _measure(self, ctx: StepContext, tokens: int) -> None:
-        """Once per step the chooser drafted in: the step's tokens per second (proposing included) against plain
-        decoding's calibrated rate at this batch size (`RealizedGain`)."""
+        """Once per step: its tokens per second (proposing included), as a step the chooser drafted in or a plain
+        one (`RealizedGain`)."""
         timing = getattr(ctx, "step_timing", None)
         measuring, self._measuring = self._measuring, None
-        if measuring is None or timing is None or not timing.decode_only or ctx.num_running < 1:
+        seconds = 0.0 if timing is None else timing.seconds + self._propose_seconds
+        if measuring is None or timing is None or not timing.decode_only or seconds <= 0 or tokens < 1:
             return
-        realized, calibrated = measuring
-        seconds = timing.seconds + self._propose_seconds
-        plain = ctx.num_running / calibrated(ctx.num_running)
-        if seconds > 0 and plain > 0:
-            realized.record(tokens / seconds / plain)
+        realized, drafted = measuring
+        if drafted:
+            realized.record(tokens / seconds)
+        else:
+            realized.record_plain(tokens / seconds)
 
     def _select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
         argmax = logits.argmax(dim=-1).tolist()

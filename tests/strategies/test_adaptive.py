@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import time
 from typing import ClassVar
 
@@ -311,7 +310,8 @@ def test_a_chains_draft_comes_from_the_link_whose_own_acceptance_promises_most(l
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     for out in spec:
         tokens = out.metrics.proposer_tokens
-        assert tokens.get(by, {}).get("accepted", 0) >= 20, tokens  # half the answer or more from the right link
+        # a good share of the answer from the right link (how much drafting pays is the machine's steps' to say)
+        assert tokens.get(by, {}).get("accepted", 0) >= 10, tokens
         if lookup == "liar":  # drafted until its own rate fell: a step or two, never most of them
             assert tokens.get("liar", {}).get("steps", 0) <= 3, tokens
         else:
@@ -345,4 +345,5 @@ def test_the_strategy_measures_what_its_speculating_steps_really_gave_against_pl
     (gain,) = speculative.realized.values()
     measured = gain.vetoes * REALIZED_MIN_STEPS + gain.steps
     assert measured >= min(REALIZED_MIN_STEPS, Oracle.calls - 1) > 0, gain
-    assert gain.vetoes >= 1 or gain.log_ratio < math.log(VETO_BELOW), gain  # a stalled step gives ~0.1x plain
+    assert gain.plain_log_rate is not None, gain  # plain steps measured alike (exploration, native runs)
+    assert gain.vetoes >= 1 or (gain.ratio or 1.0) < VETO_BELOW, gain  # a stalled step gives ~0.1x plain

@@ -450,8 +450,19 @@ def test_each_link_keeps_its_own_acceptance_and_a_new_sequence_starts_from_the_c
     assert new.link_rate("draft") == pytest.approx(Acceptance().rate)  # never above the fixed prior
 
 
+def test_nothing_is_vetoed_before_plain_decoding_was_measured_alike():
+    gain = RealizedGain()
+    for _ in range(3 * REALIZED_MIN_STEPS):
+        gain.record(0.1)
+    assert not gain.vetoed() and gain.ratio is None
+    gain.record_plain(1.0)
+    gain.record(0.1)
+    assert gain.vetoed()
+
+
 def test_a_batch_size_whose_drafting_measures_slower_than_plain_is_vetoed_for_longer_each_time():
     gain = RealizedGain()
+    gain.record_plain(1.0)  # tokens per second of plain steps, measured alike
     for _ in range(REALIZED_MIN_STEPS - 1):
         gain.record(0.8)
     assert not gain.vetoed()  # too few steps to judge
@@ -473,6 +484,7 @@ def test_a_batch_size_whose_drafting_measures_slower_than_plain_is_vetoed_for_lo
 
 def test_a_sequence_joining_the_batch_ends_a_veto_and_starts_the_measurement_afresh():
     gain = RealizedGain()
+    gain.record_plain(1.0)
     batch = frozenset({1, 2})
     gain.vetoed(batch)
     for _ in range(REALIZED_MIN_STEPS):
@@ -486,6 +498,7 @@ def test_a_sequence_joining_the_batch_ends_a_veto_and_starts_the_measurement_afr
 
 def test_drafting_that_pays_is_never_vetoed():
     gain = RealizedGain()
+    gain.record_plain(1.0)
     for ratio in [1.5, 0.9, 1.4, 0.95, 1.6] * 20:  # noisy, but faster than plain on average
         gain.record(ratio)
         assert not gain.vetoed()
