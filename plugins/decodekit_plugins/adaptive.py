@@ -320,7 +320,8 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     this batch size's speculating steps measured slower than plain decoding (`cost_model.RealizedGain`): its
     sequences (not the seeded ones) draft nothing and probe nothing this step."""
     alone = [not seq.greedy and seq.request.params.seed is not None for seq in seqs]
-    states = [seq.stash.setdefault(ACCEPTANCE, Acceptance(fresh=True) if own or prior is None else
+    states = [seq.stash[ACCEPTANCE] if ACCEPTANCE in seq.stash else  # a new state only for a new sequence
+              seq.stash.setdefault(ACCEPTANCE, Acceptance(fresh=True) if own or prior is None else
                                    Acceptance.starting_from(prior)) for seq, own in zip(seqs, alone)]
     for state in states:
         state.probing = False
