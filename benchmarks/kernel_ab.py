@@ -28,7 +28,7 @@ from decodekit.api.models import StoredWeight
 from decodekit.bench.machine import environment, machine_line
 from decodekit.execution.fused.stored_matrices import GgufMatrix
 from decodekit.execution.kernels import native
-from decodekit.execution.kernels.quant import GGUF_FORMATS, row_bytes
+from decodekit.execution.kernels.quant import GGUF_FORMATS, INTERLEAVED_Q4_1, interleave_q4_1, row_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where each format's fp16 scales lie in a block (overwritten with small values: random bytes make infinities).
@@ -66,7 +66,10 @@ def kernels_from(sources: tuple[Path, ...]) -> native.NativeKernels:
 
 
 def stored_blocks(fmt: str, out: int, width: int) -> torch.Tensor:
-    """Random blocks of `fmt` for an [out, width] weight, each fp16 scale 0.01 (finite, so outputs compare)."""
+    """Random blocks of `fmt` for an [out, width] weight, each fp16 scale 0.01 (finite, so outputs compare); `Q4_1x8`:
+    such Q4_1 blocks interleaved by 8 rows (`out` a multiple of 8)."""
+    if fmt == INTERLEAVED_Q4_1:
+        return interleave_q4_1(stored_blocks("Q4_1", out, width))
     data = torch.randint(0, 256, (out, row_bytes(fmt, width)), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(0))
     blocks = data.view(out, -1, GGUF_FORMATS[fmt][2])  # (type id, weights a block, bytes a block)

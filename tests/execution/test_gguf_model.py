@@ -94,6 +94,29 @@ def test_a_bad_code_path_variable_is_refused_when_the_engine_is_built(monkeypatc
         _llm()
 
 
+@needs_kernels
+@pytest.mark.skipif(isinstance(kernels, str) or "avx2" not in kernels.quant.available, reason="no AVX2 path here")
+def test_interleaved_q4_1_weights_give_the_dequantized_models_greedy_tokens_batched_and_alone(
+        stored_and_dequantized, monkeypatch):
+    """DECODEKIT_GGUF_INTERLEAVE=on on the AVX2 path: the tiny model's Q4_1 weights are multiplied interleaved by 8
+    rows (`Q4_1x8`), with the dequantized model's hidden states up to summation order and its greedy tokens, a
+    prompt alone as in a batch."""
+    monkeypatch.setenv("DECODEKIT_GGUF_INTERLEAVE", "on")
+    monkeypatch.setenv("DECODEKIT_QUANT_ISA", "avx2")
+    interleaved = _llm()
+    _, dequantized = stored_and_dequantized
+    layer = interleaved.engine.model.runner.fused.layers[0]
+    assert layer.qkv.formats == ("Q4_0", "Q4_1x8", "Q8_0")
+    prompts = random_prompts(6, 3, 40, seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    want = [o.token_ids for o in dequantized.generate(prompts, params)]
+    assert [o.token_ids for o in interleaved.generate(prompts, params)] == want
+    assert interleaved.generate(prompts[2], params)[0].token_ids == want[2]
+    prompt = random_prompts(1, 5, 6, seed=5)[0]
+    _, hidden = _last(interleaved, prompt)
+    torch.testing.assert_close(hidden, _last(dequantized, prompt)[1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 @needs_kernels
 def test_the_bundled_model_runs_its_q4_1_blocks_with_the_dequantized_models_greedy_tokens():

@@ -11,25 +11,66 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decodekit.api.models import StoredWeight
-from decodekit.execution.fused.stored_matrices import GGUF_NATIVE_MAX_ROWS, GgufMatrix
+from decodekit.execution.fused.stored_matrices import (
+    GGUF_NATIVE_MAX_ROWS,
+    INTERLEAVE_VARIABLE,
+    GgufMatrix,
+    laid_out_for,
+)
 from decodekit.execution.kernels.native import load_kernels
-from decodekit.execution.kernels.quant import GGUF_FORMATS, ISA_VARIABLE, row_bytes
+from decodekit.execution.kernels.quant import (
+    GGUF_FORMATS,
+    INTERLEAVED_Q4_1,
+    ISA_VARIABLE,
+    interleave_q4_1,
+    row_bytes,
+)
 from tests.helpers.gguf_blocks import gguf_dequantize, random_blocks
 
 kernels = load_kernels()
 needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
 ISAS = () if isinstance(kernels, str) else kernels.quant.available
-FORMATS = sorted(GGUF_FORMATS)
+FORMATS = sorted(fmt for fmt in GGUF_FORMATS if fmt != INTERLEAVED_Q4_1)  # a file's formats
+"""The formats a GGUF file holds; `Q4_1x8` (Q4_1 interleaved by 8 rows) is decodekit's own layout of Q4_1."""
 
 
 def _stored(fmt: str, rows: int, width: int, seed: int) -> tuple[StoredWeight, torch.Tensor]:
-    blocks = random_blocks(fmt, rows, width, seed)
-    return StoredWeight(fmt, torch.from_numpy(blocks), (rows, width)), gguf_dequantize(blocks, fmt, width)
+    """Random blocks of `fmt` (for `Q4_1x8`: random Q4_1 blocks of `rows`, a multiple of 8, interleaved) and the
+    float32 weights gguf-py dequantizes them to."""
+    blocks = random_blocks("Q4_1" if fmt == INTERLEAVED_Q4_1 else fmt, rows, width, seed)
+    want = gguf_dequantize(blocks, "Q4_1" if fmt == INTERLEAVED_Q4_1 else fmt, width)
+    data = torch.from_numpy(blocks)
+    return StoredWeight(fmt, interleave_q4_1(data) if fmt == INTERLEAVED_Q4_1 else data, (rows, width)), want
 
 
 def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Float32 summation-order error of `x @ weight.T`: a few ulps of the sum of the products' magnitudes."""
     return (x.abs().double() @ weight.abs().double().t()) * 2e-6 + 1e-30
+
+
+def _assert_the_float_product(fmt: str, part_rows: list[int], width: int, isa: str, rows: int, bias: bool,
+                              residual: bool, seed: int) -> None:
+    """A `GgufMatrix` of random `fmt` parts (`part_rows` rows each, stacked) times random rows (with a random bias,
+    and a random residual) is the float64 product of the dequantized weight up to float32 summation order, and its
+    `dequantized()` is that weight exactly."""
+    parts = [_stored(fmt, n, width, seed + i) for i, n in enumerate(part_rows)]
+    weight = torch.cat([w for _, w in parts])
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(weight.shape[0], generator=g) if bias else None
+    matrix = GgufMatrix([s for s, _ in parts], b, kernels, isa)
+    x = torch.randn(rows, weight.shape[1], generator=g)
+    res = torch.randn(rows, weight.shape[0], generator=g) if residual else None
+    want = x.double() @ weight.double().t()
+    bound = _bound(x, weight) + 1e-6 * want.abs()
+    # each float32 add of the bias and the residual rounds once, at the magnitude of what it adds up
+    if b is not None:
+        want += b.double()
+        bound += 1.2e-7 * (want.abs() + b.double().abs())
+    if res is not None:
+        want += res.double()
+        bound += 1.2e-7 * (want.abs() + res.double().abs())
+    assert torch.all((matrix(x, res).double() - want).abs() <= bound)
+    assert torch.equal(matrix.dequantized(), weight)
 
 
 @needs_kernels
@@ -51,25 +92,7 @@ def test_the_product_of_random_blocks_is_the_float_product_of_their_dequantized_
         fmt, isa, rows, blocks, out, bias, residual, seed):
     """Random quants and scales, 1 to 3 blocks per row, one to three stacked parts (output counts that are not a
     multiple of the kernel's 4-row groups), rows on both sides of GGUF_NATIVE_MAX_ROWS."""
-    width = blocks * GGUF_FORMATS[fmt][1]
-    parts = [_stored(fmt, n, width, seed + i) for i, n in enumerate(out)]
-    weight = torch.cat([w for _, w in parts])
-    g = torch.Generator().manual_seed(seed)
-    b = torch.randn(weight.shape[0], generator=g) if bias else None
-    matrix = GgufMatrix([s for s, _ in parts], b, kernels, isa)
-    x = torch.randn(rows, width, generator=g)
-    res = torch.randn(rows, weight.shape[0], generator=g) if residual else None
-    want = x.double() @ weight.double().t()
-    bound = _bound(x, weight) + 1e-6 * want.abs()
-    # each float32 add of the bias and the residual rounds once, at the magnitude of what it adds up
-    if b is not None:
-        want += b.double()
-        bound += 1.2e-7 * (want.abs() + b.double().abs())
-    if res is not None:
-        want += res.double()
-        bound += 1.2e-7 * (want.abs() + res.double().abs())
-    assert torch.all((matrix(x, res).double() - want).abs() <= bound)
-    assert torch.equal(matrix.dequantized(), weight)
+    _assert_the_float_product(fmt, out, blocks * GGUF_FORMATS[fmt][1], isa, rows, bias, residual, seed)
 
 
 @needs_kernels
@@ -139,7 +162,8 @@ def test_the_variable_forces_a_lower_path_for_matrices_built_after_it(monkeypatc
 @needs_kernels
 @settings(max_examples=12, deadline=None)
 @given(rows=st.integers(1, 9), inter=st.sampled_from([8, 96, 520, 1536]), formats=st.tuples(
-    st.sampled_from(FORMATS), st.sampled_from(FORMATS)), seed=st.integers(0, 2**16))
+    st.sampled_from([*FORMATS, INTERLEAVED_Q4_1]), st.sampled_from([*FORMATS, INTERLEAVED_Q4_1])),
+    seed=st.integers(0, 2**16))
 def test_the_gated_gate_up_product_equals_the_product_then_silu_gating_bit_for_bit(rows, inter, formats, seed):
     # each thread multiplies the same rows of the gate and the up parts and gates them itself (the layer stack's
     # GGUF path): the values of the parts' products, then dk_silu_mul; 1536 rows split over both threads
@@ -154,3 +178,56 @@ def test_the_gated_gate_up_product_equals_the_product_then_silu_gating_bit_for_b
         gate_up, gated = kernels.quant.gated(x, (gate.data, formats[0]), (up.data, formats[1]), isa=isa)
         assert torch.equal(gate_up, want), isa
         assert torch.equal(gated, kernels.silu_mul(want)), isa
+
+
+# ---- Q4_1 interleaved by 8 rows (`Q4_1x8`: the AVX2 path's opt-in layout for batch-1 decoding) ----------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_interleaved_q4_1_blocks_dequantize_to_exactly_the_q4_1_weights_they_regroup_on_every_path(isa):
+    for rows, width in ((8, 32), (24, 96), (16, 1536)):
+        stored, want = _stored(INTERLEAVED_Q4_1, rows, width, seed=rows)
+        assert torch.equal(kernels.quant.dequantize(stored.data, INTERLEAVED_Q4_1, width, isa), want)
+    with pytest.raises(ValueError, match="whole groups of 8"):
+        interleave_q4_1(torch.from_numpy(random_blocks("Q4_1", 7, 32, 0)))
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(isa=st.sampled_from(ISAS),
+       rows=st.one_of(st.integers(1, 20), st.integers(GGUF_NATIVE_MAX_ROWS - 1, GGUF_NATIVE_MAX_ROWS + 2)),
+       blocks=st.integers(1, 3), groups=st.lists(st.integers(1, 3), min_size=1, max_size=3), bias=st.booleans(),
+       residual=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_interleaved_product_is_the_float_product_of_the_q4_1_weights(isa, rows, blocks, groups, bias, residual,
+                                                                          seed):
+    """One to three stacked parts of 8-24 rows, 1 to 3 blocks a row, rows on both sides of GGUF_NATIVE_MAX_ROWS."""
+    _assert_the_float_product(INTERLEAVED_Q4_1, [8 * n for n in groups], 32 * blocks, isa, rows, bias, residual, seed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_an_interleaved_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa):
+    """One activation row, two in a tile and an odd one after them sum each output in one order: a row alone and in
+    any batch agree bit for bit (speculative verification gives decoding's logits)."""
+    stored, _ = _stored(INTERLEAVED_Q4_1, 40, 96, seed=5)
+    matrix = GgufMatrix([stored], None, kernels, isa)
+    x = torch.randn(41, 96)
+    together = matrix(x)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+        for start in range(0, x.shape[0] - rows + 1, 7):
+            assert torch.equal(matrix(x[start:start + rows]), together[start:start + rows])
+
+
+@needs_kernels
+def test_q4_1_is_interleaved_only_when_asked_on_the_avx2_path_and_for_whole_groups_of_8(monkeypatch):
+    eight, _ = _stored("Q4_1", 16, 64, seed=1)
+    seven, _ = _stored("Q4_1", 7, 64, seed=1)
+    q8, _ = _stored("Q8_0", 16, 64, seed=1)
+    assert laid_out_for(eight, "avx2")[0] == "Q4_1"  # off by default
+    monkeypatch.setenv(INTERLEAVE_VARIABLE, "on")
+    fmt, blocks = laid_out_for(eight, "avx2")
+    assert fmt == INTERLEAVED_Q4_1 and torch.equal(blocks, interleave_q4_1(eight.data))
+    assert eight.format == "Q4_1" and not torch.equal(blocks, eight.data)  # a copy: the stored weight is untouched
+    assert laid_out_for(eight, "portable")[0] == laid_out_for(eight, "avx512")[0] == "Q4_1"
+    assert laid_out_for(seven, "avx2")[0] == "Q4_1" and laid_out_for(q8, "avx2")[0] == "Q8_0"

@@ -4,6 +4,9 @@ A GGUF weight `[out, in]` is kept as the file stores it: `out` rows of blocks (`
 Q4_1, Q8_0 (blocks of 32 weights) or Q4_K, Q6_K (super-blocks of 256). `QuantKernels.linear` multiplies float32
 rows by it, dequantizing each block in registers, and `dequantize` writes float32 rows of it (for the GEMM of
 many rows). Both compute each weight exactly as gguf-py's `dequantize` does (the float32 weights transformers loads).
+`Q4_1x8` is decodekit's own layout of Q4_1 (`interleave_q4_1`: each 8 rows' blocks regrouped so a vector's lanes are
+8 output rows), which the AVX2 path multiplies faster for one or two activation rows and slower for more (opt-in:
+`stored_matrices.laid_out_for`).
 
 Three code paths: AVX-512, AVX2 + FMA and portable C, chosen at run time: the best the library was compiled with
 for this CPU, or a lower one named by `DECODEKIT_QUANT_ISA` (portable, avx2, avx512) or by the `isa` argument (tests
@@ -18,6 +21,9 @@ from typing import Any
 
 import torch
 
+INTERLEAVED_Q4_1 = "Q4_1x8"
+"""The format name of Q4_1 blocks interleaved by 8 rows (`interleave_q4_1`)."""
+
 # ggml's type ids (`gguf.GGMLQuantizationType`) of the formats the kernels take, with (weights, bytes) per block.
 GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18),
@@ -25,8 +31,13 @@ GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144),
     "Q6_K": (14, 256, 210),
+    INTERLEAVED_Q4_1: (103, 32, 20),
 }
-"""format name -> (ggml type id, weights per block, bytes per block)."""
+"""format name -> (ggml type id, weights per block, bytes per block); `Q4_1x8` is decodekit's own layout of Q4_1
+(`interleave_q4_1`), not a file's."""
+
+INTERLEAVED_ROWS = 8
+"""Rows whose blocks `interleave_q4_1` lays out together."""
 
 ISAS = ("portable", "avx2", "avx512")
 """The code paths, lowest first (`dk_quant_isa` returns the index of the best one compiled)."""
@@ -49,6 +60,25 @@ def row_bytes(fmt: str, width: int) -> int:
     if width <= 0 or width % per_block:
         raise ValueError(f"a {fmt} row holds whole blocks of {per_block} weights, not {width}")
     return width // per_block * size
+
+
+def interleave_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks `[n, row_bytes]` (n a multiple of 8) laid out as `Q4_1x8`: the same bytes, each 8 rows' chunk by
+    chunk (160 bytes a chunk): the 8 fp16 scales, the 8 fp16 mins, then four times 32 bytes, 4 quant bytes of each
+    row (`native/quant.c`, DK_Q4_1X8). Rows [8g, 8g + 8) of the result hold group g, so slicing whole groups keeps
+    it valid.
+
+    Raises:
+        ValueError: the rows are not whole groups of 8, or not Q4_1 rows.
+    """
+    n, width_bytes = blocks.shape
+    if n % INTERLEAVED_ROWS or width_bytes % 20 or blocks.dtype != torch.uint8:
+        raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} blocks are not whole groups of 8 Q4_1 rows")
+    chunks = width_bytes // 20
+    groups = blocks.reshape(n // INTERLEAVED_ROWS, INTERLEAVED_ROWS, chunks, 20).permute(0, 2, 1, 3)
+    scales, mins = groups[..., 0:2].flatten(2), groups[..., 2:4].flatten(2)
+    quants = groups[..., 4:20].unflatten(3, (4, 4)).permute(0, 1, 3, 2, 4).flatten(2)
+    return torch.cat([scales, mins, quants], dim=2).reshape(n, width_bytes).contiguous()
 
 
 class QuantKernels:
@@ -96,7 +126,8 @@ class QuantKernels:
         """
         rows, width = x.shape
         n = blocks.shape[0]
-        if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(fmt, width)
+        if (blocks.dtype != torch.uint8 or (fmt == INTERLEAVED_Q4_1 and n % INTERLEAVED_ROWS) or blocks.dim() != 2
+                or blocks.shape[1] != row_bytes(fmt, width)
                 or not blocks.is_contiguous() or not x.is_contiguous() or x.dtype != torch.float32
                 or out.shape[0] != rows or not 0 <= start <= out.shape[1] - n or not out.is_contiguous()
                 or (residual is not None and (residual.shape != out.shape or not residual.is_contiguous()))
@@ -125,7 +156,7 @@ class QuantKernels:
         inter = gate_blocks.shape[0]
         for blocks, fmt in (gate, up):
             if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape != (inter, row_bytes(fmt, width))
-                    or not blocks.is_contiguous()):
+                    or not blocks.is_contiguous() or (fmt == INTERLEAVED_Q4_1 and inter % INTERLEAVED_ROWS)):
                 raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} blocks are not {inter} {fmt} rows of {width}")
         if not x.is_contiguous() or x.dtype != torch.float32:
             raise ValueError("the rows must be contiguous float32")
@@ -144,7 +175,8 @@ class QuantKernels:
             ValueError: `blocks` are not `fmt` rows of `width` weights.
         """
         blocks = blocks.contiguous()
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(fmt, width):
+        if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(fmt, width)
+                or (fmt == INTERLEAVED_Q4_1 and blocks.shape[0] % INTERLEAVED_ROWS)):
             raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} blocks are not {fmt} rows of {width} weights")
         out = torch.empty(blocks.shape[0], width)
         status = self._dequantize(GGUF_FORMATS[fmt][0], blocks.data_ptr(), blocks.shape[0], width, out.data_ptr(),

@@ -63,6 +63,9 @@
 
 /* ggml's type ids (GGMLQuantizationType) */
 enum { DK_Q4_0 = 2, DK_Q4_1 = 3, DK_Q8_0 = 8, DK_Q4_K = 12, DK_Q6_K = 14 };
+/* Q4_1 with each 8 rows' blocks interleaved (`Q4_1x8` in quant.py, decodekit's own id): the AVX2 path's layout of
+ * Q4_1, below. */
+enum { DK_Q4_1X8 = 103 };
 /* ggml's F32, here only inside the library: a row of weights already dequantized (the panels of many-row products,
  * below); no entry point takes it. */
 enum { DK_F32 = 0 };
@@ -79,6 +82,7 @@ static int64_t block_bytes(int64_t kind) {
     switch (kind) {
         case DK_Q4_0: return 18;
         case DK_Q4_1: return 20;
+        case DK_Q4_1X8: return 20;
         case DK_Q8_0: return 34;
         case DK_Q4_K: return 144;
         case DK_Q6_K: return 210;
@@ -544,7 +548,8 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
 
 /* Output rows per work item for a product of `rows` activation rows on a path that takes the panels from
  * `panel_min_rows`. */
-static inline int64_t group_span(int64_t rows, int64_t panel_min_rows) {
+static inline int64_t group_span(int64_t kind, int64_t rows, int64_t panel_min_rows) {
+    if (kind == DK_Q4_1X8) return 8;  /* its groups of 8 interleaved rows (X8_ROWS) */
     return rows >= panel_min_rows ? QUANT_PANEL_ROWS : QUANT_GROUP;
 }
 
@@ -592,6 +597,205 @@ DK_DEQUANTIZE_ROW(avx2, __m256, 4, 8, _mm256_storeu_ps)
 #if DK_QUANT_AVX512
 DK_DEQUANTIZE_ROW(avx512, __m512, 2, 16, _mm512_storeu_ps)
 #endif
+
+/* ---- Q4_1 interleaved by 8 weight rows (DK_Q4_1X8) ------------------------------------------------------------
+ * The same bytes as Q4_1, regrouped when a model loads under DECODEKIT_GGUF_INTERLEAVE=on (quant.py's
+ * `interleave_q4_1`, stored_matrices.py's `laid_out_for`): each 8 rows (row_bytes * 8 bytes, rows 8g..8g+7) hold,
+ * chunk by chunk, 160 bytes: the 8 rows' fp16 scales d, their 8 fp16 mins m, then 4 x 32 bytes, dword j of the t-th
+ * 32 being row j's quant bytes 4t..4t+3. A vector's 8 lanes are then 8 output rows: the product broadcasts one
+ * activation into 8 rows' weights, the 8 scales and mins are one load each, and no output needs a horizontal sum. A
+ * dword vector holds 8 quants a row: nibble i (bits 4i..4i+3) of dword t is the row's weight X8_WEIGHT(t, i), and is
+ * isolated by ONE and (i < 7: q * 2^4i, exactly, converted exactly) or a shift (i = 7); the scale it is multiplied by
+ * is d * 2^-4i (exact), so (d * 2^-4i) * (q * 2^4i) = d * q exactly and the fused d * q + m rounds once: each weight is
+ * the float the Q4_1 chunk computes. Row-major Q4_1 on AVX2 widens each 8 bytes (a shuffle), shifts half its quants
+ * and splats two fp16 halves a chunk: ~24 vector operations a chunk of a row; here ~16 (3.5 ands, half a shift, 4
+ * conversions, 8 multiply-adds, the scales once for 8 rows).
+ * Standalone, one row, in cache, one thread of a 2-core Zen 3: 1.9-2.0 ns a chunk of a row against 2.6-2.9
+ * row-major; from memory, 2 threads, 1.1-1.5 against 1.8-2.1. But each activation is broadcast into the 8 rows'
+ * lanes, one broadcast a multiply-add, and with four accumulators an output (the multiply-adds' latency) a tile
+ * holds at most two activation rows: SmolLM2's layer products 1.12x (1 row), 1.07-1.11x (2), 0.81x (4), 0.79x (8).
+ * So it is opt-in, for batch-1 decoding.
+ *
+ * Each output sums in one order whatever the rows: chunk by chunk, nibble i of dword t into accumulator i & 3 (t
+ * before i), then (a0 + a1) + (a2 + a3). */
+#define X8_ROWS 8
+#define X8_CHUNK_BYTES (X8_ROWS * 20)
+#define X8_WEIGHT(t, i) (4 * (t) + ((i) >> 1) + 16 * ((i) & 1))
+/* 32 of the 160-byte chunks ahead (a prefetch per 64 bytes of the one stream a group reads) */
+#define X8_PREFETCH_BYTES 5120
+
+/* Chunk c's 8 x 32 weights as panel[(t * 8 + i) * 8 + j] = row j's weight X8_WEIGHT(t, i) (the portable path). */
+ALWAYS_INLINE void x8_chunk_scalar(const uint8_t* p, float* panel) {
+    for (int j = 0; j < X8_ROWS; ++j) {
+        float d = half_at(p + 2 * j), m = half_at(p + 16 + 2 * j);
+        for (int t = 0; t < 4; ++t)
+            for (int s = 0; s < 4; ++s) {
+                uint8_t b = p[32 + 32 * t + 4 * j + s];
+                panel[(t * 8 + 2 * s) * 8 + j] = d * (float)(b & 15) + m;
+                panel[(t * 8 + 2 * s + 1) * 8 + j] = d * (float)(b >> 4) + m;
+            }
+    }
+}
+
+/* The 8 rows' outputs of a group for activation row x, from its dequantized panel (chunks x 256 floats). */
+ALWAYS_INLINE void x8_panel_row_portable(const float* x, int64_t chunks, const float* panel, float* sums) {
+    for (int j = 0; j < X8_ROWS; ++j) {
+        float acc[4] = {0, 0, 0, 0};
+        for (int64_t c = 0; c < chunks; ++c)
+            for (int t = 0; t < 4; ++t)
+                for (int i = 0; i < 8; ++i)
+                    acc[i & 3] += x[c * CHUNK + X8_WEIGHT(t, i)] * panel[(c * 32 + t * 8 + i) * 8 + j];
+        sums[j] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    }
+}
+
+/* The outputs of weight rows [o0, o0 + nr) (multiples of 8) into out, with bias and residual, `rows` activation
+ * rows; each group of 8 rows dequantized once into a panel (or, without memory for one, once per activation row). */
+#define DK_X8_STORE(m, g0, sums)                                                                                \
+    for (int j = 0; j < X8_ROWS; ++j) {                                                                         \
+        float v = (sums)[j];                                                                                    \
+        if (bias) v += bias[(g0) + j];                                                                          \
+        if (residual) v += residual[(m) * ld + (g0) + j];                                                       \
+        out[(m) * ld + (g0) + j] = v;                                                                           \
+    }
+static void x8_group_portable(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
+                              int64_t o0, int64_t nr, const float* bias, const float* residual, float* out,
+                              int64_t ld) {
+    int64_t chunks = in / CHUNK;
+    float* panel = quant_panel(X8_ROWS * in);
+    float own[X8_ROWS * CHUNK], sums[X8_ROWS];
+    for (int64_t g0 = o0; g0 < o0 + nr; g0 += X8_ROWS) {
+        const uint8_t* gp = w + g0 * row_bytes;
+        if (panel != NULL) {
+            for (int64_t c = 0; c < chunks; ++c) x8_chunk_scalar(gp + c * X8_CHUNK_BYTES, panel + c * 256);
+            for (int64_t m = 0; m < rows; ++m) {
+                x8_panel_row_portable(x + m * in, chunks, panel, sums);
+                DK_X8_STORE(m, g0, sums)
+            }
+            continue;
+        }
+        for (int64_t m = 0; m < rows; ++m) {  /* no memory for a panel: a chunk at a time, the same sums */
+            float acc[X8_ROWS][4] = {{0}};
+            for (int64_t c = 0; c < chunks; ++c) {
+                x8_chunk_scalar(gp + c * X8_CHUNK_BYTES, own);
+                for (int j = 0; j < X8_ROWS; ++j)
+                    for (int t = 0; t < 4; ++t)
+                        for (int i = 0; i < 8; ++i)
+                            acc[j][i & 3] += x[m * in + c * CHUNK + X8_WEIGHT(t, i)] * own[(t * 8 + i) * 8 + j];
+            }
+            for (int j = 0; j < X8_ROWS; ++j) sums[j] = (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);
+            DK_X8_STORE(m, g0, sums)
+        }
+    }
+}
+
+#if DK_QUANT_AVX2
+/* Group gp's chunk c: its 8 rows' scales d * 2^-4i (i = 0..7; d * 2^-28 is not needed: nibble 7 is shifted down) in
+ * ds[i], for multiply-adds that read them from memory, and its mins m. */
+ALWAYS_INLINE __m256 x8_scales_avx2(const uint8_t* p, float ds[8][8]) {
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    _mm256_store_ps(ds[0], d);
+    _mm256_store_ps(ds[7], d);
+    for (int i = 1; i < 7; ++i) _mm256_store_ps(ds[i], _mm256_mul_ps(d, _mm256_set1_ps(1.0f / (float)(1 << (4 * i)))));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+}
+
+/* Nibble i of the 8 rows' dwords `dw` as their weights: q * 2^4i by one and (q itself by a shift for i = 7),
+ * converted exactly, times d * 2^-4i (exact), plus m: the float d * q + m, rounded once. */
+ALWAYS_INLINE __m256 x8_weights_avx2(__m256i dw, int i, const float ds[8][8], __m256 m) {
+    __m256i q = i < 7 ? _mm256_and_si256(dw, _mm256_set1_epi32(15 << (4 * (i % 7)))) : _mm256_srli_epi32(dw, 28);
+    return _mm256_fmadd_ps(_mm256_load_ps(ds[i]), _mm256_cvtepi32_ps(q), m);
+}
+
+ALWAYS_INLINE void x8_prefetch(const uint8_t* p) {
+    __builtin_prefetch(p + X8_PREFETCH_BYTES);
+    __builtin_prefetch(p + X8_PREFETCH_BYTES + 64);
+    __builtin_prefetch(p + X8_PREFETCH_BYTES + 128);
+}
+
+/* The 8 outputs of a group for M (1-2) activation rows x (`in` apart), each chunk dequantized in registers once for
+ * both: sums[k] = the outputs for row k. Each output sums its chunk's products in four accumulators, nibble i of
+ * dword t into accumulator i & 3 (t before i), chunk by chunk, then (a0 + a1) + (a2 + a3): the same order for one
+ * row or two, so a row's result does not depend on the rows beside it. Four chains a row keep the multiply-adds'
+ * latency covered; 2 x 4 accumulators fill the registers, so the scales are read from memory. (Three or four rows
+ * a tile would need 12-16 accumulators; a tile over two groups or over pairs of rows, broadcasting 4 activations,
+ * measured slower here.) */
+ALWAYS_INLINE void x8_tile_avx2(const float* x, int64_t in, int64_t chunks, const uint8_t* gp, int M, __m256* sums) {
+    __m256 acc[2][4];
+    _Pragma("GCC unroll 2") for (int k = 0; k < M; ++k)
+        acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* p = gp + c * X8_CHUNK_BYTES;
+        x8_prefetch(p);
+        float ds[8][8] __attribute__((aligned(32)));
+        __m256 m = x8_scales_avx2(p, ds);
+        const float* xc = x + c * CHUNK;
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+            __m256i dw = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * t));
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
+                __m256 wv = x8_weights_avx2(dw, i, ds, m);
+                _Pragma("GCC unroll 2") for (int k = 0; k < M; ++k)
+                    acc[k][i & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(xc + k * in + X8_WEIGHT(t, i)), wv,
+                                                    acc[k][i & 3]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 2") for (int k = 0; k < M; ++k)
+        sums[k] = _mm256_add_ps(_mm256_add_ps(acc[k][0], acc[k][1]), _mm256_add_ps(acc[k][2], acc[k][3]));
+}
+
+/* Interleaved rows [o0, o0 + nr) (multiples of 8), a group at a time, 2 activation rows a tile. */
+static void x8_group_avx2(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
+                          int64_t o0, int64_t nr, const float* bias, const float* residual, float* out, int64_t ld) {
+    int64_t chunks = in / CHUNK;
+    float sums[X8_ROWS];
+    __m256 s[2];
+    for (int64_t g0 = o0; g0 < o0 + nr; g0 += X8_ROWS) {
+        const uint8_t* gp = w + g0 * row_bytes;
+        for (int64_t m = 0; m < rows; m += 2) {
+            int M = rows - m >= 2 ? 2 : 1;
+            if (M == 2) x8_tile_avx2(x + m * in, in, chunks, gp, 2, s);
+            else x8_tile_avx2(x + m * in, in, chunks, gp, 1, s);
+            for (int k = 0; k < M; ++k) {
+                _mm256_storeu_ps(sums, s[k]);
+                DK_X8_STORE(m + k, g0, sums)
+            }
+        }
+    }
+}
+/* AVX-512 keeps row-major Q4_1 (its table of 16 weights); an interleaved weight handed to it runs the AVX2 code. */
+#define x8_group_avx512 x8_group_avx2
+#endif
+
+/* Chunk p's 8 x 32 weights as x8_chunk_scalar lays them out, in vectors where the CPU has AVX2 (the same floats). */
+ALWAYS_INLINE void x8_chunk(const uint8_t* p, float* panel) {
+#if DK_QUANT_AVX2
+    float ds[8][8] __attribute__((aligned(32)));
+    __m256 m = x8_scales_avx2(p, ds);
+    for (int t = 0; t < 4; ++t) {
+        __m256i dw = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * t));
+        _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i)
+            _mm256_store_ps(panel + (t * 8 + i) * 8, x8_weights_avx2(dw, i, ds, m));
+    }
+#else
+    x8_chunk_scalar(p, panel);
+#endif
+}
+
+/* Interleaved rows [o0, o0 + nr) (multiples of 8) dequantized back to row-major float rows out [nr, in] (the
+ * weights BLAS multiplies above GGUF_NATIVE_MAX_ROWS rows). */
+static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t nr, int64_t in, float* out) {
+    float own[X8_ROWS * CHUNK] __attribute__((aligned(32)));
+    for (int64_t g0 = o0; g0 < o0 + nr; g0 += X8_ROWS)
+        for (int64_t c = 0; c < in / CHUNK; ++c) {
+            x8_chunk(w + g0 * row_bytes + c * X8_CHUNK_BYTES, own);
+            for (int j = 0; j < X8_ROWS; ++j)
+                for (int t = 0; t < 4; ++t)
+                    for (int i = 0; i < 8; ++i)
+                        out[(g0 - o0 + j) * in + c * CHUNK + X8_WEIGHT(t, i)] = own[(t * 8 + i) * 8 + j];
+        }
+}
+
 
 /* The outputs [o0, o0 + nr) (nr <= QUANT_GROUP) for every activation row, in tiles of one weight row by up to 4
  * activation rows (two weight rows by 3-4 where the registers hold them), stored with bias and residual. One weight
@@ -722,6 +926,7 @@ DK_DEQUANTIZE_ROW(avx512, __m512, 2, 16, _mm512_storeu_ps)
         switch (kind) {                                                                                         \
             case DK_Q4_0: any_group_##ISA(DK_Q4_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
             case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+            case DK_Q4_1X8: x8_group_##ISA(x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break;       \
             case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
             case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
             default: any_group_##ISA(DK_Q6_K, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
@@ -731,7 +936,7 @@ DK_DEQUANTIZE_ROW(avx512, __m512, 2, 16, _mm512_storeu_ps)
     static void linear_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,             \
                              int64_t out_rows, const float* bias, const float* residual, float* out, int64_t ld,\
                              int64_t row_bytes, int parallel) {                                                 \
-        int64_t span = group_span(rows, PANEL_MIN_ROWS_##ISA);                                                  \
+        int64_t span = group_span(kind, rows, PANEL_MIN_ROWS_##ISA);                                            \
         int64_t groups = (out_rows + span - 1) / span;                                                          \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < groups; ++g) {                                    \
             int64_t o0 = g * span, nr = out_rows - o0 < span ? out_rows - o0 : span;                            \
@@ -748,14 +953,17 @@ DK_DEQUANTIZE_ROW(avx512, __m512, 2, 16, _mm512_storeu_ps)
                             const int64_t* starts, const int64_t* part_rows, const float* x, int64_t rows,      \
                             int64_t in, const float* bias, const float* residual, float* out, int64_t ld,       \
                             int parallel) {                                                                     \
-        int64_t first[DK_QUANT_MAX_PARTS + 1] = {0}, span = group_span(rows, PANEL_MIN_ROWS_##ISA);             \
-        for (int64_t p = 0; p < parts; ++p) first[p + 1] = first[p] + (part_rows[p] + span - 1) / span;        \
+        int64_t first[DK_QUANT_MAX_PARTS + 1] = {0}, span[DK_QUANT_MAX_PARTS];                                  \
+        for (int64_t p = 0; p < parts; ++p) {                                                                   \
+            span[p] = group_span(kinds[p], rows, PANEL_MIN_ROWS_##ISA);                                         \
+            first[p + 1] = first[p] + (part_rows[p] + span[p] - 1) / span[p];                                   \
+        }                                                                                                       \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < first[parts]; ++g) {                              \
             dk_side_prefetch(DK_QUANT_THREAD, DK_QUANT_THREADS, g, first[parts]);                               \
             int64_t p = 0;                                                                                      \
             while (g >= first[p + 1]) ++p;                                                                      \
-            int64_t o0 = (g - first[p]) * span, left = part_rows[p] - o0;                                       \
-            int64_t nr = left < span ? left : span, start = starts[p];                                          \
+            int64_t o0 = (g - first[p]) * span[p], left = part_rows[p] - o0;                                    \
+            int64_t nr = left < span[p] ? left : span[p], start = starts[p];                                    \
             int64_t row_bytes = dk_quant_row_bytes(kinds[p], in);                                               \
             const float* b = bias ? bias + start : 0;                                                           \
             const float* r = residual ? residual + start : 0;                                                   \
@@ -772,7 +980,10 @@ DK_DEQUANTIZE_ROW(avx512, __m512, 2, 16, _mm512_storeu_ps)
 #define DK_QUANT_GATED(ISA)                                                                                     \
     static void gated_##ISA(const int64_t* kinds, const uint8_t* const* blocks, int64_t inter, const float* x,   \
                             int64_t rows, int64_t in, float* gate_up, float* gated, int parallel) {              \
-        int64_t span = group_span(rows, PANEL_MIN_ROWS_##ISA), unit = span < 8 ? 8 : span;                     \
+        int64_t spans[2] = {group_span(kinds[0], rows, PANEL_MIN_ROWS_##ISA),                                   \
+                            group_span(kinds[1], rows, PANEL_MIN_ROWS_##ISA)};                                  \
+        int64_t unit = spans[0] > spans[1] ? spans[0] : spans[1];                                               \
+        unit = unit < 8 ? 8 : unit; /* a multiple of either span (4, 8 or 16) */                                \
         int64_t units = (inter + unit - 1) / unit;                                                              \
         DK_QUANT_PARALLEL(parallel) {                                                                           \
             int64_t b = units * DK_QUANT_THREAD / DK_QUANT_THREADS * unit;                                      \
@@ -780,6 +991,7 @@ DK_DEQUANTIZE_ROW(avx512, __m512, 2, 16, _mm512_storeu_ps)
             e = e < inter ? e : inter;                                                                          \
             for (int64_t p = 0; p < 2; ++p) {                                                                   \
                 int64_t row_bytes = dk_quant_row_bytes(kinds[p], in);                                           \
+                int64_t span = spans[p];                                                                        \
                 for (int64_t o0 = b; o0 < e; o0 += span) {                                                      \
                     int64_t nr = e - o0 < span ? e - o0 : span;                                                 \
                     float* o = gate_up + p * inter;                                                             \
@@ -830,6 +1042,11 @@ int dk_quant_isa(void) {
     return DK_QUANT_AVX512 ? 2 : DK_QUANT_AVX2 ? 1 : 0;
 }
 
+/* Whether `rows` rows of type `kind` are whole groups of its layout (an interleaved type's 8 rows). */
+static inline int whole_groups(int64_t kind, int64_t rows) {
+    return kind != DK_Q4_1X8 || rows % X8_ROWS == 0;
+}
+
 /* Bytes of one row of `in` weights of type `kind`; 0 for a type these kernels do not take or a row length that is
  * not a whole number of its blocks. */
 int64_t dk_quant_row_bytes(int64_t kind, int64_t in) {
@@ -846,7 +1063,7 @@ int64_t dk_quant_row_bytes(int64_t kind, int64_t in) {
 int dk_quant_linear(int64_t kind, const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out_rows,
                     const float* bias, const float* residual, float* out, int64_t ld, int64_t isa) {
     int64_t row_bytes = dk_quant_row_bytes(kind, in);
-    if (row_bytes == 0 || rows < 0 || out_rows < 0) return -1;
+    if (row_bytes == 0 || rows < 0 || out_rows < 0 || !whole_groups(kind, out_rows)) return -1;
     int parallel = out_rows * in * (rows < 8 ? rows : 8) >= 65536 && out_rows > QUANT_GROUP;
 #if DK_QUANT_AVX512
     if (isa >= 2) { linear_avx512((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel); return 0; }
@@ -869,7 +1086,8 @@ int dk_quant_linear_parts(int64_t parts, const int64_t* kinds, const uint8_t* co
     if (parts < 1 || parts > DK_QUANT_MAX_PARTS || rows < 0) return -1;
     int64_t total_rows = 0;
     for (int64_t p = 0; p < parts; ++p) {
-        if (dk_quant_row_bytes(kinds[p], in) == 0 || part_rows[p] < 0) return -1;
+        if (dk_quant_row_bytes(kinds[p], in) == 0 || part_rows[p] < 0 || !whole_groups(kinds[p], part_rows[p]))
+            return -1;
         total_rows += part_rows[p];
     }
     int parallel = total_rows * in * (rows < 8 ? rows : 8) >= 65536 && total_rows > QUANT_GROUP;
@@ -889,7 +1107,8 @@ int dk_quant_linear_parts(int64_t parts, const int64_t* kinds, const uint8_t* co
  * same values as the two calls. Returns 0, or -1 (nothing computed) for a type or width it does not take. */
 int dk_quant_gated(const int64_t* kinds, const uint8_t* const* blocks, int64_t inter, const float* x, int64_t rows,
                    int64_t in, float* gate_up, float* gated, int64_t isa) {
-    if (rows < 0 || inter < 1 || dk_quant_row_bytes(kinds[0], in) == 0 || dk_quant_row_bytes(kinds[1], in) == 0)
+    if (rows < 0 || inter < 1 || dk_quant_row_bytes(kinds[0], in) == 0 || dk_quant_row_bytes(kinds[1], in) == 0
+        || !whole_groups(kinds[0], inter) || !whole_groups(kinds[1], inter))
         return -1;
     int parallel = 2 * inter * in * (rows < 8 ? rows : 8) >= 65536 && 2 * inter > QUANT_GROUP;
 #if DK_QUANT_AVX512
@@ -907,10 +1126,18 @@ int dk_quant_gated(const int64_t* kinds, const uint8_t* const* blocks, int64_t i
  * split over torch's threads from 64K weights. Returns 0, or -1 for a type or width it does not take. */
 int dk_quant_dequantize(int64_t kind, const uint8_t* w, int64_t out_rows, int64_t in, float* out, int64_t isa) {
     int64_t row_bytes = dk_quant_row_bytes(kind, in);
-    if (row_bytes == 0 || out_rows < 0) return -1;
+    if (row_bytes == 0 || out_rows < 0 || !whole_groups(kind, out_rows)) return -1;
     int64_t chunks = in / CHUNK;
     int parallel = out_rows * in >= 65536;
     (void)parallel;
+    if (kind == DK_Q4_1X8) {
+        (void)isa;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (parallel)
+#endif
+        for (int64_t g0 = 0; g0 < out_rows; g0 += X8_ROWS) x8_dequantize(w, row_bytes, g0, X8_ROWS, in, out + g0 * in);
+        return 0;
+    }
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (parallel)
 #endif
