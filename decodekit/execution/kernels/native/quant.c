@@ -744,6 +744,32 @@ ALWAYS_INLINE void x8_tile_avx2(const float* x, int64_t in, int64_t chunks, cons
         sums[k] = _mm256_add_ps(_mm256_add_ps(acc[k][0], acc[k][1]), _mm256_add_ps(acc[k][2], acc[k][3]));
 }
 
+/* x8_tile_avx2 of one activation row with the scales in registers (12 of 16 hold the 4 accumulators, the 7 scales
+ * and the mins): the same sums. */
+ALWAYS_INLINE __m256 x8_one_avx2(const float* x, int64_t chunks, const uint8_t* gp) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* p = gp + c * X8_CHUNK_BYTES;
+        x8_prefetch(p);
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+        __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+        __m256 di[8];
+        di[0] = di[7] = d;
+        for (int i = 1; i < 7; ++i) di[i] = _mm256_mul_ps(d, _mm256_set1_ps(1.0f / (float)(1 << (4 * i))));
+        const float* xc = x + c * CHUNK;
+        _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+            __m256i dw = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * t));
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
+                __m256i q = i < 7 ? _mm256_and_si256(dw, _mm256_set1_epi32(15 << (4 * (i % 7))))
+                                  : _mm256_srli_epi32(dw, 28);
+                __m256 wv = _mm256_fmadd_ps(di[i], _mm256_cvtepi32_ps(q), m);
+                acc[i & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(xc + X8_WEIGHT(t, i)), wv, acc[i & 3]);
+            }
+        }
+    }
+    return _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+}
+
 /* Interleaved rows [o0, o0 + nr) (multiples of 8), a group at a time, 2 activation rows a tile. */
 static void x8_group_avx2(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
                           int64_t o0, int64_t nr, const float* bias, const float* residual, float* out, int64_t ld) {
@@ -755,7 +781,7 @@ static void x8_group_avx2(const float* x, int64_t rows, int64_t in, const uint8_
         for (int64_t m = 0; m < rows; m += 2) {
             int M = rows - m >= 2 ? 2 : 1;
             if (M == 2) x8_tile_avx2(x + m * in, in, chunks, gp, 2, s);
-            else x8_tile_avx2(x + m * in, in, chunks, gp, 1, s);
+            else s[0] = x8_one_avx2(x + m * in, chunks, gp);
             for (int k = 0; k < M; ++k) {
                 _mm256_storeu_ps(sums, s[k]);
                 DK_X8_STORE(m + k, g0, sums)
