@@ -33,6 +33,7 @@
  * dequantized once per product rather than once per 4 (or 8) activation rows. Each output's sum runs in one fixed
  * order (chunk by chunk, even and odd vectors in two accumulators), whatever the tile, the panel, the number of rows
  * or of threads: a row's result does not depend on the batch it is multiplied in, nor on the thread count.
+ * Q4_1 interleaved by 8 rows (DK_Q4_1X8, opt-in) has tiles of its own and an order of its own, below.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -649,8 +650,7 @@ ALWAYS_INLINE void x8_panel_row_portable(const float* x, int64_t chunks, const f
     }
 }
 
-/* The outputs of weight rows [o0, o0 + nr) (multiples of 8) into out, with bias and residual, `rows` activation
- * rows; each group of 8 rows dequantized once into a panel (or, without memory for one, once per activation row). */
+/* A group's 8 outputs `sums` for activation row m stored at columns g0.. of out, with bias and residual. */
 #define DK_X8_STORE(m, g0, sums)                                                                                \
     for (int j = 0; j < X8_ROWS; ++j) {                                                                         \
         float v = (sums)[j];                                                                                    \
@@ -658,6 +658,8 @@ ALWAYS_INLINE void x8_panel_row_portable(const float* x, int64_t chunks, const f
         if (residual) v += residual[(m) * ld + (g0) + j];                                                       \
         out[(m) * ld + (g0) + j] = v;                                                                           \
     }
+/* The outputs of interleaved rows [o0, o0 + nr) (multiples of 8) for `rows` activation rows, each group of 8 rows
+ * dequantized once into a panel (or, without memory for one, once per activation row). */
 static void x8_group_portable(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
                               int64_t o0, int64_t nr, const float* bias, const float* residual, float* out,
                               int64_t ld) {
