@@ -58,7 +58,7 @@ def random_matrices(fmt: str, shapes: list[tuple[int, int]], kernels, isa: str) 
 def native_pass(matrices: list[GgufMatrix], inputs: list[torch.Tensor], fmt: str) -> None:
     """Every matrix's native product (`dk_quant_linear` on the matrix's code path), whatever the rows."""
     for matrix, x in zip(matrices, inputs):
-        _, laid_out, blocks = matrix.parts[0]  # the format as laid out (Q4_1 may be interleaved: `lay_out_for`)
+        _, laid_out, blocks = matrix.parts[0]  # the format as laid out (Q4_1 may be interleaved: `laid_out_for`)
         matrix.quant.linear(x, blocks, laid_out, x.new_empty(x.shape[0], matrix.out_dim), isa=matrix.isa)
 
 

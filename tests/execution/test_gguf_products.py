@@ -138,6 +138,11 @@ def test_operands_that_do_not_fit_are_refused_before_the_kernel_reads_them():
         kernels.quant.linear(torch.randn(2, 64), stored.data, "Q8_0", torch.empty(2, 4), start=1)
     with pytest.raises(ValueError, match="share their input width"):
         GgufMatrix([stored, _stored("Q8_0", 4, 32, seed=0)[0]], None, kernels)
+    seven = torch.from_numpy(random_blocks("Q4_1", 7, 32, 0))  # interleaved rows come in whole groups of 8
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.quant.linear(torch.randn(2, 32), seven, INTERLEAVED_Q4_1, torch.empty(2, 7))
+    with pytest.raises(ValueError, match="not 7 Q4_1x8 rows"):
+        kernels.quant.gated(torch.randn(2, 32), (seven, INTERLEAVED_Q4_1), (seven, INTERLEAVED_Q4_1))
 
 
 @needs_kernels

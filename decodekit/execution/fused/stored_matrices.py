@@ -47,10 +47,10 @@ def laid_out_for(weight: StoredWeight, isa: str) -> tuple[str, torch.Tensor]:
     from a table instead) and for whole groups of 8 rows.
 
     Opt-in, because it pays for one or two activation rows only. Measured on a 2-core Zen 3 (SmolLM2's 120 layer
-    products, the two layouts alternating in one process, 2 threads): 1 row 1.12-1.14x, 2 rows 1.07-1.11x, but 4
-    rows 0.81x and 8 rows 0.79-0.80x (its tiles broadcast each activation into 8 rows' lanes, and more than two
-    activation rows a tile do not fit the registers); a batch-1 token 1.12x, while speculative decoding, whose
-    verification multiplies several rows, and batches run slower."""
+    products, the two layouts alternating in one process, 2 threads): 1 row 1.11-1.20x, 2 rows 1.01-1.11x, but 4
+    rows 0.79-0.82x and 8 rows 0.80-0.84x (its tiles broadcast each activation into 8 rows' lanes, and more than two
+    activation rows a tile do not fit the registers); a batch-1 token 1.12x, batch 4 0.84x, and speculative
+    decoding, whose verification multiplies several rows, no faster."""
     if (weight.format != "Q4_1" or isa != "avx2" or weight.shape[0] % INTERLEAVED_ROWS
             or weight.data.device.type != "cpu" or os.environ.get(INTERLEAVE_VARIABLE, "off") != "on"):
         return weight.format, weight.data.contiguous()
