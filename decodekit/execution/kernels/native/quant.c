@@ -638,18 +638,6 @@ ALWAYS_INLINE void x8_chunk_scalar(const uint8_t* p, float* panel) {
     }
 }
 
-/* The 8 rows' outputs of a group for activation row x, from its dequantized panel (chunks x 256 floats). */
-ALWAYS_INLINE void x8_panel_row_portable(const float* x, int64_t chunks, const float* panel, float* sums) {
-    for (int j = 0; j < X8_ROWS; ++j) {
-        float acc[4] = {0, 0, 0, 0};
-        for (int64_t c = 0; c < chunks; ++c)
-            for (int t = 0; t < 4; ++t)
-                for (int i = 0; i < 8; ++i)
-                    acc[i & 3] += x[c * CHUNK + X8_WEIGHT(t, i)] * panel[(c * 32 + t * 8 + i) * 8 + j];
-        sums[j] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    }
-}
-
 /* A group's 8 outputs `sums` for activation row m stored at columns g0.. of out, with bias and residual. */
 #define DK_X8_STORE(m, g0, sums)                                                                                \
     for (int j = 0; j < X8_ROWS; ++j) {                                                                         \
@@ -658,28 +646,18 @@ ALWAYS_INLINE void x8_panel_row_portable(const float* x, int64_t chunks, const f
         if (residual) v += residual[(m) * ld + (g0) + j];                                                       \
         out[(m) * ld + (g0) + j] = v;                                                                           \
     }
-/* The outputs of interleaved rows [o0, o0 + nr) (multiples of 8) for `rows` activation rows, each group of 8 rows
- * dequantized once into a panel (or, without memory for one, once per activation row). */
+/* The outputs of interleaved rows [o0, o0 + nr) (multiples of 8) for `rows` activation rows, a chunk of a group
+ * dequantized at a time for each activation row (the portable path, which only tests and DECODEKIT_QUANT_ISA reach:
+ * the layout is made for the AVX2 path). */
 static void x8_group_portable(const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
                               int64_t o0, int64_t nr, const float* bias, const float* residual, float* out,
                               int64_t ld) {
-    int64_t chunks = in / CHUNK;
-    float* panel = quant_panel(X8_ROWS * in);
     float own[X8_ROWS * CHUNK], sums[X8_ROWS];
-    for (int64_t g0 = o0; g0 < o0 + nr; g0 += X8_ROWS) {
-        const uint8_t* gp = w + g0 * row_bytes;
-        if (panel != NULL) {
-            for (int64_t c = 0; c < chunks; ++c) x8_chunk_scalar(gp + c * X8_CHUNK_BYTES, panel + c * 256);
-            for (int64_t m = 0; m < rows; ++m) {
-                x8_panel_row_portable(x + m * in, chunks, panel, sums);
-                DK_X8_STORE(m, g0, sums)
-            }
-            continue;
-        }
-        for (int64_t m = 0; m < rows; ++m) {  /* no memory for a panel: a chunk at a time, the same sums */
+    for (int64_t g0 = o0; g0 < o0 + nr; g0 += X8_ROWS)
+        for (int64_t m = 0; m < rows; ++m) {
             float acc[X8_ROWS][4] = {{0}};
-            for (int64_t c = 0; c < chunks; ++c) {
-                x8_chunk_scalar(gp + c * X8_CHUNK_BYTES, own);
+            for (int64_t c = 0; c < in / CHUNK; ++c) {
+                x8_chunk_scalar(w + g0 * row_bytes + c * X8_CHUNK_BYTES, own);
                 for (int j = 0; j < X8_ROWS; ++j)
                     for (int t = 0; t < 4; ++t)
                         for (int i = 0; i < 8; ++i)
@@ -688,7 +666,6 @@ static void x8_group_portable(const float* x, int64_t rows, int64_t in, const ui
             for (int j = 0; j < X8_ROWS; ++j) sums[j] = (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]);
             DK_X8_STORE(m, g0, sums)
         }
-    }
 }
 
 #if DK_QUANT_AVX2
@@ -703,10 +680,10 @@ ALWAYS_INLINE __m256 x8_scales_avx2(const uint8_t* p, float ds[8][8]) {
 }
 
 /* Nibble i of the 8 rows' dwords `dw` as their weights: q * 2^4i by one and (q itself by a shift for i = 7),
- * converted exactly, times d * 2^-4i (exact), plus m: the float d * q + m, rounded once. */
-ALWAYS_INLINE __m256 x8_weights_avx2(__m256i dw, int i, const float ds[8][8], __m256 m) {
+ * converted exactly, times `di` = d * 2^-4i (exact), plus m: the float d * q + m, rounded once. */
+ALWAYS_INLINE __m256 x8_weights_avx2(__m256i dw, int i, __m256 di, __m256 m) {
     __m256i q = i < 7 ? _mm256_and_si256(dw, _mm256_set1_epi32(15 << (4 * (i % 7)))) : _mm256_srli_epi32(dw, 28);
-    return _mm256_fmadd_ps(_mm256_load_ps(ds[i]), _mm256_cvtepi32_ps(q), m);
+    return _mm256_fmadd_ps(di, _mm256_cvtepi32_ps(q), m);
 }
 
 ALWAYS_INLINE void x8_prefetch(const uint8_t* p) {
@@ -735,7 +712,7 @@ ALWAYS_INLINE void x8_tile_avx2(const float* x, int64_t in, int64_t chunks, cons
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
             __m256i dw = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * t));
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
-                __m256 wv = x8_weights_avx2(dw, i, ds, m);
+                __m256 wv = x8_weights_avx2(dw, i, _mm256_load_ps(ds[i]), m);
                 _Pragma("GCC unroll 2") for (int k = 0; k < M; ++k)
                     acc[k][i & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(xc + k * in + X8_WEIGHT(t, i)), wv,
                                                     acc[k][i & 3]);
@@ -762,9 +739,7 @@ ALWAYS_INLINE __m256 x8_one_avx2(const float* x, int64_t chunks, const uint8_t* 
         _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
             __m256i dw = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * t));
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {
-                __m256i q = i < 7 ? _mm256_and_si256(dw, _mm256_set1_epi32(15 << (4 * (i % 7))))
-                                  : _mm256_srli_epi32(dw, 28);
-                __m256 wv = _mm256_fmadd_ps(di[i], _mm256_cvtepi32_ps(q), m);
+                __m256 wv = x8_weights_avx2(dw, i, di[i], m);
                 acc[i & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(xc + X8_WEIGHT(t, i)), wv, acc[i & 3]);
             }
         }
@@ -803,7 +778,7 @@ ALWAYS_INLINE void x8_chunk(const uint8_t* p, float* panel) {
     for (int t = 0; t < 4; ++t) {
         __m256i dw = _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * t));
         _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i)
-            _mm256_store_ps(panel + (t * 8 + i) * 8, x8_weights_avx2(dw, i, ds, m));
+            _mm256_store_ps(panel + (t * 8 + i) * 8, x8_weights_avx2(dw, i, _mm256_load_ps(ds[i]), m));
     }
 #else
     x8_chunk_scalar(p, panel);
