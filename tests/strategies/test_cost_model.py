@@ -17,6 +17,8 @@ from decodekit.api.step_cost import StepCost
 from decodekit_plugins.adaptive import (
     ACCEPTANCE,
     HOLD_STEPS,
+    HOPEFUL_RATE,
+    MAX_PROBE_INTERVAL,
     MIN_GAIN,
     PROBE_INTERVAL,
     PROBE_SHARE,
@@ -253,9 +255,9 @@ def test_a_seeded_sequence_ignores_exploration_and_host_charges():
 
 def test_probes_take_turns_and_back_off_while_speculation_stays_off():
     seqs = bare_sequences(16, temperature=0)
-    for seq in seqs:  # a low acceptance: off, though a high one would pay (each row costs 0.2 of a step)
+    for seq in seqs:  # a low acceptance: off, though one sequence's high one would pay (a row costs 0.02 of a step)
         seq.stash[ACCEPTANCE] = Acceptance(accepted=0.1, rejected=0.9)
-    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.2))
+    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.02))
     calibrated = Calibration(curve)
     calibrated.record(16, 0.01)
     probes_per_step = []
@@ -266,6 +268,25 @@ def test_probes_take_turns_and_back_off_while_speculation_stays_off():
     states = [s.stash[ACCEPTANCE] for s in seqs]
     probed = [state for state in states if state.idle_steps < PROBE_INTERVAL]
     assert len(probed) == 10 and all(state.probe_interval == 2 * PROBE_INTERVAL for state in probed)
+
+
+def test_a_probe_that_could_not_change_the_batchs_choice_is_skipped_until_the_longest_interval():
+    # each row costs 0.2 of a step: drafting would pay only if most of the 16 sequences accepted highly, so one
+    # sequence's probe cannot turn anything on: it backs off as a probe that found nothing would, and runs only
+    # once its interval has reached MAX_PROBE_INTERVAL (so a batch whose text turned copyable is still found)
+    seqs = bare_sequences(16, temperature=0)
+    for seq in seqs:
+        seq.stash[ACCEPTANCE] = Acceptance(accepted=0.1, rejected=0.9)
+    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.2))
+    calibrated = Calibration(curve)
+    calibrated.record(16, 0.01)
+    # not hopeless: were all 16 hopeful, drafting would pay (so the batch's own check lets probes through)
+    assert any(choose_draft_lengths([HOPEFUL_RATE] * 16, [6] * 16, 0, calibrated, min_gain=MIN_GAIN))
+    first_due = PROBE_INTERVAL + 2 * PROBE_INTERVAL + 4 * PROBE_INTERVAL + MAX_PROBE_INTERVAL
+    probes = [sum(1 for k in draft_lengths(seqs, [6] * 16, 0, curve, None, calibrated) if k)
+              for _ in range(first_due + 16)]
+    assert not any(probes[:first_due - 1]) and 0 < sum(probes) <= 16
+    assert all(seq.stash[ACCEPTANCE].probe_interval == MAX_PROBE_INTERVAL for seq in seqs)
 
 
 @pytest.mark.parametrize(("curve", "kept"), [(NEARLY_FREE, True), (PROPORTIONAL, False)])
