@@ -282,7 +282,7 @@ def _native_stack_rows(loaded: LoadedModel, kernels: NativeKernels | None, quant
     if refusal is not None:
         reasons.append(f"layers one native call at a time: {refusal}")
         return 0
-    return stack_max_rows(quantization, bf16_gemm)
+    return stack_max_rows(quantization, bf16_gemm, kernels.gemv_max_rows)
 
 
 def _stored_weights(formats: dict[str, int], fused: bool, kernels: NativeKernels | None, reasons: list[str],

@@ -266,16 +266,21 @@ def _check_attention(native, block_size, kv_heads, group, dim, query_lens, conte
 
 
 @settings(max_examples=60, deadline=None)
-@given(width=st.integers(1, 120), out=st.integers(1, 700), rows=st.integers(1, native_kernels.GEMV_MAX_ROWS),
+@given(width=st.integers(1, 120), out=st.integers(1, 700), rows=st.integers(1, 12),
        bias=st.booleans(), residual=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
 def test_the_few_row_product_is_float32_accurate_and_the_same_on_any_thread_count_and_batch(
         native, width, out, rows, bias, residual, threads, seed):
-    """`dk_gemv` on a row-major `[out, in]` weight, 1-8 rows: widths off the 32- and 16-wide steps (scalar tails),
-    output counts that split unevenly over threads; every output summed in the same order whichever thread owns it
-    and whichever rows it is multiplied with (groups of rows beyond the registers included)."""
+    """`dk_gemv` on a row-major `[out, in]` weight, up to its build's rows (11 built for AVX2, 8 for AVX-512; more
+    are refused): widths off the 32- and 16-wide steps (scalar tails), output counts that split unevenly over
+    threads; every output summed in the same order whichever thread owns it and whichever rows it is multiplied with
+    (groups of rows beyond the registers included)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out, width, generator=g)
     x = torch.randn(rows, width, generator=g)
+    if rows > native.gemv_max_rows:
+        with pytest.raises(ValueError, match=f"gemv takes 1-{native.gemv_max_rows} rows"):
+            native.gemv(x, weight)
+        return
     b = torch.randn(out, generator=g) if bias else None
     res = torch.randn(rows, out, generator=g) if residual else None
     previous = torch.get_num_threads()
@@ -302,9 +307,10 @@ def test_the_few_row_product_is_float32_accurate_and_the_same_on_any_thread_coun
 def test_the_few_row_product_refuses_what_its_layout_does_not_take(native):
     with pytest.raises(ValueError, match="contiguous \\[out, in\\] weight"):
         native.gemv(torch.randn(1, 8), torch.randn(6, 16)[:, ::2])  # strided
-    with pytest.raises(ValueError, match="1-8 rows of 8 floats"):
-        native.gemv(torch.randn(9, 8), torch.randn(5, 8))
-    with pytest.raises(ValueError, match="1-8 rows of 5 floats"):
+    most = native.gemv_max_rows
+    with pytest.raises(ValueError, match=f"1-{most} rows of 8 floats"):
+        native.gemv(torch.randn(most + 1, 8), torch.randn(5, 8))
+    with pytest.raises(ValueError, match=f"1-{most} rows of 5 floats"):
         native.gemv(torch.randn(2, 8), torch.randn(8, 5))  # the weight's inputs must match the rows' width
 
 
@@ -487,7 +493,8 @@ def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, t
     missing = ("lacks the kernel entry points dk_silu_mul, dk_rope_cache_attend, dk_parallel, dk_tiled_attention, "
                "dk_dot_attention, dk_linear_i8, dk_linear_bf16, dk_gemv, dk_rms_norm_bf16, dk_silu_mul_bf16, "
                "dk_widen_add, dk_quant_linear, dk_quant_dequantize, dk_quant_isa, dk_layer_stack, dk_stack_timing, "
-               "dk_stack_product_seconds, dk_stack_seconds, dk_decode_run, dk_quant_gated, dk_gemv_set_prefetch")
+               "dk_stack_product_seconds, dk_stack_seconds, dk_decode_run, dk_quant_gated, dk_gemv_set_prefetch, "
+               "dk_gemv_max_rows")
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)

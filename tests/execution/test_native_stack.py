@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.cpu import cpu_flags
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.execution import ModelExecutor
 from decodekit.execution.attention.kv_cache import BATCHED_MAX_QUERY
 from decodekit.execution.fused.layer_stack import STACK_VARIABLE, NativeLayerStack
-from decodekit.execution.kernels.native import GEMV_MAX_ROWS, load_kernels
+from decodekit.execution.kernels.native import load_kernels
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from tests.helpers.gguf_blocks import TINY_GGUF, TinyGgufLoader
 
@@ -164,19 +165,23 @@ def test_native_stack_steps_equal_the_per_layer_path_bit_for_bit(engines, name, 
             executor.release(key)
 
 
-def test_float32_weights_stack_up_to_eight_rows_and_quantized_ones_up_to_their_native_limits(engines):
-    """float32 weights are all column-major (`dk_gemv` takes up to 8 rows of them); bf16 and int8 panels take up to
-    the native gating's 64 rows, the GGUF blocks too; a bf16 model with bf16 products (`bf16_gemm`)
-    stops below the rows those start at."""
+def test_float32_weights_stack_up_to_the_gemv_limit_and_quantized_ones_up_to_their_native_limits(engines):
+    """float32 weights are all row-major (`dk_gemv` takes up to 11 rows of them, 8 built for AVX-512); bf16 and int8
+    panels take up to the native gating's 64 rows, the GGUF blocks too; a bf16 model with bf16 products
+    (`bf16_gemm`) stops below the rows those start at."""
     rows = {name: _engine(engines, name).engine.plan.native_stack for name in CONFIGS}
-    assert rows["float32 llama"] == rows["float32 phi3 (fused projections)"] == GEMV_MAX_ROWS
+    kernels = load_kernels()
+    assert not isinstance(kernels, str)
+    gemv_max_rows = kernels.gemv_max_rows
+    assert gemv_max_rows == (8 if "avx512f" in cpu_flags() else 11)
+    assert rows["float32 llama"] == rows["float32 phi3 (fused projections)"] == gemv_max_rows
     assert rows["bf16 llama"] == rows["int8 llama"] == 64
     assert rows["tiny GGUF as stored (Q4_0/Q4_1/Q8_0 q/k/v, Q4_K, Q6_K)"] == 64
     plan = _engine(engines, "bf16 model (bf16 products where the CPU has them)").engine.plan
     assert plan.native_stack == (7 if plan.bf16_gemm else 64)
     int8, float32 = (_engine(engines, name).engine.plan.describe() for name in ("int8 llama", "float32 llama"))
     assert int8.endswith("float32 KV cache, the layers of steps of up to 64 rows in one native call")
-    assert float32.endswith(f"the layers of steps of up to {GEMV_MAX_ROWS} rows in one native call")
+    assert float32.endswith(f"the layers of steps of up to {gemv_max_rows} rows in one native call")
 
 
 def test_qwen3_query_key_norms_keep_the_per_layer_loop_and_say_why():

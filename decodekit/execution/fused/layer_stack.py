@@ -37,7 +37,6 @@ from decodekit.execution.fused.weight_matrices import (
     Matrix,
 )
 from decodekit.execution.kernels.native import (
-    GEMV_MAX_ROWS,
     KV_DTYPES,
     NATIVE_GATING_MAX_ROWS,
     PARALLEL_MIN_KEYS,
@@ -120,10 +119,11 @@ def stack_refusal(model: Any) -> str | None:
     return None
 
 
-def stack_max_rows(quantization: str | None, bf16_gemm: bool) -> int:
+def stack_max_rows(quantization: str | None, bf16_gemm: bool, gemv_max_rows: int) -> int:
     """The most rows a step of the native stack takes with the weights of `quantization` (float32 for None; a float32
-    fallback matrix in a GGUF model can lower it to `GEMV_MAX_ROWS`): the limits `_describe_matrix` reads."""
-    product = {None: GEMV_MAX_ROWS,  # every float32 weight on `dk_gemv`
+    fallback matrix in a GGUF model can lower it to `gemv_max_rows`, the kernels' `dk_gemv` limit): the limits
+    `_describe_matrix` reads."""
+    product = {None: gemv_max_rows,  # every float32 weight on `dk_gemv`
                "bf16": BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else BF16_NATIVE_MAX_ROWS,
                "int8": INT8_NATIVE_MAX_ROWS, STORED_QUANTIZATION: GGUF_NATIVE_MAX_ROWS}[quantization]
     return min(product, NATIVE_GATING_MAX_ROWS)
@@ -159,7 +159,7 @@ def _describe_matrix(matrix: Any) -> tuple[StackMatrix, int]:
         if weight.dtype != torch.float32:
             raise ValueError(f"a {weight.dtype} weight for dk_gemv")
         desc.bias = _floats(matrix.bias)
-        return desc, GEMV_MAX_ROWS
+        return desc, matrix.native.gemv_max_rows
     if isinstance(matrix, Bf16Matrix):
         desc.kind, desc.in_dim, desc.out_dim = _BF16, matrix.in_dim, matrix.out_dim
         desc.weight, desc.bias = matrix.panels.data_ptr(), _floats(matrix.bias)

@@ -18,7 +18,6 @@ import torch
 from decodekit.api.cpu import cpu_flags
 from decodekit.api.huge_pages import on_huge_pages
 from decodekit.execution.kernels.native import (
-    GEMV_MAX_ROWS,
     PANEL,
     NativeKernels,
     pack_bf16_panels,
@@ -31,7 +30,7 @@ class Matrix:
     """One float32 weight of the fused decoder, multiplied the fastest way for the number of rows at hand.
 
     `weight` is the `[out, in]` weight in its own row-major layout (the module's parameter, or a view of a fused
-    buffer). With `native` kernels, 1 to `GEMV_MAX_ROWS` rows (batch-1 decode, small batches, speculative
+    buffer). With `native` kernels, 1 to their `gemv_max_rows` rows (batch-1 decode, small batches, speculative
     verification) run `dk_gemv`, which streams each thread's share of the weight front to back (torch's single-row
     product streams it on one core). `packed`, when present, is a oneDNN-blocked copy of the same weight for the
     rows beyond (batched decode, short chunks), where this CPU's BLAS is slow; BLAS takes the rest.
@@ -45,10 +44,11 @@ class Matrix:
         self.packed_max_rows = packed_max_rows()  # read once: the product below runs on every step
         # `dk_gemv` reads the weight from memory as it lies: a strided one keeps torch's product
         self.native = native if weight.is_contiguous() else None
+        self.native_max_rows = 0 if self.native is None else self.native.gemv_max_rows
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ W^T (+ bias) (+ residual)`; with a residual the add is fused into the product."""
-        if self.native is not None and 0 < x.shape[0] <= GEMV_MAX_ROWS:
+        if self.native is not None and 0 < x.shape[0] <= self.native_max_rows:
             return self.native.gemv(x, self.weight, self.bias, residual)
         if self.packed is not None and 1 < x.shape[0] <= self.packed_max_rows:
             if residual is None:

@@ -68,8 +68,6 @@ PARALLEL_MIN_KEYS = 512
 # Zen 3: 126 s before each weight type's tiles were instantiated once a path, past the 120 s limit then; a hung
 # compiler must not hang the engine's start for ever).
 BUILD_TIMEOUT_S = 600
-# Rows `dk_gemv` multiplies at most (GEMV_MAX_ROWS in kernels.c).
-GEMV_MAX_ROWS = 8
 # SiLU-gating of more rows than this stays in torch. Set when the native gating was a scalar `expf` per element;
 # it now takes 8 at a time (exp8) and splits rows over threads from 64K elements, so the limit is due a re-measure.
 NATIVE_GATING_MAX_ROWS = 64
@@ -86,7 +84,7 @@ SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", 
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
            "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack",
            "dk_stack_timing", "dk_stack_product_seconds", "dk_stack_seconds", "dk_decode_run", "dk_quant_gated",
-           "dk_gemv_set_prefetch")
+           "dk_gemv_set_prefetch", "dk_gemv_max_rows")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -283,6 +281,10 @@ class NativeKernels:
         self._gemv_set_prefetch = lib.dk_gemv_set_prefetch
         self._gemv_set_prefetch.argtypes = [_i]
         self._gemv_set_prefetch.restype = _i
+        lib.dk_gemv_max_rows.restype = ctypes.c_int
+        self.gemv_max_rows = int(lib.dk_gemv_max_rows())
+        """The most float32 rows `gemv` takes (kernels.c's GEMV_MAX_ROWS: 11 built for AVX2, 8 for AVX-512); more
+        rows run on torch's products."""
         # the whole layer stack of a step in one call: (layers, count, tokens, hidden_dim, hidden, out, key_pools,
         # value_pools, attention, scratch) -> status, the structures `fused.layer_stack` fills (see `layers.c`)
         self.layer_stack = lib.dk_layer_stack
@@ -411,7 +413,7 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ weight^T (+ residual) (+ bias)` for 1 to `GEMV_MAX_ROWS` float32 rows `x` `[rows, in]` and a contiguous
+        """`x @ weight^T (+ residual) (+ bias)` for 1 to `gemv_max_rows` float32 rows `x` `[rows, in]` and a contiguous
         float32 `weight` `[out, in]`, on torch's threads; returns `[rows, out]` (see `dk_gemv`). A row's result does
         not depend on the other rows multiplied with it, nor on the thread count.
 
@@ -420,9 +422,9 @@ class NativeKernels:
         """
         out_dim, width = weight.shape
         rows = x.shape[0]
-        if x.dim() != 2 or x.shape[1] != width or not weight.is_contiguous() or not 1 <= rows <= GEMV_MAX_ROWS:
-            raise ValueError(f"gemv takes 1-{GEMV_MAX_ROWS} rows of {width} floats and a contiguous [out, in] weight, "
-                             f"not {tuple(x.shape)} and strides {weight.stride()}")
+        if x.dim() != 2 or x.shape[1] != width or not weight.is_contiguous() or not 1 <= rows <= self.gemv_max_rows:
+            raise ValueError(f"gemv takes 1-{self.gemv_max_rows} rows of {width} floats and a contiguous [out, in] "
+                             f"weight, not {tuple(x.shape)} and strides {weight.stride()}")
         x = x.contiguous()
         out = x.new_empty(rows, out_dim)
         residual = None if residual is None else residual.contiguous()

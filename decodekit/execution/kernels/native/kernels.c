@@ -1483,7 +1483,18 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
  * Each output is summed by one thread, in the same order whatever the thread count and however many rows are
  * multiplied together (`gemv_dot_group`): results depend neither on threads nor on the batch. Every step of a sum is
  * one fused multiply-add where the CPU has FMA (`gemv_fma8`/`gemv_fmaf`), else a multiply and an add. */
+/* Rows up to which a step's float32 products run here rather than on torch's prepacked oneDNN weights (more rows
+ * than that take the fused decoder's per-layer path). On a 2-core Zen 3 (AVX2) the whole float32 forward of
+ * SmolLM2 by rows (benchmarks/step_curve.py, the two limits one after the other): 9 rows 40.8 against 44.7 ms, 10
+ * rows 42.5 against 47.8, 12 rows 48.6 against 50.3, 16 rows 65.0 against 58.5 (8 rows 36.7 and 38.2): the groups of
+ * two rows that re-read each weight row from L1 cost about a row's share each, which oneDNN's blocked products beat
+ * from ~12 rows. A batch of 8 whose speculation adds a few verification rows, or a batch-1 draft of 8-10 tokens,
+ * stays here. AVX-512's groups of 8 rows were not measured past 8 rows: 8 there. */
+#if defined(__AVX512F__)
 #define GEMV_MAX_ROWS 8
+#else
+#define GEMV_MAX_ROWS 11
+#endif
 #ifndef GEMV_PREFETCH_ROW
 #define GEMV_PREFETCH_ROW 1024
 #endif
@@ -1637,6 +1648,9 @@ static void gemv_rows(const float* x, int64_t rows, const float* w, int64_t in, 
     }
 }
 
+
+/* The most rows dk_gemv takes in this build (GEMV_MAX_ROWS). */
+int dk_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
 
 /* Returns 0, or -1 (nothing computed) for a row count outside 1..GEMV_MAX_ROWS. */
 int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, const float* bias,
