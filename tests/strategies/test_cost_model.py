@@ -289,6 +289,18 @@ def test_a_probe_that_could_not_change_the_batchs_choice_is_skipped_until_the_lo
     assert all(seq.stash[ACCEPTANCE].probe_interval == MAX_PROBE_INTERVAL for seq in seqs)
 
 
+def test_a_lone_sequence_still_probes_on_time_where_its_high_acceptance_would_pay():
+    # batch 1: the probed sequence is the batch, so a probe that could pay runs after PROBE_INTERVAL idle steps
+    (seq,) = bare_sequences(1, temperature=0)
+    seq.stash[ACCEPTANCE] = Acceptance(accepted=0.1, rejected=0.9)
+    curve = StepCost((1, 256), (1.0, 1.0 + 255 * 0.2))
+    calibrated = Calibration(curve)
+    calibrated.record(1, 0.01)
+    calibrated.record(1, 0.01)
+    lengths = [draft_lengths([seq], [6], 0, curve, None, calibrated)[0] for _ in range(PROBE_INTERVAL)]
+    assert lengths == [0] * (PROBE_INTERVAL - 1) + [PROBE_TOKENS]
+
+
 @pytest.mark.parametrize(("curve", "kept"), [(NEARLY_FREE, True), (PROPORTIONAL, False)])
 def test_a_draft_tree_is_kept_only_where_its_rows_are_nearly_free(curve, kept):
     shape = TreeShape(width=2, max_nodes=16, threshold=0.8)
