@@ -332,6 +332,7 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     others = other_rows + len(seqs) - len(shared)
     members = tuple(seqs[i].seq_id for i in shared) if off is not None else ()
     holding = off is not None and off.holds(members, others)
+    charge = host if host is not None else ChainCharge(draft=draft)  # the measured choices' host charges
     if holding or vetoed:
         chosen = [0] * len(shared)
     elif calibrated is None:
@@ -339,7 +340,7 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     else:
         chosen = choose_draft_lengths(rates, [limits[i] for i in shared], others,
                                       calibrated, hits=[states[i].hit for i in shared],
-                                      host=host if host is not None else ChainCharge(draft=draft), min_gain=MIN_GAIN)
+                                      host=charge, min_gain=MIN_GAIN)
     exploring = any(chosen) and calibrated is not None and calibrated.explore(len(shared) + others)
     for i, k in zip(shared, chosen):
         lengths[i] = 0 if exploring else k
@@ -361,7 +362,7 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     if shared_due and calibrated is not None:
         hopeless = off.hopeless if off is not None and off.hopeless is not None else not any(choose_draft_lengths(
             [HOPEFUL_RATE] * len(shared), [limits[i] for i in shared], others, calibrated,
-            host=host if host is not None else ChainCharge(draft=draft), min_gain=MIN_GAIN))
+            host=charge, min_gain=MIN_GAIN))
         if off is not None:
             off.hopeless = hopeless
         if hopeless:
@@ -370,7 +371,6 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
     fresh = [i for i in shared_due if states[i].fresh]
     turns = [i for i in shared_due if not states[i].fresh][:math.ceil(len(shared) / PROBE_SHARE)]
     if turns and calibrated is not None and not exploring:
-        charge = host if host is not None else ChainCharge(draft=draft)
         worth = [i for i in turns if states[i].probe_interval >= MAX_PROBE_INTERVAL or _probe_would_pay(
             shared.index(i), rates, [limits[j] for j in shared], [states[j].hit for j in shared], others,
             calibrated, charge)]
