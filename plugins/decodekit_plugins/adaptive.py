@@ -56,6 +56,12 @@ MAX_PROBE_INTERVAL = 128
 PROBE_TOKENS = 2
 PROBE_SHARE = 8  # at most one in this many of a batch's sequences probes in one step (the ones idle longest)
 HOPEFUL_RATE = 0.9  # a probe is worth its rows only where drafting at this acceptance would pay
+SHADOW_TOKENS = 4
+"""A shadow draft's length (`Shadow`): the tokens a sequence's lookups propose while it drafts nothing, compared
+with the tokens the target then gives, as a verification of them would."""
+SHADOW_GAP = 8
+"""Tokens a sequence generates between two shadow asks: a lookup costs host time (tens of microseconds over a long
+answer), so a batch of 32 switched off asks about 4 a step, not 32."""
 CHAIN_DECAY = 0.99  # a chain's running acceptance (the prior of its new sequences) follows many verifications
 MIN_GAIN = 0.05
 """A batch's measured choice drafts only where it predicts at least this much more than plain decoding's rate. The
@@ -89,6 +95,13 @@ class Acceptance:
     at. One probe each costs one step `PROBE_TOKENS` rows a sequence longer, once."""
     probing: bool = False
     """This step's length is a probe's (`draft_lengths`), not the chooser's: it is kept as it is."""
+    shadow: Shadow | None = None
+    """The draft its chain's lookups proposed while it was not drafting, waiting for the tokens that decide it."""
+    shadow_at: int = -SHADOW_GAP
+    """Its token count when its lookups were last asked for a shadow draft."""
+    shadowed: bool = False
+    """Its chain is all lookups and a shadow draft has measured its acceptance: shadows, which cost no rows, take
+    the place of its probes."""
     links: dict[str, list[float]] = field(default_factory=dict)
     """Per link of the chain (proposer name), the discounted accepted and rejected draft tokens of its own drafts:
     `link_rate`. A chain's links differ (suffix decoding's chat drafts 12-16% accepted, the int8 draft model's 80-90%),
@@ -139,6 +152,30 @@ class Acceptance:
 
 
 ACCEPTANCE = StashKey[Acceptance]()
+
+
+@dataclass
+class Shadow:
+    """A draft that a sequence's lookups proposed at token count `start` while it drafted nothing, by link `link`:
+    never verified, only compared with the tokens the target gives next. A lookup's draft is deterministic, so a
+    verification of it would accept exactly its first tokens that equal the target's (a greedy sequence's tokens; a
+    sampled one's match a draft token with the chance the target gives it, the lossless rule's chance of accepting
+    it), and the comparison measures that acceptance for free: no verification rows, no probe steps."""
+
+    start: int
+    tokens: list[int]
+    link: str
+
+    def outcome(self, token_ids: Seq[int]) -> tuple[int, int] | None:
+        """(tokens proposed, tokens a verification would have accepted) once the sequence's tokens since `start`
+        decide it (a mismatch, or as many tokens as were proposed); None while they do not yet."""
+        given = token_ids[self.start : self.start + len(self.tokens)]
+        accepted = 0
+        while accepted < len(given) and given[accepted] == self.tokens[accepted]:
+            accepted += 1
+        if accepted < len(given) or len(given) == len(self.tokens):
+            return len(self.tokens), accepted
+        return None
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -354,12 +391,17 @@ def draft_lengths(seqs: list[Sequence], limits: list[int], other_rows: int, targ
                 state.probe_interval = PROBE_INTERVAL  # speculation pays for it again: probe soon when it stops
             continue
         state.idle_steps += 1
+        if state.shadowed and not state.fresh:  # its shadow drafts measure what a probe would, for nothing
+            continue
         if state.idle_steps >= state.probe_interval or (state.fresh and calibrated is not None and not alone[i]):
             due.append(i)
     # a seeded sequence probes as it would alone; the others take turns, the longest idle first, and only where
     # a high acceptance would make drafting pay (a compute-bound batch learns nothing useful from a probe)
     shared_due = [] if vetoed else sorted((i for i in due if not alone[i]), key=lambda i: -states[i].idle_steps)
-    if shared_due and calibrated is not None:
+    # shadow drafts (`Shadow`) are asked only where a high acceptance could pay: the same check, where nothing drafts
+    shadowing = not vetoed and not any(lengths[i] for i in shared) and any(
+        states[i].shadowed and limits[i] for i in shared)
+    if (shared_due or shadowing) and calibrated is not None:
         hopeless = off.hopeless if off is not None and off.hopeless is not None else not any(choose_draft_lengths(
             [HOPEFUL_RATE] * len(shared), [limits[i] for i in shared], others, calibrated,
             host=charge, min_gain=MIN_GAIN))

@@ -50,8 +50,11 @@ from decodekit_plugins.adaptive import (
     ACCEPTANCE,
     CHAIN_DECAY,
     PROBE_TOKENS,
+    SHADOW_GAP,
+    SHADOW_TOKENS,
     Acceptance,
     OffSwitch,
+    Shadow,
     draft_lengths,
     lengths_by_answer,
     tree_rows,
@@ -507,7 +510,11 @@ class SpeculativeStrategy(Strategy):
         started = time.perf_counter()
         self._measuring = None
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
-        ks, shapes, limits, answer_first = self._lengths(ctx, seqs)
+        if self._resolve_shadows(seqs):  # a shadow draft was accepted: a batch switched off is chosen for again
+            for off in self.off_switches.values():
+                off.release()
+        ks, shapes, limits, answer_first, shadowing = self._lengths(ctx, seqs)
+        self._ask_shadows(ctx, seqs, ks, limits, shadowing)
         first = {i for group in answer_first for i in group.indices}
         asked = []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
@@ -540,11 +547,13 @@ class SpeculativeStrategy(Strategy):
         self._propose_seconds = time.perf_counter() - started
 
     def _lengths(self, ctx: StepContext, seqs: list[Sequence]
-                 ) -> tuple[list[int], dict[int, TreeShape | None], list[int], list[_AnswerFirst]]:
+                 ) -> tuple[list[int], dict[int, TreeShape | None], list[int], list[_AnswerFirst],
+                            dict[int, tuple[str, ...]]]:
         """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch; the
         tree shape of each `adaptive: cost` sequence that asks for a tree, cut to the rows that are nearly free
-        (None: a plain draft this step); each sequence's most draft tokens; and the groups whose chain's lookups
-        answer before their lengths are final (`_answer_first`)."""
+        (None: a plain draft this step); each sequence's most draft tokens; the groups whose chain's lookups
+        answer before their lengths are final (`_answer_first`); and the sequences (indices) whose chain's leading
+        lookups may draft in shadow (`_shadow`), with those lookups."""
         ks, limits, costed = [], [], []
         for i, seq in enumerate(seqs):
             options = seq.request.plan.strategy_options
@@ -569,6 +578,7 @@ class SpeculativeStrategy(Strategy):
             by_costs.setdefault((*known, chain), []).append(i)
         shapes: dict[int, TreeShape | None] = {}
         answer_first: list[_AnswerFirst] = []
+        shadowing: dict[int, tuple[str, ...]] = {}
         first_group = True
         for (target, curves, chain), rows in by_costs.items():
             calibrated = self.calibrations.setdefault(target, Calibration(target))
@@ -582,11 +592,14 @@ class SpeculativeStrategy(Strategy):
             model_link = next((name for name, c in zip(chain, curves) if c is not None), None)
             realized = self.realized.setdefault((target, chain, bucket(ctx.num_running)), RealizedGain())
             vetoed = realized.vetoed(frozenset(seqs[i].seq_id for i in rows))
+            off = self.off_switches.setdefault((target, curves, chain), OffSwitch())
             chosen = draft_lengths([seqs[i] for i in rows], [limits[i] for i in rows],
                                    ctx.num_running - len(rows), target, draft, calibrated, host,
-                                   self.chain_priors.get(chain), self.off_switches.setdefault(
-                                       (target, curves, chain), OffSwitch()),
+                                   self.chain_priors.get(chain), off,
                                    rate_link=model_link if lookups_first else None, vetoed=vetoed)
+            lookups = self._shadow_links(chain, curves)
+            if lookups and not vetoed and off.hopeless is not True:  # where a high acceptance could pay
+                shadowing.update((i, lookups) for i in rows)
             for i, k in zip(rows, chosen):
                 ks[i] = k
             if first_group:  # what the step gives: with the chooser's drafts, or plain (a probe's step is neither)
@@ -599,7 +612,64 @@ class SpeculativeStrategy(Strategy):
                     answer_first.append(_AnswerFirst(first, chain, calibrated, host.draft, model_link))
             shapes.update(self._tree_shapes(ctx, [seqs[i] for i in rows], [ks[i] for i in rows], target,
                                             calibrated, sum(ks)))
-        return ks, shapes, limits, answer_first
+        return ks, shapes, limits, answer_first, shadowing
+
+    def _shadow_links(self, chain: tuple[str, ...], curves: tuple[StepCost | None, ...]) -> tuple[str, ...]:
+        """The leading links of `chain` that can draft in shadow: lookups (no draft model's forward to pay, no
+        target hidden states to read), which draft for a sequence at any step for a few microseconds."""
+        links: list[str] = []
+        for name, curve in zip(chain, curves):
+            if curve is not None or self._proposer(name).hidden_states:
+                break
+            links.append(name)
+        return tuple(links)
+
+    @staticmethod
+    def _resolve_shadows(seqs: list[Sequence]) -> bool:
+        """Count each shadow draft the tokens since have decided (`adaptive.Shadow`) in its sequence's acceptance, as
+        a verification of it would have; returns whether any had a token accepted (news that may turn drafting on).
+        """
+        accepted_any = False
+        for seq in seqs:
+            state = seq.stash.get(ACCEPTANCE, None)
+            if state is None or state.shadow is None:
+                continue
+            outcome = state.shadow.outcome(seq.token_ids)
+            if outcome is not None:
+                state.record(*outcome, state.shadow.link)
+                state.shadow = None
+                accepted_any = accepted_any or outcome[1] > 0
+        return accepted_any
+
+    def _ask_shadows(self, ctx: StepContext, seqs: list[Sequence], ks: list[int], limits: list[int],
+                     shadowing: dict[int, tuple[str, ...]]) -> None:
+        """Shadow drafts (`adaptive.Shadow`): a sequence that drafts nothing this step (a batch switched off, a
+        sequence whose acceptance fell) asks its chain's leading lookups for `SHADOW_TOKENS` tokens every
+        `SHADOW_GAP` tokens it generates; once the target's next tokens decide such a draft, it counts in the
+        sequence's acceptance as a verified one would (`_resolve_shadows`), without a row verified. So a text that
+        turns copyable turns speculation back on by what it measures, not after a probe's interval (up to
+        `MAX_PROBE_INTERVAL` steps where one sequence's probe could not change the batch's choice), and a chain of
+        lookups alone needs no probes (`Acceptance.shadowed`). Not for a seeded sampled sequence (its choices come
+        from the curves and its own draws alone), nor where `_lengths` found that no acceptance could pay. Shadow
+        drafts do not move the chain's prior (what verifications measured)."""
+        for i, (seq, k, limit) in enumerate(zip(seqs, ks, limits)):
+            state = seq.stash.get(ACCEPTANCE, None)
+            lookups = shadowing.get(i)
+            if (state is None or lookups is None or k > 0 or limit <= 0 or state.shadow is not None
+                    or len(seq.token_ids) - state.shadow_at < SHADOW_GAP
+                    or (not seq.greedy and seq.request.params.seed is not None)):
+                continue
+            state.shadow_at = len(seq.token_ids)
+            options = seq.request.plan.strategy_options
+            params = [options._proposer_params, *options._fallback_params]
+            for link, name in enumerate(lookups):
+                drafts, _ = self._proposer(name).propose(ctx, [seq], [min(SHADOW_TOKENS, limit)], [params[link]])
+                if drafts[0]:
+                    state.shadow = Shadow(len(seq.token_ids), list(drafts[0][:SHADOW_TOKENS]), name)
+                    break
+            if len(lookups) == len(options.chain):  # the whole chain was asked: whether it drafted; and what it
+                state.record_ask(state.shadow is not None)  # drafts is measured by its shadows, not by probes
+                state.shadowed = True
 
     @staticmethod
     def _alone_or_probing(seq: Sequence) -> bool:

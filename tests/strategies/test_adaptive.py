@@ -15,10 +15,14 @@ from decodekit import LLM, SamplingParams, hookimpl
 from decodekit.api.proposer import Proposer
 from decodekit.api.step_cost import StepCost
 from decodekit.testing import check_proposer, plugin_manager
+from decodekit_plugins import speculative
 from decodekit_plugins.adaptive import (
+    ACCEPTANCE,
     PROBE_INTERVAL,
     PROBE_TOKENS,
+    SHADOW_GAP,
     Acceptance,
+    Shadow,
     choose_draft_lengths,
     draft_lengths,
     expected_tokens,
@@ -100,6 +104,26 @@ def test_acceptance_follows_what_the_target_accepts():
     assert state.rate < 0.05
     state.record(0, 0)  # nothing drafted: nothing learned
     assert state.rate < 0.05
+
+
+@settings(max_examples=200, deadline=None)
+@given(draft=st.lists(st.integers(0, 3), min_size=1, max_size=6), produced=st.lists(st.integers(0, 3), max_size=8),
+       start=st.integers(0, 3))
+def test_a_shadow_draft_counts_what_a_greedy_verification_would_accept_once_the_tokens_decide_it(draft, produced,
+                                                                                                  start):
+    outcome = Shadow(start, draft, "ngram").outcome([9] * start + produced)
+    compared = produced[: len(draft)]
+    matched = next((j for j, (a, b) in enumerate(zip(draft, compared)) if a != b), len(compared))
+    if matched == len(compared) < len(draft):  # every token so far agrees, and more were proposed: undecided
+        assert outcome is None
+    else:  # verification accepts the draft's first tokens equal to the target's, up to the first that is not
+        assert outcome == (len(draft), matched)
+
+
+def test_a_sequence_measured_by_shadow_drafts_spends_no_rows_on_probes():
+    (seq,) = bare_sequences(1, temperature=0)
+    seq.stash[ACCEPTANCE] = Acceptance(accepted=0.1, rejected=0.9, shadowed=True)
+    assert not any(draft_lengths([seq], [8], 0, PROPORTIONAL, None)[0] for _ in range(4 * PROBE_INTERVAL))
 
 
 def test_a_sequence_kept_from_drafting_probes_again_and_can_turn_back_on():
@@ -286,10 +310,27 @@ class CheapDraftModel(Oracle):
         return (target or StepCost.default()).scaled(0.05)
 
 
+class Turncoat(Proposer):
+    """A lookup wrong (each draft token one past the target's) until the answer has `right_from` tokens, right from
+    there on: a text that turns copyable mid-answer (an explanation, then a quoted passage)."""
+
+    name = "turncoat"
+    answers: ClassVar[dict[tuple[int, ...], list[int]]] = {}
+    right_from = 0
+
+    def propose(self, ctx, seqs, ks, options):
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            answer = self.answers[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+            draft = answer[seq.num_generated : seq.num_generated + k]
+            drafts.append(draft if seq.num_generated >= self.right_from else [(t + 1) % 64 for t in draft])
+        return drafts, [None] * len(seqs)
+
+
 class LookupsPlugin:
     @hookimpl
     def decodekit_register_proposers(self, register):
-        for proposer in (Liar, Oracle, CheapDraftModel):
+        for proposer in (Liar, Oracle, CheapDraftModel, Turncoat):
             register(proposer.name, proposer)
 
 
@@ -347,3 +388,29 @@ def test_the_strategy_measures_what_its_speculating_steps_really_gave_against_pl
     assert measured >= min(REALIZED_MIN_STEPS, Oracle.calls - 1) > 0, gain
     assert gain.plain_log_rate is not None, gain  # plain steps measured alike (exploration, native runs)
     assert gain.vetoes >= 1 or (gain.ratio or 1.0) < VETO_BELOW, gain  # a stalled step gives ~0.1x plain
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_text_that_turns_copyable_turns_speculation_back_on_by_shadow_drafts(llama, tokenizer, batch, monkeypatch):
+    # wrong drafts switch speculation off; from token 64 the lookup is right. Shadow drafts (asked while a sequence
+    # drafts nothing, compared with the tokens the target then gives) measure that without a verified row, and
+    # speculation turns back on within a few tokens; with shadows off (a gap longer than the answer) only probes can
+    # find it, and after the wrong ones found nothing they wait twice as long each time
+    prompts = random_prompts(batch, 6, 7, seed=12)
+    greedy = {"max_tokens": 128, "temperature": 0, "ignore_eos": True}
+    strategy = {"speculative": {"proposer": "turncoat"}}
+
+    def accepted(shadows: bool) -> list[int]:
+        monkeypatch.setattr(speculative, "SHADOW_GAP", SHADOW_GAP if shadows else 10**6)
+        llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4,
+                  plugin_manager=plugin_manager(LookupsPlugin()))  # a new engine: nothing measured before
+        plain = llm.generate(prompts, SamplingParams(**greedy))
+        Turncoat.answers, Turncoat.right_from = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}, 64
+        spec = llm.generate(prompts, SamplingParams(**greedy, strategy=strategy))
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        return [o.metrics.proposer_tokens.get("turncoat", {}).get("accepted", 0) for o in spec]
+
+    with_shadows = accepted(True)
+    assert all(n >= 40 for n in with_shadows), with_shadows  # most of the 64 tokens from token 64 on
+    without = accepted(False)
+    assert sum(without) < sum(with_shadows), (without, with_shadows)
