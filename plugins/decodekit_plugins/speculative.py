@@ -182,16 +182,22 @@ class NgramParams(BaseModel):
 
 
 def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to `k` tokens that followed the latest earlier occurrence of the longest matching suffix of `tokens`."""
+    """Up to `k` tokens that followed the latest earlier occurrence of the longest matching suffix of `tokens`.
+
+    Only the earlier positions holding the last token can end a match, so those are found in one comparison over
+    the tokens and each longer suffix is checked at them alone: a miss over 600 tokens took ~160 us as three
+    sliding-window passes (n = 4, 3, 2), and lookups run for every sequence asked, shadow drafts included."""
     length = len(tokens)
     if length < 2 or k <= 0:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
+    ends = np.flatnonzero(arr[: length - 1] == arr[length - 1])  # where an earlier match could end, ascending
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)  # starts 0 .. length-1-n
-        hits = np.flatnonzero((windows == arr[length - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
+        candidates = ends[ends >= n - 1]  # a match of n tokens ending there starts at or after 0
+        for back in range(1, n):
+            candidates = candidates[arr[candidates - back] == arr[length - 1 - back]]
+        if candidates.size:
+            start = int(candidates[-1]) + 1
             return arr[start : start + k].tolist()
     return []
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
 from decodekit.models.tiny import tiny_model
@@ -41,6 +43,25 @@ def test_ngram_proposal_continues_the_latest_earlier_occurrence():
     assert ngram_proposal([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 1, 3) == [7, 5, 1]
     assert ngram_proposal([4, 5, 6], 2, 1, 3) == []
     assert ngram_proposal([8, 1, 8], 4, 1, 2) == [1, 8]
+
+
+def _ngram_by_definition(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The longest n (n_max down to n_min) whose last n tokens occur earlier (ending before the last token); the k
+    tokens after the latest such occurrence."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == suffix]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), max_size=40), k=st.integers(0, 6), n_min=st.integers(1, 4),
+       extra=st.integers(0, 3))
+def test_ngram_proposal_is_the_latest_occurrence_of_the_longest_matching_suffix(tokens, k, n_min, extra):
+    want = _ngram_by_definition(tokens, k, n_min, n_min + extra) if len(tokens) >= 2 and k > 0 else []
+    assert ngram_proposal(tokens, k, n_min, n_min + extra) == want
 
 
 @pytest.mark.parametrize("batch", [1, 8])
