@@ -99,16 +99,16 @@ def test_the_product_of_random_blocks_is_the_float_product_of_their_dequantized_
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa, fmt):
-    """The native tiles (one weight row by 1-4 activation rows in registers, 1-8 on AVX-512, two by 3-5; 2x4 and
-    1x1-1x4 on a dequantized panel from 16 rows, 21 on AVX-512) sum each output in one order, so a row alone, in a
-    few rows and in a batch that takes the panels agree bit for bit (a request's tokens do not depend on its
-    batch)."""
+    """The native tiles (one weight row by 1-4 activation rows in registers, 1-8 on AVX-512, two by 3-5; AVX2's wide
+    tiles of a group's last 5-6 rows, one vector dequantized at a time; 2x4 and 1x1-1x4 on a dequantized panel from
+    16 rows, 21 on AVX-512) sum each output in one order, so a row alone, in a few rows and in a batch that takes
+    the panels agree bit for bit (a request's tokens do not depend on its batch)."""
     per_block = GGUF_FORMATS[fmt][1]
     stored, _ = _stored(fmt, 37, 2 * per_block, seed=1)
     matrix = GgufMatrix([stored], None, kernels, isa)
     x = torch.randn(41, 2 * per_block)
     together = matrix(x)
-    for rows in (1, 3, 4, 5, 6, 7, 8, 12, 16, 17, 20, 21, 24):
+    for rows in (1, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 17, 20, 21, 24):
         for start in range(0, x.shape[0] - rows + 1, 7):
             assert torch.equal(matrix(x[start:start + rows]), together[start:start + rows])
 

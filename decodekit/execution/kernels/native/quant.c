@@ -504,6 +504,85 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
                   _mm512_reduce_add_ps)
 #endif
 
+/* ---- AVX2's wide tile: one weight row by 5-6 activation rows -------------------------------------------------
+ * The generic tile dequantizes a whole chunk (four vectors) before multiplying it, so 16 registers hold its weights
+ * and 2 x 4 accumulators: 4 activation rows. Dequantizing one vector of 8 weights at a time and multiplying it into
+ * every row at once leaves room for 2 x 6 accumulators, so 5-6 rows take one pass over the weight row instead of two
+ * (4 + 1, 4 + 2: each chunk dequantized twice, each weight byte read twice). The vectors are chunk_avx2's, in its
+ * order, and each output sums them in the generic tile's order (even and odd vectors in two accumulators, chunk by
+ * chunk): the same sums bit for bit. For the blocks of 32 (Q4_0, Q4_1, Q8_0); the K-quants keep the generic tiles.
+ * benchmarks/kernel_ab.py (8192 x 576 weights, 2 threads, 2-core Zen 3, equal outputs): 5 rows 1.10-1.20x, 6 rows
+ * 1.05-1.11x, 9 rows (4 + 5) 1.06-1.11x; 8192 x 1536: 5 rows Q4_1 1.20x, Q8_0 1.03x. 7-8 rows as 6 + 1, 6 + 2
+ * measured 0.87-0.95x the 4 + 3, 4 + 4 tiles, so a wide tile takes only a group's last 5-6 rows. */
+#define WIDE_MAX_M 6
+/* The most bytes of activation rows a wide tile reads per weight row: its rows must stay in L1 (32 KB here) while
+ * the weights stream past, or each weight row reads them from L2. SmolLM2's 576-wide products by 5-6 rows (14 KB)
+ * and 1536-wide by 5 (30 KB) gain; 1536-wide by 6 rows (36 KB) measured 0.93-1.00x the 4 + 2 tiles. */
+#define WIDE_MAX_BYTES (32 * 1024)
+#if DK_QUANT_AVX2
+/* Vector v (0-3) of a block's 32 weights, the floats chunk_avx2 computes; q points at the quants, d and m are the
+ * block's scale and min splatted (Q4_0: m = -8d). A Q4_0 weight d * (q - 8) is exact in float32 (an fp16 scale
+ * times a 5-bit integer), and so is -8d, so the fused d * q + (-8d) rounds to that same float: one constant
+ * register fewer than subtracting 8 first, which 6 rows' 12 accumulators need. */
+ALWAYS_INLINE __m256 wide_vector_avx2(int kind, const uint8_t* q, int v, __m256 d, __m256 m) {
+    if (kind == DK_Q8_0) return _mm256_mul_ps(_mm256_cvtepi32_ps(widen8_avx2(q + 8 * v, 1)), d);
+    __m256i bytes = widen8_avx2(q + 8 * (v & 1), 0);  /* low nibbles first: bytes 0-7, 8-15, then their high ones */
+    __m256i quants = v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
+    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(quants), m);
+}
+
+/* sums[k] = x[k] . w for M (5-6) activation rows `in` floats apart and one row of blocks of 32 (`kind`). */
+ALWAYS_INLINE void wide_tile_avx2(int kind, const float* x, int64_t in, const uint8_t* w, int M, float* sums) {
+    __m256 acc[WIDE_MAX_M][2];
+    for (int k = 0; k < M; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+    int64_t bytes = block_bytes(kind), head = kind == DK_Q4_1 ? 4 : 2;
+    for (int64_t c = 0; c < in / CHUNK; ++c) {
+        const uint8_t* b = w + c * bytes;
+        __builtin_prefetch(b + QUANT_PREFETCH_BYTES);
+        __m256 d = half_splat_avx2(b);
+        __m256 m = kind == DK_Q4_1 ? half_splat_avx2(b + 2) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const float* xc = x + c * CHUNK;
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; ++v) {
+            __m256 wv = wide_vector_avx2(kind, b + head, v, d, m);
+            _Pragma("GCC unroll 6") for (int k = 0; k < M; ++k)
+                acc[k][v & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + k * in + 8 * v), wv, acc[k][v & 1]);
+        }
+    }
+    for (int k = 0; k < M; ++k) sums[k] = hsum_avx2(_mm256_add_ps(acc[k][0], acc[k][1]));
+}
+#endif
+/* Activation rows a wide tile takes at most on each path (0: none; the generic tiles there). */
+#define WIDE_M_avx2 WIDE_MAX_M
+#define WIDE_M_avx512 0
+#define WIDE_M_portable 0
+static inline int wide_kind(int kind) { return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0; }
+/* The sums of weight rows [0, nr) (row_bytes apart) by M (5-6) activation rows into sums[k * nr + r], in wide tiles:
+ * out of line, so the group's own tiles (the one-row tile of a batch-1 step above all) compile as they did (inlined
+ * into each format's group, the wide tiles cost the one-row product 2-4% in cache). */
+#if DK_QUANT_AVX2
+static __attribute__((noinline)) void wide_rows_avx2(int kind, const float* x, int64_t in, const uint8_t* w,
+                                                     int64_t row_bytes, int64_t nr, int M, float* sums) {
+    float one[WIDE_MAX_M];
+    for (int64_t r = 0; r < nr; ++r) {
+        const uint8_t* row = w + r * row_bytes;
+        if (kind == DK_Q4_1) {
+            if (M == 5) wide_tile_avx2(DK_Q4_1, x, in, row, 5, one);
+            else wide_tile_avx2(DK_Q4_1, x, in, row, WIDE_MAX_M, one);
+        } else if (kind == DK_Q8_0) {
+            if (M == 5) wide_tile_avx2(DK_Q8_0, x, in, row, 5, one);
+            else wide_tile_avx2(DK_Q8_0, x, in, row, WIDE_MAX_M, one);
+        } else {
+            if (M == 5) wide_tile_avx2(DK_Q4_0, x, in, row, 5, one);
+            else wide_tile_avx2(DK_Q4_0, x, in, row, WIDE_MAX_M, one);
+        }
+        for (int k = 0; k < M; ++k) sums[k * nr + r] = one[k];
+    }
+}
+#define WIDE_ROWS_avx2 wide_rows_avx2
+#endif
+#define WIDE_ROWS_avx512(kind, x, in, w, row_bytes, nr, M, sums) ((void)0)
+#define WIDE_ROWS_portable(kind, x, in, w, row_bytes, nr, M, sums) ((void)0)
+
 /* Output rows per work item (one tile's R at most). */
 #define QUANT_GROUP 4
 /* Activation rows from which a product dequantizes each weight row once into a panel (`panel_group_ISA`), and the
@@ -811,10 +890,16 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
                                    const float* residual, float* out, int64_t ld) {                             \
         float sums[QUANT_GROUP * TILE_MAX_M];                                                                   \
         const uint8_t* wr = w + o0 * row_bytes;                                                                 \
+        int wide = WIDE_M_##ISA > TILE_M_##ISA && wide_kind(kind);                                             \
         for (int64_t m = 0; m < rows;) {                                                                        \
             int64_t left = rows - m, nm = left >= TILE_M_##ISA ? TILE_M_##ISA : left;                           \
+            if (wide && left > TILE_M_##ISA && left <= WIDE_M_##ISA && left * in * 4 <= WIDE_MAX_BYTES) nm = left; \
             const float* xm = x + m * in;                                                                       \
             int64_t r = 0;                                                                                      \
+            if (nm > TILE_M_##ISA) { /* 5-6 rows in one pass (AVX2's wide tiles) */                              \
+                WIDE_ROWS_##ISA(kind, xm, in, wr, row_bytes, nr, (int)nm, sums);                                   \
+                r = nr;                                                                                         \
+            }                                                                                                   \
             /* where the registers hold them (AVX-512), pairs of weight rows: each activation vector loaded       \
              * once for two (4-12 rows of SmolLM2's products 4-5% faster than one weight row at a time; 5 rows     \
              * 1.09x and 13 rows 1.05x against one weight row by 5; two by 6 measured no faster than one by 6) */  \
