@@ -24,10 +24,10 @@ batch size whose plain step has fewer than two timings, steps run plain to measu
 comparison is against what plain decoding costs here, not what the curve says. Probes back off: a sequence whose
 probe did not turn speculation back on waits twice as long before the next (up to `MAX_PROBE_INTERVAL`), and at most
 one in `PROBE_SHARE` of a batch probes in one step, and none where even an acceptance of `HOPEFUL_RATE` would not
-pay (a compute-bound batch: a probe's rows would be spent to learn nothing). A sequence drafting nothing also has its
-chain's leading lookups draft in shadow (`Shadow`: asked every `SHADOW_GAP` tokens, compared with the target's next
-tokens, counted as a verification would count them, no rows spent); a chain of lookups alone is measured by its
-shadows and never probed (`Acceptance.shadowed`).
+pay (a compute-bound batch: a probe's rows would be spent to learn nothing). In a chain of lookups alone, a sequence
+drafting nothing has its lookups draft in shadow instead (`Shadow`: asked every `SHADOW_GAP` tokens, compared with
+the target's next tokens, counted as a verification would count them, no rows spent) and is never probed
+(`Acceptance.shadowed`).
 
 A seeded sampled sequence chooses as if it ran alone: which draft tokens it verifies changes which random numbers it
 draws, so its output must not depend on the rest of the batch, nor on timings: it chooses from the cached curve

@@ -516,7 +516,7 @@ class SpeculativeStrategy(Strategy):
         started = time.perf_counter()
         self._measuring = None
         groups: dict[str, list[tuple[Sequence, int, Any]]] = {}
-        if self._resolve_shadows(seqs):  # a shadow draft was accepted: a batch switched off is chosen for again
+        if self._resolve_shadows(seqs):  # a shadow draft wholly accepted: a batch switched off is chosen for again
             for off in self.off_switches.values():
                 off.release()
         ks, shapes, limits, answer_first, shadowing = self._lengths(ctx, seqs)
@@ -604,7 +604,8 @@ class SpeculativeStrategy(Strategy):
                                    self.chain_priors.get(chain), off,
                                    rate_link=model_link if lookups_first else None, vetoed=vetoed)
             lookups = self._shadow_links(chain, curves)
-            if lookups and not vetoed and off.hopeless is not True:  # where a high acceptance could pay
+            # a chain of lookups alone, where a high acceptance could pay (`_ask_shadows`)
+            if len(lookups) == len(chain) and not vetoed and off.hopeless is not True:
                 shadowing.update((i, lookups) for i in rows)
             for i, k in zip(rows, chosen):
                 ks[i] = k
@@ -622,7 +623,7 @@ class SpeculativeStrategy(Strategy):
 
     def _shadow_links(self, chain: tuple[str, ...], curves: tuple[StepCost | None, ...]) -> tuple[str, ...]:
         """The leading links of `chain` that can draft in shadow: lookups (no draft model's forward to pay, no
-        target hidden states to read), which draft for a sequence at any step for a few microseconds."""
+        target hidden states to read), which draft for a sequence at any step for tens of microseconds."""
         links: list[str] = []
         for name, curve in zip(chain, curves):
             if curve is not None or self._proposer(name).hidden_states:
@@ -633,9 +634,10 @@ class SpeculativeStrategy(Strategy):
     @staticmethod
     def _resolve_shadows(seqs: list[Sequence]) -> bool:
         """Count each shadow draft the tokens since have decided (`adaptive.Shadow`) in its sequence's acceptance, as
-        a verification of it would have; returns whether any had a token accepted (news that may turn drafting on).
-        """
-        accepted_any = False
+        a verification of it would have; returns whether any was accepted whole (news that may turn drafting on: a
+        batch switched off searches again, where a draft's first token matching, common in chat, released it every
+        few steps and cost a search each step, ~1% of a batch-8 float32 step on a 2-core Zen 3)."""
+        accepted_whole = False
         for seq in seqs:
             state = seq.stash.get(ACCEPTANCE, None)
             if state is None or state.shadow is None:
@@ -644,20 +646,23 @@ class SpeculativeStrategy(Strategy):
             if outcome is not None:
                 state.record(*outcome, state.shadow.link)
                 state.shadow = None
-                accepted_any = accepted_any or outcome[1] > 0
-        return accepted_any
+                accepted_whole = accepted_whole or outcome[1] == outcome[0]
+        return accepted_whole
 
     def _ask_shadows(self, ctx: StepContext, seqs: list[Sequence], ks: list[int], limits: list[int],
                      shadowing: dict[int, tuple[str, ...]]) -> None:
-        """Shadow drafts (`adaptive.Shadow`): a sequence that drafts nothing this step (a batch switched off, a
-        sequence whose acceptance fell) asks its chain's leading lookups for `SHADOW_TOKENS` tokens every
-        `SHADOW_GAP` tokens it generates; once the target's next tokens decide such a draft, it counts in the
-        sequence's acceptance as a verified one would (`_resolve_shadows`), without a row verified. So a text that
-        turns copyable turns speculation back on by what it measures, not after a probe's interval (up to
-        `MAX_PROBE_INTERVAL` steps where one sequence's probe could not change the batch's choice), and a chain of
-        lookups alone needs no probes (`Acceptance.shadowed`). Not for a seeded sampled sequence (its choices come
-        from the curves and its own draws alone), nor where `_lengths` found that no acceptance could pay. Shadow
-        drafts do not move the chain's prior (what verifications measured)."""
+        """Shadow drafts (`adaptive.Shadow`): a sequence of a chain of lookups alone (`ngram`, `suffix`: no draft
+        model, no hidden states) that drafts nothing this step (a batch switched off, a sequence whose acceptance
+        fell) asks its lookups for `SHADOW_TOKENS` tokens every `SHADOW_GAP` tokens it generates; once the target's
+        next tokens decide such a draft, it counts in the sequence's acceptance as a verified one would
+        (`_resolve_shadows`), without a row verified. So a text that turns copyable turns speculation back on by
+        what it measures, not after a probe's interval (16 steps, doubling to `MAX_PROBE_INTERVAL` after probes
+        that found nothing), and the chain needs no probes (`Acceptance.shadowed`). Not for a chain with a draft
+        model behind its lookups: its rate is the model's as much as the lookups', which shadows cannot measure
+        (there they made a batch of 8 copy prompts draft more and run 0.97-0.98x, float32 target, 2-core Zen 3).
+        Not for a seeded sampled sequence (its choices come from the curves and its own draws alone), nor where
+        `_lengths` found that no acceptance could pay. Shadow drafts do not move the chain's prior (what
+        verifications measured)."""
         for i, (seq, k, limit) in enumerate(zip(seqs, ks, limits)):
             state = seq.stash.get(ACCEPTANCE, None)
             lookups = shadowing.get(i)
@@ -673,9 +678,8 @@ class SpeculativeStrategy(Strategy):
                 if drafts[0]:
                     state.shadow = Shadow(len(seq.token_ids), list(drafts[0][:SHADOW_TOKENS]), name)
                     break
-            if len(lookups) == len(options.chain):  # the whole chain was asked: whether it drafted; and what it
-                state.record_ask(state.shadow is not None)  # drafts is measured by its shadows, not by probes
-                state.shadowed = True
+            state.record_ask(state.shadow is not None)  # the whole chain was asked: whether it drafted; and what
+            state.shadowed = True  # it drafts is measured by its shadows from now on, not by probes
 
     @staticmethod
     def _alone_or_probing(seq: Sequence) -> bool:
