@@ -558,8 +558,8 @@ class SpeculativeStrategy(Strategy):
         """This step's k per sequence: fixed, the heuristic's, or (`adaptive: cost`) chosen for the batch; the
         tree shape of each `adaptive: cost` sequence that asks for a tree, cut to the rows that are nearly free
         (None: a plain draft this step); each sequence's most draft tokens; the groups whose chain's lookups
-        answer before their lengths are final (`_answer_first`); and the sequences (indices) whose chain's leading
-        lookups may draft in shadow (`_shadow`), with those lookups."""
+        answer before their lengths are final (`_answer_first`); and the sequences (indices) of chains of lookups
+        alone that may draft in shadow (`_ask_shadows`), with those lookups."""
         ks, limits, costed = [], [], []
         for i, seq in enumerate(seqs):
             options = seq.request.plan.strategy_options
@@ -635,8 +635,8 @@ class SpeculativeStrategy(Strategy):
     def _resolve_shadows(seqs: list[Sequence]) -> bool:
         """Count each shadow draft the tokens since have decided (`adaptive.Shadow`) in its sequence's acceptance, as
         a verification of it would have; returns whether any was accepted whole (news that may turn drafting on: a
-        batch switched off searches again, where a draft's first token matching, common in chat, released it every
-        few steps and cost a search each step, ~1% of a batch-8 float32 step on a 2-core Zen 3)."""
+        batch switched off searches again; a first token matching, common in chat, would send it into a search
+        every few steps for nothing)."""
         accepted_whole = False
         for seq in seqs:
             state = seq.stash.get(ACCEPTANCE, None)
