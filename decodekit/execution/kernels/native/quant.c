@@ -510,11 +510,12 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
  * every row at once leaves room for 2 x 6 accumulators, so 5-6 rows take one pass over the weight row instead of two
  * (4 + 1, 4 + 2: each chunk dequantized twice, each weight byte read twice). The vectors are chunk_avx2's, in its
  * order, and each output sums them in the generic tile's order (even and odd vectors in two accumulators, chunk by
- * chunk): the same sums bit for bit. For Q4_0, Q4_1, Q8_0 and Q4_K (Q6_K keeps the generic tiles).
+ * chunk): the same sums bit for bit. For every format the products take (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K).
  * benchmarks/kernel_ab.py (8192 x 576 weights, 2 threads, 2-core Zen 3, equal outputs): 5 rows 1.10-1.20x, 6 rows
  * 1.05-1.11x, 9 rows (4 + 5) 1.06-1.11x; 8192 x 1536: 5 rows Q4_1 1.20x, Q8_0 1.03x. 7-8 rows as 6 + 1, 6 + 2
  * measured 0.87-0.95x the 4 + 3, 4 + 4 tiles, so a wide tile takes only a group's last 5-6 rows. Q4_K (8192 x 768):
- * 5 rows 1.31x, 6 rows 1.28x, 10 rows 1.14x; 8192 x 1536: 5 rows 1.24x. */
+ * 5 rows 1.31x, 6 rows 1.28x, 10 rows 1.14x; 8192 x 1536: 5 rows 1.24x. Q6_K (8192 x 768): 5 rows 1.44x, 6 rows
+ * 1.46x, 10 rows 1.25x (its generic chunk computes 32 quants in a vector before widening them: four vectors live). */
 #define WIDE_MAX_M 6
 /* The most bytes of activation rows a wide tile reads per weight row: its rows must stay in L1 (32 KB here) while
  * the weights stream past, or each weight row reads them from L2. SmolLM2's 576-wide products by 5-6 rows (14 KB)
@@ -577,13 +578,37 @@ ALWAYS_INLINE void wide_tile_q4k_avx2(const float* x, int64_t in, const uint8_t*
     }
     for (int k = 0; k < M; ++k) sums[k] = hsum_avx2(_mm256_add_ps(acc[k][0], acc[k][1]));
 }
+
+/* wide_tile_avx2 for Q6_K: each super-block's 16 sub-block scales once for its 8 chunks (ksuper_avx2), each chunk's
+ * 32 quants computed once in a vector (q6k_bytes) and widened a vector of 8 at a time, as chunk_avx2's. */
+ALWAYS_INLINE void wide_tile_q6k_avx2(const float* x, int64_t in, const uint8_t* w, int M, float* sums) {
+    __m256 acc[WIDE_MAX_M][2];
+    for (int k = 0; k < M; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+    float ks[16];
+    for (int64_t c = 0; c < in / CHUNK; ++c) {
+        const uint8_t* b = w + c / 8 * 210;
+        if (c % 8 == 0) ksuper_avx2(DK_Q6_K, b, ks);
+        __builtin_prefetch(b + 64 * (c % 8 / 4) + QUANT_PREFETCH_BYTES);
+        int64_t k8 = c % 8;
+        __m256i bytes = q6k_bytes(b, k8 / 4, k8 % 4);
+        const float* xc = x + c * CHUNK;
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; ++v) {
+            __m128i half = v < 2 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1);
+            __m256i quants = _mm256_cvtepi8_epi32(v & 1 ? _mm_srli_si128(half, 8) : half);
+            __m256 wv = _mm256_mul_ps(_mm256_broadcast_ss(ks + 2 * k8 + (v >= 2)), _mm256_cvtepi32_ps(quants));
+            _Pragma("GCC unroll 6") for (int k = 0; k < M; ++k)
+                acc[k][v & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + k * in + 8 * v), wv, acc[k][v & 1]);
+        }
+    }
+    for (int k = 0; k < M; ++k) sums[k] = hsum_avx2(_mm256_add_ps(acc[k][0], acc[k][1]));
+}
 #endif
 /* Activation rows a wide tile takes at most on each path (0: none; the generic tiles there). */
 #define WIDE_M_avx2 WIDE_MAX_M
 #define WIDE_M_avx512 0
 #define WIDE_M_portable 0
 static inline int wide_kind(int kind) {
-    return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0 || kind == DK_Q4_K;
+    return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0 || kind == DK_Q4_K || kind == DK_Q6_K;
 }
 /* The sums of weight rows [0, nr) (row_bytes apart) by M (5-6) activation rows into sums[k * nr + r], in wide tiles:
  * out of line, so the group's own tiles (the one-row tile of a batch-1 step above all) compile as they did (inlined
@@ -603,6 +628,9 @@ static __attribute__((noinline)) void wide_rows_avx2(int kind, const float* x, i
         } else if (kind == DK_Q4_K) {
             if (M == 5) wide_tile_q4k_avx2(x, in, row, 5, one);
             else wide_tile_q4k_avx2(x, in, row, WIDE_MAX_M, one);
+        } else if (kind == DK_Q6_K) {
+            if (M == 5) wide_tile_q6k_avx2(x, in, row, 5, one);
+            else wide_tile_q6k_avx2(x, in, row, WIDE_MAX_M, one);
         } else {
             if (M == 5) wide_tile_avx2(DK_Q4_0, x, in, row, 5, one);
             else wide_tile_avx2(DK_Q4_0, x, in, row, WIDE_MAX_M, one);
