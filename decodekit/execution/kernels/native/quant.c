@@ -515,7 +515,8 @@ DK_PANEL_TILE_2X4(avx512, __m512, 2, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _
  * 1.05-1.11x, 9 rows (4 + 5) 1.06-1.11x; 8192 x 1536: 5 rows Q4_1 1.20x, Q8_0 1.03x. 7-8 rows as 6 + 1, 6 + 2
  * measured 0.87-0.95x the 4 + 3, 4 + 4 tiles, so a wide tile takes only a group's last 5-6 rows. Q4_K (8192 x 768):
  * 5 rows 1.31x, 6 rows 1.28x, 10 rows 1.14x; 8192 x 1536: 5 rows 1.24x. Q6_K (8192 x 768): 5 rows 1.44x, 6 rows
- * 1.46x, 10 rows 1.25x (its generic chunk computes 32 quants in a vector before widening them: four vectors live). */
+ * 1.46x, 10 rows 1.25x (its generic chunk computes 32 quants in a vector before widening them: four vectors live).
+ * Wide tiles of 2-4 rows measured 0.97-0.99x the generic ones (Q4_1, 8192 x 576): those keep the generic tiles. */
 #define WIDE_MAX_M 6
 /* The most bytes of activation rows a wide tile reads per weight row: its rows must stay in L1 (32 KB here) while
  * the weights stream past, or each weight row reads them from L2. SmolLM2's 576-wide products by 5-6 rows (14 KB)
