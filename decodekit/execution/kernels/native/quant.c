@@ -534,6 +534,12 @@ ALWAYS_INLINE __m256 wide_vector_avx2(int kind, const uint8_t* q, int v, __m256 
     return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(quants), m);
 }
 
+/* Vector v of a chunk's weights multiplied into each of M activation rows' accumulator for its parity. */
+ALWAYS_INLINE void wide_fma_avx2(__m256 acc[][2], const float* xc, int64_t in, int v, __m256 wv, int M) {
+    _Pragma("GCC unroll 6") for (int k = 0; k < M; ++k)
+        acc[k][v & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + k * in + 8 * v), wv, acc[k][v & 1]);
+}
+
 /* sums[k] = x[k] . w for M (5-6) activation rows `in` floats apart and one row of blocks of 32 (`kind`). */
 ALWAYS_INLINE void wide_tile_avx2(int kind, const float* x, int64_t in, const uint8_t* w, int M, float* sums) {
     __m256 acc[WIDE_MAX_M][2];
@@ -547,8 +553,7 @@ ALWAYS_INLINE void wide_tile_avx2(int kind, const float* x, int64_t in, const ui
         const float* xc = x + c * CHUNK;
         _Pragma("GCC unroll 4") for (int v = 0; v < 4; ++v) {
             __m256 wv = wide_vector_avx2(kind, b + head, v, d, m);
-            _Pragma("GCC unroll 6") for (int k = 0; k < M; ++k)
-                acc[k][v & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + k * in + 8 * v), wv, acc[k][v & 1]);
+            wide_fma_avx2(acc, xc, in, v, wv, M);
         }
     }
     for (int k = 0; k < M; ++k) sums[k] = hsum_avx2(_mm256_add_ps(acc[k][0], acc[k][1]));
@@ -597,8 +602,7 @@ ALWAYS_INLINE void wide_tile_q6k_avx2(const float* x, int64_t in, const uint8_t*
             __m128i half = v < 2 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1);
             __m256i quants = _mm256_cvtepi8_epi32(v & 1 ? _mm_srli_si128(half, 8) : half);
             __m256 wv = _mm256_mul_ps(_mm256_broadcast_ss(ks + 2 * k8 + (v >= 2)), _mm256_cvtepi32_ps(quants));
-            _Pragma("GCC unroll 6") for (int k = 0; k < M; ++k)
-                acc[k][v & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + k * in + 8 * v), wv, acc[k][v & 1]);
+            wide_fma_avx2(acc, xc, in, v, wv, M);
         }
     }
     for (int k = 0; k < M; ++k) sums[k] = hsum_avx2(_mm256_add_ps(acc[k][0], acc[k][1]));
