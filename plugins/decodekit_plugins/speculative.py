@@ -27,6 +27,7 @@ it is unsure, all verified in one forward (`decodekit_plugins.draft_trees`; docs
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -484,10 +485,12 @@ class SpeculativeStrategy(Strategy):
         """Lossless: the tokens are distributed as the plain strategy's (the processed distribution, or its argmax)."""
         return "deterministic" if params.greedy else "processed"
 
+    def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
+        """Parallel sampling: `n` sequences, each drafting and verifying on its own (`_fork`)."""
+        return params.n
+
     def check_compatible(self, options: BaseModel | None, params: SamplingParams, stages: tuple[Stage, ...]) -> None:
         assert isinstance(options, SpeculativeParams)
-        if params.n > 1:
-            raise ValueError("parallel sampling (n > 1) cannot be combined with speculative decoding")
         proposer = self._proposer(options.proposer)
         # validated once, when the request is planned, and kept with its options; errors name the key where the
         # recipe or request writes it (`strategy: {speculative: {proposer_options: {...}}}`)
@@ -836,6 +839,8 @@ class SpeculativeStrategy(Strategy):
         argmax = logits.argmax(dim=-1).tolist()
         offset = 0
         for seq in seqs:
+            if seq.request.params.n > 1 and seq.num_generated == 0 and len(seq.request.sequences) == 1:
+                self._fork(ctx, seq, logits[offset], argmax[offset])
             if seq.draft_branches:
                 offset += self._select_tree(ctx, seq, logits[offset : offset + seq.num_scored_positions])
                 continue
@@ -865,6 +870,29 @@ class SpeculativeStrategy(Strategy):
             if draft and seq.request.params.trace is not None:
                 ctx.note(seq, drafts={"proposer": drafted_by})
             self._after_verification(seq, states, valid)
+
+    def _fork(self, ctx: StepContext, seq: Sequence, row: torch.Tensor, argmax: int) -> None:
+        """Parallel sampling (`n > 1`), as the `sample` strategy forks: at its first token the request's sequence is
+        forked into `n` that share the prompt's KV blocks (copy-on-write); sequence `k` is seeded `seed + k` when the
+        request has a seed. Each child takes its first token from the parent's first row (what the parent's own first
+        token is chosen from, before any draft) and from then on drafts and verifies on its own: its proposers learn
+        the prompt as the parent's do (the hidden states of its positions, for those that read them), a draft model
+        catches up on the prompt at the child's first draft, and its adaptive state starts as a copy of the parent's.
+        """
+        params = seq.request.params
+        valid = len(seq.token_ids)
+        states = ctx.hidden_states(seq)
+        children = [ctx.fork(seq, seed=None if params.seed is None else params.seed + k) for k in range(1, params.n)]
+        if seq.greedy:
+            tokens = [argmax] * len(children)
+        else:
+            tokens = select_tokens(row[None].expand(len(children), -1), [c.greedy for c in children],
+                                   [c.generator for c in children]).tolist()
+        for child, token in zip(children, tokens):
+            if ACCEPTANCE in seq.stash:  # the stash's copy is shallow: each sequence adapts on its own
+                child.stash[ACCEPTANCE] = copy.deepcopy(seq.stash[ACCEPTANCE])
+            ctx.append_token(child, token)
+            self._after_verification(child, states, valid)
 
     def _after_verification(self, seq: Sequence, states: Any, valid: int) -> None:
         """Every proposer in use learns `seq`'s verified step: the hidden states of its computed positions (those

@@ -169,7 +169,7 @@ def test_a_plugins_processor_and_proposer_are_in_the_matrix_by_being_registered(
     with_plugin = models.with_plugins(plugin)
     assert any(c.speculation and c.speculation.label == "ngram→echo_matrix" for c in cells)  # chained too
     ran = [cm.run_cell(with_plugin, c, {}) for c in boost if c.speculation and c.speculation.label == "echo_matrix"]
-    assert [o.status for o in ran] == ["Y", "Y", "refused"]  # greedy, seeded; n = 2 refused by speculative
+    assert [o.status for o in ran] == ["Y", "Y", "Y"]  # greedy, seeded, n = 2
 
 
 def test_a_control_lost_under_speculation_fails_its_cell(models):
@@ -214,6 +214,35 @@ def test_speculative_sampling_under_processors_draws_the_targets_two_token_distr
     assert drafted > 0
     expected = _two_token_distribution(models, prompt, SamplingParams(**control), allowed)
     assert p_value(counts.flatten(), expected.flatten()) > ALPHA
+
+
+def test_parallel_sampling_under_speculation_draws_every_sequences_tokens_from_the_target_distribution(models):
+    """Chi-square as above, for seeded requests with n = 2 under the draft model: the fork (which takes its first
+    token from its parent's row and then drafts on its own) and the parent each draw the target's two-token
+    distribution."""
+    allowed = [40, 41, 42, 43]
+    control = {"processors": [{"allowed_token_ids": {"token_ids": allowed}},
+                              {"repetition_penalty": {"penalty": 2.0}}], "temperature": 1.5}
+    prompt = [40, 41, 42, 43, 40, 41, 42, 43, 40]
+    harness = models.harness("main")
+    draws = 750
+    spec = cm.Speculation("speculative", "draft")
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, seed=20_000 + i, n=2, **control,
+                             strategy=cm.strategy_spec(spec, models, k=2)) for i in range(draws)]
+    counts = [torch.zeros(len(allowed), len(allowed)) for _ in range(2)]
+    drafted = 0
+    with torch.inference_mode(False):
+        for start in range(0, draws, 250):
+            outs = harness.generate([prompt] * len(params[start:start + 250]), params[start:start + 250], "chi-square")
+            for out in outs:
+                for k, completion in enumerate(out.outputs):
+                    a, b = completion.token_ids[:2]
+                    counts[k][allowed.index(a), allowed.index(b)] += 1
+                drafted += out.metrics.num_draft_tokens
+    assert drafted > draws  # both sequences of most requests verified a draft
+    expected = _two_token_distribution(models, prompt, SamplingParams(**control), allowed)
+    for k in range(2):
+        assert p_value(counts[k].flatten(), expected.flatten()) > ALPHA
 
 
 def _two_token_distribution(models: cm.MatrixModels, prompt: list[int], params: SamplingParams,

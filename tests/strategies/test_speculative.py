@@ -278,11 +278,50 @@ def test_sampled_acceptance_rule_draws_from_the_target_distribution(with_draft_d
     assert chi2 < 20.5  # 5 degrees of freedom, p = 0.001
 
 
-def test_speculative_refuses_parallel_sampling_and_a_missing_draft_model(llama, tokenizer):
+def test_speculative_refuses_a_draft_proposer_without_a_draft_model_and_serves_the_others(llama, tokenizer):
     llm = LLM(llama, tokenizer, kv_cache_memory="16MiB")
     outs = llm.generate([[5, 6, 7]] * 2, [_spec("ngram", n=2, max_tokens=4), _spec("draft", max_tokens=4)])
-    assert "parallel sampling (n > 1) cannot be combined" in outs[0].error
+    assert outs[0].error is None and len(outs[0].outputs) == 2
     assert "needs a draft model" in outs[1].error
+
+
+def _drafted_per_sequence(out) -> list[int]:
+    return [sum(1 for e in c.trace if "drafts" in e) for c in out.outputs]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_parallel_greedy_sequences_under_speculation_each_draft_and_equal_plain_greedy(llama, tokenizer, proposer):
+    """n > 1 under speculation: every sequence drafts and verifies on its own, and greedy forks are lossless."""
+    llm = LLM(llama, tokenizer, draft=tiny_model("qwen2", seed=3), kv_cache_memory="16MiB", block_size=4)
+    prompts = _repetitive_prompts(3, seed=4)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    spec = llm.generate(prompts, _spec(proposer, 3, max_tokens=16, temperature=0, ignore_eos=True, n=3, trace=1))
+    for p_out, s_out in zip(plain, spec):
+        assert [c.token_ids for c in s_out.outputs] == [p_out.token_ids] * 3
+        assert all(d > 0 for d in _drafted_per_sequence(s_out))  # the forks drafted too, not only the first
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
+    draft = llm.engine.components.get("proposers", "draft").model
+    if draft is not None:
+        assert draft.allocator.num_free_blocks == draft.allocator.num_blocks  # every fork's draft blocks freed
+
+
+@pytest.mark.parametrize("proposer", ["draft", "suffix"])
+def test_seeded_parallel_sampling_under_speculation_is_the_same_alone_and_batched(llama, tokenizer, proposer):
+    """Each of a seeded request's n sequences draws its own tokens (seed + k, as without speculation), drafts on
+    its own, and gives the same tokens alone as batched beside other requests."""
+    llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
+    prompts = _repetitive_prompts(3, seed=6)
+    params = _spec(proposer, 3, max_tokens=14, temperature=0.9, seed=21, ignore_eos=True, n=3, trace=1)
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    batched = llm.generate([*prompts, prompts[0]], [params] * 3 + [SamplingParams(max_tokens=9, temperature=1.0,
+                                                                                  seed=2, n=2)])[:3]
+    for a, b in zip(alone, batched):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert len({tuple(c.token_ids) for c in a.outputs}) == 3  # three different samples
+        if proposer == "draft":  # the target as its own draft: every sampled draft token is accepted
+            assert all(d > 0 for d in _drafted_per_sequence(a))
+            assert a.metrics.num_accepted_tokens == a.metrics.num_draft_tokens > 0
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
