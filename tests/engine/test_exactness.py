@@ -11,7 +11,8 @@ import copy
 import functools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+import torch
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
@@ -91,10 +92,30 @@ def _tiny(arch: str):
     return tiny_model(arch)
 
 
-# derandomized: a fresh CI clone drew a failing case on 2026-12-03 that fails before that session's changes too
-# (qwen3, forward="transformers", block_size=1, budget=16, one 50-token prompt, seed=404: token 5 differs, 267 against
-# transformers' 20); it is recorded in the stop's note for a session to look into, not hidden by this setting, which
-# keeps CI's outcome the same from run to run
+TIE = 1e-5
+"""Two logits this close (relative to the logits' scale) are a tie in float32: the engine's summation order (prompt
+chunks, block size) may pick either, as transformers' own would under another batch shape."""
+
+
+def _assert_greedy_equal_or_tied(arch: str, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """The engine's greedy tokens are transformers' or, from the first position they differ, the two tokens were tied
+    in transformers' own logits there (after which the continuations legitimately differ)."""
+    if got == want:
+        return
+    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert i < min(len(got), len(want)), f"prompt of {len(prompt)} tokens: {len(got)} tokens against {len(want)}"
+    with torch.no_grad():
+        logits = _tiny(arch)(torch.tensor([[*prompt, *want[:i]]])).logits[0, -1].float()
+    gap = float(logits[want[i]] - logits[got[i]])
+    assert gap <= TIE * max(1.0, float(logits.abs().max())), (
+        f"prompt of {len(prompt)} tokens differs at token {i}: {got[i]} against {want[i]}, {gap:.3g} below it")
+
+
+# derandomized, so CI's outcome does not depend on the draw; the case a fresh draw found on 2026-12-03 (qwen3, the
+# transformers forward, a 50-token prompt prefilled in 16-token chunks: token 4 is 267 against transformers' 20) is a
+# tie (log-probabilities -3.366834 and -3.366835), kept as an example
+@example(arch="qwen3", forward="transformers", block_size=1, budget=16, max_num_seqs=1, kv_memory="1MiB", lengths=[50],
+         max_tokens=5, speculate=0, seed=404)
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(arch=st.sampled_from(["llama", "qwen3"]), forward=st.sampled_from(["transformers", "native", "torch-ops"]),
        block_size=st.sampled_from([1, 3, 4, 16]), budget=st.sampled_from([16, 33, 2048]),
@@ -113,4 +134,4 @@ def test_greedy_equals_transformers_under_any_engine_configuration(arch, forward
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, strategy=strategy))
     for prompt, out in zip(prompts, outs):
         assert out.error is None
-        assert out.token_ids == _reference(arch, tuple(prompt), max_tokens), f"prompt of {len(prompt)} tokens differs"
+        _assert_greedy_equal_or_tied(arch, prompt, out.token_ids, _reference(arch, tuple(prompt), max_tokens))
