@@ -234,6 +234,13 @@ def test_beam_search_and_speculative_decoding_through_extra_body(client, served,
     assert fast.metrics.num_draft_tokens > 0
     assert grew("decodekit_spec_decode_draft_tokens_total") == fast.metrics.num_draft_tokens
     assert grew("decodekit_spec_decode_accepted_tokens_total") == fast.metrics.num_accepted_tokens
+    # n > 1 under speculation: each choice drafts on its own, seeded, as the engine gives it offline
+    many = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, n=3, temperature=1.0, seed=8,
+                                     extra_body={"strategy": spec, "ignore_eos": True})
+    sampled = {"max_tokens": 12, "n": 3, "temperature": 1.0, "seed": 8, "ignore_eos": True, "strategy": spec}
+    want = offline.generate(prompt, recipe.params_for(sampled))[0]
+    assert [(c.index, c.text) for c in many.choices] == [(o.index, o.text) for o in want.outputs]
+    assert len({c.text for c in many.choices}) == 3
 
 
 def test_decodekits_own_fields_and_openais_penalties_reach_the_engine(client, offline, recipe):
