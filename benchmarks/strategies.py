@@ -88,11 +88,14 @@ def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
 
 def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None] | None = None,
                batches: tuple[int, ...] = (1, 8, 32), max_tokens_cap: int = 0,
-               keep_outputs: bool = False) -> list[dict[str, Any]]:
+               keep_outputs: bool = False, sample_n: int = 0) -> list[dict[str, Any]]:
     """Every configuration against plain decoding, per prompt set and batch size, interleaved (plain, then each
-    configuration, repeated), greedy. Prints and returns one row per (set, batch, configuration): median tokens/s,
-    the median of the per-repeat ratios to plain, acceptance per proposer, and whether the output equalled plain's.
-    Before each timed run the suffix proposer forgets the outputs it saw, unless `keep_outputs`.
+    configuration, repeated), greedy. Prints and returns one row per (set, batch, configuration): median tokens/s
+    (every sequence's tokens), the median of the per-repeat ratios to plain, acceptance per proposer, and whether
+    the output equalled plain's. Before each timed run the suffix proposer forgets the outputs it saw, unless
+    `keep_outputs`. With `sample_n`, each request is parallel sampling instead: `n = sample_n` seeded samples at
+    temperature SAMPLE_TEMPERATURE (the batch counts requests; speculation draws other random numbers than plain
+    decoding, so its samples differ from plain's and "same as plain" is not asked).
     """
     configs = configs or SPEC_CONFIGS
     rows = []
@@ -109,7 +112,9 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
 
             def run(strategy: dict[str, Any] | None, batch: int = batch, batch_prompts: list[str] = batch_prompts,
                     max_tokens: int = max_tokens) -> list[Any]:
-                params = SamplingParams(temperature=0, max_tokens=max_tokens,
+                sampling = {"temperature": SAMPLE_TEMPERATURE, "seed": 0, "n": sample_n} if sample_n else {
+                    "temperature": 0}
+                params = SamplingParams(max_tokens=max_tokens, **sampling,
                                         **({"strategy": {"speculative": strategy}} if strategy else {}))
                 if batch == 1:
                     return [llm.generate([q], params, add_special_tokens=False)[0] for q in batch_prompts]
@@ -124,10 +129,10 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
                     if not keep_outputs:  # a repeat would draft the previous one's answer (Proposer.forget_outputs)
                         forget_outputs(llm)
                     elapsed, outs = _timed(lambda s=strategy: run(s))
-                    rates[name].append(sum(len(o.token_ids) for o in outs) / elapsed)
-                    ids = [o.token_ids for o in outs]
+                    rates[name].append(sum(len(c.token_ids) for o in outs for c in o.outputs) / elapsed)
+                    ids = [[c.token_ids for c in o.outputs] for o in outs]
                     reference = ids if strategy is None else reference
-                    same[name] &= ids == reference
+                    same[name] &= ids == reference and not sample_n
                     for out in outs:
                         for proposer, c in out.metrics.proposer_tokens.items():
                             total = counts[name].setdefault(proposer, [0, 0, 0])
@@ -141,12 +146,16 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
                                        for proposer, (a, d, steps) in counts[name].items()) or "-"
                 row = {"prompts": set_name, "batch": batch, "config": name, "tok_s": statistics.median(rates[name]),
                        "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                       "acceptance": acceptance, "same_as_plain": same[name]}
+                       "acceptance": acceptance, "same_as_plain": "n/a (sampled)" if sample_n else same[name]}
                 rows.append(row)
                 print(f"spec {set_name:4} batch {batch:2}: {name:37} {row['tok_s']:6.1f} tok/s  {row['ratio']:.2f}x "
                       f"({row['ratio_min']:.2f}-{row['ratio_max']:.2f})  accepted: {acceptance}  "
-                      f"same as plain: {same[name]}", flush=True)
+                      f"same as plain: {row['same_as_plain']}", flush=True)
     return rows
+
+
+SAMPLE_TEMPERATURE = 0.7
+"""`--sample-n`'s temperature: a chat sampler's usual setting."""
 
 
 def beam_prompts(llm: LLM, num_requests: int) -> list[str]:
@@ -212,6 +221,9 @@ def main() -> None:
                         "(before 2026-11-28 every run did; by default it forgets them before each timed run)")
     parser.add_argument("--draft-quantization", choices=["int8", "bf16"], default="int8",
                         help="the self-draft's weights (the `draft` configurations are named after it)")
+    parser.add_argument("--sample-n", type=int, default=0,
+                        help="`spec` as parallel sampling: each request draws this many seeded samples (n) at "
+                        f"temperature {SAMPLE_TEMPERATURE} instead of one greedy sequence")
     parser.add_argument("--dtype", default="float32",
                         help="the target's dtype (`auto`: the bundled GGUF's blocks as stored, where the "
                         "configurations without a draft model run)")
@@ -232,7 +244,7 @@ def main() -> None:
     print(machine_line(environment(), args.dtype), f"| {llm.engine.model.forward_name}", flush=True)
     if args.which in ("spec", "all"):
         bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")), args.max_tokens,
-                   args.keep_suffix_outputs)
+                   args.keep_suffix_outputs, args.sample_n)
     if args.which in ("beam", "all"):
         bench_beam(llm, args.repeats)
 
