@@ -123,8 +123,9 @@ class EngineStepContext:
 
     @property
     def num_running(self) -> int:
-        """Sequences running in the engine this step, of every request and strategy (the batch size)."""
-        return len(self.scheduler.running)
+        """Sequences running in the engine this step, of every request and strategy (the batch size): each
+        unfinished sequence of a request with several (`n > 1`, beams) counts, as each takes its rows in a step."""
+        return sum(1 for request in self.scheduler.running for seq in request.sequences if not seq.finished)
 
     def batch_view(self, seqs: list[Sequence]) -> BatchView:
         """The processors' view of these sequences: one row per scored position (drafts expand a sequence)."""

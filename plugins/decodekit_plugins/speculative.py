@@ -840,7 +840,7 @@ class SpeculativeStrategy(Strategy):
         offset = 0
         for seq in seqs:
             if seq.request.params.n > 1 and seq.num_generated == 0 and len(seq.request.sequences) == 1:
-                self._fork(ctx, seq, logits[offset], argmax[offset])
+                self._fork(ctx, seq, logits[offset])
             if seq.draft_branches:
                 offset += self._select_tree(ctx, seq, logits[offset : offset + seq.num_scored_positions])
                 continue
@@ -871,7 +871,7 @@ class SpeculativeStrategy(Strategy):
                 ctx.note(seq, drafts={"proposer": drafted_by})
             self._after_verification(seq, states, valid)
 
-    def _fork(self, ctx: StepContext, seq: Sequence, row: torch.Tensor, argmax: int) -> None:
+    def _fork(self, ctx: StepContext, seq: Sequence, row: torch.Tensor) -> None:
         """Parallel sampling (`n > 1`), as the `sample` strategy forks: at its first token the request's sequence is
         forked into `n` that share the prompt's KV blocks (copy-on-write); sequence `k` is seeded `seed + k` when the
         request has a seed. Each child takes its first token from the parent's first row (what the parent's own first
@@ -883,11 +883,8 @@ class SpeculativeStrategy(Strategy):
         valid = len(seq.token_ids)
         states = ctx.hidden_states(seq)
         children = [ctx.fork(seq, seed=None if params.seed is None else params.seed + k) for k in range(1, params.n)]
-        if seq.greedy:
-            tokens = [argmax] * len(children)
-        else:
-            tokens = select_tokens(row[None].expand(len(children), -1), [c.greedy for c in children],
-                                   [c.generator for c in children]).tolist()
+        tokens = select_tokens(row[None].expand(len(children), -1), [c.greedy for c in children],
+                               [c.generator for c in children]).tolist()
         for child, token in zip(children, tokens):
             if ACCEPTANCE in seq.stash:  # the stash's copy is shallow: each sequence adapts on its own
                 child.stash[ACCEPTANCE] = copy.deepcopy(seq.stash[ACCEPTANCE])

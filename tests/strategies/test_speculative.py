@@ -386,6 +386,29 @@ def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
     assert "strategy.speculative.proposer_options: takes no parameters, got ['times']" in bad[3].error
 
 
+def test_the_batch_size_proposers_and_the_chooser_see_counts_every_running_sequence(llama, tokenizer):
+    """`StepContext.num_running` is the batch in sequences: a request with n = 3 and a beam search of 2 beams beside
+    a plain request make 6, not 3 requests (the cost chooser sizes each step's rows by it)."""
+    from decodekit.api.proposer import Proposer
+
+    seen: list[int] = []
+
+    class Recording(Proposer):
+        name = "recording"
+
+        def propose(self, ctx, seqs, ks, options):
+            seen.append(ctx.num_running)
+            return [[] for _ in seqs], [None] * len(seqs)
+
+    llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", plugin_manager=_with_proposer(Recording))
+    prompts = random_prompts(3, 6, 7, seed=2)
+    outs = llm.generate(prompts, [_spec("recording", 2, n=3, temperature=0.8, seed=1, max_tokens=4, ignore_eos=True),
+                           SamplingParams(max_tokens=4, strategy={"beam_search": {"num_beams": 2}}),
+                           SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert [o.error for o in outs] == [None] * 3
+    assert seen and max(seen) == 3 + 2 + 1
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_proposer_that_reads_hidden_states_sees_every_final_position_once_as_transformers_computes_it(
         tokenizer, fused):
