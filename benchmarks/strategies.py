@@ -88,14 +88,15 @@ def spec_prompt_sets(llm: LLM) -> dict[str, tuple[list[str], int]]:
 
 def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None] | None = None,
                batches: tuple[int, ...] = (1, 8, 32), max_tokens_cap: int = 0,
-               keep_outputs: bool = False, sample_n: int = 0) -> list[dict[str, Any]]:
+               keep_outputs: bool = False, sample_n: int = 0, seeded: bool = False) -> list[dict[str, Any]]:
     """Every configuration against plain decoding, per prompt set and batch size, interleaved (plain, then each
     configuration, repeated), greedy. Prints and returns one row per (set, batch, configuration): median tokens/s
     (every sequence's tokens), the median of the per-repeat ratios to plain, acceptance per proposer, and whether
     the output equalled plain's. Before each timed run the suffix proposer forgets the outputs it saw, unless
-    `keep_outputs`. With `sample_n`, each request is parallel sampling instead: `n = sample_n` seeded samples at
-    temperature SAMPLE_TEMPERATURE (the batch counts requests; speculation draws other random numbers than plain
-    decoding, so its samples differ from plain's and "same as plain" is not asked).
+    `keep_outputs`. With `sample_n`, each request is parallel sampling instead: `n = sample_n` samples at
+    temperature SAMPLE_TEMPERATURE, unseeded (a server's usual request) or, with `seeded`, seeded (such a request
+    chooses its draft lengths as if it ran alone, so that its output does not depend on the batch); the batch counts
+    requests; speculation draws other random numbers than plain decoding, so "same as plain" is not asked.
     """
     configs = configs or SPEC_CONFIGS
     rows = []
@@ -112,8 +113,9 @@ def bench_spec(llm: LLM, repeats: int, configs: dict[str, dict[str, Any] | None]
 
             def run(strategy: dict[str, Any] | None, batch: int = batch, batch_prompts: list[str] = batch_prompts,
                     max_tokens: int = max_tokens) -> list[Any]:
-                sampling = {"temperature": SAMPLE_TEMPERATURE, "seed": 0, "n": sample_n} if sample_n else {
-                    "temperature": 0}
+                sampling: dict[str, Any] = {"temperature": 0}
+                if sample_n:
+                    sampling = {"temperature": SAMPLE_TEMPERATURE, "seed": 0 if seeded else None, "n": sample_n}
                 params = SamplingParams(max_tokens=max_tokens, **sampling,
                                         **({"strategy": {"speculative": strategy}} if strategy else {}))
                 if batch == 1:
@@ -222,8 +224,9 @@ def main() -> None:
     parser.add_argument("--draft-quantization", choices=["int8", "bf16"], default="int8",
                         help="the self-draft's weights (the `draft` configurations are named after it)")
     parser.add_argument("--sample-n", type=int, default=0,
-                        help="`spec` as parallel sampling: each request draws this many seeded samples (n) at "
+                        help="`spec` as parallel sampling: each request draws this many samples (n) at "
                         f"temperature {SAMPLE_TEMPERATURE} instead of one greedy sequence")
+    parser.add_argument("--seeded", action="store_true", help="with --sample-n: seeded requests")
     parser.add_argument("--dtype", default="float32",
                         help="the target's dtype (`auto`: the bundled GGUF's blocks as stored, where the "
                         "configurations without a draft model run)")
@@ -244,7 +247,7 @@ def main() -> None:
     print(machine_line(environment(), args.dtype), f"| {llm.engine.model.forward_name}", flush=True)
     if args.which in ("spec", "all"):
         bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")), args.max_tokens,
-                   args.keep_suffix_outputs, args.sample_n)
+                   args.keep_suffix_outputs, args.sample_n, args.seeded)
     if args.which in ("beam", "all"):
         bench_beam(llm, args.repeats)
 
