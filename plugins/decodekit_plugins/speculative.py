@@ -367,6 +367,7 @@ _K = StashKey[int]()  # a sequence's current number of draft tokens (adaptive k)
 _Q = StashKey["torch.Tensor | None"]()  # the probabilities the sequence's draft was sampled from (None: deterministic)
 _TREE = StashKey[DraftTree]()  # the draft tree the sequence's branches came from (its tokens' distributions)
 _BY = StashKey[str]()  # the proposer that drafted the sequence's current draft (with a fallback, either link)
+_RELEASED = StashKey[bool]()  # a finished sequence of a request that runs on (n > 1): its proposers' state is freed
 _MISSES = StashKey[int]()  # asks in a row its chain drafted nothing for; NOT_ASKED: this step's k was 0
 NOT_ASKED = -1
 MAX_RUN_STEPS = 1 << 16  # "as plain decoding does": the engine's `decode_run_steps` bounds every run
@@ -522,6 +523,7 @@ class SpeculativeStrategy(Strategy):
         if self._resolve_shadows(seqs):  # a shadow draft wholly accepted: a batch switched off is chosen for again
             for off in self.off_switches.values():
                 off.release()
+        self._release_finished_forks(seqs)
         ks, shapes, limits, answer_first, shadowing = self._lengths(ctx, seqs)
         self._ask_shadows(ctx, seqs, ks, limits, shadowing)
         first = {i for group in answer_first for i in group.indices}
@@ -554,6 +556,17 @@ class SpeculativeStrategy(Strategy):
                 if id(seq) not in asked_ids:
                     seq.stash[_MISSES] = NOT_ASKED
         self._propose_seconds = time.perf_counter() - started
+
+    def _release_finished_forks(self, seqs: list[Sequence]) -> None:
+        """A sequence that finished while its request's others run on (`n > 1`) gives back what the proposers
+        keep for it (a draft model's KV blocks, a suffix index) now, not when the whole request ends."""
+        requests = {id(seq.request): seq.request for seq in seqs if len(seq.request.sequences) > 1}
+        for request in requests.values():
+            for seq in request.sequences:
+                if seq.finished and not seq.stash.get(_RELEASED, False):
+                    seq.stash[_RELEASED] = True
+                    for proposer in self.proposers.values():
+                        proposer.release(seq)
 
     def _lengths(self, ctx: StepContext, seqs: list[Sequence]
                  ) -> tuple[list[int], dict[int, TreeShape | None], list[int], list[_AnswerFirst],
@@ -941,4 +954,5 @@ class SpeculativeStrategy(Strategy):
     def on_request_finished(self, request: Request) -> None:
         for proposer in self.proposers.values():
             for seq in request.sequences:
-                proposer.release(seq)
+                if not seq.stash.get(_RELEASED, False):
+                    proposer.release(seq)

@@ -386,6 +386,30 @@ def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
     assert "strategy.speculative.proposer_options: takes no parameters, got ['times']" in bad[3].error
 
 
+def test_a_fork_that_finishes_first_frees_its_draft_blocks_while_the_others_run_on(llama, tokenizer):
+    """n > 1: a sequence that stops before its request's others gives its draft model's blocks back at the next
+    step, not when the request ends; every block is back at the end."""
+    llm = LLM(llama, tokenizer, draft=llama, kv_cache_memory="16MiB", block_size=4)
+    engine = llm.engine
+    params = _spec("draft", 3, n=4, temperature=1.0, seed=3, max_tokens=40, stop_token_ids=list(range(3, 80)))
+    request = engine.add_request(_repetitive_prompts(1, seed=3)[0], params)
+    draft = engine.components.get("proposers", "draft")
+    finished_before: set[int] = set()
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if request.finished:
+            break
+        for seq in request.sequences:
+            if seq.seq_id in finished_before:  # finished a step ago or more, its request still running
+                assert not draft.model.allocator.has(seq.seq_id)
+                checked += 1
+        finished_before |= {seq.seq_id for seq in request.sequences if seq.finished}
+    lengths = sorted(len(seq.generated_ids) for seq in request.sequences)
+    assert checked > 0 and lengths[0] < lengths[-1]
+    assert draft.model.allocator.num_free_blocks == draft.model.allocator.num_blocks
+
+
 def test_the_batch_size_proposers_and_the_chooser_see_counts_every_running_sequence(llama, tokenizer):
     """`StepContext.num_running` is the batch in sequences: a request with n = 3 and a beam search of 2 beams beside
     a plain request make 6, not 3 requests (the cost chooser sizes each step's rows by it)."""
