@@ -188,6 +188,14 @@ class BlindSpeculative(SpeculativeStrategy):
 
     name = "blind_speculative"
 
+    def check_compatible(self, options, params, stages) -> None:
+        if params.n > 1:  # it keeps one sequence a request (the kit then skips its n > 1 kind)
+            raise ValueError("blind_speculative runs one sequence a request")
+        super().check_compatible(options, params, stages)
+
+    def num_sequences(self, options, params) -> int:
+        return 1
+
     def select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
         argmax = logits.argmax(dim=-1).tolist()
         offset = 0
@@ -288,4 +296,4 @@ def test_a_component_given_as_a_class_or_instance_is_registered_by_the_kit():
                             params=[{"temperature": 0.0}])
     assert report.requests > 0
     with pytest.raises(ConformanceError, match="refused every kind of request"):
-        check_strategy("speculative", params=[{"temperature": 0.8, "seed": 1, "n": 2}])
+        check_strategy("contrastive_search", params=[{"temperature": 0.8, "seed": 1, "n": 2}])
