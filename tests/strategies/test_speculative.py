@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
@@ -384,6 +385,45 @@ def test_a_third_party_proposer_plugin_is_used_by_name(llama, tokenizer):
     assert ("strategy.speculative.proposer_options.prompt_lookup_mx: unknown key 'prompt_lookup_mx' (did you mean "
             "'prompt_lookup_max'?); known keys: prompt_lookup_min, prompt_lookup_max") in bad[2].error
     assert "strategy.speculative.proposer_options: takes no parameters, got ['times']" in bad[3].error
+
+
+@functools.cache
+def _parallel_engine() -> LLM:
+    """One engine for the property below: a tiny Llama target with a Qwen2 draft (built once)."""
+    from decodekit.models.tiny import tiny_tokenizer
+
+    return LLM(tiny_model("llama"), tiny_tokenizer(), draft=tiny_model("qwen2", seed=3), kv_cache_memory="16MiB",
+               block_size=4)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 4), proposer=st.sampled_from(["ngram", "suffix", "draft"]), greedy=st.booleans(),
+       k=st.sampled_from([None, 1, 3]), others=st.integers(0, 3), seed=st.integers(0, 10_000),
+       repetitive=st.booleans())
+def test_parallel_sampling_under_speculation_is_plain_greedy_and_the_same_alone_or_batched(
+        n, proposer, greedy, k, others, seed, repetitive):
+    """Any n, proposer and draft length (fixed or adapted): greedy forks equal plain greedy; seeded forks give the
+    same tokens alone and beside other requests (plain, sampled, speculative); every block is back afterwards."""
+    llm = _parallel_engine()
+    prompt = random_prompts(1, 5, 12, seed=seed)[0]
+    prompt = (prompt * 4)[:28] if repetitive else prompt
+    strategy = {"speculative": {"proposer": proposer, **({"num_speculative_tokens": k} if k else {})}}
+    params = SamplingParams(n=n, max_tokens=10, ignore_eos=True, temperature=0 if greedy else 0.9, seed=seed,
+                            strategy=strategy)
+    alone = llm.generate([prompt], params)[0]
+    neighbours = random_prompts(others, 4, 20, seed=seed + 1)
+    kinds = [SamplingParams(max_tokens=7), SamplingParams(temperature=1.0, seed=seed + 2, max_tokens=9, n=2),
+             SamplingParams(temperature=0, max_tokens=8, strategy={"speculative": {"proposer": "ngram"}})]
+    batched = llm.generate([*neighbours, prompt], [kinds[i % 3] for i in range(others)] + [params])[-1]
+    assert len(alone.outputs) == n
+    assert [c.token_ids for c in batched.outputs] == [c.token_ids for c in alone.outputs]
+    if greedy:
+        plain = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, temperature=0))[0]
+        assert [c.token_ids for c in alone.outputs] == [plain.token_ids] * n
+    allocator = llm.engine.allocator
+    assert allocator.num_free_blocks == allocator.num_blocks
+    draft = llm.engine.components.get("proposers", "draft").model
+    assert draft is None or draft.allocator.num_free_blocks == draft.allocator.num_blocks
 
 
 def test_a_fork_that_finishes_first_frees_its_draft_blocks_while_the_others_run_on(llama, tokenizer):
