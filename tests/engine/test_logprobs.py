@@ -113,6 +113,26 @@ def test_speculative_decoding_returns_the_logprobs_of_plain_decoding(llm, propos
                        for t in ea)
 
 
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_parallel_greedy_sequences_under_speculation_return_plain_decodings_logprobs(llm, mode):
+    """n > 1 under speculation: each fork's tokens come from its own verified rows (several a step, the target as
+    its own draft), and its logprobs are plain decoding's, the first token's (from the parent's row) included."""
+    prompt = (random_prompts(1, 4, 9, seed=27)[0] * 4)[:30]
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, logprobs_mode=mode,
+                processors=[{"repetition_penalty": {"penalty": 1.1}}])
+    plain = llm.generate([prompt], SamplingParams(**base))[0].outputs[0]
+    spec = llm.generate([prompt], SamplingParams(**base, n=3, strategy={"speculative": {
+        "proposer": "draft", "num_speculative_tokens": 3}}))[0]
+    assert spec.metrics.num_accepted_tokens == spec.metrics.num_draft_tokens > 0
+    assert len(spec.outputs) == 3
+    for out in spec.outputs:
+        assert out.token_ids == plain.token_ids and len(out.logprobs) == len(plain.logprobs)
+        for ea, eb in zip(plain.logprobs, out.logprobs):
+            assert ea.keys() == eb.keys()
+            assert all(math.isclose(ea[t].logprob, eb[t].logprob, abs_tol=TOL) and ea[t].rank == eb[t].rank
+                       for t in ea)
+
+
 def test_parallel_sampling_gives_each_sequence_its_own_logprobs_equal_to_its_solo_draws(llm):
     prompt = random_prompts(1, 4, 10, seed=25)[0]
     params = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=5, ignore_eos=True, logprobs=1)
