@@ -241,6 +241,12 @@ def test_beam_search_and_speculative_decoding_through_extra_body(client, served,
     want = offline.generate(prompt, recipe.params_for(sampled))[0]
     assert [(c.index, c.text) for c in many.choices] == [(o.index, o.text) for o in want.outputs]
     assert len({c.text for c in many.choices}) == 3
+    streamed: dict[int, str] = {}  # several tokens a step per choice, each choice's deltas in order
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=12, n=3, temperature=1.0, seed=8,
+                                           stream=True, extra_body={"strategy": spec, "ignore_eos": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in sorted(streamed)] == [o.text for o in want.outputs]
 
 
 def test_decodekits_own_fields_and_openais_penalties_reach_the_engine(client, offline, recipe):
