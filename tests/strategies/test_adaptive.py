@@ -398,7 +398,11 @@ def test_a_text_that_turns_copyable_turns_speculation_back_on_by_shadow_drafts(l
     # find it, and after the wrong ones found nothing they wait twice as long each time
     prompts = random_prompts(batch, 6, 7, seed=12)
     greedy = {"max_tokens": 128, "temperature": 0, "ignore_eos": True}
-    strategy = {"speculative": {"proposer": "turncoat"}}
+    strategy = {"speculative": {"proposer": "turncoat", "cost_model": "default"}}
+    # the choices by the default curve alone, not by this machine's step timings (which the suite's load moves:
+    # probes alone found the copyable text at once in some runs and after ~100 tokens in others)
+    for timed in ("_calibrate", "_measure", "ran_natively", "_record_host_cost"):
+        monkeypatch.setattr(speculative.SpeculativeStrategy, timed, lambda *args: None)
 
     def accepted(shadows: bool) -> list[int]:
         monkeypatch.setattr(speculative, "SHADOW_GAP", SHADOW_GAP if shadows else 10**6)
@@ -411,8 +415,8 @@ def test_a_text_that_turns_copyable_turns_speculation_back_on_by_shadow_drafts(l
         return [o.metrics.proposer_tokens.get("turncoat", {}).get("accepted", 0) for o in spec]
 
     with_shadows = accepted(True)
-    # a good share of the 64 tokens from token 64 on (52-56 on a quiet 2-core Zen 3, 23 at batch 1 under the whole
-    # suite's load: how far drafting pays is the machine's steps' to say), and more than probes alone find
-    assert all(n >= 16 for n in with_shadows), with_shadows
+    # most of the 64 tokens from token 64 on (52 at batch 1, 50 each at batch 4, by the default curve), and more
+    # than probes alone find (6; 3-8)
+    assert all(n >= 32 for n in with_shadows), with_shadows
     without = accepted(False)
     assert sum(without) < sum(with_shadows), (without, with_shadows)
