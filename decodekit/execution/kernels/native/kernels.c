@@ -1485,15 +1485,15 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
  * one fused multiply-add where the CPU has FMA (`gemv_fma8`/`gemv_fmaf`), else a multiply and an add. */
 /* Rows up to which a step's float32 products run here rather than on torch's prepacked oneDNN weights (more rows
  * than that take the fused decoder's per-layer path). On a 2-core Zen 3 (AVX2) the whole float32 forward of
- * SmolLM2 by rows (benchmarks/step_curve.py, the two limits one after the other): 9 rows 40.8 against 44.7 ms, 10
- * rows 42.5 against 47.8, 12 rows 48.6 against 50.3, 16 rows 65.0 against 58.5 (8 rows 36.7 and 38.2): the groups of
- * two rows that re-read each weight row from L1 cost about a row's share each, which oneDNN's blocked products beat
- * from ~12 rows. A batch of 8 whose speculation adds a few verification rows, or a batch-1 draft of 8-10 tokens,
- * stays here. AVX-512's groups of 8 rows were not measured past 8 rows: 8 there. */
+ * SmolLM2 by rows (benchmarks/step_curve.py, the two limits one after the other) with this build's one-pass tiles of 6
+ * rows: 12 rows 45.7 against 53.4 ms, 14 rows 57.7 against 58.1, 16 rows 63.5 against 61.8 (with the groups of two
+ * rows before them, oneDNN's blocked products won from 12 rows). A batch of 8 whose speculation adds a few
+ * verification rows, or a batch-1 draft of 8-11 tokens, stays here. AVX-512's groups of 8 rows were not measured
+ * past 8 rows: 8 there. */
 #if defined(__AVX512F__)
 #define GEMV_MAX_ROWS 8
 #else
-#define GEMV_MAX_ROWS 11
+#define GEMV_MAX_ROWS 12
 #endif
 #ifndef GEMV_PREFETCH_ROW
 #define GEMV_PREFETCH_ROW 1024
@@ -1530,9 +1530,9 @@ static inline float gemv_fmaf(float a, float b, float c) { return c + a * b; }
 
 static inline float sum8(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
-/* Row-major: 16 columns of the inputs at a time (one zmm on AVX-512, two ymm elsewhere: the same sums lane for
- * lane), two accumulators per row (inputs i and i + 16 of each 32), reduced in a fixed order. */
 #if defined(__AVX512F__)
+/* Row-major on AVX-512: 16 columns of the inputs at a time (one zmm), two accumulators per row (inputs i and i + 16
+ * of each 32), reduced in a fixed order. */
 typedef __m512 gv16;
 static inline gv16 gv_zero(void) { return _mm512_setzero_ps(); }
 static inline gv16 gv_load(const float* p) { return _mm512_loadu_ps(p); }
@@ -1543,42 +1543,16 @@ static inline void gv_store(float* p, gv16 v) { _mm512_storeu_ps(p, v); }
 #ifndef GEMV_ROW_GROUP
 #define GEMV_ROW_GROUP 8
 #endif
-#else
-typedef struct { v8f lo, hi; } gv16;
-static inline gv16 gv_zero(void) { gv16 v = {splat8(0.0f), splat8(0.0f)}; return v; }
-static inline gv16 gv_load(const float* p) { gv16 v = {load8(p), load8(p + 8)}; return v; }
-static inline gv16 gv_fma(gv16 a, gv16 b, gv16 c) {
-    gv16 v = {gemv_fma8(a.lo, b.lo, c.lo), gemv_fma8(a.hi, b.hi, c.hi)};
-    return v;
-}
-static inline gv16 gv_add(gv16 a, gv16 b) { gv16 v = {a.lo + b.lo, a.hi + b.hi}; return v; }
-static inline void gv_store(float* p, gv16 v) { store8(p, v.lo); store8(p + 8, v.hi); }
-#define GEMV_ROW_GROUP 2  /* 2 x 2 accumulators of two ymm each, and the weights, fit 16 ymm */
-#endif
-
-/* Holds a group's 32 weights in registers for all its rows. On AVX2 GCC otherwise folded each weight load into every
- * row's multiply-add, loading the weights once per row: 16 loads per 8 multiply-adds at 2 rows, which bound the
- * loop by the two load ports (a float32 product of 8 rows in cache took 5.7x one row's time on a 2-core Zen 3; now
- * 12 loads). The same sums in the same order. AVX-512 (untried there) is left as it was. */
-#if !defined(__AVX512F__) && defined(__x86_64__) && defined(__GNUC__) && defined(__AVX__)
-#define GV_IN_REGISTERS(a, b) __asm__("" : "+x"(a.lo), "+x"(a.hi), "+x"(b.lo), "+x"(b.hi))
-#else
-#define GV_IN_REGISTERS(a, b) ((void)0)
-#endif
 
 /* The sum of 16 lanes, in a fixed order (halves added, then halves of those): no trip through memory, whose wide
  * store and narrow reloads stalled 8-row products. */
 static inline float gv_sum(gv16 v) {
-#if defined(__AVX512F__)
     __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), upper);
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
     return _mm_cvtss_f32(q);
-#else
-    return sum8(v.lo + v.hi);
-#endif
 }
 
 /* sums[m * stride] = x[m] . wr over `in` inputs for `g` activation rows (a constant where inlined, so the 2g
@@ -1597,7 +1571,6 @@ static inline __attribute__((always_inline)) void gemv_dot_group(const float* x,
             __builtin_prefetch(wr + i + ahead + 16);
         }
         gv16 w0 = gv_load(wr + i), w1 = gv_load(wr + i + 16);
-        GV_IN_REGISTERS(w0, w1);
         for (int m = 0; m < g; ++m) {
             a0[m] = gv_fma(gv_load(x + m * ld + i), w0, a0[m]);
             a1[m] = gv_fma(gv_load(x + m * ld + i + 16), w1, a1[m]);
@@ -1633,21 +1606,94 @@ static void gemv_rows(const float* x, int64_t rows, const float* w, int64_t in, 
 #define GEMV_GROUP(G) gemv_dot_group(xg, in, G, wr, in, pf, yg, out)
             switch (g) {  /* constant sizes: accumulators in registers */
                 case 1: GEMV_GROUP(1); break;
-#if GEMV_ROW_GROUP >= 8
                 case 2: GEMV_GROUP(2); break;
                 case 3: GEMV_GROUP(3); break;
                 case 4: GEMV_GROUP(4); break;
                 case 5: GEMV_GROUP(5); break;
                 case 6: GEMV_GROUP(6); break;
                 case 7: GEMV_GROUP(7); break;
-#endif
                 default: GEMV_GROUP(GEMV_ROW_GROUP); break;
             }
 #undef GEMV_GROUP
         }
     }
 }
+#else
+/* The most activation rows a pass over a weight row dots with it: their two accumulators each and the two weight
+ * vectors fit AVX2's 16 registers. */
+#define GEMV_TILE_ROWS 6
+/* Keeps the weight vector in a register for all the rows: GCC otherwise folds its load into each row's multiply-add,
+ * loading it once per row, and Zen 3's two vector loads a cycle then bound the loop. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__AVX__)
+#define GEMV_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define GEMV_IN_REGISTER(v) ((void)0)
+#endif
 
+/* sums[m * stride] = x[m] . wr for `g` activation rows (a constant where inlined, so the 2g accumulators stay in
+ * registers), each weight vector loaded once for them. Every sum runs in one order whatever g: two 8-lane
+ * accumulators (inputs i..i+7 and i+8..i+15 of each 16; two, so that one row's sums are two chains of multiply-adds,
+ * not one), the 8-wide tail into the first, the two added and their lanes added (`sum8`), then the scalar tail: a
+ * row's result does not depend on the batch. */
+static inline __attribute__((always_inline)) void gemv_tile(const float* x, int64_t ld, int g, const float* wr,
+                                                           int64_t in, int64_t ahead, float* sums, int64_t stride) {
+    v8f acc[GEMV_TILE_ROWS], acc1[GEMV_TILE_ROWS];
+    for (int m = 0; m < g; ++m) acc[m] = acc1[m] = splat8(0.0f);
+    int64_t i = 0;
+    for (; i + 16 <= in; i += 16) {
+        if (ahead) __builtin_prefetch(wr + i + ahead);  /* one prefetch per 64-byte line */
+        v8f wv = load8(wr + i), wv1 = load8(wr + i + 8);
+        if (g > 1) { GEMV_IN_REGISTER(wv); GEMV_IN_REGISTER(wv1); }
+        for (int m = 0; m < g; ++m) {
+            acc[m] = gemv_fma8(load8(x + m * ld + i), wv, acc[m]);
+            acc1[m] = gemv_fma8(load8(x + m * ld + i + 8), wv1, acc1[m]);
+        }
+    }
+    for (; i + 8 <= in; i += 8) {
+        v8f wv = load8(wr + i);
+        for (int m = 0; m < g; ++m) acc[m] = gemv_fma8(load8(x + m * ld + i), wv, acc[m]);
+    }
+    for (int m = 0; m < g; ++m) {
+        float s = sum8(acc[m] + acc1[m]);
+        for (int64_t j = i; j < in; ++j) s = gemv_fmaf(x[m * ld + j], wr[j], s);
+        sums[m * stride] = s;
+    }
+}
+
+/* y[m, o] = x[m] . w[o] for outputs [o0, o1) of a row-major [out, in] weight: one weight row at a time, so each
+ * thread streams its part of the weight front to back as one run, every activation row dotted with each weight vector
+ * while it is in a register (a multiply-add and an activation load a row, the weight load shared), up to
+ * GEMV_TILE_ROWS rows a pass (later passes re-read the weight row from L1). The AVX-512 kernel above keeps two 16-lane
+ * accumulators a row, so on AVX2 it took 2 rows a pass: 12 loads for 8 multiply-adds, which Zen 3's two vector loads
+ * a cycle bound, while the memory stream stood during the later passes. SmolLM2's float32 products on a 2-core Zen 3
+ * (both builds alternating in one process, 15 rounds, the faster prefetch setting of each): 1 and 2 rows the same,
+ * 6 rows 0.88x, 8 rows 0.84x, 11 rows 0.85x the time of those groups. One 8-lane accumulator a row (12 rows a pass)
+ * ran 8 and 11 rows a little faster still, but a single row 1.06x slower: its one chain of multiply-adds. */
+static void gemv_rows(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t o0, int64_t o1,
+                      float* y) {
+    int64_t ahead = GEMV_AHEAD(rows);
+    for (int64_t o = o0; o < o1; ++o) {
+        const float* wr = w + o * in;
+        for (int64_t m0 = 0; m0 < rows; m0 += GEMV_TILE_ROWS) {
+            int64_t g = rows - m0 < GEMV_TILE_ROWS ? rows - m0 : GEMV_TILE_ROWS;
+            const float* xg = x + m0 * in;
+            float* yg = y + m0 * out + o;
+            int64_t pf = m0 == 0 ? ahead : 0;  /* the first pass reads the weight row from memory, later ones L1 */
+#define GEMV_TILE(G) gemv_tile(xg, in, G, wr, in, pf, yg, out)
+            switch (g) {  /* constant sizes: accumulators in registers */
+                case 1: GEMV_TILE(1); break;
+                case 2: GEMV_TILE(2); break;
+                case 3: GEMV_TILE(3); break;
+                case 4: GEMV_TILE(4); break;
+                case 5: GEMV_TILE(5); break;
+                case 6: GEMV_TILE(6); break;
+                default: GEMV_TILE(GEMV_TILE_ROWS); break;
+            }
+#undef GEMV_TILE
+        }
+    }
+}
+#endif
 
 /* The most rows dk_gemv takes in this build (GEMV_MAX_ROWS). */
 int dk_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
