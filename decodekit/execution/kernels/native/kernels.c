@@ -1481,7 +1481,7 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
  * prefetch carries the stream across them).
  *
  * Each output is summed by one thread, in the same order whatever the thread count and however many rows are
- * multiplied together (`gemv_dot_group`): results depend neither on threads nor on the batch. Every step of a sum is
+ * multiplied together (`gemv_pass`): results depend neither on threads nor on the batch. Every step of a sum is
  * one fused multiply-add where the CPU has FMA (`gemv_fma8`/`gemv_fmaf`), else a multiply and an add. */
 /* Rows up to which a step's float32 products run here rather than on torch's prepacked oneDNN weights (more rows
  * than that take the fused decoder's per-layer path). On a 2-core Zen 3 (AVX2) the whole float32 forward of
@@ -1540,8 +1540,8 @@ static inline gv16 gv_fma(gv16 a, gv16 b, gv16 c) { return _mm512_fmadd_ps(a, b,
 static inline gv16 gv_add(gv16 a, gv16 b) { return _mm512_add_ps(a, b); }
 static inline void gv_store(float* p, gv16 v) { _mm512_storeu_ps(p, v); }
 /* rows dotted with one weight row per pass over it (the others re-read it from L1): 8 x 2 accumulators fit 32 zmm */
-#ifndef GEMV_ROW_GROUP
-#define GEMV_ROW_GROUP 8
+#ifndef GEMV_PASS_ROWS
+#define GEMV_PASS_ROWS 8
 #endif
 
 /* The sum of 16 lanes, in a fixed order (halves added, then halves of those): no trip through memory, whose wide
@@ -1559,10 +1559,9 @@ static inline float gv_sum(gv16 v) {
  * accumulators stay in registers), each weight vector loaded once for them; with `ahead`, the weight stream is
  * prefetched that many floats ahead. Each row is summed in the same order whatever g: two accumulators (inputs i and
  * i + 16 of each 32), the 16-wide tail into the first, their lanes added (`gv_sum`), then the scalar tail. */
-static inline __attribute__((always_inline)) void gemv_dot_group(const float* x, int64_t ld, int g, const float* wr,
-                                                                int64_t in, int64_t ahead, float* sums,
-                                                                int64_t stride) {
-    gv16 a0[GEMV_ROW_GROUP], a1[GEMV_ROW_GROUP];
+static inline __attribute__((always_inline)) void gemv_pass(const float* x, int64_t ld, int g, const float* wr,
+                                                           int64_t in, int64_t ahead, float* sums, int64_t stride) {
+    gv16 a0[GEMV_PASS_ROWS], a1[GEMV_PASS_ROWS];
     for (int m = 0; m < g; ++m) a0[m] = a1[m] = gv_zero();
     int64_t i = 0;
     for (; i + 32 <= in; i += 32) {
@@ -1587,41 +1586,10 @@ static inline __attribute__((always_inline)) void gemv_dot_group(const float* x,
     }
 }
 
-/* y[m, o] = x[m] . w[o] for outputs [o0, o1) of a row-major [out, in] weight: one weight row at a time, so each
- * thread streams its rows of the weight front to back as one run (the hardware prefetcher's best case, with a
- * software prefetch ahead of it across pages), every activation row dotted with it while it is in L1 (in groups the
- * registers hold: later groups re-read it from there). Interleaving two weight rows instead (each activation load
- * serving both) was slower at every row count: 4 rows 1.29 against 1.08, 8 rows 1.48 against 1.34 (times of one
- * row; SmolLM2's products, 2-core Zen 5). */
-static void gemv_rows(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t o0, int64_t o1,
-                      float* y) {
-    int64_t ahead = GEMV_AHEAD(rows);
-    for (int64_t o = o0; o < o1; ++o) {
-        const float* wr = w + o * in;
-        for (int64_t m0 = 0; m0 < rows; m0 += GEMV_ROW_GROUP) {
-            int64_t g = rows - m0 < GEMV_ROW_GROUP ? rows - m0 : GEMV_ROW_GROUP;
-            const float* xg = x + m0 * in;
-            float* yg = y + m0 * out + o;
-            int64_t pf = m0 == 0 ? ahead : 0;  /* the first group reads the weight row from memory, later ones L1 */
-#define GEMV_GROUP(G) gemv_dot_group(xg, in, G, wr, in, pf, yg, out)
-            switch (g) {  /* constant sizes: accumulators in registers */
-                case 1: GEMV_GROUP(1); break;
-                case 2: GEMV_GROUP(2); break;
-                case 3: GEMV_GROUP(3); break;
-                case 4: GEMV_GROUP(4); break;
-                case 5: GEMV_GROUP(5); break;
-                case 6: GEMV_GROUP(6); break;
-                case 7: GEMV_GROUP(7); break;
-                default: GEMV_GROUP(GEMV_ROW_GROUP); break;
-            }
-#undef GEMV_GROUP
-        }
-    }
-}
 #else
 /* The most activation rows a pass over a weight row dots with it: their two accumulators each and the two weight
  * vectors fit AVX2's 16 registers. */
-#define GEMV_TILE_ROWS 6
+#define GEMV_PASS_ROWS 6
 /* Keeps the weight vector in a register for all the rows: GCC otherwise folds its load into each row's multiply-add,
  * loading it once per row, and Zen 3's two vector loads a cycle then bound the loop. */
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__AVX__)
@@ -1635,9 +1603,9 @@ static void gemv_rows(const float* x, int64_t rows, const float* w, int64_t in, 
  * accumulators (inputs i..i+7 and i+8..i+15 of each 16; two, so that one row's sums are two chains of multiply-adds,
  * not one), the 8-wide tail into the first, the two added and their lanes added (`sum8`), then the scalar tail: a
  * row's result does not depend on the batch. */
-static inline __attribute__((always_inline)) void gemv_tile(const float* x, int64_t ld, int g, const float* wr,
+static inline __attribute__((always_inline)) void gemv_pass(const float* x, int64_t ld, int g, const float* wr,
                                                            int64_t in, int64_t ahead, float* sums, int64_t stride) {
-    v8f acc[GEMV_TILE_ROWS], acc1[GEMV_TILE_ROWS];
+    v8f acc[GEMV_PASS_ROWS], acc1[GEMV_PASS_ROWS];
     for (int m = 0; m < g; ++m) acc[m] = acc1[m] = splat8(0.0f);
     int64_t i = 0;
     for (; i + 16 <= in; i += 16) {
@@ -1660,40 +1628,50 @@ static inline __attribute__((always_inline)) void gemv_tile(const float* x, int6
     }
 }
 
+#endif
+
 /* y[m, o] = x[m] . w[o] for outputs [o0, o1) of a row-major [out, in] weight: one weight row at a time, so each
- * thread streams its part of the weight front to back as one run, every activation row dotted with each weight vector
- * while it is in a register (a multiply-add and an activation load a row, the weight load shared), up to
- * GEMV_TILE_ROWS rows a pass (later passes re-read the weight row from L1). The AVX-512 kernel above keeps two 16-lane
- * accumulators a row, so on AVX2 it took 2 rows a pass: 12 loads for 8 multiply-adds, which Zen 3's two vector loads
- * a cycle bound, while the memory stream stood during the later passes. SmolLM2's float32 products on a 2-core Zen 3
- * (both builds alternating in one process, 15 rounds, the faster prefetch setting of each): 1 and 2 rows the same,
- * 6 rows 0.88x, 8 rows 0.84x, 11 rows 0.85x the time of those groups. One 8-lane accumulator a row (12 rows a pass)
- * ran 8 and 11 rows a little faster still, but a single row 1.06x slower: its one chain of multiply-adds. */
+ * thread streams its part of the weight front to back as one run (the hardware prefetcher's best case, with a
+ * software prefetch ahead of it across pages), every activation row dotted with each weight vector while it is in a
+ * register (a multiply-add and an activation load a row, the weight load shared), up to GEMV_PASS_ROWS rows a pass
+ * (`gemv_pass`; later passes re-read the weight row from L1). Interleaving two weight rows instead (each activation
+ * load serving both) was slower at every row count: 4 rows 1.29 against 1.08, 8 rows 1.48 against 1.34 (times of one
+ * row; SmolLM2's products, 2-core Zen 5); so were 2-8 weight rows a tile on a 2-core Zen 3 (1-4 activation rows:
+ * 1.05-1.22x), whatever their loads saved: the memory system reads one stream a core fastest.
+ *
+ * AVX2 once took 2 rows a pass in AVX-512's order (four 8-lane accumulators a row): 12 loads for 8 multiply-adds,
+ * which Zen 3's two vector loads a cycle bound, while the memory stream stood during the later passes. With two
+ * accumulators a row and 6 rows a pass, SmolLM2's float32 products on a 2-core Zen 3 (both builds alternating in one
+ * process, 15 rounds, the faster prefetch setting of each): 1 and 2 rows the same, 6 rows 0.88x, 8 rows 0.84x, 11
+ * rows 0.85x the time. One accumulator a row (12 rows a pass) ran 8 and 11 rows a little faster still, but a single
+ * row 1.06x slower: its one chain of multiply-adds. */
 static void gemv_rows(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t o0, int64_t o1,
                       float* y) {
     int64_t ahead = GEMV_AHEAD(rows);
     for (int64_t o = o0; o < o1; ++o) {
         const float* wr = w + o * in;
-        for (int64_t m0 = 0; m0 < rows; m0 += GEMV_TILE_ROWS) {
-            int64_t g = rows - m0 < GEMV_TILE_ROWS ? rows - m0 : GEMV_TILE_ROWS;
+        for (int64_t m0 = 0; m0 < rows; m0 += GEMV_PASS_ROWS) {
+            int64_t g = rows - m0 < GEMV_PASS_ROWS ? rows - m0 : GEMV_PASS_ROWS;
             const float* xg = x + m0 * in;
             float* yg = y + m0 * out + o;
             int64_t pf = m0 == 0 ? ahead : 0;  /* the first pass reads the weight row from memory, later ones L1 */
-#define GEMV_TILE(G) gemv_tile(xg, in, G, wr, in, pf, yg, out)
+#define GEMV_PASS(G) gemv_pass(xg, in, G, wr, in, pf, yg, out)
             switch (g) {  /* constant sizes: accumulators in registers */
-                case 1: GEMV_TILE(1); break;
-                case 2: GEMV_TILE(2); break;
-                case 3: GEMV_TILE(3); break;
-                case 4: GEMV_TILE(4); break;
-                case 5: GEMV_TILE(5); break;
-                case 6: GEMV_TILE(6); break;
-                default: GEMV_TILE(GEMV_TILE_ROWS); break;
+                case 1: GEMV_PASS(1); break;
+                case 2: GEMV_PASS(2); break;
+                case 3: GEMV_PASS(3); break;
+                case 4: GEMV_PASS(4); break;
+                case 5: GEMV_PASS(5); break;
+#if GEMV_PASS_ROWS >= 8
+                case 6: GEMV_PASS(6); break;
+                case 7: GEMV_PASS(7); break;
+#endif
+                default: GEMV_PASS(GEMV_PASS_ROWS); break;
             }
-#undef GEMV_TILE
+#undef GEMV_PASS
         }
     }
 }
-#endif
 
 /* The most rows dk_gemv takes in this build (GEMV_MAX_ROWS). */
 int dk_gemv_max_rows(void) { return GEMV_MAX_ROWS; }
