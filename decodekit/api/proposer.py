@@ -27,6 +27,9 @@ class ProposerModel(Protocol):
         >>> new = seq.token_ids[model.num_cached(seq.seq_id):]
         >>> first = int(model.forward([(seq.seq_id, new)])[0].argmax())
         >>> second = int(model.forward([(seq.seq_id, [first])])[0].argmax())
+
+    or, where the model runs greedy steps natively, the same two tokens in one call:
+        >>> first, second = model.greedy_run(seq.seq_id, seq.token_ids[-1], 2) or [...]
     """
 
     def num_cached(self, key: int) -> int:
@@ -42,6 +45,13 @@ class ProposerModel(Protocol):
     def forward(self, batch: Seq[tuple[int, list[int]]]) -> torch.Tensor:
         """One packed forward: each `(key, tokens)` appends `tokens` after the sequence's cached ones; returns
         float32 logits `[len(batch), vocab]` after each sequence's last new token."""
+        ...
+
+    def greedy_run(self, key: int, token: int, steps: int) -> list[int] | None:
+        """`steps` greedy tokens after sequence `key`'s cached tokens and one more, `token`, in one native call: each
+        the argmax of the logits `forward` would return, with the keys and values of `token` and of every new token
+        but the last stored, as `steps` one-token forwards would leave them. None (nothing run) where this model has
+        no native runs; then call `forward`. Reserve the slots first (`reserve`)."""
         ...
 
     def adopt_target_kv(self, key: int, token_ids: Seq[int], computed: int) -> int:

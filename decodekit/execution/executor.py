@@ -155,6 +155,31 @@ class ModelExecutor:
         return logits
 
     @torch.inference_mode()
+    def greedy_run(self, key: int, token: int, steps: int) -> list[int] | None:
+        """`steps` greedy tokens after sequence `key`'s cached tokens and `token`, in one native call (`decode_run`):
+        the argmaxes `steps` one-token forwards would lead to, with the keys and values of `token` and of every new
+        token but the last stored as those forwards would store them. None (nothing run) where this model has no
+        native runs or the slots are not reserved (`reserve`).
+
+        A self-draft at batch 1 drafts this way: each of its one-token forwards otherwise pays the step's Python
+        (the forward's glue, processing, selection), ~1.2 ms of an 8.4 ms int8 token on a 2-core Zen 3."""
+        start = self.num_cached(key)
+        if steps < 1 or not self.runs_decode or not self.allocator.has(key) \
+                or self.allocator.num_slots(key) < start + steps:
+            return None
+        self.allocator.ensure_slots(key, start, start + steps)
+        tokens = self.runner.decode_run(token, start, self.allocator.block_table(key), steps, (),
+                                        self.allocator.take_pending_copies())
+        if tokens is None:
+            return None
+        written = [token, *tokens[:-1]]  # the last new token's keys and values stay unwritten, as `forward` leaves them
+        self._cached[key] = start + len(written)
+        stored = self._tokens.setdefault(key, [])
+        stored.extend(written)
+        self.allocator.mark_computed(key, stored, self._cached[key])
+        return tokens
+
+    @torch.inference_mode()
     def adopt_target_kv(self, key: int, token_ids: Sequence[int], computed: int) -> int:
         """Copy the target's keys and values of sequence `key`'s tokens from `num_cached(key)` up to `computed` (the
         tokens the target has computed; never the last of `token_ids`, which the draft feeds for its logits) into

@@ -219,6 +219,14 @@ class NgramProposer(Proposer):
         return drafts, [None] * len(seqs)
 
 
+def _plain_argmax(seq: Sequence) -> bool:
+    """Whether a draft for `seq` is the draft model's argmaxes and nothing else: greedy, no processors (nor reasoning
+    phases, which change them), so a native greedy run (`ProposerModel.greedy_run`) drafts exactly what one-token
+    forwards, processed and selected, would."""
+    plan = seq.request.plan
+    return seq.greedy and plan is not None and not plan.stages and plan.phases is None
+
+
 class _CountedForwards:
     """A `ProposerModel` that notes how many tokens each forward feeds (into `fed`), for `Proposer.forward_rows`."""
 
@@ -283,6 +291,14 @@ class DraftModelProposer(Proposer):
                   and model.reserve(seq.seq_id, len(seq.token_ids) + ks[i] - 1, seq.token_ids)]
         for i in active:  # a self-draft copies what the target computed (its prompt, a run without drafts)
             model.adopt_target_kv(seqs[i].seq_id, seqs[i].token_ids, seqs[i].num_computed_tokens)
+        if len(active) == 1 and _plain_argmax(seqs[active[0]]):  # a lone argmax draft: natively, in one call
+            seq, k = seqs[active[0]], ks[active[0]]
+            run = model.greedy_run(seq.seq_id, seq.token_ids[-1], k) \
+                if model.num_cached(seq.seq_id) == len(seq.token_ids) - 1 else None
+            if run is not None:
+                self._fed.extend([1] * k)  # k one-token forwards, as the loop below would make them
+                drafts[active[0]] = run
+                active = []
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if len(drafts[i]) < ks[i] and step == len(drafts[i])]
             if not rows:

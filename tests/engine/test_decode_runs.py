@@ -259,3 +259,75 @@ def test_a_request_whose_speculation_cannot_pay_decodes_in_plain_runs_and_calibr
     strategy = spec.engine.components.get("strategies", "speculative")
     (calibrated,) = strategy.calibrations.values()
     assert calibrated.observed(1) and calibrated.records >= sum(lengths[:-1])  # every run token timed one row
+
+
+def _draft_engine(self_draft: bool = True) -> tuple[LLM, LLM, Any]:
+    """Plain and speculative engines on a tiny llama, the speculative one drafting with an int8 copy of itself (which
+    adopts the target's keys and values, so each draft starts from one pending token) or with a separate copy of the
+    model, and that draft's `ProposerModel`."""
+    model = tiny_model("llama", seed=5)
+    draft = {"draft": "target", "draft_quantization": "int8"} if self_draft else {"draft": copy.deepcopy(model)}
+    plain, spec = _pair(model, **draft)
+    return plain, spec, spec.engine.components.get("proposers", "draft")._model()
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_a_draft_models_greedy_run_gives_its_one_token_forwards_argmaxes_and_leaves_the_same_cache(steps):
+    _, _, draft = _draft_engine(self_draft=False)
+    assert draft.runs_decode
+    for n, prompt in enumerate(random_prompts(3, 5, 19, seed=20)):  # block size 4: runs cross blocks
+        run_key, loop_key = 1000 + n, 2000 + n
+        for key in (run_key, loop_key):
+            assert draft.reserve(key, len(prompt) + steps)  # no prefix shared: both compute the prompt alike
+            draft.forward([(key, prompt[:-1])])
+        run = draft.greedy_run(run_key, prompt[-1], steps)
+        loop, last = [], prompt[-1]
+        for _ in range(steps):
+            last = int(draft.forward([(loop_key, [last])])[0].argmax())
+            loop.append(last)
+        assert run == loop and draft.num_cached(run_key) == draft.num_cached(loop_key) == len(prompt) + steps - 1
+        # the same keys and values stored: the next forward scores the same
+        assert torch.equal(draft.forward([(run_key, [run[-1]])]), draft.forward([(loop_key, [loop[-1]])]))
+        for key in (run_key, loop_key):
+            draft.release(key)
+
+
+def test_a_lone_greedy_request_drafts_natively_and_drafts_what_the_forwards_would(monkeypatch):
+    plain, spec, draft = _draft_engine()
+    runs: list[int] = []
+    greedy_run = type(draft).greedy_run
+
+    def counted(self, key, token, steps):
+        tokens = greedy_run(self, key, token, steps)
+        runs.append(0 if tokens is None else len(tokens))
+        return tokens
+
+    monkeypatch.setattr(type(draft), "greedy_run", counted)
+    prompts = random_prompts(3, 10, 20, seed=12)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = _speculative(proposer="draft")
+    native = [spec.generate([prompt], params)[0] for prompt in prompts]
+    assert runs and all(runs)
+    for prompt, out in zip(prompts, native):
+        assert out.outputs[0].token_ids == _tokens(plain, [prompt], greedy)[0]
+        assert out.metrics.num_accepted_tokens > 0
+    # with the runs off, the one-token forwards draft the same tokens: the same counts drafted and accepted
+    monkeypatch.setattr(type(draft), "greedy_run", lambda self, key, token, steps: None)
+    looped = [spec.generate([prompt], params)[0] for prompt in prompts]
+    assert [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in looped] == \
+        [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in native]
+
+
+def test_no_native_draft_where_a_draft_token_is_more_than_the_argmax_or_several_sequences_draft(monkeypatch):
+    _, spec, draft = _draft_engine()
+    calls: list[int] = []
+    monkeypatch.setattr(type(draft), "greedy_run", lambda self, key, token, steps: calls.append(1))
+    prompts = random_prompts(2, 10, 20, seed=13)
+    penalized = _speculative(proposer="draft")
+    penalized.processors = [{"repetition_penalty": {"penalty": 1.3}}]  # the draft applies it to its own logits
+    spec.generate(prompts[:1], penalized)
+    sampled = _speculative(proposer="draft")
+    sampled.temperature, sampled.seed = 0.8, 3
+    spec.generate(prompts[:1], sampled)
+    spec.generate(prompts, _speculative(proposer="draft"))  # two sequences draft in batched forwards
+    assert not calls
