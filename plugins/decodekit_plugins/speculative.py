@@ -865,7 +865,8 @@ class SpeculativeStrategy(Strategy):
             realized.record_plain(tokens / seconds)
 
     def _select(self, ctx: StepContext, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        argmax = logits.argmax(dim=-1).tolist()
+        # the rows' argmaxes, where a greedy draft is verified (a batch that drafted nothing needs none)
+        argmax = logits.argmax(dim=-1).tolist() if any(s.greedy and s.draft_token_ids for s in seqs) else []
         starts, offset = [], 0
         for seq in seqs:
             starts.append(offset)
