@@ -334,27 +334,37 @@ class LookupsPlugin:
             register(proposer.name, proposer)
 
 
+def _choose_by_the_default_curve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the speculative strategy choose by the cost model alone (with `cost_model: default`, the default curve),
+    not by this machine's step timings, which the suite's load moves: its timing hooks do nothing."""
+    for timed in ("_calibrate", "_measure", "ran_natively", "_record_host_cost"):
+        monkeypatch.setattr(speculative.SpeculativeStrategy, timed, lambda *args: None)
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize(("lookup", "by"), [("liar", "cheap_draft_model"), ("oracle", "oracle")])
-def test_a_chains_draft_comes_from_the_link_whose_own_acceptance_promises_most(llama, tokenizer, batch, lookup, by):
+def test_a_chains_draft_comes_from_the_link_whose_own_acceptance_promises_most(llama, tokenizer, batch, lookup, by,
+                                                                               monkeypatch):
     # a draft model whose every draft is accepted behind a free lookup: a lookup that is always wrong is soon passed
     # over for the model (it answers every step: one rate for the whole chain let it draft on and kept the model's
-    # drafts short), one that is always right is kept and the model not run
+    # drafts short), one that is always right is kept and the model not run. By the default curve: under the suite's
+    # load the measured steps once stopped the drafting after 6 tokens of the model (liar, batch 1)
+    _choose_by_the_default_curve(monkeypatch)
     llm = LLM(llama, tokenizer, kv_cache_memory="16MiB", block_size=4, plugin_manager=plugin_manager(LookupsPlugin()))
     prompts = random_prompts(batch, 6, 7, seed=12)
     greedy = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
     plain = llm.generate(prompts, SamplingParams(**greedy))
     answers = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
     Liar.answers, Oracle.answers, Oracle.delay, CheapDraftModel.delay = answers, answers, 0.0, 0.0
-    strategy = {"speculative": {"proposer": lookup, "fallback": "cheap_draft_model"}}
+    strategy = {"speculative": {"proposer": lookup, "fallback": "cheap_draft_model", "cost_model": "default"}}
     spec = llm.generate(prompts, SamplingParams(**greedy, strategy=strategy))
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     for out in spec:
         tokens = out.metrics.proposer_tokens
-        # a good share of the answer from the right link (how much drafting pays is the machine's steps' to say)
-        assert tokens.get(by, {}).get("accepted", 0) >= 10, tokens
-        if lookup == "liar":  # drafted until its own rate fell: a step or two, never most of them
-            assert tokens.get("liar", {}).get("steps", 0) <= 3, tokens
+        # most of the 39 tokens after the first from the right link (31-33 by the default curve)
+        assert tokens.get(by, {}).get("accepted", 0) >= 24, tokens
+        if lookup == "liar":  # drafted until its own rate fell: a step or two, never most of them (1)
+            assert tokens.get("liar", {}).get("steps", 0) <= 2, tokens
         else:
             assert "cheap_draft_model" not in tokens, tokens
 
@@ -399,10 +409,8 @@ def test_a_text_that_turns_copyable_turns_speculation_back_on_by_shadow_drafts(l
     prompts = random_prompts(batch, 6, 7, seed=12)
     greedy = {"max_tokens": 128, "temperature": 0, "ignore_eos": True}
     strategy = {"speculative": {"proposer": "turncoat", "cost_model": "default"}}
-    # the choices by the default curve alone, not by this machine's step timings (which the suite's load moves:
-    # probes alone found the copyable text at once in some runs and after ~100 tokens in others)
-    for timed in ("_calibrate", "_measure", "ran_natively", "_record_host_cost"):
-        monkeypatch.setattr(speculative.SpeculativeStrategy, timed, lambda *args: None)
+    # probes alone found the copyable text at once in some runs and after ~100 tokens in others, by the step timings
+    _choose_by_the_default_curve(monkeypatch)
 
     def accepted(shadows: bool) -> list[int]:
         monkeypatch.setattr(speculative, "SHADOW_GAP", SHADOW_GAP if shadows else 10**6)
