@@ -28,8 +28,9 @@ class ProposerModel(Protocol):
         >>> first = int(model.forward([(seq.seq_id, new)])[0].argmax())
         >>> second = int(model.forward([(seq.seq_id, [first])])[0].argmax())
 
-    or, where the model runs greedy steps natively, the same two tokens in one call:
-        >>> first, second = model.greedy_run(seq.seq_id, seq.token_ids[-1], 2) or [...]
+    or the same two tokens in one native call, where the model runs greedy steps natively (None where it does not:
+    then the forwards above), when every token but the last is cached:
+        >>> first, second = model.greedy_run(seq.seq_id, seq.token_ids[-1], 2)
     """
 
     def num_cached(self, key: int) -> int:
