@@ -147,12 +147,16 @@ class ModelExecutor:
             items.append(ForwardItem(list(tokens), start, self.allocator.block_table(key), 1))
         logits = self.runner.forward(items, self.allocator.take_pending_copies())
         for key, tokens in batch:
-            self._cached[key] = self.num_cached(key) + len(tokens)
-            stored = self._tokens.setdefault(key, [])
-            stored.extend(tokens)
-            # publish the full blocks, so a later sequence with the same prefix starts from them
-            self.allocator.mark_computed(key, stored, self._cached[key])
+            self._stored(key, tokens)
         return logits
+
+    def _stored(self, key: int, tokens: Sequence[int]) -> None:
+        """Note that sequence `key`'s keys and values now hold `tokens` after its cached ones, and publish its full
+        blocks, so a later sequence with the same prefix starts from them."""
+        self._cached[key] = self.num_cached(key) + len(tokens)
+        stored = self._tokens.setdefault(key, [])
+        stored.extend(tokens)
+        self.allocator.mark_computed(key, stored, self._cached[key])
 
     @torch.inference_mode()
     def greedy_run(self, key: int, token: int, steps: int) -> list[int] | None:
@@ -172,11 +176,7 @@ class ModelExecutor:
                                         self.allocator.take_pending_copies())
         if tokens is None:
             return None
-        written = [token, *tokens[:-1]]  # the last new token's keys and values stay unwritten, as `forward` leaves them
-        self._cached[key] = start + len(written)
-        stored = self._tokens.setdefault(key, [])
-        stored.extend(written)
-        self.allocator.mark_computed(key, stored, self._cached[key])
+        self._stored(key, [token, *tokens[:-1]])  # the last new token's keys and values stay unwritten, as in `forward`
         return tokens
 
     @torch.inference_mode()
