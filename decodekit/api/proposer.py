@@ -31,6 +31,9 @@ class ProposerModel(Protocol):
     or the same two tokens in one native call, where the model runs greedy steps natively (None where it does not:
     then the forwards above), when every token but the last is cached:
         >>> first, second = model.greedy_run(seq.seq_id, seq.token_ids[-1], 2)
+
+    or two tokens drawn at temperature 0.7, with the distributions they were drawn from:
+        >>> tokens, q = model.sample_run(seq.seq_id, seq.token_ids[-1], 2, 0.7, torch.rand(2).tolist())
     """
 
     def num_cached(self, key: int) -> int:
@@ -53,6 +56,14 @@ class ProposerModel(Protocol):
         the argmax of the logits `forward` would return, with the keys and values of `token` and of every new token
         but the last stored, as `steps` one-token forwards would leave them. None (nothing run) where this model has
         no native runs; then call `forward`. Reserve the slots first (`reserve`)."""
+        ...
+
+    def sample_run(self, key: int, token: int, steps: int, temperature: float, uniforms: Seq[float]
+                   ) -> tuple[list[int], torch.Tensor] | None:
+        """`greedy_run` with each token drawn instead: from `softmax(logits / temperature)` of the logits `forward`
+        would return, by the inverse of that distribution's CDF at `uniforms[i]` (each in [0, 1)). Returns the tokens
+        and the distributions they were drawn from (float32 `[steps, vocab]`); None (nothing run) where this model
+        has no native sampled runs; then call `forward`."""
         ...
 
     def adopt_target_kv(self, key: int, token_ids: Seq[int], computed: int) -> int:

@@ -71,6 +71,7 @@ from decodekit_plugins.cost_model import (
     draft_forwards,
 )
 from decodekit_plugins.draft_trees import accept_tree, draft_tree, propose_with_trees, tree_rollback
+from decodekit_plugins.sampling import TINY_TEMPERATURE
 
 DEFAULT_K = 4  # the first k of `adaptive: heuristic` without `num_speculative_tokens`
 DRAFT_SHARE = 0.3  # the default curve's draft model: a third of the target's cost (an int8 copy on a CPU measures so)
@@ -227,6 +228,24 @@ def _plain_argmax(seq: Sequence) -> bool:
     return seq.greedy and plan is not None and not plan.stages and plan.phases is None
 
 
+def _plain_draw(seq: Sequence) -> float | None:
+    """The temperature of `seq`'s draft tokens where each is a draw from the draft model's softmax at that
+    temperature and nothing else: sampled without a seed, no reasoning phases, no processor but `temperature` (none:
+    1.0); None otherwise. A native run (`ProposerModel.sample_run`) then drafts from the distribution the forwards
+    would, with draws of its own. A seeded sequence drafts by the forwards: its draws come from its generator in the
+    order a batched step takes them, so its output is the same alone and batched."""
+    plan = seq.request.plan
+    if seq.greedy or plan is None or plan.phases is not None or seq.request.params.seed is not None:
+        return None
+    if not plan.stages:
+        return 1.0
+    stage = plan.stages[0]
+    if len(plan.stages) > 1 or stage.processor.name != "temperature" or stage.options is None:
+        return None
+    temperature = float(getattr(stage.options, "temperature", 0.0))
+    return temperature if temperature >= TINY_TEMPERATURE else None
+
+
 class _CountedForwards:
     """A `ProposerModel` that notes how many tokens each forward feeds (into `fed`), for `Proposer.forward_rows`."""
 
@@ -291,13 +310,14 @@ class DraftModelProposer(Proposer):
                   and model.reserve(seq.seq_id, len(seq.token_ids) + ks[i] - 1, seq.token_ids)]
         for i in active:  # a self-draft copies what the target computed (its prompt, a run without drafts)
             model.adopt_target_kv(seqs[i].seq_id, seqs[i].token_ids, seqs[i].num_computed_tokens)
-        if len(active) == 1 and _plain_argmax(seqs[active[0]]):  # a lone argmax draft: natively, in one call
-            seq, k = seqs[active[0]], ks[active[0]]
-            run = model.greedy_run(seq.seq_id, seq.token_ids[-1], k) \
-                if model.num_cached(seq.seq_id) == len(seq.token_ids) - 1 else None
-            if run is not None:
-                self._fed.extend([1] * k)  # k one-token forwards, as the loop below would make them
-                drafts[active[0]] = run
+        if len(active) == 1:  # a lone argmax or plain draw: natively, in one call
+            i = active[0]
+            native = self._native_draft(model, seqs[i], ks[i])
+            if native is not None:
+                self._fed.extend([1] * ks[i])  # k one-token forwards, as the loop below would make them
+                drafts[i], q = native
+                if q is not None:
+                    qs[i] = list(q)
                 active = []
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if len(drafts[i]) < ks[i] and step == len(drafts[i])]
@@ -314,6 +334,23 @@ class DraftModelProposer(Proposer):
                 if probs is not None and not greedy[r]:
                     qs[i].append(probs[r])
         return drafts, [torch.stack(q) if q else None for q in qs]
+
+    @staticmethod
+    def _native_draft(model: ProposerModel, seq: Sequence, k: int) -> tuple[list[int], torch.Tensor | None] | None:
+        """`seq`'s k draft tokens from one native run of the draft model (and, drawn, their distributions), where
+        it starts from one pending token (a self-draft always does; a separate draft after a fully accepted draft
+        has two to catch up) and each token is an argmax (`_plain_argmax`) or a plain draw (`_plain_draw`); None
+        where it does not run so (then the forwards draft)."""
+        if model.num_cached(seq.seq_id) != len(seq.token_ids) - 1:
+            return None
+        if _plain_argmax(seq):
+            run = model.greedy_run(seq.seq_id, seq.token_ids[-1], k)
+            return None if run is None else (run, None)
+        temperature = _plain_draw(seq)
+        if temperature is None:
+            return None
+        uniforms = torch.rand(k, dtype=torch.float64, generator=seq.generator)
+        return model.sample_run(seq.seq_id, seq.token_ids[-1], k, temperature, uniforms.tolist())
 
     def propose_tree(self, ctx: StepContext, seqs: list[Sequence], ks: list[int], options: list[Any],
                      shape: TreeShape) -> list[DraftTree]:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from decodekit import LLM, SamplingParams
 from decodekit.execution.kernels.native import load_kernels
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
+from tests.engine.test_sampling_distribution import ALPHA, p_value
 from tests.helpers.reference import hf_greedy, random_prompts
 
 kernels = load_kernels()
@@ -271,25 +272,37 @@ def _draft_engine(self_draft: bool = True) -> tuple[LLM, LLM, Any]:
     return plain, spec, spec.engine.components.get("proposers", "draft")._model()
 
 
+def _two_caches(draft: Any, run_key: int, loop_key: int, prompt: list[int], steps: int) -> tuple[int, int]:
+    """Two sequences of `draft` holding `prompt` but its last token, with room for `steps` more: one for a run, one
+    for the one-token forwards it is compared with (no prefix shared: both compute the prompt alike)."""
+    for key in (run_key, loop_key):
+        assert draft.reserve(key, len(prompt) + steps)
+        draft.forward([(key, prompt[:-1])])
+    return run_key, loop_key
+
+
+def _same_caches_then_released(draft: Any, run_key: int, loop_key: int, last: int, cached: int) -> None:
+    """Both sequences hold `cached` tokens with the same keys and values (the next forward of `last` scores the
+    same), then are released."""
+    assert draft.num_cached(run_key) == draft.num_cached(loop_key) == cached
+    assert torch.equal(draft.forward([(run_key, [last])]), draft.forward([(loop_key, [last])]))
+    for key in (run_key, loop_key):
+        draft.release(key)
+
+
 @pytest.mark.parametrize("steps", [1, 3, 7])
 def test_a_draft_models_greedy_run_gives_its_one_token_forwards_argmaxes_and_leaves_the_same_cache(steps):
     _, _, draft = _draft_engine(self_draft=False)
     assert draft.runs_decode
     for n, prompt in enumerate(random_prompts(3, 5, 19, seed=20)):  # block size 4: runs cross blocks
-        run_key, loop_key = 1000 + n, 2000 + n
-        for key in (run_key, loop_key):
-            assert draft.reserve(key, len(prompt) + steps)  # no prefix shared: both compute the prompt alike
-            draft.forward([(key, prompt[:-1])])
+        run_key, loop_key = _two_caches(draft, 1000 + n, 2000 + n, prompt, steps)
         run = draft.greedy_run(run_key, prompt[-1], steps)
         loop, last = [], prompt[-1]
         for _ in range(steps):
             last = int(draft.forward([(loop_key, [last])])[0].argmax())
             loop.append(last)
-        assert run == loop and draft.num_cached(run_key) == draft.num_cached(loop_key) == len(prompt) + steps - 1
-        # the same keys and values stored: the next forward scores the same
-        assert torch.equal(draft.forward([(run_key, [run[-1]])]), draft.forward([(loop_key, [loop[-1]])]))
-        for key in (run_key, loop_key):
-            draft.release(key)
+        assert run == loop
+        _same_caches_then_released(draft, run_key, loop_key, loop[-1], len(prompt) + steps - 1)
 
 
 def test_a_lone_greedy_request_drafts_natively_and_drafts_what_the_forwards_would(monkeypatch):
@@ -331,3 +344,88 @@ def test_no_native_draft_where_a_draft_token_is_more_than_the_argmax_or_several_
     spec.generate(prompts[:1], sampled)
     spec.generate(prompts, _speculative(proposer="draft"))  # two sequences draft in batched forwards
     assert not calls
+
+
+def _inverse_cdf(q: torch.Tensor, u: float) -> int:
+    """The first token whose running sum of `q` passes `u` (in float64)."""
+    return int(torch.searchsorted(q.double().cumsum(0), torch.tensor([u], dtype=torch.float64), right=True)[0])
+
+
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_a_draft_models_sample_run_draws_each_token_by_the_inverse_cdf_of_its_forwards_softmax(steps):
+    _, _, draft = _draft_engine(self_draft=False)
+    temperature = 0.8
+    uniforms = torch.rand(steps, dtype=torch.float64, generator=torch.Generator().manual_seed(steps)).tolist()
+    for n, prompt in enumerate(random_prompts(3, 5, 19, seed=21)):  # block size 4: runs cross blocks
+        run_key, loop_key = _two_caches(draft, 3000 + n, 4000 + n, prompt, steps)
+        run = draft.sample_run(run_key, prompt[-1], steps, temperature, uniforms)
+        assert run is not None
+        tokens, q = run
+        assert q.shape[0] == steps and q.dtype == torch.float32
+        loop, last = [], prompt[-1]
+        for i in range(steps):
+            want = torch.softmax(draft.forward([(loop_key, [last])])[0] / temperature, dim=-1)
+            torch.testing.assert_close(q[i], want, rtol=1e-5, atol=1e-7)  # the distribution each token came from
+            last = _inverse_cdf(q[i], uniforms[i])
+            loop.append(last)
+        assert tokens == loop
+        _same_caches_then_released(draft, run_key, loop_key, loop[-1], len(prompt) + steps - 1)
+
+
+def test_a_lone_unseeded_sampled_request_drafts_natively_and_keeps_the_targets_distribution(monkeypatch):
+    """Chi-square on the second token (a drafted position) of requests served one at a time (`max_num_seqs` 1, so
+    each drafts alone, natively) against the target's own two-step distribution, from transformers' logits."""
+    model = tiny_model("llama", seed=5)
+    options = {"device": "cpu", "fused_decoder": True, "kv_cache_memory": "8MiB", "block_size": 4}
+    spec = LLM(copy.deepcopy(model), tiny_tokenizer(), max_num_seqs=1, draft="target", draft_quantization="int8",
+               **options)
+    draft = spec.engine.components.get("proposers", "draft")._model()
+    runs: list[int] = []
+    sample_run = type(draft).sample_run
+
+    def counted(self, key, token, steps, temperature, uniforms):
+        out = sample_run(self, key, token, steps, temperature, uniforms)
+        runs.append(0 if out is None else len(out[0]))
+        return out
+
+    monkeypatch.setattr(type(draft), "sample_run", counted)
+    temperature, draws = 0.6, 600
+    prompt = random_prompts(1, 8, 9, seed=30)[0]
+    params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, strategy={"speculative": {
+        "proposer": "draft", "num_speculative_tokens": 2}})
+    torch.manual_seed(0)  # unseeded requests draw from torch's global generator
+    outs = spec.generate([prompt] * draws, params)
+    assert runs and all(runs)
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    with torch.inference_mode():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, dim=-1)
+        vocab = first.shape[0]
+        batch = torch.tensor([[*prompt, a] for a in range(vocab)])
+        second = torch.softmax(model(batch).logits[:, -1].double() / temperature, dim=-1)
+    expected = (first[:, None] * second).sum(0)
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for out in outs:
+        counts[out.outputs[0].token_ids[1]] += 1
+    # tokens expected fewer than 5 times pooled into one bin (the chi-square's approximation needs ~5 a bin)
+    common = expected * draws >= 5
+    observed = torch.cat([counts[common], counts[~common].sum()[None]])
+    wanted = torch.cat([expected[common], expected[~common].sum()[None]])
+    assert p_value(observed, wanted) > ALPHA
+
+
+def test_no_native_draw_for_a_seeded_request_or_one_with_more_than_a_temperature(monkeypatch):
+    _, spec, draft = _draft_engine()
+    calls: list[int] = []
+    monkeypatch.setattr(type(draft), "sample_run", lambda self, *args: calls.append(1))
+    prompt = random_prompts(1, 10, 20, seed=14)[0]
+    seeded = _speculative(proposer="draft")
+    seeded.temperature, seeded.seed = 0.8, 3  # its draws come from its generator, as batched
+    spec.generate([prompt], seeded)
+    top_p = _speculative(proposer="draft")
+    top_p.temperature, top_p.top_p = 0.8, 0.9  # the draft truncates its own distribution too
+    spec.generate([prompt], top_p)
+    assert not calls
+    unseeded = _speculative(proposer="draft")
+    unseeded.temperature = 0.8
+    spec.generate([prompt], unseeded)
+    assert calls  # the same request unseeded, temperature alone: native

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,7 +93,28 @@ class RunModel(ctypes.Structure):
 
     _fields_ = [("embed", _p), ("embed_bf16", _i), ("vocab", _i), ("final_norm", _p), ("final_eps", _f),
                 ("head", StackMatrix), ("cos", _p), ("signed_sin", _p), ("rope_positions", _i), ("head_dim", _i),
-                ("block_table", _p), ("blocks", _i), ("stop_ids", _p), ("stop_count", _i)]
+                ("block_table", _p), ("blocks", _i), ("stop_ids", _p), ("stop_count", _i),
+                ("temperature", _f), ("uniforms", _p), ("probs", _p)]
+
+
+@dataclass
+class RunDraws:
+    """A sampled decode run's draws: each token drawn from `softmax(logits / temperature)` by the inverse of its
+    distribution function at `uniforms[i]` (float64 in [0, 1), one a step); the run sets `probs` to those
+    distributions (float32 `[tokens, vocab]`, a row per token it drew). What a sampled draft needs from its model:
+    the tokens and the distributions they came from (speculative sampling's q), without a step's Python a token."""
+
+    temperature: float
+    uniforms: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def check(self, steps: int) -> None:
+        """Raises ValueError where the uniforms are not `steps` contiguous float64 values or the temperature is not
+        positive and finite."""
+        if not (0.0 < self.temperature < float("inf")):
+            raise ValueError(f"a sampled run needs a positive finite temperature, not {self.temperature}")
+        if self.uniforms.dtype != torch.float64 or self.uniforms.numel() < steps or not self.uniforms.is_contiguous():
+            raise ValueError(f"a sampled run of {steps} steps needs {steps} contiguous float64 uniforms")
 
 
 class RunScratch(ctypes.Structure):
@@ -356,16 +378,23 @@ class DecodeRun:
             return None
 
     def __call__(self, cache: PagedKVCache, cos: torch.Tensor, signed_sin: torch.Tensor, block_table: list[int],
-                 token: int, position: int, steps: int, stop_ids: Sequence[int]) -> list[int] | None:
+                 token: int, position: int, steps: int, stop_ids: Sequence[int],
+                 draws: RunDraws | None = None) -> list[int] | None:
         """Up to `steps` greedy tokens after the pending `token` at `position` (its keys and values, and each new
-        token's but the last, written to `cache` at `block_table`'s slots), ending early after one of `stop_ids`.
-        `cos`/`signed_sin` are the RoPE tables by position (`[positions, head_dim]`, float32). None (nothing run)
-        where the cache's pools are not ones the kernels read.
+        token's but the last, written to `cache` at `block_table`'s slots), ending early after one of `stop_ids`;
+        with `draws`, each token drawn as they say instead of the argmax. `cos`/`signed_sin` are the RoPE tables by
+        position (`[positions, head_dim]`, float32). None (nothing run) where the cache's pools are not ones the
+        kernels read.
 
         Raises:
-            ValueError: the block table or the RoPE tables do not reach `position + steps - 1`.
+            ValueError: the block table or the RoPE tables do not reach `position + steps - 1`, or `draws` does
+                not hold `steps` uniforms (`RunDraws.check`).
             MemoryError: the attention could not allocate its scratch memory.
         """
+        probs = None
+        if draws is not None:
+            draws.check(steps)
+            probs = torch.empty(max(steps, 1), self.vocab)
         if not self.stack._bind(cache, 1):
             return None
         self.stack._attention.block_size = cache.block_size  # (a step's plan sets it; a run may come first)
@@ -377,6 +406,9 @@ class DecodeRun:
         model.rope_positions, model.head_dim = cos.shape[0], cos.shape[1]
         model.block_table, model.blocks = tables.data_ptr(), len(block_table)
         model.stop_ids, model.stop_count = stops.data_ptr(), len(stop_ids)
+        model.temperature = 0.0 if draws is None else draws.temperature
+        model.uniforms = None if draws is None else draws.uniforms.data_ptr()
+        model.probs = None if probs is None else probs.data_ptr()
         out = torch.empty(max(steps, 1), dtype=torch.long)
         stack = self.stack
         done = self._native.decode_run(ctypes.addressof(stack.layers), len(stack.layers), stack.hidden_dim,
@@ -390,4 +422,6 @@ class DecodeRun:
             raise ValueError(f"a decode run of {steps} steps from position {position} passes its block table "
                              f"({len(block_table)} blocks) or the RoPE tables ({cos.shape[0]} positions)")
         assert done >= 0, "dk_decode_run refused products it was built with"
+        if draws is not None and probs is not None:
+            draws.probs = probs[:done]
         return out[:done].tolist()

@@ -371,6 +371,9 @@ typedef struct {
     int64_t blocks;
     const int64_t* stop_ids;    /* a run ends after producing one of these */
     int64_t stop_count;
+    float temperature;          /* 0: each token the argmax; else drawn from softmax(logits / temperature) */
+    const double* uniforms;     /* with a temperature: step i's draw, in [0, 1) */
+    float* probs;               /* with a temperature: [steps, vocab], step i's distribution (may be NULL) */
 } dk_run_model;
 
 /* Scratch of a run beyond the stack's: two hidden rows and the logits row. */
@@ -404,6 +407,85 @@ static int64_t first_argmax(const float* logits, int64_t vocab) {
     for (i = 0; i < vocab; ++i)
         if (logits[i] == top) return i;
     return 0;  /* every logit NaN */
+}
+
+/* exp(x) for x <= 0 in 8 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial of r, then
+ * 2^n in the exponent bits; ~1 ulp), 0 below -87 (no subnormals). A libm call per logit took ~0.5 ms over SmolLM2's
+ * 49K logits; this loop ~40 us. Used only for sampled draws, whose distribution is returned as computed here. */
+static inline __attribute__((always_inline)) dk_v8f exp_nonpositive_v8(dk_v8f x) {
+    const dk_v8f log2e = {1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f,
+                          1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f};
+    dk_v8i under = x < -87.0f;
+    x = (dk_v8f)((dk_v8i)x & ~under);  /* those lanes computed at 0, then zeroed */
+    dk_v8f fx = x * log2e + 0.5f;
+    dk_v8i n = __builtin_convertvector(fx, dk_v8i);           /* truncates toward zero */
+    n += (dk_v8i)(__builtin_convertvector(n, dk_v8f) > fx);   /* -1 where that was above: the floor */
+    dk_v8f nf = __builtin_convertvector(n, dk_v8f);
+    dk_v8f r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+    dk_v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    dk_v8i scale = (n + 127) << 23;
+    return (dk_v8f)((dk_v8i)(p * (dk_v8f)scale) & ~under);
+}
+
+/* A token drawn from softmax(logits / temperature) by the inverse of its distribution function at u (in [0, 1)):
+ * the first token whose running sum of exp((logit - max) / temperature) passes u times their total (sums in double,
+ * 64 logits a block, so the search reads the blocks' sums first). With `probs`, the distribution it was drawn from,
+ * each weight over the total. `weights` is scratch of `vocab` floats (it may be `probs`). A NaN row draws token 0. */
+#define SAMPLE_BLOCK 64
+static int64_t sample_token(const float* logits, int64_t vocab, float temperature, double u, float* weights,
+                            float* probs) {
+    float top = logits[first_argmax(logits, vocab)];
+    if (top != top) return 0;
+    float inverse = 1.0f / temperature;
+    int64_t i = 0, token = -1;
+    for (; i + 8 <= vocab; i += 8) {
+        dk_v8f x;
+        __builtin_memcpy(&x, logits + i, sizeof x);
+        dk_v8f e = exp_nonpositive_v8((x - top) * inverse);
+        __builtin_memcpy(weights + i, &e, sizeof e);
+    }
+    for (; i < vocab; ++i) {  /* the tail through the same lanes */
+        dk_v8f x = {0};
+        x[0] = (logits[i] - top) * inverse;
+        weights[i] = exp_nonpositive_v8(x)[0];
+    }
+    double total = 0.0;
+    for (i = 0; i < vocab; i += SAMPLE_BLOCK) {
+        int64_t end = i + SAMPLE_BLOCK < vocab ? i + SAMPLE_BLOCK : vocab;
+        float block = 0.0f;
+        for (int64_t j = i; j < end; ++j) block += weights[j];
+        total += block;
+    }
+    double target = u * total, seen = 0.0;
+    for (i = 0; i < vocab; i += SAMPLE_BLOCK) {
+        int64_t end = i + SAMPLE_BLOCK < vocab ? i + SAMPLE_BLOCK : vocab;
+        float block = 0.0f;
+        for (int64_t j = i; j < end; ++j) block += weights[j];
+        if (seen + block <= target) {
+            seen += block;
+            continue;
+        }
+        for (int64_t j = i; j < end; ++j) {
+            seen += weights[j];
+            if (seen > target && weights[j] > 0.0f) {
+                token = j;
+                break;
+            }
+        }
+        if (token >= 0) break;
+    }
+    if (token < 0)  /* u * total at the very end (rounding): the last token with any weight (the top has 1) */
+        for (token = vocab - 1; token > 0 && weights[token] == 0.0f; --token) {}
+    if (probs != NULL) {
+        float scale = (float)(1.0 / total);
+        for (i = 0; i < vocab; ++i) probs[i] = weights[i] * scale;
+    }
+    return token;
 }
 
 /* A greedy decode run of one sequence: up to `steps` times, the pending `token` at `position` goes through the
@@ -453,7 +535,13 @@ int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidde
         timed_norm(rows->output, m->final_norm, rows->normed, 1, hidden_dim, m->final_eps);
         if (timed_product(&m->head, rows->normed, 1, 0, rows->logits) != 0) return -1;
         start = time_start();
-        token = first_argmax(rows->logits, m->vocab);
+        if (m->temperature > 0.0f) {
+            float* probs = m->probs != NULL ? m->probs + i * m->vocab : NULL;
+            token = sample_token(rows->logits, m->vocab, m->temperature, m->uniforms[i],
+                                 probs != NULL ? probs : rows->logits, probs);
+        } else {
+            token = first_argmax(rows->logits, m->vocab);
+        }
         time_add(DK_TIME_RUN, start);
         out_tokens[i] = token;
         for (int64_t s = 0; s < m->stop_count; ++s)
