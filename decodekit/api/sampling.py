@@ -7,7 +7,29 @@ depend on what else is in the batch. Greedy rows draw nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from decodekit.api.processors import Stage
+
+TINY_TEMPERATURE = 1e-5
+"""Below this temperature the temperature processor shifts a row by its maximum before dividing (no overflow);
+from it up, a draw at temperature T is a draw from `softmax(logits / T)` (what native draws compute)."""
+TEMPERATURE_PROCESSOR = "temperature"
+"""The processor that `SamplingParams.temperature` implies (the built-in one divides a row by it)."""
+
+
+def draw_temperature(stages: Sequence[Stage]) -> float | None:
+    """The temperature T where a pipeline of processor `stages` only divides logits by T (no stage: 1.0; the
+    temperature processor alone, at T >= `TINY_TEMPERATURE`), so a draw from its output is a draw from
+    `softmax(logits / T)`, which a native run can make; None for any other pipeline."""
+    if not stages:
+        return 1.0
+    if len(stages) > 1 or stages[0].processor.name != TEMPERATURE_PROCESSOR or stages[0].options is None:
+        return None
+    temperature = float(getattr(stages[0].options, "temperature", 0.0))
+    return temperature if temperature >= TINY_TEMPERATURE else None
 
 
 def exponential_noise(rows: int, vocab: int, generators: list[torch.Generator | None],

@@ -177,6 +177,9 @@ class Strategy:
         greedy_argmax: for a greedy request of one sequence, `select` appends the argmax of its row and does
             nothing else (no forks, notes or finishes): the engine may then run several of its steps natively when
             it is the only request (`EngineConfig.decode_run_steps`, `decodekit.core.decode_runs`).
+        plain_draw: for a sampled request of one sequence, `select` appends a token drawn from the softmax of its
+            processed row and does nothing else: the engine may then run an unseeded request's steps natively as
+            it does a greedy one's (`decodekit.core.decode_runs`), drawing in C.
     """
 
     name: ClassVar[str] = "strategy"
@@ -187,6 +190,7 @@ class Strategy:
     finalizes: ClassVar[bool] = False
     continues_prompt: ClassVar[bool] = True
     greedy_argmax: ClassVar[bool] = False
+    plain_draw: ClassVar[bool] = False
 
     def setup(self, info: Any) -> None:
         """Called once with the engine's `ComponentInfo` (tokenizer, vocab size, draft model, ...)."""

@@ -38,7 +38,7 @@ from decodekit.core.stages.propose import propose
 from decodekit.core.stages.select import select
 from decodekit.core.stages.stop import StopStage
 from decodekit.core.step_context import CandidateOrigin, EngineStepContext, StepRecord
-from decodekit.execution import ExecutionPlan, ModelExecutor, cached_step_cost, plan_execution
+from decodekit.execution import ExecutionPlan, ModelExecutor, RunDraws, cached_step_cost, plan_execution
 
 log = logging.getLogger("decodekit.engine")
 
@@ -236,8 +236,10 @@ class Engine:
         self.allocator.ensure_slots(seq.seq_id, start, start + run.steps)
         started = time.perf_counter()
         try:
+            draws = None if run.temperature <= 0 else \
+                RunDraws(run.temperature, torch.rand(run.steps, dtype=torch.float64))  # unseeded: the global generator
             tokens = self.model.decode_run(seq.token_ids[-1], start, self.allocator.block_table(seq.seq_id),
-                                           run.steps, run.stop_ids, self.allocator.take_pending_copies())
+                                           run.steps, run.stop_ids, self.allocator.take_pending_copies(), draws)
         except Exception as exc:
             log.exception("decode run failed")
             self._fail([(run.request, f"model forward failed: {exc!r}")])

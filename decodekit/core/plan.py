@@ -29,6 +29,7 @@ from decodekit.api.constraints import BackendLoader
 from decodekit.api.errors import PluginError
 from decodekit.api.params import ComponentSpec, SamplingParams
 from decodekit.api.processors import LogitsProcessor, Stage
+from decodekit.api.sampling import TEMPERATURE_PROCESSOR
 from decodekit.api.sequence import Sequence
 from decodekit.api.stopping import StopDecision, StoppingCriterion
 from decodekit.api.strategy import Strategy
@@ -36,7 +37,7 @@ from decodekit.core.phase_plan import plan_phases
 from decodekit.core.phases import ROUTER, PhaseProgram
 from decodekit.core.registry import Registry
 
-GREEDY_FIELD_PROCESSOR = "temperature"
+GREEDY_FIELD_PROCESSOR = TEMPERATURE_PROCESSOR
 """The default processor behind `SamplingParams.temperature`: at temperature 0 (greedy) it implies no stage, but
 the temperature is set all the same, so naming it in the processors list too is the same conflict as at 0.8."""
 

@@ -5,7 +5,8 @@ The face the engine uses, and the only names `decodekit.core` imports from this 
 - `plan_execution(loaded, config, draft)` -> `ExecutionPlan`: the one decision of how a model (and its draft) runs
   (`plan.py`);
 - `ModelExecutor(loaded, plan, num_blocks)`: the model, its KV pool and block allocator, run as its plan says
-  (`executor.py`); `ModelExecutor.run(items, block_copies)` is one packed forward;
+  (`executor.py`); `ModelExecutor.run(items, block_copies)` is one packed forward, `ModelExecutor.decode_run`
+  several one-row steps of one sequence natively (drawn at a temperature with `RunDraws`);
 - `ForwardItem`: one sequence's part of a forward; `BlockAllocator`: the pool's blocks, which the engine's scheduler
   drives;
 - `cached_step_cost(executor, name)`: the model's forward time by rows on this machine, measured once and cached on
@@ -18,8 +19,10 @@ its weight matrices, re-laid linears), `kernels/` (native C for the CPU, Triton 
 
 from decodekit.execution.blocks import BlockAllocator
 from decodekit.execution.executor import ModelExecutor
+from decodekit.execution.fused.layer_stack import RunDraws
 from decodekit.execution.items import ForwardItem
 from decodekit.execution.plan import ExecutionPlan, plan_execution
 from decodekit.execution.step_cost import cached_step_cost
 
-__all__ = ["BlockAllocator", "ExecutionPlan", "ForwardItem", "ModelExecutor", "cached_step_cost", "plan_execution"]
+__all__ = ["BlockAllocator", "ExecutionPlan", "ForwardItem", "ModelExecutor", "RunDraws", "cached_step_cost",
+           "plan_execution"]

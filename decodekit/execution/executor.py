@@ -90,12 +90,12 @@ class ModelExecutor:
         return self.runner.runs_decode
 
     def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],
-                   block_copies: list[tuple[int, int]]) -> list[int] | None:
+                   block_copies: list[tuple[int, int]], draws: RunDraws | None = None) -> list[int] | None:
         """Up to `steps` greedy tokens of one sequence whose pending `token` is at `position` (its block table
         holding every position written), ending after one of `stop_ids`: the tokens the one-row forwards would have
-        led the argmax to, with their keys and values written (the last token's stays pending). None where this
-        model has no native runs."""
-        return self.runner.decode_run(token, position, block_table, steps, stop_ids, block_copies)
+        led the argmax to, with their keys and values written (the last token's stays pending); with `draws`, each
+        drawn instead (`RunDraws`). None where this model has no such runs."""
+        return self.runner.decode_run(token, position, block_table, steps, stop_ids, block_copies, draws)
 
     @property
     def forward_name(self) -> str:

@@ -15,6 +15,7 @@ from pydantic import Field
 from decodekit import hookimpl
 from decodekit.api.params import SamplingParams, StrictParams
 from decodekit.api.processors import BatchView, LogitsProcessor
+from decodekit.api.sampling import TINY_TEMPERATURE
 
 
 class MinTokensProcessor(LogitsProcessor):
@@ -44,8 +45,6 @@ class MinTokensProcessor(LogitsProcessor):
         return out
 
 
-TINY_TEMPERATURE = 1e-5
-"""Below this temperature the temperature processor shifts a row by its maximum before dividing (no overflow)."""
 
 
 class TemperatureProcessor(LogitsProcessor):

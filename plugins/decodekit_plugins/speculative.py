@@ -42,7 +42,7 @@ from decodekit.api.draft_tree import DraftTree, TreeShape, count_nodes
 from decodekit.api.params import SamplingParams
 from decodekit.api.processors import Stage
 from decodekit.api.proposer import Proposer, ProposerModel
-from decodekit.api.sampling import select_tokens
+from decodekit.api.sampling import draw_temperature, select_tokens
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
 from decodekit.api.step_cost import StepCost, StepTiming
@@ -71,7 +71,6 @@ from decodekit_plugins.cost_model import (
     draft_forwards,
 )
 from decodekit_plugins.draft_trees import accept_tree, draft_tree, propose_with_trees, tree_rollback
-from decodekit_plugins.sampling import TINY_TEMPERATURE
 
 DEFAULT_K = 4  # the first k of `adaptive: heuristic` without `num_speculative_tokens`
 DRAFT_SHARE = 0.3  # the default curve's draft model: a third of the target's cost (an int8 copy on a CPU measures so)
@@ -230,20 +229,14 @@ def _plain_argmax(seq: Sequence) -> bool:
 
 def _plain_draw(seq: Sequence) -> float | None:
     """The temperature of `seq`'s draft tokens where each is a draw from the draft model's softmax at that
-    temperature and nothing else: sampled without a seed, no reasoning phases, no processor but `temperature` (none:
-    1.0); None otherwise. A native run (`ProposerModel.sample_run`) then drafts from the distribution the forwards
-    would, with draws of its own. A seeded sequence drafts by the forwards: its draws come from its generator in the
-    order a batched step takes them, so its output is the same alone and batched."""
+    temperature and nothing else: sampled without a seed, no reasoning phases, no processor but `temperature`
+    (`draw_temperature`); None otherwise. A native run (`ProposerModel.sample_run`) then drafts from the distribution
+    the forwards would, with draws of its own. A seeded sequence drafts by the forwards: its draws come from its
+    generator in the order a batched step takes them, so its output is the same alone and batched."""
     plan = seq.request.plan
     if seq.greedy or plan is None or plan.phases is not None or seq.request.params.seed is not None:
         return None
-    if not plan.stages:
-        return 1.0
-    stage = plan.stages[0]
-    if len(plan.stages) > 1 or stage.processor.name != "temperature" or stage.options is None:
-        return None
-    temperature = float(getattr(stage.options, "temperature", 0.0))
-    return temperature if temperature >= TINY_TEMPERATURE else None
+    return draw_temperature(plan.stages)
 
 
 class _CountedForwards:

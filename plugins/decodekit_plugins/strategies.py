@@ -28,6 +28,7 @@ class SampleStrategy(Strategy):
     name = "sample"
     scores = "logits"
     greedy_argmax = True  # a greedy sequence takes `select_tokens`' argmax and nothing else (forks: n > 1 only)
+    plain_draw = True  # a sampled one takes `select_tokens`' draw from its processed row and nothing else
 
     def num_sequences(self, options: BaseModel | None, params: SamplingParams) -> int:
         return params.n

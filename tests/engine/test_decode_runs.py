@@ -110,6 +110,53 @@ def test_no_run_where_a_token_is_more_than_the_argmax(llama, params):
     assert runs.engine.decode_run_tokens == 0
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20),
+    SamplingParams(temperature=0.8, max_tokens=20, logprobs=2),
+    SamplingParams(temperature=0.8, max_tokens=20, min_tokens=5),
+], ids=["top-p", "logprobs", "min_tokens"])
+def test_no_run_for_an_unseeded_sampled_request_whose_tokens_are_more_than_a_draw_at_its_temperature(llama, params):
+    _, runs = _pair(llama)
+    out = runs.generate([random_prompts(1, 5, 6, seed=1)[0]], params)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 20
+    assert runs.engine.decode_run_tokens == 0
+
+
+def _two_step_distribution(model: Any, prompt: list[int], temperature: float) -> torch.Tensor:
+    """The target's distribution of the second token after `prompt` at `temperature`, from transformers' logits:
+    the sum over every first token of its chance times the second's given it."""
+    with torch.inference_mode():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, dim=-1)
+        batch = torch.tensor([[*prompt, a] for a in range(first.shape[0])])
+        second = torch.softmax(model(batch).logits[:, -1].double() / temperature, dim=-1)
+    return (first[:, None] * second).sum(0)
+
+
+def _second_token_p_value(outs: list[Any], expected: torch.Tensor) -> float:
+    """Chi-square p-value of the outputs' second tokens against `expected`, tokens expected fewer than 5 times pooled
+    into one bin (the test's approximation needs ~5 a bin)."""
+    counts = torch.zeros(expected.shape[0], dtype=torch.float64)
+    for out in outs:
+        counts[out.outputs[0].token_ids[1]] += 1
+    common = expected * len(outs) >= 5
+    return p_value(torch.cat([counts[common], counts[~common].sum()[None]]),
+                   torch.cat([expected[common], expected[~common].sum()[None]]))
+
+
+def test_a_lone_unseeded_sampled_request_runs_natively_and_draws_the_models_distribution():
+    """Requests served one at a time (`max_num_seqs` 1), each decoding its tokens after the first in a native run
+    that draws at its temperature: the second token's chi-square against the target's two-step distribution."""
+    model = tiny_model("llama", seed=5)
+    llm = LLM(copy.deepcopy(model), tiny_tokenizer(), max_num_seqs=1, decode_run_steps=8, device="cpu",
+              fused_decoder=True, kv_cache_memory="8MiB", block_size=4)
+    temperature, draws = 0.6, 600
+    prompt = random_prompts(1, 8, 9, seed=30)[0]
+    torch.manual_seed(0)  # unseeded requests draw from torch's global generator
+    outs = llm.generate([prompt] * draws, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
+    assert llm.engine.decode_run_tokens == 3 * draws  # every token after the prefill's came from a run
+    assert _second_token_p_value(outs, _two_step_distribution(model, prompt, temperature)) > ALPHA
+
+
 def test_a_request_arriving_during_runs_is_served_and_both_stay_exact(llama):
     _, runs = _pair(llama)
     engine = runs.engine
@@ -397,20 +444,7 @@ def test_a_lone_unseeded_sampled_request_drafts_natively_and_keeps_the_targets_d
     outs = spec.generate([prompt] * draws, params)
     assert runs and all(runs)
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
-    with torch.inference_mode():
-        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, dim=-1)
-        vocab = first.shape[0]
-        batch = torch.tensor([[*prompt, a] for a in range(vocab)])
-        second = torch.softmax(model(batch).logits[:, -1].double() / temperature, dim=-1)
-    expected = (first[:, None] * second).sum(0)
-    counts = torch.zeros(vocab, dtype=torch.float64)
-    for out in outs:
-        counts[out.outputs[0].token_ids[1]] += 1
-    # tokens expected fewer than 5 times pooled into one bin (the chi-square's approximation needs ~5 a bin)
-    common = expected * draws >= 5
-    observed = torch.cat([counts[common], counts[~common].sum()[None]])
-    wanted = torch.cat([expected[common], expected[~common].sum()[None]])
-    assert p_value(observed, wanted) > ALPHA
+    assert _second_token_p_value(outs, _two_step_distribution(model, prompt, temperature)) > ALPHA
 
 
 def test_no_native_draw_for_a_seeded_request_or_one_with_more_than_a_temperature(monkeypatch):
