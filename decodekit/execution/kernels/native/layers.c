@@ -488,12 +488,13 @@ static int64_t sample_token(const float* logits, int64_t vocab, float temperatur
     return token;
 }
 
-/* A greedy decode run of one sequence: up to `steps` times, the pending `token` at `position` goes through the
+/* A decode run of one sequence: up to `steps` times, the pending `token` at `position` goes through the
  * embeddings, every layer (dk_layer_stack with one row: its keys and values written at the position's slot), the
- * final norm and the LM head, and the argmax becomes the next pending token, written to out_tokens. The engine's
- * one-row steps make the same calls with the same operands (the runner's plan for one decode token: slot from the
- * block table, keys 0..position, the position's RoPE row), so the tokens are the ones it would pick step by step.
- * Stops early after a stop id. Returns the tokens produced; -1/-2 as dk_layer_stack; -3 when a position lies
+ * final norm and the LM head, and the argmax becomes the next pending token, written to out_tokens (with
+ * m->temperature > 0, a draw at m->uniforms[i] instead, its distribution written to m->probs: sample_token). The
+ * engine's one-row steps make the same calls with the same operands (the runner's plan for one decode token: slot
+ * from the block table, keys 0..position, the position's RoPE row), so the logits are the ones it would compute step
+ * by step, and a greedy run's tokens the ones it would pick. Stops early after a stop id. Returns the tokens produced; -1/-2 as dk_layer_stack; -3 when a position lies
  * past the block table or the RoPE tables (the caller sizes both). */
 int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidden_dim, void* const* key_pools,
                       void* const* value_pools, const dk_stack_attention* settings, const dk_stack_scratch* scratch,
