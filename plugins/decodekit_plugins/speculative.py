@@ -303,14 +303,13 @@ class DraftModelProposer(Proposer):
                   and model.reserve(seq.seq_id, len(seq.token_ids) + ks[i] - 1, seq.token_ids)]
         for i in active:  # a self-draft copies what the target computed (its prompt, a run without drafts)
             model.adopt_target_kv(seqs[i].seq_id, seqs[i].token_ids, seqs[i].num_computed_tokens)
+        native_q: dict[int, torch.Tensor | None] = {}  # a native draft's q rows, already one tensor
         if len(active) == 1:  # a lone argmax or plain draw: natively, in one call
             i = active[0]
             native = self._native_draft(model, seqs[i], ks[i])
             if native is not None:
                 self._fed.extend([1] * ks[i])  # k one-token forwards, as the loop below would make them
-                drafts[i], q = native
-                if q is not None:
-                    qs[i] = list(q)
+                drafts[i], native_q[i] = native
                 active = []
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if len(drafts[i]) < ks[i] and step == len(drafts[i])]
@@ -326,7 +325,7 @@ class DraftModelProposer(Proposer):
                 drafts[i].append(token)
                 if probs is not None and not greedy[r]:
                     qs[i].append(probs[r])
-        return drafts, [torch.stack(q) if q else None for q in qs]
+        return drafts, [native_q[i] if i in native_q else torch.stack(q) if q else None for i, q in enumerate(qs)]
 
     @staticmethod
     def _native_draft(model: ProposerModel, seq: Sequence, k: int) -> tuple[list[int], torch.Tensor | None] | None:
