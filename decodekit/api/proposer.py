@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel
 
 from decodekit.api.draft_tree import DraftTree, TreeShape
+from decodekit.api.sampling import DrawRule
 from decodekit.api.sequence import Sequence
 from decodekit.api.step_cost import StepCost
 from decodekit.api.strategy import HiddenStates, StepContext
@@ -32,8 +33,9 @@ class ProposerModel(Protocol):
     then the forwards above), when every token but the last is cached:
         >>> first, second = model.greedy_run(seq.seq_id, seq.token_ids[-1], 2)
 
-    or two tokens drawn at temperature 0.7, with the distributions they were drawn from:
-        >>> tokens, q = model.sample_run(seq.seq_id, seq.token_ids[-1], 2, 0.7, torch.rand(2).tolist())
+    or two tokens drawn at temperature 0.7 from the nucleus of 0.9, with the distributions they were drawn from:
+        >>> tokens, q = model.sample_run(seq.seq_id, seq.token_ids[-1], 2, DrawRule(0.7, top_p=0.9),
+        ...                              torch.rand(2).tolist())
     """
 
     def num_cached(self, key: int) -> int:
@@ -58,12 +60,13 @@ class ProposerModel(Protocol):
         no native runs; then call `forward`. Reserve the slots first (`reserve`)."""
         ...
 
-    def sample_run(self, key: int, token: int, steps: int, temperature: float, uniforms: Seq[float]
+    def sample_run(self, key: int, token: int, steps: int, rule: DrawRule, uniforms: Seq[float]
                    ) -> tuple[list[int], torch.Tensor] | None:
-        """`greedy_run` with each token drawn instead: from `softmax(logits / temperature)` of the logits `forward`
-        would return, by the inverse of that distribution's CDF at `uniforms[i]` (each in [0, 1)). Returns the tokens
-        and the distributions they were drawn from (float32 `[steps, vocab]`); None (nothing run) where this model
-        has no native sampled runs; then call `forward`."""
+        """`greedy_run` with each token drawn instead: from the distribution `rule` makes of the logits `forward`
+        would return (`DrawRule`: their softmax at its temperature, truncated by its top_k, top_p, min_p), by the
+        inverse of that distribution's CDF at `uniforms[i]` (each in [0, 1)). Returns the tokens and the
+        distributions they were drawn from (float32 `[steps, vocab]`, 0 where truncated); None (nothing run) where
+        this model has no native sampled runs; then call `forward`."""
         ...
 
     def adopt_target_kv(self, key: int, token_ids: Seq[int], computed: int) -> int:

@@ -8,6 +8,7 @@ depend on what else is in the batch. Greedy rows draw nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -15,21 +16,54 @@ from decodekit.api.processors import Stage
 
 TINY_TEMPERATURE = 1e-5
 """Below this temperature the temperature processor shifts a row by its maximum before dividing (no overflow);
-from it up, a draw at temperature T is a draw from `softmax(logits / T)` (what native draws compute)."""
+from it up, a draw at temperature T is a draw from `softmax(logits / T)` (what native draws compute, `DrawRule`)."""
 TEMPERATURE_PROCESSOR = "temperature"
 """The processor that `SamplingParams.temperature` implies (the built-in one divides a row by it)."""
 
 
-def draw_temperature(stages: Sequence[Stage]) -> float | None:
-    """The temperature T where a pipeline of processor `stages` only divides logits by T (no stage: 1.0; the
-    temperature processor alone, at T >= `TINY_TEMPERATURE`), so a draw from its output is a draw from
-    `softmax(logits / T)`, which a native run can make; None for any other pipeline."""
-    if not stages:
-        return 1.0
-    if len(stages) > 1 or stages[0].processor.name != TEMPERATURE_PROCESSOR or stages[0].options is None:
+@dataclass(frozen=True)
+class DrawRule:
+    """A distribution a native draw samples from: `softmax(logits / temperature)`, then what the built-in `top_k`,
+    `top_p` and `min_p` processors keep, in that order (0, 1.0 and 0.0: off), renormalized; what the processors
+    behind `SamplingParams`' fields leave of a row, drawn by other arithmetic (a token within float rounding of an
+    edge may fall the other way)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.temperature < float("inf")):
+            raise ValueError(f"a draw needs a positive finite temperature, not {self.temperature}")
+        if self.top_k < 0 or not (0.0 < self.top_p <= 1.0) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"a draw needs top_k >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1, not {self}")
+
+
+DRAW_PROCESSORS = (TEMPERATURE_PROCESSOR, "top_k", "top_p", "min_p")
+"""The processors a `DrawRule` stands for, in the order it applies them (the built-ins' registration order)."""
+
+
+def draw_rule(stages: Sequence[Stage]) -> DrawRule | None:
+    """The `DrawRule` a pipeline of processor `stages` amounts to, so that a draw from its output is a draw a native
+    run can make: each stage one of `DRAW_PROCESSORS`, at most once and in that order (what `SamplingParams`'
+    temperature, top_k, top_p and min_p imply), the temperature at least `TINY_TEMPERATURE` (no stage: 1.0); None for
+    any other pipeline (another processor, another order, a state)."""
+    fields: dict[str, float | int] = {}
+    rank = -1
+    for stage in stages:
+        name = stage.processor.name
+        if name not in DRAW_PROCESSORS or DRAW_PROCESSORS.index(name) <= rank or stage.options is None \
+                or stage.processor.stateful:
+            return None
+        rank = DRAW_PROCESSORS.index(name)
+        fields[name] = getattr(stage.options, name)
+    if float(fields.get(TEMPERATURE_PROCESSOR, 1.0)) < TINY_TEMPERATURE:
         return None
-    temperature = float(getattr(stages[0].options, "temperature", 0.0))
-    return temperature if temperature >= TINY_TEMPERATURE else None
+    try:
+        return DrawRule(**fields)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 def exponential_noise(rows: int, vocab: int, generators: list[torch.Generator | None],

@@ -10,9 +10,10 @@ step's accepted drafts do: every stopping criterion still checks every token in 
 a plugin's criteria), and the tokens after a stop are dropped. The tokens are the ones step-by-step decoding picks
 (the run makes the one-row step's calls with the same operands); a stream gets them a run at a time.
 
-An unseeded sampled request whose only processor is its temperature (`plain_draw`, what an OpenAI client sends by
-default) runs the same way, each token drawn in C from `softmax(logits / temperature)` by the inverse of its CDF at a
-uniform from torch's global generator: the distribution step-by-step sampling draws from, with draws of its own
+An unseeded sampled request whose only processors are temperature, top_k, top_p and min_p (`plain_draw`: what an
+OpenAI client sends by default, and llama.cpp's usual sampler settings) runs the same way, each token drawn in C from
+the softmax at its temperature, truncated as those processors truncate it (`DrawRule`), by the inverse of its CDF at
+a uniform from torch's global generator: the distribution step-by-step sampling draws from, with draws of its own
 (an unseeded request promises its tokens' distribution, not the tokens; a seeded one decodes step by step, so its
 tokens are the same alone and batched).
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decodekit.api.config import EngineConfig
-from decodekit.api.sampling import draw_temperature
+from decodekit.api.sampling import DrawRule, draw_rule
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import Strategy
 from decodekit.core.scheduler import Scheduler, wants_hidden_states
@@ -31,13 +32,13 @@ from decodekit.core.scheduler import Scheduler, wants_hidden_states
 @dataclass(frozen=True)
 class DecodeRunPlan:
     """A run the engine can make now: its request's one sequence, how many steps at most, the ids ending it, and
-    the temperature its tokens are drawn at (0: each the argmax)."""
+    how its tokens are drawn (None: each the argmax)."""
 
     request: Request
     seq: Sequence
     steps: int
     stop_ids: tuple[int, ...]
-    temperature: float = 0.0
+    rule: DrawRule | None = None
 
 
 def _plain_request(request: Request) -> bool:
@@ -51,13 +52,13 @@ def _plain_request(request: Request) -> bool:
             and not strategy.handles_stopping and not strategy.finalizes and not wants_hidden_states(request))
 
 
-def plain_draw(request: Request) -> float | None:
-    """The temperature where `request`'s next tokens are each a draw from `softmax(logits / temperature)` and nothing
-    else: sampled without a seed, one sequence, no processor but the temperature (`draw_temperature`), no reasoning
-    phases, logprobs or trace, and a strategy that draws so (`Strategy.plain_draw`) without proposing drafts or
-    reading hidden states; None otherwise. A native run draws with uniforms from torch's global generator: an
-    unseeded request promises no tokens, only their distribution (a seeded one keeps its generator's draws, which
-    are the same alone and batched)."""
+def plain_draw(request: Request) -> DrawRule | None:
+    """How `request`'s next tokens are drawn where each is a draw a native run can make and nothing else: sampled
+    without a seed, one sequence, no processors but temperature, top_k, top_p and min_p in their usual order
+    (`draw_rule`), no reasoning phases, logprobs or trace, and a strategy that draws so (`Strategy.plain_draw`)
+    without proposing drafts or reading hidden states; None otherwise. A native run draws with uniforms from
+    torch's global generator: an unseeded request promises no tokens, only their distribution (a seeded one keeps
+    its generator's draws, which are the same alone and batched)."""
     plan, params = request.plan, request.params
     if (plan is None or params.greedy or params.seed is not None or params.n != 1 or len(request.sequences) != 1
             or plan.phases is not None or params.logprobs is not None or params.trace is not None):
@@ -66,7 +67,7 @@ def plain_draw(request: Request) -> float | None:
     if (not strategy.plain_draw or type(strategy).propose is not Strategy.propose or strategy.handles_stopping
             or strategy.finalizes or wants_hidden_states(request)):
         return None
-    return draw_temperature(plan.stages)
+    return draw_rule(plan.stages)
 
 
 def plain_greedy(request: Request) -> bool:
@@ -84,7 +85,7 @@ def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: t
                     max_model_len: int, proposed: bool = False) -> DecodeRunPlan | None:
     """The run to make instead of this step, or None (then the step runs as usual): one request running, none
     waiting that could join it (`max_num_seqs` 1 queues the others until it ends), its sequence decoding one pending
-    token, `plain_greedy` (or `plain_draw`: its tokens drawn natively at its temperature), and room for at least two
+    token, `plain_greedy` (or `plain_draw`: its tokens drawn natively by its `DrawRule`), and room for at least two
     steps before its `max_tokens` and `max_model_len`.
 
     With `proposed` (asked after the strategies proposed), a proposing strategy's request instead, left with no
@@ -105,14 +106,13 @@ def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: t
         if type(strategy).propose is Strategy.propose:  # not proposing: `plain_greedy` decided before the step
             return None
         limit = min(limit, strategy.steps_without_drafts(request))
-        temperature = 0.0
+        rule = None
     elif plain_greedy(request):
-        temperature = 0.0
+        rule = None
     else:
-        drawn = plain_draw(request)
-        if drawn is None:
+        rule = plain_draw(request)
+        if rule is None:
             return None
-        temperature = drawn
     seq = request.sequences[0]
     if (seq.finished or seq.num_uncomputed != 1 or seq.draft_token_ids or seq.draft_branches
             or seq.candidate_token_ids):
@@ -123,5 +123,4 @@ def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: t
     if steps < 2:
         return None
     stops = () if params.ignore_eos else eos_token_ids
-    return DecodeRunPlan(request, seq, steps, tuple(dict.fromkeys([*stops, *(params.stop_token_ids or ())])),
-                         temperature)
+    return DecodeRunPlan(request, seq, steps, tuple(dict.fromkeys([*stops, *(params.stop_token_ids or ())])), rule)

@@ -236,8 +236,8 @@ class Engine:
         self.allocator.ensure_slots(seq.seq_id, start, start + run.steps)
         started = time.perf_counter()
         try:
-            draws = None if run.temperature <= 0 else \
-                RunDraws(run.temperature, torch.rand(run.steps, dtype=torch.float64))  # unseeded: the global generator
+            draws = None if run.rule is None else \
+                RunDraws(run.rule, torch.rand(run.steps, dtype=torch.float64))  # unseeded: the global generator
             tokens = self.model.decode_run(seq.token_ids[-1], start, self.allocator.block_table(seq.seq_id),
                                            run.steps, run.stop_ids, self.allocator.take_pending_copies(), draws)
         except Exception as exc:

@@ -16,6 +16,7 @@ import torch
 
 from decodekit.api.errors import ConfigError
 from decodekit.api.models import LoadedModel
+from decodekit.api.sampling import DrawRule
 from decodekit.execution.attention.kv_cache import PagedKVCache
 from decodekit.execution.blocks import BlockAllocator
 from decodekit.execution.fused.decoder import release_layer_weights
@@ -171,16 +172,16 @@ class ModelExecutor:
         return self._run(key, token, steps, None)
 
     @torch.inference_mode()
-    def sample_run(self, key: int, token: int, steps: int, temperature: float, uniforms: Sequence[float]
+    def sample_run(self, key: int, token: int, steps: int, rule: DrawRule, uniforms: Sequence[float]
                    ) -> tuple[list[int], torch.Tensor] | None:
-        """`greedy_run`, each token drawn instead from `softmax(logits / temperature)` of the logits `forward` would
-        return, by the inverse of that distribution's CDF at `uniforms[i]` (in [0, 1)); returns the tokens and
-        those distributions (float32 `[steps, vocab]`). None (nothing run) as `greedy_run`, and where the model
-        samples no runs natively (a GPU's graphs).
+        """`greedy_run`, each token drawn instead from the distribution `rule` makes of the logits `forward` would
+        return (`DrawRule`), by the inverse of that distribution's CDF at `uniforms[i]` (in [0, 1)); returns the
+        tokens and those distributions (float32 `[steps, vocab]`). None (nothing run) as `greedy_run`, and where
+        the model samples no runs natively (a GPU's graphs).
 
         A sampled self-draft at batch 1 drafts this way: a one-token forward's Python is dearer still there (the
         processing, a sampled selection's noise over the vocabulary, the softmax of its q row)."""
-        draws = RunDraws(float(temperature), torch.tensor(list(uniforms), dtype=torch.float64))
+        draws = RunDraws(rule, torch.tensor(list(uniforms), dtype=torch.float64))
         tokens = self._run(key, token, steps, draws)
         if tokens is None or draws.probs is None:
             return None

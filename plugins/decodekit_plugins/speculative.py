@@ -42,7 +42,7 @@ from decodekit.api.draft_tree import DraftTree, TreeShape, count_nodes
 from decodekit.api.params import SamplingParams
 from decodekit.api.processors import Stage
 from decodekit.api.proposer import Proposer, ProposerModel
-from decodekit.api.sampling import draw_temperature, select_tokens
+from decodekit.api.sampling import DrawRule, draw_rule, select_tokens
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.stash import StashKey
 from decodekit.api.step_cost import StepCost, StepTiming
@@ -227,16 +227,16 @@ def _plain_argmax(seq: Sequence) -> bool:
     return seq.greedy and plan is not None and not plan.stages and plan.phases is None
 
 
-def _plain_draw(seq: Sequence) -> float | None:
-    """The temperature of `seq`'s draft tokens where each is a draw from the draft model's softmax at that
-    temperature and nothing else: sampled without a seed, no reasoning phases, no processor but `temperature`
-    (`draw_temperature`); None otherwise. A native run (`ProposerModel.sample_run`) then drafts from the distribution
-    the forwards would, with draws of its own. A seeded sequence drafts by the forwards: its draws come from its
-    generator in the order a batched step takes them, so its output is the same alone and batched."""
+def _plain_draw(seq: Sequence) -> DrawRule | None:
+    """How `seq`'s draft tokens are drawn where each is a draw a native run can make from the draft model's logits:
+    sampled without a seed, no reasoning phases, no processors but temperature, top_k, top_p and min_p in their
+    usual order (`draw_rule`); None otherwise. A native run (`ProposerModel.sample_run`) then drafts from the
+    distribution the forwards would, with draws of its own. A seeded sequence drafts by the forwards: its draws
+    come from its generator in the order a batched step takes them, so its output is the same alone and batched."""
     plan = seq.request.plan
     if seq.greedy or plan is None or plan.phases is not None or seq.request.params.seed is not None:
         return None
-    return draw_temperature(plan.stages)
+    return draw_rule(plan.stages)
 
 
 class _CountedForwards:
@@ -338,11 +338,11 @@ class DraftModelProposer(Proposer):
         if _plain_argmax(seq):
             run = model.greedy_run(seq.seq_id, seq.token_ids[-1], k)
             return None if run is None else (run, None)
-        temperature = _plain_draw(seq)
-        if temperature is None:
+        rule = _plain_draw(seq)
+        if rule is None:
             return None
         uniforms = torch.rand(k, dtype=torch.float64, generator=seq.generator)
-        return model.sample_run(seq.seq_id, seq.token_ids[-1], k, temperature, uniforms.tolist())
+        return model.sample_run(seq.seq_id, seq.token_ids[-1], k, rule, uniforms.tolist())
 
     def propose_tree(self, ctx: StepContext, seqs: list[Sequence], ks: list[int], options: list[Any],
                      shape: TreeShape) -> list[DraftTree]:

@@ -13,9 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decodekit import LLM, SamplingParams
+from decodekit.api.params import ComponentSpec
+from decodekit.api.sampling import DrawRule
 from decodekit.execution.kernels.native import load_kernels
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from tests.engine.test_sampling_distribution import ALPHA, p_value
+from tests.helpers.draws import processed
 from tests.helpers.reference import hf_greedy, random_prompts
 
 kernels = load_kernels()
@@ -111,24 +114,27 @@ def test_no_run_where_a_token_is_more_than_the_argmax(llama, params):
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20),
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, processors=[{"name": "presence_penalty",
+                                                                             "params": {"penalty": 0.5}}]),
     SamplingParams(temperature=0.8, max_tokens=20, logprobs=2),
     SamplingParams(temperature=0.8, max_tokens=20, min_tokens=5),
-], ids=["top-p", "logprobs", "min_tokens"])
-def test_no_run_for_an_unseeded_sampled_request_whose_tokens_are_more_than_a_draw_at_its_temperature(llama, params):
+], ids=["a penalty", "logprobs", "min_tokens"])
+def test_no_run_for_an_unseeded_sampled_request_whose_tokens_are_more_than_a_draw_rule(llama, params):
     _, runs = _pair(llama)
     out = runs.generate([random_prompts(1, 5, 6, seed=1)[0]], params)[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 20
     assert runs.engine.decode_run_tokens == 0
 
 
-def _two_step_distribution(model: Any, prompt: list[int], temperature: float) -> torch.Tensor:
-    """The target's distribution of the second token after `prompt` at `temperature`, from transformers' logits:
-    the sum over every first token of its chance times the second's given it."""
+def _two_step_distribution(model: Any, prompt: list[int], rule: DrawRule) -> torch.Tensor:
+    """The target's distribution of the second token after `prompt` drawn by `rule` (the built-in processors it
+    stands for, applied to transformers' logits): the sum over every first token of its chance times the second's
+    given it."""
     with torch.inference_mode():
-        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / temperature, dim=-1)
+        first = processed(model(torch.tensor([prompt])).logits[0, -1], rule).double().softmax(-1)
         batch = torch.tensor([[*prompt, a] for a in range(first.shape[0])])
-        second = torch.softmax(model(batch).logits[:, -1].double() / temperature, dim=-1)
+        logits = model(batch).logits[:, -1]
+        second = torch.stack([processed(row, rule) for row in logits]).double().softmax(-1)
     return (first[:, None] * second).sum(0)
 
 
@@ -143,18 +149,22 @@ def _second_token_p_value(outs: list[Any], expected: torch.Tensor) -> float:
                    torch.cat([expected[common], expected[~common].sum()[None]]))
 
 
-def test_a_lone_unseeded_sampled_request_runs_natively_and_draws_the_models_distribution():
+@pytest.mark.parametrize("rule", [DrawRule(0.6), DrawRule(1.3, top_k=12, top_p=0.8, min_p=0.02)],
+                         ids=["temperature", "top_k, top_p, min_p"])
+def test_a_lone_unseeded_sampled_request_runs_natively_and_draws_the_models_distribution(rule):
     """Requests served one at a time (`max_num_seqs` 1), each decoding its tokens after the first in a native run
-    that draws at its temperature: the second token's chi-square against the target's two-step distribution."""
+    that draws by its rule: the second token's chi-square against the target's two-step distribution."""
     model = tiny_model("llama", seed=5)
     llm = LLM(copy.deepcopy(model), tiny_tokenizer(), max_num_seqs=1, decode_run_steps=8, device="cpu",
               fused_decoder=True, kv_cache_memory="8MiB", block_size=4)
-    temperature, draws = 0.6, 600
+    draws = 600
     prompt = random_prompts(1, 8, 9, seed=30)[0]
     torch.manual_seed(0)  # unseeded requests draw from torch's global generator
-    outs = llm.generate([prompt] * draws, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
+    params = SamplingParams(temperature=rule.temperature, top_k=rule.top_k, top_p=rule.top_p, min_p=rule.min_p,
+                            max_tokens=4, ignore_eos=True)
+    outs = llm.generate([prompt] * draws, params)
     assert llm.engine.decode_run_tokens == 3 * draws  # every token after the prefill's came from a run
-    assert _second_token_p_value(outs, _two_step_distribution(model, prompt, temperature)) > ALPHA
+    assert _second_token_p_value(outs, _two_step_distribution(model, prompt, rule)) > ALPHA
 
 
 def test_a_request_arriving_during_runs_is_served_and_both_stay_exact(llama):
@@ -398,20 +408,20 @@ def _inverse_cdf(q: torch.Tensor, u: float) -> int:
     return int(torch.searchsorted(q.double().cumsum(0), torch.tensor([u], dtype=torch.float64), right=True)[0])
 
 
-@pytest.mark.parametrize("steps", [1, 3, 7])
-def test_a_draft_models_sample_run_draws_each_token_by_the_inverse_cdf_of_its_forwards_softmax(steps):
+@pytest.mark.parametrize("steps, rule", [(1, DrawRule(0.8)), (3, DrawRule(0.8)), (7, DrawRule(0.8)),
+                                         (5, DrawRule(1.2, top_k=9, top_p=0.7, min_p=0.03))])
+def test_a_draft_models_sample_run_draws_each_token_by_the_inverse_cdf_of_its_forwards_processed_softmax(steps, rule):
     _, _, draft = _draft_engine(self_draft=False)
-    temperature = 0.8
     uniforms = torch.rand(steps, dtype=torch.float64, generator=torch.Generator().manual_seed(steps)).tolist()
     for n, prompt in enumerate(random_prompts(3, 5, 19, seed=21)):  # block size 4: runs cross blocks
         run_key, loop_key = _two_caches(draft, 3000 + n, 4000 + n, prompt, steps)
-        run = draft.sample_run(run_key, prompt[-1], steps, temperature, uniforms)
+        run = draft.sample_run(run_key, prompt[-1], steps, rule, uniforms)
         assert run is not None
         tokens, q = run
         assert q.shape[0] == steps and q.dtype == torch.float32
         loop, last = [], prompt[-1]
         for i in range(steps):
-            want = torch.softmax(draft.forward([(loop_key, [last])])[0] / temperature, dim=-1)
+            want = processed(draft.forward([(loop_key, [last])])[0], rule).softmax(-1)
             torch.testing.assert_close(q[i], want, rtol=1e-5, atol=1e-7)  # the distribution each token came from
             last = _inverse_cdf(q[i], uniforms[i])
             loop.append(last)
@@ -430,8 +440,8 @@ def test_a_lone_unseeded_sampled_request_drafts_natively_and_keeps_the_targets_d
     runs: list[int] = []
     sample_run = type(draft).sample_run
 
-    def counted(self, key, token, steps, temperature, uniforms):
-        out = sample_run(self, key, token, steps, temperature, uniforms)
+    def counted(self, key, token, steps, rule, uniforms):
+        out = sample_run(self, key, token, steps, rule, uniforms)
         runs.append(0 if out is None else len(out[0]))
         return out
 
@@ -444,10 +454,10 @@ def test_a_lone_unseeded_sampled_request_drafts_natively_and_keeps_the_targets_d
     outs = spec.generate([prompt] * draws, params)
     assert runs and all(runs)
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
-    assert _second_token_p_value(outs, _two_step_distribution(model, prompt, temperature)) > ALPHA
+    assert _second_token_p_value(outs, _two_step_distribution(model, prompt, DrawRule(temperature))) > ALPHA
 
 
-def test_no_native_draw_for_a_seeded_request_or_one_with_more_than_a_temperature(monkeypatch):
+def test_no_native_draw_for_a_seeded_request_or_one_with_more_than_a_draw_rule(monkeypatch):
     _, spec, draft = _draft_engine()
     calls: list[int] = []
     monkeypatch.setattr(type(draft), "sample_run", lambda self, *args: calls.append(1))
@@ -455,11 +465,12 @@ def test_no_native_draw_for_a_seeded_request_or_one_with_more_than_a_temperature
     seeded = _speculative(proposer="draft")
     seeded.temperature, seeded.seed = 0.8, 3  # its draws come from its generator, as batched
     spec.generate([prompt], seeded)
-    top_p = _speculative(proposer="draft")
-    top_p.temperature, top_p.top_p = 0.8, 0.9  # the draft truncates its own distribution too
-    spec.generate([prompt], top_p)
+    penalized = _speculative(proposer="draft")
+    penalized.temperature, penalized.top_p = 0.8, 0.9  # a penalty reads the history: the forwards draft
+    penalized.processors = [ComponentSpec(name="presence_penalty", params={"penalty": 0.5})]
+    spec.generate([prompt], penalized)
     assert not calls
     unseeded = _speculative(proposer="draft")
-    unseeded.temperature = 0.8
+    unseeded.temperature, unseeded.top_p = 0.8, 0.9
     spec.generate([prompt], unseeded)
-    assert calls  # the same request unseeded, temperature alone: native
+    assert calls  # the same request unseeded, without the penalty: native

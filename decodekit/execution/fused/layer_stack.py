@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from decodekit.api.sampling import DrawRule
 from decodekit.execution.attention.kv_cache import PagedKVCache
 from decodekit.execution.fused.blocks import GEMMA_ARCHITECTURES
 from decodekit.execution.fused.stored_matrices import GGUF_NATIVE_MAX_ROWS, STORED_QUANTIZATION, GgufMatrix
@@ -42,6 +43,7 @@ from decodekit.execution.kernels.native import (
     NATIVE_GATING_MAX_ROWS,
     PARALLEL_MIN_KEYS,
     DecodeAttentionPlan,
+    DrawRuleFields,
     NativeKernels,
 )
 from decodekit.execution.kernels.quant import GGUF_FORMATS, ISAS
@@ -94,25 +96,23 @@ class RunModel(ctypes.Structure):
     _fields_ = [("embed", _p), ("embed_bf16", _i), ("vocab", _i), ("final_norm", _p), ("final_eps", _f),
                 ("head", StackMatrix), ("cos", _p), ("signed_sin", _p), ("rope_positions", _i), ("head_dim", _i),
                 ("block_table", _p), ("blocks", _i), ("stop_ids", _p), ("stop_count", _i),
-                ("temperature", _f), ("uniforms", _p), ("probs", _p)]
+                ("draw", DrawRuleFields), ("uniforms", _p), ("probs", _p)]
 
 
 @dataclass
 class RunDraws:
-    """A sampled decode run's draws: each token drawn from `softmax(logits / temperature)` by the inverse of its
-    distribution function at `uniforms[i]` (float64 in [0, 1), one a step); the run sets `probs` to those
-    distributions (float32 `[tokens, vocab]`, a row per token it drew). What a sampled draft needs from its model:
-    the tokens and the distributions they came from (speculative sampling's q), without a step's Python a token."""
+    """A sampled decode run's draws: each token drawn from the distribution `rule` describes (`DrawRule`: the
+    softmax at its temperature, truncated by its top_k, top_p, min_p) by the inverse of its distribution function
+    at `uniforms[i]` (float64 in [0, 1), one a step); the run sets `probs` to those distributions (float32
+    `[tokens, vocab]`, a row per token it drew). What a sampled draft needs from its model: the tokens and the
+    distributions they came from (speculative sampling's q), without a step's Python a token."""
 
-    temperature: float
+    rule: DrawRule
     uniforms: torch.Tensor
     probs: torch.Tensor | None = None
 
     def check(self, steps: int) -> None:
-        """Raises ValueError where the uniforms are not `steps` contiguous float64 values or the temperature is not
-        positive and finite."""
-        if not (0.0 < self.temperature < float("inf")):
-            raise ValueError(f"a sampled run needs a positive finite temperature, not {self.temperature}")
+        """Raises ValueError where the uniforms are not `steps` contiguous float64 values."""
         if self.uniforms.dtype != torch.float64 or self.uniforms.numel() < steps or not self.uniforms.is_contiguous():
             raise ValueError(f"a sampled run of {steps} steps needs {steps} contiguous float64 uniforms")
 
@@ -406,7 +406,7 @@ class DecodeRun:
         model.rope_positions, model.head_dim = cos.shape[0], cos.shape[1]
         model.block_table, model.blocks = tables.data_ptr(), len(block_table)
         model.stop_ids, model.stop_count = stops.data_ptr(), len(stop_ids)
-        model.temperature = 0.0 if draws is None else draws.temperature
+        model.draw.set(None if draws is None else draws.rule)
         model.uniforms = None if draws is None else draws.uniforms.data_ptr()
         model.probs = None if probs is None else probs.data_ptr()
         out = torch.empty(max(steps, 1), dtype=torch.long)
@@ -417,7 +417,7 @@ class DecodeRun:
                                        ctypes.addressof(model), ctypes.addressof(self._scratch), token, position,
                                        steps, out.data_ptr())
         if done == -2:
-            raise MemoryError("native attention could not allocate its scratch memory")
+            raise MemoryError("a native run could not allocate its scratch memory (attention or draws)")
         if done == -3:
             raise ValueError(f"a decode run of {steps} steps from position {position} passes its block table "
                              f"({len(block_table)} blocks) or the RoPE tables ({cos.shape[0]} positions)")

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from decodekit.api.cpu import kernel_compile_flags
+from decodekit.api.sampling import DrawRule
 from decodekit.execution.attention.kv_cache import BATCHED_MAX_QUERY
 from decodekit.execution.kernels.gemv_prefetch import GemvPrefetchChoice, apply_gemv_prefetch
 from decodekit.execution.kernels.quant import QuantKernels
@@ -48,7 +49,8 @@ from decodekit.models.loader import cache_dir
 SOURCE = Path(__file__).with_name("native") / "kernels.c"
 # The library's sources: the small ops, attention, float/bf16/int8 products; the GGUF quantized products
 # (`kernels.quant` binds those); the fused decoder's layer stack in one call (`fused.layer_stack` describes it).
-SOURCES: tuple[Path, ...] = (SOURCE, SOURCE.with_name("quant.c"), SOURCE.with_name("layers.c"))
+SOURCES: tuple[Path, ...] = (SOURCE, SOURCE.with_name("quant.c"), SOURCE.with_name("layers.c"),
+                             SOURCE.with_name("draws.c"))
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
 # bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
 # `DECODEKIT_CPU_ISA` appends its flags (`api.cpu.kernel_compile_flags`: an AVX2 build on an AVX-512 CPU).
@@ -84,7 +86,7 @@ SYMBOLS = ("dk_rms_norm", "dk_silu_mul", "dk_rope_cache_attend", "dk_parallel", 
            "dk_dot_attention", "dk_linear_i8", "dk_linear_bf16", "dk_gemv", "dk_rms_norm_bf16", "dk_silu_mul_bf16",
            "dk_widen_add", "dk_quant_linear", "dk_quant_dequantize", "dk_quant_isa", "dk_layer_stack",
            "dk_stack_timing", "dk_stack_product_seconds", "dk_stack_seconds", "dk_decode_run", "dk_quant_gated",
-           "dk_gemv_set_prefetch", "dk_gemv_max_rows")
+           "dk_gemv_set_prefetch", "dk_gemv_max_rows", "dk_draw_row")
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -236,6 +238,19 @@ def build_library(compiler: str) -> Path:
     return target
 
 
+class DrawRuleFields(ctypes.Structure):
+    """`dk_draw_rule` (draws.c): how a run draws its tokens (`DrawRule`; temperature 0: the argmax)."""
+
+    _fields_ = [("temperature", _f), ("top_k", _i), ("top_p", _f), ("min_p", _f)]
+
+    def set(self, rule: DrawRule | None) -> None:
+        """Take `rule`'s values (None: each token the argmax)."""
+        self.temperature = 0.0 if rule is None else rule.temperature
+        self.top_k = 0 if rule is None else rule.top_k
+        self.top_p = 1.0 if rule is None else rule.top_p
+        self.min_p = 0.0 if rule is None else rule.min_p
+
+
 class NativeKernels:
     """The loaded kernels, with thin typed wrappers over their C entry points."""
 
@@ -295,6 +310,10 @@ class NativeKernels:
         self.decode_run = lib.dk_decode_run
         self.decode_run.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p, _p, _i, _i, _i, _p]
         self.decode_run.restype = ctypes.c_int64
+        # (logits, vocab, rule, u, probs) -> token, or -2 (no memory): one row's draw (`draw_row`)
+        self._draw_row = lib.dk_draw_row
+        self._draw_row.argtypes = [_p, _i, _p, ctypes.c_double, _p]
+        self._draw_row.restype = ctypes.c_int64
         # (on) -> None and () -> seconds: the layer stack's weight products timed (`time_stack_products`)
         self._stack_timing = lib.dk_stack_timing
         self._stack_timing.argtypes = [_i]
@@ -328,6 +347,18 @@ class NativeKernels:
         if self._rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps) != 0:
             raise MemoryError("native RMSNorm could not allocate its scratch memory")
         return out
+
+    def draw_row(self, logits: torch.Tensor, rule: DrawRule, u: float) -> tuple[int, torch.Tensor]:
+        """The token a decode run draws by `rule` from one row of float32 `logits` at the uniform `u` (in [0, 1)),
+        and the distribution it drew from (float32, 0 where the rule's truncation dropped a token)."""
+        row = logits.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+        probs = torch.empty_like(row)
+        fields = DrawRuleFields()
+        fields.set(rule)
+        token = self._draw_row(row.data_ptr(), row.numel(), ctypes.addressof(fields), float(u), probs.data_ptr())
+        if token == -2:
+            raise MemoryError("a native draw could not allocate its scratch memory")
+        return int(token), probs
 
     def time_stack_products(self, on: bool) -> None:
         """Start (and zero) or stop timing the layer stack's weight products and the parts outside them

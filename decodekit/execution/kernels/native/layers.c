@@ -42,6 +42,15 @@ int dk_quant_linear_parts(int64_t parts, const int64_t* kinds, const uint8_t* co
                           const float* residual, float* out, int64_t ld, int64_t isa);
 int dk_quant_gated(const int64_t* kinds, const uint8_t* const* blocks, int64_t inter, const float* x, int64_t rows,
                    int64_t in, float* gate_up, float* gated, int64_t isa);
+/* draws.c: a run's token choice (dk_draw_rule mirrors its definition there) */
+typedef struct {
+    float temperature;
+    int64_t top_k;
+    float top_p;
+    float min_p;
+} dk_draw_rule;
+int64_t dk_draw_token(const float* logits, int64_t vocab, const dk_draw_rule* rule, double u, float* weights,
+                      float* probs);
 
 /* A matrix's kind: which product multiplies it (`layer_stack.py` mirrors these). */
 enum { DK_STACK_GEMV = 0, DK_STACK_BF16 = 1, DK_STACK_I8 = 2, DK_STACK_QUANT = 3 };
@@ -371,7 +380,7 @@ typedef struct {
     int64_t blocks;
     const int64_t* stop_ids;    /* a run ends after producing one of these */
     int64_t stop_count;
-    float temperature;          /* 0: each token the argmax; else drawn from softmax(logits / temperature) */
+    dk_draw_rule draw;          /* temperature 0: each token the argmax; else drawn as the rule says (draws.c) */
     const double* uniforms;     /* with a temperature: step i's draw, in [0, 1) */
     float* probs;               /* with a temperature: [steps, vocab], step i's distribution (may be NULL) */
 } dk_run_model;
@@ -384,118 +393,15 @@ typedef struct {
     float* logits;  /* [vocab] */
 } dk_run_scratch;
 
-/* The first index of the largest logit, as torch.argmax takes it (NaN rows aside: a NaN never wins here). The
- * maximum over 8 lanes first (vector compares, no branch per logit: 49K logits took ~30 us a token one by one),
- * then the first logit equal to it. */
-typedef float dk_v8f __attribute__((vector_size(32)));
-typedef int32_t dk_v8i __attribute__((vector_size(32)));
-static int64_t first_argmax(const float* logits, int64_t vocab) {
-    float top = logits[0];
-    int64_t i = 0;
-    if (vocab >= 8) {
-        dk_v8f best;
-        __builtin_memcpy(&best, logits, sizeof best);
-        for (i = 8; i + 8 <= vocab; i += 8) {
-            dk_v8f x;
-            __builtin_memcpy(&x, logits + i, sizeof x);
-            dk_v8i more = x > best;
-            best = (dk_v8f)(((dk_v8i)x & more) | ((dk_v8i)best & ~more));
-        }
-        for (int k = 0; k < 8; ++k) top = best[k] > top ? best[k] : top;
-    }
-    for (; i < vocab; ++i) top = logits[i] > top ? logits[i] : top;
-    for (i = 0; i < vocab; ++i)
-        if (logits[i] == top) return i;
-    return 0;  /* every logit NaN */
-}
-
-/* exp(x) for x <= 0 in 8 lanes (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial of r, then
- * 2^n in the exponent bits; ~1 ulp), 0 below -87 (no subnormals). A libm call per logit took ~0.5 ms over SmolLM2's
- * 49K logits; this loop ~40 us. Used only for sampled draws, whose distribution is returned as computed here. */
-static inline __attribute__((always_inline)) dk_v8f exp_nonpositive_v8(dk_v8f x) {
-    const dk_v8f log2e = {1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f,
-                          1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f, 1.44269504088896341f};
-    dk_v8i under = x < -87.0f;
-    x = (dk_v8f)((dk_v8i)x & ~under);  /* those lanes computed at 0, then zeroed */
-    dk_v8f fx = x * log2e + 0.5f;
-    dk_v8i n = __builtin_convertvector(fx, dk_v8i);           /* truncates toward zero */
-    n += (dk_v8i)(__builtin_convertvector(n, dk_v8f) > fx);   /* -1 where that was above: the floor */
-    dk_v8f nf = __builtin_convertvector(n, dk_v8f);
-    dk_v8f r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-    dk_v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    dk_v8i scale = (n + 127) << 23;
-    return (dk_v8f)((dk_v8i)(p * (dk_v8f)scale) & ~under);
-}
-
-/* A token drawn from softmax(logits / temperature) by the inverse of its distribution function at u (in [0, 1)):
- * the first token whose running sum of exp((logit - max) / temperature) passes u times their total (sums in double,
- * 64 logits a block, so the search reads the blocks' sums first). With `probs`, the distribution it was drawn from,
- * each weight over the total. `weights` is scratch of `vocab` floats (it may be `probs`). A NaN row draws token 0. */
-#define SAMPLE_BLOCK 64
-static int64_t sample_token(const float* logits, int64_t vocab, float temperature, double u, float* weights,
-                            float* probs) {
-    float top = logits[first_argmax(logits, vocab)];
-    if (top != top) return 0;
-    float inverse = 1.0f / temperature;
-    int64_t i = 0, token = -1;
-    for (; i + 8 <= vocab; i += 8) {
-        dk_v8f x;
-        __builtin_memcpy(&x, logits + i, sizeof x);
-        dk_v8f e = exp_nonpositive_v8((x - top) * inverse);
-        __builtin_memcpy(weights + i, &e, sizeof e);
-    }
-    for (; i < vocab; ++i) {  /* the tail through the same lanes */
-        dk_v8f x = {0};
-        x[0] = (logits[i] - top) * inverse;
-        weights[i] = exp_nonpositive_v8(x)[0];
-    }
-    double total = 0.0;
-    for (i = 0; i < vocab; i += SAMPLE_BLOCK) {
-        int64_t end = i + SAMPLE_BLOCK < vocab ? i + SAMPLE_BLOCK : vocab;
-        float block = 0.0f;
-        for (int64_t j = i; j < end; ++j) block += weights[j];
-        total += block;
-    }
-    double target = u * total, seen = 0.0;
-    for (i = 0; i < vocab; i += SAMPLE_BLOCK) {
-        int64_t end = i + SAMPLE_BLOCK < vocab ? i + SAMPLE_BLOCK : vocab;
-        float block = 0.0f;
-        for (int64_t j = i; j < end; ++j) block += weights[j];
-        if (seen + block <= target) {
-            seen += block;
-            continue;
-        }
-        for (int64_t j = i; j < end; ++j) {
-            seen += weights[j];
-            if (seen > target && weights[j] > 0.0f) {
-                token = j;
-                break;
-            }
-        }
-        if (token >= 0) break;
-    }
-    if (token < 0)  /* u * total at the very end (rounding): the last token with any weight (the top has 1) */
-        for (token = vocab - 1; token > 0 && weights[token] == 0.0f; --token) {}
-    if (probs != NULL) {
-        float scale = (float)(1.0 / total);
-        for (i = 0; i < vocab; ++i) probs[i] = weights[i] * scale;
-    }
-    return token;
-}
-
 /* A decode run of one sequence: up to `steps` times, the pending `token` at `position` goes through the
  * embeddings, every layer (dk_layer_stack with one row: its keys and values written at the position's slot), the
- * final norm and the LM head, and the argmax becomes the next pending token, written to out_tokens (with
- * m->temperature > 0, a draw at m->uniforms[i] instead, its distribution written to m->probs: sample_token). The
- * engine's one-row steps make the same calls with the same operands (the runner's plan for one decode token: slot
- * from the block table, keys 0..position, the position's RoPE row), so the logits are the ones it would compute step
- * by step, and a greedy run's tokens the ones it would pick. Stops early after a stop id. Returns the tokens produced; -1/-2 as dk_layer_stack; -3 when a position lies
- * past the block table or the RoPE tables (the caller sizes both). */
+ * final norm and the LM head, and the argmax becomes the next pending token, written to out_tokens (with a
+ * temperature in m->draw, a draw by that rule at m->uniforms[i] instead, its distribution written to m->probs:
+ * dk_draw_token). The engine's one-row steps make the same calls with the same operands (the runner's plan for one
+ * decode token: slot from the block table, keys 0..position, the position's RoPE row), so the logits are the ones
+ * it would compute step by step, and a greedy run's tokens the ones it would pick. Stops early after a stop id.
+ * Returns the tokens produced; -1/-2 as dk_layer_stack (-2 also where a draw's scratch could not be allocated); -3
+ * when a position lies past the block table or the RoPE tables (the caller sizes both). */
 int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidden_dim, void* const* key_pools,
                       void* const* value_pools, const dk_stack_attention* settings, const dk_stack_scratch* scratch,
                       const dk_run_model* m, const dk_run_scratch* rows, int64_t token, int64_t position,
@@ -536,14 +442,11 @@ int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidde
         timed_norm(rows->output, m->final_norm, rows->normed, 1, hidden_dim, m->final_eps);
         if (timed_product(&m->head, rows->normed, 1, 0, rows->logits) != 0) return -1;
         start = time_start();
-        if (m->temperature > 0.0f) {
-            float* probs = m->probs != NULL ? m->probs + i * m->vocab : NULL;
-            token = sample_token(rows->logits, m->vocab, m->temperature, m->uniforms[i],
-                                 probs != NULL ? probs : rows->logits, probs);
-        } else {
-            token = first_argmax(rows->logits, m->vocab);
-        }
+        float* probs = m->draw.temperature > 0.0f && m->probs != NULL ? m->probs + i * m->vocab : NULL;
+        token = dk_draw_token(rows->logits, m->vocab, &m->draw, m->draw.temperature > 0.0f ? m->uniforms[i] : 0.0,
+                              probs != NULL ? probs : rows->logits, probs);
         time_add(DK_TIME_RUN, start);
+        if (token < 0) return token;
         out_tokens[i] = token;
         for (int64_t s = 0; s < m->stop_count; ++s)
             if (m->stop_ids[s] == token) return i + 1;
