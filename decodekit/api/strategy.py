@@ -238,11 +238,11 @@ class Strategy:
         raise NotImplementedError
 
     def steps_without_drafts(self, request: Request) -> int:
-        """For a strategy that proposes: how many steps of `request` (greedy, one sequence) may run natively, as
-        one decode run (`decodekit.core.decode_runs`), when `propose` left it nothing to verify this step: its
-        `select` then appends the argmax and nothing else that the run could miss (no forks, notes, finishes, or
-        state the next `propose` would not catch up on). 0 (the default): never; the strategy's steps are all
-        its own."""
+        """For a strategy that proposes: how many steps of `request` (one sequence, greedy or sampled without a seed
+        by a `DrawRule`'s processors) may run natively, as one decode run (`decodekit.core.decode_runs`), when
+        `propose` left it nothing to verify this step: its `select` then appends the argmax (sampled: a draw from the
+        processed row) and nothing else that the run could miss (no forks, notes, finishes, or state the next
+        `propose` would not catch up on). 0 (the default): never; the strategy's steps are all its own."""
         return 0
 
     def ran_natively(self, request: Request, tokens: int, seconds: float) -> None:

@@ -52,11 +52,10 @@ def _plain_request(request: Request) -> bool:
             and not strategy.handles_stopping and not strategy.finalizes and not wants_hidden_states(request))
 
 
-def plain_draw(request: Request) -> DrawRule | None:
-    """How `request`'s next tokens are drawn where each is a draw a native run can make and nothing else: sampled
-    without a seed, one sequence, no processors but temperature, top_k, top_p and min_p in their usual order
-    (`draw_rule`), no reasoning phases, logprobs or trace, and a strategy that draws so (`Strategy.plain_draw`)
-    without proposing drafts or reading hidden states; None otherwise. A native run draws with uniforms from
+def _drawn_request(request: Request) -> DrawRule | None:
+    """The `DrawRule` of a sampled request without a seed, one sequence, no reasoning phases, logprobs or trace, no
+    hidden states, a strategy that neither stops nor finalizes for the engine, and no processors but temperature,
+    top_k, top_p and min_p in their usual order (`draw_rule`); None otherwise. A native run draws with uniforms from
     torch's global generator: an unseeded request promises no tokens, only their distribution (a seeded one keeps
     its generator's draws, which are the same alone and batched)."""
     plan, params = request.plan, request.params
@@ -64,10 +63,19 @@ def plain_draw(request: Request) -> DrawRule | None:
             or plan.phases is not None or params.logprobs is not None or params.trace is not None):
         return None
     strategy = plan.strategy
-    if (not strategy.plain_draw or type(strategy).propose is not Strategy.propose or strategy.handles_stopping
-            or strategy.finalizes or wants_hidden_states(request)):
+    if strategy.handles_stopping or strategy.finalizes or wants_hidden_states(request):
         return None
     return draw_rule(plan.stages)
+
+
+def plain_draw(request: Request) -> DrawRule | None:
+    """How `request`'s next tokens are drawn where each is a draw a native run can make and nothing else
+    (`_drawn_request`), by a strategy that draws so (`Strategy.plain_draw`) without proposing drafts; None
+    otherwise."""
+    plan = request.plan
+    if plan is None or not plan.strategy.plain_draw or type(plan.strategy).propose is not Strategy.propose:
+        return None
+    return _drawn_request(request)
 
 
 def plain_greedy(request: Request) -> bool:
@@ -88,10 +96,10 @@ def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: t
     token, `plain_greedy` (or `plain_draw`: its tokens drawn natively by its `DrawRule`), and room for at least two
     steps before its `max_tokens` and `max_model_len`.
 
-    With `proposed` (asked after the strategies proposed), a proposing strategy's request instead, left with no
-    draft this step, for the steps its strategy allows (`Strategy.steps_without_drafts`): speculative decoding
-    whose proposers found nothing, or whose adaptive k is 0 where speculation cannot pay, decodes at a decode
-    run's pace rather than a step at a time."""
+    With `proposed` (asked after the strategies proposed), a proposing strategy's request instead (greedy, or
+    drawn by a `DrawRule` without a seed), left with no draft this step, for the steps its strategy allows
+    (`Strategy.steps_without_drafts`): speculative decoding whose proposers found nothing, or whose adaptive k is 0
+    where speculation cannot pay, decodes at a decode run's pace rather than a step at a time."""
     if config.decode_run_steps < 2 or len(scheduler.running) != 1:
         return None
     if scheduler.waiting and config.max_num_seqs > 1:  # a waiting request could join the next step: no run delays it
@@ -99,14 +107,15 @@ def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: t
     request = scheduler.running[0]
     limit = config.decode_run_steps
     if proposed:
-        if not _plain_request(request):
-            return None
-        assert request.plan is not None
-        strategy = request.plan.strategy
-        if type(strategy).propose is Strategy.propose:  # not proposing: `plain_greedy` decided before the step
-            return None
-        limit = min(limit, strategy.steps_without_drafts(request))
-        rule = None
+        if request.plan is None or type(request.plan.strategy).propose is Strategy.propose:
+            return None  # not proposing: `plain_greedy` and `plain_draw` decided before the step
+        if _plain_request(request):
+            rule = None
+        else:  # sampled: a step without drafts draws from the processed row, as a run draws by its rule
+            rule = _drawn_request(request)
+            if rule is None:
+                return None
+        limit = min(limit, request.plan.strategy.steps_without_drafts(request))
     elif plain_greedy(request):
         rule = None
     else:

@@ -487,11 +487,13 @@ class SpeculativeStrategy(Strategy):
 
     def steps_without_drafts(self, request: Request) -> int:
         """`runs_without_drafts` (doubled per further miss in a row, up to 16x; plain decoding's runs where its k
-        was 0) for a greedy request whose chain reads no hidden states (the run computes none to give them); the
-        draft model catches up on the run's tokens at its next draft, and a step without a draft leaves nothing else
-        to do than the argmax."""
+        was 0) for a request whose chain reads no hidden states (the run computes none to give them), greedy or
+        drawn without a seed by a rule a run draws by (`_plain_draw`); the draft model catches up on the run's tokens
+        at its next draft, and a step without a draft leaves nothing else to do than the argmax or the draw."""
         options = request.plan.strategy_options if request.plan is not None else None
-        if not isinstance(options, SpeculativeParams) or not request.params.greedy or self.reads_hidden_states(options):
+        if not isinstance(options, SpeculativeParams) or self.reads_hidden_states(options):
+            return 0
+        if not request.params.greedy and (len(request.sequences) != 1 or _plain_draw(request.sequences[0]) is None):
             return 0
         if not options.runs_without_drafts:
             return 0

@@ -259,7 +259,7 @@ def test_the_draft_model_catches_up_on_the_tokens_of_runs_between_its_drafts(mon
     assert spec.engine.decode_run_tokens > 0
 
 
-def test_speculation_does_not_run_natively_when_asked_not_to_or_sampling():
+def test_speculation_does_not_run_natively_when_asked_not_to_or_seeded():
     model = tiny_model("llama", seed=5)
     _, spec = _pair(model)
     prompts = random_prompts(2, 20, 30, seed=10)
@@ -271,6 +271,25 @@ def test_speculation_does_not_run_natively_when_asked_not_to_or_sampling():
     strategy = spec.engine.components.get("strategies", "speculative")
     request = spec.engine.add_request(prompts[0], _speculative(proposer="eagle"))
     assert strategy.steps_without_drafts(request) == 0  # the head reads hidden states a run does not compute
+
+
+def test_unseeded_sampled_speculation_whose_proposers_find_nothing_runs_natively_and_keeps_the_distribution():
+    """The second token of requests served one at a time, their n-gram proposer finding nothing in a prompt without
+    repeats, so every token after the prefill's comes from runs drawn by the request's rule: its chi-square against
+    the target's two-step distribution."""
+    model = tiny_model("llama", seed=5)
+    llm = LLM(copy.deepcopy(model), tiny_tokenizer(), max_num_seqs=1, decode_run_steps=8, device="cpu",
+              fused_decoder=True, kv_cache_memory="8MiB", block_size=4)
+    rule, draws = DrawRule(0.9, top_p=0.85), 600
+    prompt = list(range(3, 12))  # no token twice: nothing for the n-gram proposer to match
+    params = SamplingParams(temperature=rule.temperature, top_p=rule.top_p, max_tokens=4, ignore_eos=True,
+                            strategy={"speculative": {"proposer": "ngram", "num_speculative_tokens": 3,
+                                                      "proposer_options": {"prompt_lookup_min": 2}}})
+    torch.manual_seed(0)
+    outs = llm.generate([prompt] * draws, params)
+    assert all(o.error is None for o in outs)
+    assert llm.engine.decode_run_tokens >= 2 * draws  # at least the second and third tokens from runs
+    assert _second_token_p_value(outs, _two_step_distribution(model, prompt, rule)) > ALPHA
 
 
 def _run_lengths(llm: LLM) -> list[int]:
