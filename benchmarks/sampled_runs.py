@@ -1,12 +1,15 @@
 """Sampled decoding at batch 1 with native decode runs against step by step, in one process on the bundled model.
 
-    python benchmarks/sampled_runs.py [--dtype auto] [--temperature 0.7] [--rounds 5] [--threads 2]
+    python benchmarks/sampled_runs.py [--dtype auto] [--temperature 0.7] [--top-k 0] [--top-p 1] [--min-p 0]
+                                      [--rounds 5] [--threads 2]
 
 Two engines on the same weights, one with `decode_run_steps=1` (every token a step: forward, processing, the
 exponential race over the vocabulary, stop, emit), one with the default runs (a lone unseeded request whose only
-processor is its temperature draws its tokens in C, `decodekit.core.decode_runs`). Each round decodes four chat
-prompts one at a time (128 tokens each, EOS ignored) on each engine, alternating, and prints both engines' tokens
-per second and the median of the per-round ratios (these machines are noisy: compare ratios, not rates).
+processors are temperature, top_k, top_p and min_p draws its tokens in C, `decodekit.core.decode_runs`;
+`--top-k 40 --top-p 0.95 --min-p 0.05 --temperature 0.8` are llama.cpp's default sampler settings). Each round
+decodes four chat prompts one at a time (128 tokens each, EOS ignored) on each engine, alternating, and prints both
+engines' tokens per second and the median of the per-round ratios (these machines are noisy: compare ratios, not
+rates).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="auto", help="the model's dtype (`auto`: the bundled GGUF as stored)")
     parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     args = parser.parse_args()
@@ -42,7 +48,8 @@ def main() -> None:
                "runs": LLM("smollm2-135m-instruct", dtype=args.dtype)}
     chat = engines["runs"]
     prompts = [chat.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT_QUESTIONS[:4]]
-    params = SamplingParams(temperature=args.temperature, max_tokens=128, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            max_tokens=128, ignore_eos=True)
     for llm in engines.values():
         llm.generate(prompts[:1], params, add_special_tokens=False)  # warm-up
     rates: dict[str, list[float]] = {name: [] for name in engines}
