@@ -494,7 +494,7 @@ def test_a_library_missing_kernel_entry_points_falls_back_with_a_reason(llama, t
                "dk_dot_attention, dk_linear_i8, dk_linear_bf16, dk_gemv, dk_rms_norm_bf16, dk_silu_mul_bf16, "
                "dk_widen_add, dk_quant_linear, dk_quant_dequantize, dk_quant_isa, dk_layer_stack, dk_stack_timing, "
                "dk_stack_product_seconds, dk_stack_seconds, dk_decode_run, dk_quant_gated, dk_gemv_set_prefetch, "
-               "dk_gemv_max_rows")
+               "dk_gemv_max_rows, dk_draw_row")
     with pytest.raises(RuntimeError, match=missing):
         NativeKernels(partial)  # not ctypes' AttributeError
     monkeypatch.setattr(native_kernels, "build_library", lambda compiler: partial)
