@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--keep-suffix-outputs", action="store_true",
                         help="let the suffix proposer draft from the outputs of earlier repeats of the same prompts "
                         "(before 2026-11-28 every run did; by default it forgets them before each timed run)")
-    parser.add_argument("--draft-quantization", choices=["int8", "bf16"], default="int8",
+    parser.add_argument("--draft-quantization", choices=["int8", "bf16", "q4_0", "q4_1", "q8_0"], default="int8",
                         help="the self-draft's weights (the `draft` configurations are named after it)")
     parser.add_argument("--sample-n", type=int, default=0,
                         help="`spec` as parallel sampling: each request draws this many samples (n) at "

@@ -67,15 +67,15 @@ class DraftConfig(_Section):
     model: str = Field(description="Draft model: bundled name, local folder, .gguf file or hub id; `target` for a "
                        "quantized copy of the target model itself (with `quantization`).")
     dtype: Dtype = Field("auto", description="The draft's dtype.")
-    quantization: Literal["int8", "bf16"] | None = Field(
-        None, description="Run the draft on int8 or bf16 copies of its weights (see the engine's `quantization`); "
-        "required with `model: target`.")
+    quantization: Literal["int8", "bf16", "q4_0", "q4_1", "q8_0"] | None = Field(
+        None, description="Run the draft on int8, bf16 or GGUF-block (q4_0, q4_1, q8_0) copies of its weights (see "
+        "the engine's `quantization`); required with `model: target`.")
 
     @model_validator(mode="after")
     def _check_target(self) -> DraftConfig:
         if self.model == TARGET_DRAFT and self.quantization is None:
             raise ValueError("`model: target` drafts with the target's own weights, which only pays when they run "
-                             "faster: add `quantization: int8`")
+                             "faster: add `quantization: int8` (or q4_1)")
         return self
 
 

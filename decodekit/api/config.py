@@ -62,7 +62,7 @@ class EngineConfig(BaseModel):
         "bringing the same 1-16 tokens) from CUDA graphs captured per batch-size bucket at first use. Default: on "
         "where they can run (the fused decoder on CUDA, with Triton); true fails elsewhere.")
 
-    quantization: Literal["int8", "bf16", "gguf"] | None = Field(
+    quantization: Literal["int8", "bf16", "gguf", "q4_0", "q4_1", "q8_0"] | None = Field(
         None, description="Weights of the fused decoder's products: unset keeps the model's own (for a GGUF file "
         "loaded with dtype auto on a CPU, its quantized weights as stored: 'gguf', Q4_0, Q4_1, Q8_0, Q4_K and Q6_K "
         "dequantized inside the native products, the dequantized float32 model's outputs up to summation order; "
@@ -70,14 +70,16 @@ class EngineConfig(BaseModel):
         "int8 copies with one float32 scale per output row (the LM head too; float32 activations, like llama.cpp's "
         "Q8_0 weights) through the native kernels: about 2x faster per token at batch 1 on a CPU, no longer exactly "
         "the float model's tokens; 'bf16' multiplies bfloat16 copies in float32 (llama.cpp's bf16 weights): half "
-        "the bytes of float32, 2-2.6x faster products of 1-8 rows, 0.85x at 64-128. Both need a float32 model on a "
-        "CPU with a C compiler. Llama-family models get the copies in the fused decoder; other architectures (and "
-        "any model under fused_decoder: false) multiply them in their own linear layers, whose float32 weights a "
-        "model decodekit loaded then frees.")
-    draft_quantization: Literal["int8", "bf16"] | None = Field(
+        "the bytes of float32, 2-2.6x faster products of 1-8 rows, 0.85x at 64-128. 'q4_0', 'q4_1' and 'q8_0' "
+        "copy the weights into those GGUF block formats at load (llama.cpp's reference quantizer, the LM head in "
+        "Q8_0) and multiply them as a GGUF file's stored blocks run: 4-bit reads ~1/7 of float32's bytes. All "
+        "need a float model on a CPU with a C compiler. Llama-family models get the copies in the fused decoder; "
+        "other architectures (and any model under fused_decoder: false) multiply them in their own linear layers, "
+        "whose float32 weights a model decodekit loaded then frees.")
+    draft_quantization: Literal["int8", "bf16", "q4_0", "q4_1", "q8_0"] | None = Field(
         None, description="The same choice for the draft model of speculative decoding; with the draft "
-        "`target` (the target model itself), 'int8' or 'bf16' makes a quantized self-draft (a model the fused "
-        "decoder takes).")
+        "`target` (the target model itself), any of them makes a quantized self-draft (a model the fused "
+        "decoder takes): 'q4_1' reads about a quarter of int8's bytes a token.")
 
     bf16_arithmetic: Literal["auto", "float32", "bf16"] = Field(
         "auto", description="How bf16 weights (quantization: bf16, which a bfloat16 model on a CPU gets) multiply "

@@ -31,9 +31,9 @@ import time
 import traceback
 from typing import IO, Any
 
-LLAMA_FTYPES = {"float32": 0, "float16": 1, "bfloat16": 32, "q8_0": 7}
+LLAMA_FTYPES = {"float32": 0, "float16": 1, "bfloat16": 32, "q4_0": 2, "q4_1": 3, "q8_0": 7}
 """llama.cpp's `llama_ftype` for each precision the bench pairs with decodekit's (`LLAMA_FTYPE_ALL_F32` 0,
-`MOSTLY_F16` 1, `MOSTLY_BF16` 32, `MOSTLY_Q8_0` 7)."""
+`MOSTLY_F16` 1, `MOSTLY_BF16` 32, `MOSTLY_Q4_0` 2, `MOSTLY_Q4_1` 3, `MOSTLY_Q8_0` 7)."""
 
 
 def _timings(start: float, first: list[float | None], last: list[float | None],

@@ -275,9 +275,14 @@ def llama_source_gguf(model: Any) -> Path:
 
 
 def llama_precision(dtype: str, quantization: str | None) -> str:
-    """The llama.cpp precision paired with decodekit's: Q8_0 for `quantization: int8`, else the dtype's own."""
+    """The llama.cpp precision paired with decodekit's: Q8_0 for `quantization: int8`, a block quantization's own
+    format (`q4_0`, `q4_1`, `q8_0`), else the dtype's own."""
     if quantization == "int8":
         return "q8_0"
+    from decodekit.bench.peer_worker import LLAMA_FTYPES
+
+    if quantization is not None and quantization in LLAMA_FTYPES:  # GGUF blocks made at load: llama.cpp's own
+        return quantization
     if dtype not in ("float32", "bfloat16", "float16"):
         raise PeerUnavailable(f"llama.cpp peer: no GGUF precision pairs with dtype {dtype!r}")
     return dtype
@@ -557,7 +562,7 @@ class LlamaCppPeer(System):
         python: the Python of its environment, or None to run it in this process (`llama_cpp` importable here).
         gguf: the GGUF file to read; None to make one from `source_gguf` in `precision` (kept in decodekit's cache).
         source_gguf: the GGUF file `gguf` is made from (the bundled Q4_1 file).
-        precision: "float32", "bfloat16", "float16" or "q8_0".
+        precision: "float32", "bfloat16", "float16", "q4_0", "q4_1" or "q8_0".
         threads: llama.cpp's threads (decode and prompt).
     """
 

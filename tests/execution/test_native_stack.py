@@ -75,6 +75,7 @@ CONFIGS: dict[str, Callable[[], LLM]] = {
     "int8 llama": _tiny(quantization="int8"),
     "int8 qwen2, window 6 on its second layer": _tiny("qwen2", quantization="int8", model={
         "sliding_window": 6, "use_sliding_window": True, "max_window_layers": 1}),
+    "q4_1 llama (block copies, Q8_0 head)": _tiny(quantization="q4_1"),
     "tiny GGUF as stored (Q4_0/Q4_1/Q8_0 q/k/v, Q4_K, Q6_K)": _tiny_gguf,
 }
 

@@ -235,7 +235,8 @@ def _joint_top_k(model, prompt: list[int], length: int, k: int) -> dict[tuple[in
 
 
 @needs_kernels
-def test_sampling_with_an_int8_self_draft_keeps_the_targets_joint_distribution(tokenizer):
+@pytest.mark.parametrize("quantization", ["int8", "q4_1"])
+def test_sampling_with_a_quantized_self_draft_keeps_the_targets_joint_distribution(quantization, tokenizer):
     """Chi-square of the first three sampled tokens (top_k 2: eight outcomes) against the target's exact joint
     probabilities. The first token comes from the prompt's forward; the second is drafted by the int8 copy and
     accepted or resampled from the residual, the third is the bonus token."""
@@ -247,8 +248,8 @@ def test_sampling_with_an_int8_self_draft_keeps_the_targets_joint_distribution(t
     joint = _joint_top_k(model, prompt, 3, 2)
     draws = 3000
     assert min(joint.values()) * draws >= 5  # the chi-square approximation holds
-    llm = LLM(model, tokenizer, draft="target", draft_quantization="int8", kv_cache_memory="64MiB", block_size=4,
-              max_num_seqs=256)
+    llm = LLM(model, tokenizer, draft="target", draft_quantization=quantization, kv_cache_memory="64MiB",
+              block_size=4, max_num_seqs=256)
     params = [_spec(1, max_tokens=3, ignore_eos=True, seed=seed, processors=[{"top_k": {"top_k": 2}}])
               for seed in range(draws)]
     outs = llm.generate([prompt] * draws, params)
@@ -273,7 +274,8 @@ def test_asking_for_int8_where_it_cannot_run_is_refused_with_the_option_named(to
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_embd=64, n_layer=1, n_head=4, n_positions=64)).eval()
     with pytest.raises(ConfigError, match=r"draft_quantization: a quantized self-draft.*GPT2LMHeadModel is not one of"):
         LLM(gpt2, tokenizer, draft="target", draft_quantization="int8", fused_decoder=False, kv_cache_memory="16MiB")
-    with pytest.raises(ConfigError, match=r"(?s)quantization.*Input should be 'int8', 'bf16' or 'gguf'"):
+    with pytest.raises(ConfigError,
+                       match=r"(?s)quantization.*Input should be 'int8', 'bf16', 'gguf', 'q4_0', 'q4_1' or 'q8_0'"):
         LLM(tiny_model("llama"), tokenizer, quantization="int4", kv_cache_memory="16MiB")
 
 
@@ -283,7 +285,8 @@ def test_a_recipe_drafting_with_the_target_must_say_how_to_quantize_it():
         recipe_from_data({**base, "draft": {"model": "target"}})
     recipe = recipe_from_data({**base, "draft": {"model": "target", "quantization": "int8"}})
     assert recipe.draft is not None and recipe.draft.quantization == "int8"
-    with pytest.raises(RecipeError, match=r"draft\.quantization: Input should be 'int8' or 'bf16'"):
+    with pytest.raises(RecipeError,
+                       match=r"draft\.quantization: Input should be 'int8', 'bf16', 'q4_0', 'q4_1' or 'q8_0'"):
         recipe_from_data({**base, "draft": {"model": "target", "quantization": "int4"}})
 
 

@@ -26,7 +26,7 @@ def saved(request, tmp_path_factory):
     return folder, save_unfused(request.param, folder)
 
 
-@pytest.mark.parametrize("quantization", ["bf16", "int8"])
+@pytest.mark.parametrize("quantization", ["bf16", "int8", "q4_1"])
 def test_a_model_the_fused_decoder_cannot_take_generates_transformers_tokens_on_its_quantized_weights(
         saved, quantization):
     """Batch 6 with chunked prefill (steps of 0, 1, 2-8 and many rows), then n-gram verification."""
@@ -70,7 +70,7 @@ def test_a_model_object_keeps_its_weights_and_runs_the_quantized_products(tokeni
     assert hf_greedy(model, prompt, 10) == want
 
 
-@pytest.mark.parametrize("quantization", ["bf16", "int8"])
+@pytest.mark.parametrize("quantization", ["bf16", "int8", "q4_0"])
 def test_fused_decoder_false_quantizes_a_llama_models_own_linear_layers(quantization, tokenizer):
     model = tiny_model("llama")
     reference = as_quantized(model, quantization)

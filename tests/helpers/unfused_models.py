@@ -6,10 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from decodekit.execution.fused.block_copies import HEAD_FORMATS
+from decodekit.execution.fused.stored_matrices import BLOCK_FORMATS
 from decodekit.execution.fused.weight_matrices import Int8Matrix
 from decodekit.execution.kernels.native import load_kernels
+from tests.helpers.gguf_blocks import gguf_dequantize
 
 SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -44,17 +49,29 @@ def save_unfused(arch: str, folder: Any) -> Any:
     return model
 
 
+def block_round_trip(weight: torch.Tensor, quantization: str, head: bool = False) -> torch.Tensor:
+    """`weight` as a `quantization` ("q4_0", "q4_1", "q8_0") block copy multiplies it: quantized by gguf-py's
+    reference quantizer (the LM head's format with `head`) and dequantized by gguf-py, independently of decodekit's
+    kernels."""
+    fmt = HEAD_FORMATS[quantization] if head else BLOCK_FORMATS[quantization]
+    blocks = quantize(weight.detach().float().numpy(), GGMLQuantizationType[fmt])
+    return gguf_dequantize(blocks, fmt, weight.shape[1])
+
+
 def as_quantized(model: Any, quantization: str) -> Any:
     """A copy of `model` whose every linear weight is what an engine's `quantization` copy multiplies: bf16-rounded,
-    or int8 with one scale per output row, dequantized."""
+    int8 with one scale per output row, or GGUF blocks (the LM head in its own format), dequantized."""
     import copy
 
     kernels = load_kernels()
     reference = copy.deepcopy(model)
+    head = reference.get_output_embeddings()
     with torch.no_grad():
         for module in reference.modules():
             if isinstance(module, torch.nn.Linear):
-                if quantization == "bf16":
+                if quantization in BLOCK_FORMATS:
+                    module.weight.copy_(block_round_trip(module.weight, quantization, head=module is head))
+                elif quantization == "bf16":
                     module.weight.copy_(module.weight.to(torch.bfloat16).float())
                 else:
                     matrix = Int8Matrix(module.weight, None, kernels)  # type: ignore[arg-type]

@@ -48,6 +48,7 @@ from decodekit.api.huge_pages import on_huge_pages
 from decodekit.api.models import StoredWeight
 from decodekit.execution.attention.gpu import attend_tokens, kernel_available
 from decodekit.execution.attention.kv_cache import PagedKVCache, attend_chunks, paged_attention
+from decodekit.execution.fused.block_copies import COPY_QUANTIZATIONS, copies_maker
 from decodekit.execution.fused.blocks import (
     GEMMA3_BLOCK_ARCHITECTURES,
     GEMMA_ARCHITECTURES,
@@ -67,13 +68,7 @@ from decodekit.execution.fused.stored_matrices import (
     StackMaker,
     stored_matrix_maker,
 )
-from decodekit.execution.fused.weight_matrices import (
-    BF16_GEMM_MIN_ROWS,
-    QUANTIZATIONS,
-    Bf16Matrix,
-    Matrix,
-    quantized_matrix,
-)
+from decodekit.execution.fused.weight_matrices import BF16_GEMM_MIN_ROWS, Bf16Matrix, Matrix
 from decodekit.execution.kernels import gpu_layer, gpu_ops
 from decodekit.execution.kernels.native import NATIVE_GATING_MAX_ROWS, DecodeAttentionPlan, NativeKernels
 
@@ -219,7 +214,7 @@ class FusedDecoder:
                                    or weight.device.type != "cpu"):
             raise ValueError(f"native kernels need float32 weights on the CPU (any float weights with a quantization), "
                              f"not {weight.dtype} on {weight.device}")
-        known = (*QUANTIZATIONS, STORED_QUANTIZATION)
+        known = (*COPY_QUANTIZATIONS, STORED_QUANTIZATION)
         if quantization is not None and (quantization not in known or native is None):
             raise ValueError(f"quantization {quantization!r}: the fused decoder has {list(known)}, which run on its "
                              "native kernels (float32 on a CPU with a C compiler)")
@@ -263,7 +258,7 @@ class FusedDecoder:
         if quantization is not None:
             assert native is not None
             make = (stored_matrix_maker(model, stored or {}, native) if quantization == STORED_QUANTIZATION
-                    else _copies_maker(quantization, self.bf16_gemm, native))
+                    else copies_maker(quantization, self.bf16_gemm, native, model.lm_head))
             with torch.no_grad():
                 self.layers = [self._quantize(layer, make, gemma, by_type) for layer in base.layers]
                 self.lm_head: LayerMatrix = make([model.lm_head], None)
@@ -637,17 +632,6 @@ class FusedDecoder:
         if layer.mlp_out_norm is None:
             return layer.down(gated, residual=hidden)
         return hidden + _rms_norm(layer.down(gated), layer.mlp_out_norm, layer.out_eps)
-
-
-def _copies_maker(quantization: str, bf16_gemm: bool, native: NativeKernels) -> StackMaker:
-    """Makes the `quantization`'s compressed copy ("int8", "bf16") of linear layers' weights stacked by rows."""
-    matrix = quantized_matrix(quantization, bf16_gemm)
-
-    def make(modules: Any, bias: torch.Tensor | None) -> LayerMatrix:
-        weights = [module.weight for module in modules]
-        return matrix(weights[0] if len(weights) == 1 else torch.cat(weights), bias, native)
-
-    return make
 
 
 def _static_rope(rotary: Any) -> bool:

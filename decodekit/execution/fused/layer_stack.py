@@ -29,7 +29,12 @@ import torch
 from decodekit.api.sampling import DrawRule
 from decodekit.execution.attention.kv_cache import PagedKVCache
 from decodekit.execution.fused.blocks import GEMMA_ARCHITECTURES
-from decodekit.execution.fused.stored_matrices import GGUF_NATIVE_MAX_ROWS, STORED_QUANTIZATION, GgufMatrix
+from decodekit.execution.fused.stored_matrices import (
+    BLOCK_FORMATS,
+    GGUF_NATIVE_MAX_ROWS,
+    STORED_QUANTIZATION,
+    GgufMatrix,
+)
 from decodekit.execution.fused.weight_matrices import (
     BF16_GEMM_MIN_ROWS,
     BF16_NATIVE_MAX_ROWS,
@@ -145,9 +150,12 @@ def stack_max_rows(quantization: str | None, bf16_gemm: bool, gemv_max_rows: int
     """The most rows a step of the native stack takes with the weights of `quantization` (float32 for None; a float32
     fallback matrix in a GGUF model can lower it to `gemv_max_rows`, the kernels' `dk_gemv` limit): the limits
     `_describe_matrix` reads."""
-    product = {None: gemv_max_rows,  # every float32 weight on `dk_gemv`
-               "bf16": BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else BF16_NATIVE_MAX_ROWS,
-               "int8": INT8_NATIVE_MAX_ROWS, STORED_QUANTIZATION: GGUF_NATIVE_MAX_ROWS}[quantization]
+    limits: dict[str | None, int] = {
+        None: gemv_max_rows,  # every float32 weight on `dk_gemv`
+        "bf16": BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else BF16_NATIVE_MAX_ROWS,
+        "int8": INT8_NATIVE_MAX_ROWS, STORED_QUANTIZATION: GGUF_NATIVE_MAX_ROWS,
+        **dict.fromkeys(BLOCK_FORMATS, GGUF_NATIVE_MAX_ROWS)}
+    product = limits[quantization]
     return min(product, NATIVE_GATING_MAX_ROWS)
 
 

@@ -13,8 +13,9 @@ loaded itself keeps its module but multiplies through the fused decoder's `Matri
 The module's `forward` is replaced on the instance, so transformers' own code (and `generate` on the same object)
 calls the same products. Only models decodekit loaded are touched, as for the fused decoder.
 
-With a `quantization` ("int8" or "bf16"), each layer instead multiplies through the fused decoder's compressed copies
-(`Int8Matrix`, `Bf16Matrix`: the native panel kernels, float32 activations), so every architecture gets the
+With a `quantization` ("int8", "bf16", or a GGUF block format "q4_0", "q4_1", "q8_0"), each layer instead multiplies
+through the fused decoder's compressed copies (`Int8Matrix`, `Bf16Matrix`, `GgufMatrix`: the native panel and block
+kernels, float32 activations), so every architecture gets the
 quantized weights the fused decoder gives Llama-family models. A model object passed in keeps its weights (its
 forward now runs the compressed products); a model decodekit loaded has each layer's float32 weight freed once its
 copy serves it, except the output embeddings (kept for the input embeddings tied to them and for proposers that
@@ -29,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from decodekit.execution.fused.block_copies import copy_of
 from decodekit.execution.fused.decoder import _own_rows, _trim_heap
-from decodekit.execution.fused.weight_matrices import Matrix, quantized_matrix
+from decodekit.execution.fused.weight_matrices import Matrix
 from decodekit.execution.kernels.native import NativeKernels
 
 
@@ -61,7 +63,7 @@ def relay_linears(model: Any, prepack: bool, native: NativeKernels | None, quant
                     embeddings.weight = head.weight
             else:
                 assert native is not None, "quantized products run on the native kernels"
-                matrix = quantized_matrix(quantization, bf16_gemm)(module.weight, module.bias, native)
+                matrix = copy_of(quantization, module.weight, module.bias, native, bf16_gemm, head=module is head)
                 _set_forward(module, matrix)
                 if release and module is not head and module.weight is not embeddings.weight:
                     module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype,

@@ -26,6 +26,9 @@ from decodekit.execution.kernels.quant import INTERLEAVED_Q4_1, INTERLEAVED_ROWS
 
 STORED_QUANTIZATION = "gguf"
 """The `ExecutionPlan.quantization` of weights multiplied as stored."""
+BLOCK_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
+"""The quantizations that copy a float model's weights into GGUF blocks at load (`fused.block_copies`), and the
+format each writes: multiplied here as a file's stored blocks are."""
 
 # Rows up to which the native product runs; more dequantize blocks of rows for BLAS. Measured with
 # benchmarks/quant_products.py (2-core Zen 5, AVX-512, SmolLM2's shapes, 4 layers): the native product (panels from 16
