@@ -165,7 +165,7 @@ def test_quantized_copies_leave_the_models_own_weights_and_forward_untouched(qua
 
 
 @needs_kernels
-@pytest.mark.parametrize("quantization", ["int8", "bf16"])
+@pytest.mark.parametrize("quantization", ["int8", "bf16", "q4_1"])
 def test_a_model_decodekit_loads_frees_its_layer_weights_once_quantized_and_generates_the_same(quantization,
                                                                                                tokenizer, tiny_dir):
     """Loaded from a folder, the model is the engine's own: its layer weights are swapped for meta tensors (the
