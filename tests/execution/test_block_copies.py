@@ -43,8 +43,9 @@ def test_each_copied_weight_is_within_half_a_step_of_the_float_weight(fmt, rows,
     amax = grouped.abs().amax(dim=-1, keepdim=True)
     step = {"Q4_0": amax / 8, "Q8_0": amax / 127,
             "Q4_1": (grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)) / 15}[fmt]
-    # half a step, the step's own fp16 rounding times the largest quant (16 or 127), and the float rounding
-    slack = {"Q4_0": 8, "Q4_1": 15, "Q8_0": 127}[fmt] * step * 2**-11 + amax * 1e-6
+    # beyond half a step: the fp16 rounding of the step (relative 2^-11, or 2^-25 absolute where it is subnormal)
+    # times the largest quant, and of Q4_1's minimum (at most the block's largest magnitude times 2^-11)
+    slack = {"Q4_0": 8, "Q4_1": 15, "Q8_0": 127}[fmt] * (step * 2**-11 + 2**-25) + amax * 2**-11
     allowed = step / 2
     if fmt == "Q4_0":  # quants -8..7 times a step of the extreme's sign: the other end clamps at 7 steps
         allowed = torch.maximum(allowed, grouped.abs() - 7 * step)
