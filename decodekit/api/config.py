@@ -72,14 +72,16 @@ class EngineConfig(BaseModel):
         "the float model's tokens; 'bf16' multiplies bfloat16 copies in float32 (llama.cpp's bf16 weights): half "
         "the bytes of float32, 2-2.6x faster products of 1-8 rows, 0.85x at 64-128. 'q4_0', 'q4_1' and 'q8_0' "
         "copy the weights into those GGUF block formats at load (llama.cpp's reference quantizer, the LM head in "
-        "Q8_0) and multiply them as a GGUF file's stored blocks run: 4-bit reads ~1/7 of float32's bytes. All "
+        "Q8_0) and multiply them as a GGUF file's stored blocks run: 4-bit with its Q8_0 head reads ~1/6 of "
+        "float32's bytes a token. All "
         "need a float model on a CPU with a C compiler. Llama-family models get the copies in the fused decoder; "
         "other architectures (and any model under fused_decoder: false) multiply them in their own linear layers, "
         "whose float32 weights a model decodekit loaded then frees.")
     draft_quantization: Literal["int8", "bf16", "q4_0", "q4_1", "q8_0"] | None = Field(
         None, description="The same choice for the draft model of speculative decoding; with the draft "
         "`target` (the target model itself), any of them makes a quantized self-draft (a model the fused "
-        "decoder takes): 'q4_1' reads about a quarter of int8's bytes a token.")
+        "decoder takes): 'q4_1' reads ~60% of int8's bytes a token, though on AVX2 its product is bound by its "
+        "arithmetic and runs no faster.")
 
     bf16_arithmetic: Literal["auto", "float32", "bf16"] = Field(
         "auto", description="How bf16 weights (quantization: bf16, which a bfloat16 model on a CPU gets) multiply "
