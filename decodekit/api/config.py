@@ -53,7 +53,7 @@ class EngineConfig(BaseModel):
         None, description="With the fused decoder on a CPU in float32, run RMSNorm, SiLU-gating and RoPE + KV write "
         "+ attention of small steps (decode, speculation, beams) as native kernels compiled at first use with the "
         "system C compiler; for a model the fused decoder cannot take, re-lay its own linear layers in place and "
-        "multiply them on those kernels (1-12 rows on AVX2, 1-8 on AVX-512, on every core). Default: on when a "
+        "multiply them on those kernels (1-24 rows on AVX2, 1-8 on AVX-512, on every core). Default: on when a "
         "compiler is found (else torch ops), for models decodekit loads itself; true asks for it on a model object "
         "too and fails where it cannot run.")
 

@@ -266,14 +266,15 @@ def _check_attention(native, block_size, kv_heads, group, dim, query_lens, conte
 
 
 @settings(max_examples=60, deadline=None)
-@given(width=st.integers(1, 120), out=st.integers(1, 700), rows=st.integers(1, 12),
+@given(width=st.integers(1, 120), out=st.integers(1, 700), rows=st.integers(1, 28),
        bias=st.booleans(), residual=st.booleans(), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
 def test_the_few_row_product_is_float32_accurate_and_the_same_on_any_thread_count_and_batch(
         native, width, out, rows, bias, residual, threads, seed):
-    """`dk_gemv` on a row-major `[out, in]` weight, up to its build's rows (12 built for AVX2, 8 for AVX-512; more
+    """`dk_gemv` on a row-major `[out, in]` weight, up to its build's rows (24 built for AVX2, 8 for AVX-512; more
     are refused): widths off the 32- and 16-wide steps (scalar tails), output counts that split unevenly over
     threads; every output summed in the same order whichever thread owns it and whichever rows it is multiplied with
-    (groups of rows beyond the registers included)."""
+    (groups of rows beyond the registers included, and AVX2's tiles of 3 weight rows by 4 activation rows from 13
+    rows, each output's two chains one after the other)."""
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out, width, generator=g)
     x = torch.randn(rows, width, generator=g)

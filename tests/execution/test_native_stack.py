@@ -174,7 +174,7 @@ def test_float32_weights_stack_up_to_the_gemv_limit_and_quantized_ones_up_to_the
     kernels = load_kernels()
     assert not isinstance(kernels, str)
     gemv_max_rows = kernels.gemv_max_rows
-    assert gemv_max_rows == (8 if "avx512f" in cpu_flags() else 12)
+    assert gemv_max_rows == (8 if "avx512f" in cpu_flags() else 24)
     assert rows["float32 llama"] == rows["float32 phi3 (fused projections)"] == gemv_max_rows
     assert rows["bf16 llama"] == rows["int8 llama"] == 64
     assert rows["tiny GGUF as stored (Q4_0/Q4_1/Q8_0 q/k/v, Q4_K, Q6_K)"] == 64

@@ -298,7 +298,7 @@ class NativeKernels:
         self._gemv_set_prefetch.restype = _i
         lib.dk_gemv_max_rows.restype = ctypes.c_int
         self.gemv_max_rows = int(lib.dk_gemv_max_rows())
-        """The most float32 rows `gemv` takes (kernels.c's GEMV_MAX_ROWS: 12 built for AVX2, 8 for AVX-512); more
+        """The most float32 rows `gemv` takes (kernels.c's GEMV_MAX_ROWS: 24 built for AVX2, 8 for AVX-512); more
         rows run on torch's products."""
         # the whole layer stack of a step in one call: (layers, count, tokens, hidden_dim, hidden, out, key_pools,
         # value_pools, attention, scratch) -> status, the structures `fused.layer_stack` fills (see `layers.c`)

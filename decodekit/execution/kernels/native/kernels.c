@@ -1484,16 +1484,16 @@ void dk_linear_i8(const float* x, int64_t rows, int64_t in, const int8_t* panels
  * multiplied together (`gemv_pass`): results depend neither on threads nor on the batch. Every step of a sum is
  * one fused multiply-add where the CPU has FMA (`gemv_fma8`/`gemv_fmaf`), else a multiply and an add. */
 /* Rows up to which a step's float32 products run here rather than on torch's prepacked oneDNN weights (more rows
- * than that take the fused decoder's per-layer path). On a 2-core Zen 3 (AVX2) the whole float32 forward of
- * SmolLM2 by rows (benchmarks/step_curve.py, the two limits one after the other) with this build's one-pass tiles of 6
- * rows: 12 rows 45.7 against 53.4 ms, 14 rows 57.7 against 58.1, 16 rows 63.5 against 61.8 (with the groups of two
- * rows before them, oneDNN's blocked products won from 12 rows). A batch of 8 whose speculation adds a few
- * verification rows, or a batch-1 draft of 8-11 tokens, stays here. AVX-512's groups of 8 rows were not measured
- * past 8 rows: 8 there. */
+ * than that take the fused decoder's per-layer path). On a 2-core Zen 3 (AVX2), whole float32 decode steps of SmolLM2
+ * by rows (two engines in one process, this limit at 12 and at 64, steps alternating, 4 rounds; `gemv_tiles` from 13
+ * rows): 13 rows 1.30x as fast here, 16 rows 1.27x, 24 rows 1.13x, 32 rows 1.02x, 48 rows 1.07x, 64 rows 0.98x (noisy
+ * rounds: 0.75-1.39x). Up to 24 rows, then: a batch of 8 whose speculation adds a verification row or two, a
+ * batch-1 draft of up to 23 tokens, a batch of 16, and each row's result the same whichever of those it is in.
+ * AVX-512's groups of 8 rows were not measured past 8 rows: 8 there. */
 #if defined(__AVX512F__)
 #define GEMV_MAX_ROWS 8
 #else
-#define GEMV_MAX_ROWS 12
+#define GEMV_MAX_ROWS 24
 #endif
 #ifndef GEMV_PREFETCH_ROW
 #define GEMV_PREFETCH_ROW 1024
@@ -1628,6 +1628,121 @@ static inline __attribute__((always_inline)) void gemv_pass(const float* x, int6
     }
 }
 
+/* Activation rows from which AVX2's products take `gemv_tiles` rather than `gemv_pass` over one weight row at a time:
+ * the single stream of the passes reads the memory faster, the tiles multiply faster. SmolLM2-sized products (65536 x
+ * 576 and 24576 x 1536 weights, 2 threads, 2-core Zen 3, the two libraries alternating in one process, every output
+ * equal), the tiles' speed over the passes': 8 rows 0.79-1.00x, 12 rows 0.86-1.16x, 13 rows 1.03x, 16 rows
+ * 1.14-1.22x, 24 rows 1.21-1.47x, 32 rows 1.29-1.53x. */
+#ifndef GEMV_TILE_MIN_ROWS
+#define GEMV_TILE_MIN_ROWS 13
+#endif
+/* A tile: GEMV_TILE_R weight rows by GEMV_TILE_M activation rows, over GEMV_TILE_K inputs of each at a time (7 rows
+ * of 1024 floats, 28 KB, stay in L1 for the tile's second chain). */
+#define GEMV_TILE_R 3
+#define GEMV_TILE_M 4
+#define GEMV_TILE_K 1024
+/* Output rows of a piece (between two side prefetches) on the tiled path: whole tiles of GEMV_TILE_R. */
+#define GEMV_TILE_SIDE_ROWS 18
+
+/* One of the two chains of each of R x G outputs (`acc`, [R][GEMV_TILE_M]) carried over inputs [k0, k1) (multiples
+ * of 16): the 8-float vectors at k0, k0 + 16, ... of weight rows `w` (`in` floats apart) and activation rows `x` (`ld`
+ * apart); the caller offsets both by 8 for the second chain. Each output's two chains are independent sums, so one can
+ * run after the other: one accumulator an output at a time (12 of AVX2's 16 registers, the R weight vectors and one
+ * activation vector beside them), and each step loads R + G vectors for R x G multiply-adds, 7 for 12, where both
+ * chains at once allow 2 x 3 (5 for 6) and `gemv_pass` 1 x 6 (7 for 6). Loads bind these products on a Zen 3 (about
+ * 3.8 vector loads a ns a core, against 9.6 multiply-adds: in L1, a 3 x 4 loop of one chain ran 6.3 multiply-adds a
+ * ns, a 2 x 3 loop of both 4.6). */
+static inline __attribute__((always_inline)) void gemv_tile_chain(const float* x, int64_t ld, int G, const float* w,
+                                                                 int64_t in, int R, int64_t k0, int64_t k1,
+                                                                 v8f acc[][GEMV_TILE_M]) {
+    v8f a[GEMV_TILE_R][GEMV_TILE_M];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < G; ++m) a[r][m] = acc[r][m];
+    for (int64_t i = k0; i < k1; i += 16) {
+        v8f u[GEMV_TILE_R];
+        for (int r = 0; r < R; ++r) {
+            u[r] = load8(w + r * in + i);
+            GEMV_IN_REGISTER(u[r]);
+        }
+        for (int m = 0; m < G; ++m) {
+            v8f xv = load8(x + m * ld + i);
+            GEMV_IN_REGISTER(xv);
+            for (int r = 0; r < R; ++r) a[r][m] = gemv_fma8(xv, u[r], a[r][m]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < G; ++m) acc[r][m] = a[r][m];
+}
+
+/* sums of R (1-3) weight rows `in` floats apart by G (1-4) activation rows `ld` apart into y[m * out + r]: each
+ * output summed exactly as `gemv_pass` sums it (its two chains of multiply-adds: the first 8 of each 16 inputs then
+ * the 8-wide tail, and the second 8 of each 16; `sum8` of the two; the scalar tail), so a row's result is the same
+ * on either path, whatever the rows beside it. */
+static inline __attribute__((always_inline)) void gemv_tile(const float* x, int64_t ld, int G, const float* w,
+                                                           int64_t in, int R, float* y, int64_t out) {
+    v8f c0[GEMV_TILE_R][GEMV_TILE_M], c1[GEMV_TILE_R][GEMV_TILE_M];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < G; ++m) c0[r][m] = c1[r][m] = splat8(0.0f);
+    int64_t full = in / 16 * 16, i = full;
+    for (int64_t k0 = 0; k0 < full; k0 += GEMV_TILE_K) {
+        int64_t k1 = full - k0 < GEMV_TILE_K ? full : k0 + GEMV_TILE_K;
+        gemv_tile_chain(x, ld, G, w, in, R, k0, k1, c0);
+        gemv_tile_chain(x + 8, ld, G, w + 8, in, R, k0, k1, c1);
+    }
+    if (i + 8 <= in) {
+        for (int r = 0; r < R; ++r)
+            for (int m = 0; m < G; ++m) c0[r][m] = gemv_fma8(load8(x + m * ld + i), load8(w + r * in + i), c0[r][m]);
+        i += 8;
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < G; ++m) {
+            float s = sum8(c0[r][m] + c1[r][m]);
+            for (int64_t j = i; j < in; ++j) s = gemv_fmaf(x[m * ld + j], w[r * in + j], s);
+            y[m * out + r] = s;
+        }
+}
+
+/* y[m, o] for outputs [o0, o1) and GEMV_TILE_MIN_ROWS rows or more, in `gemv_tile`s: GEMV_TILE_R weight rows at a
+ * time on the outside, read from memory once, every GEMV_TILE_M activation rows multiplied with them while they are
+ * in L1. Before each group of GEMV_TILE_M rows the next weight rows' share of lines is asked for (the whole next tile
+ * over the groups): the hardware prefetcher does not follow three short interleaved streams. Asking evenly, a line a
+ * row each step of the first group's loop, measured 0.82-0.94x as fast from 12 rows up; two or four tiles ahead, or
+ * into L2 only, 0.97-1.01x. A hint: a line past the weight's end is never read. */
+static void gemv_tiles(const float* x, int64_t rows, const float* w, int64_t in, int64_t out, int64_t o0, int64_t o1,
+                       float* y) {
+    int64_t groups = (rows + GEMV_TILE_M - 1) / GEMV_TILE_M, tile_bytes = GEMV_TILE_R * in * (int64_t)sizeof(float);
+    for (int64_t o = o0; o < o1; o += GEMV_TILE_R) {
+        int r = o1 - o < GEMV_TILE_R ? (int)(o1 - o) : GEMV_TILE_R;
+        const float* wr = w + o * in;
+        const char* next = (const char*)(wr + GEMV_TILE_R * in);
+        for (int64_t q = 0; q < groups; ++q) {
+            for (int64_t b = tile_bytes * q / groups; b < tile_bytes * (q + 1) / groups; b += 64)
+                __builtin_prefetch(next + b);
+            int64_t m0 = q * GEMV_TILE_M;
+            int g = rows - m0 < GEMV_TILE_M ? (int)(rows - m0) : GEMV_TILE_M;
+            const float* xg = x + m0 * in;
+            float* yg = y + m0 * out + o;
+#define GEMV_TILE(G, R) gemv_tile(xg, in, G, wr, in, R, yg, out)
+            switch (r * 8 + g) {  /* constant sizes: accumulators in registers */
+                case 9: GEMV_TILE(1, 1); break;
+                case 10: GEMV_TILE(2, 1); break;
+                case 11: GEMV_TILE(3, 1); break;
+                case 12: GEMV_TILE(4, 1); break;
+                case 17: GEMV_TILE(1, 2); break;
+                case 18: GEMV_TILE(2, 2); break;
+                case 19: GEMV_TILE(3, 2); break;
+                case 20: GEMV_TILE(4, 2); break;
+                case 25: GEMV_TILE(1, 3); break;
+                case 26: GEMV_TILE(2, 3); break;
+                case 27: GEMV_TILE(3, 3); break;
+                default: GEMV_TILE(4, 3); break;
+            }
+#undef GEMV_TILE
+        }
+    }
+}
+#define GEMV_TILES 1
+
 #endif
 
 /* y[m, o] = x[m] . w[o] for outputs [o0, o1) of a row-major [out, in] weight: one weight row at a time, so each
@@ -1691,10 +1806,20 @@ int dk_gemv(const float* x, int64_t rows, const float* w, int64_t in, int64_t ou
         int64_t o0 = out * part / parts, o1 = out * (part + 1) / parts;
         if (o0 < o1) {
             /* GEMV_SIDE_ROWS output rows at a time, each output computed as in one call */
-            int64_t pieces = (o1 - o0 + GEMV_SIDE_ROWS - 1) / GEMV_SIDE_ROWS;
+            int64_t side = GEMV_SIDE_ROWS;
+#ifdef GEMV_TILES
+            if (rows >= GEMV_TILE_MIN_ROWS) side = GEMV_TILE_SIDE_ROWS;
+#endif
+            int64_t pieces = (o1 - o0 + side - 1) / side;
             for (int64_t k = 0; k < pieces; ++k) {
                 dk_side_prefetch_share(part, parts, k, pieces);
-                int64_t a = o0 + k * GEMV_SIDE_ROWS, b = a + GEMV_SIDE_ROWS < o1 ? a + GEMV_SIDE_ROWS : o1;
+                int64_t a = o0 + k * side, b = a + side < o1 ? a + side : o1;
+#ifdef GEMV_TILES
+                if (rows >= GEMV_TILE_MIN_ROWS) {
+                    gemv_tiles(x, rows, w, in, out, a, b, y);
+                    continue;
+                }
+#endif
                 gemv_rows(x, rows, w, in, out, a, b, y);
             }
             for (int64_t m = 0; m < rows; ++m)
