@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,10 @@ import pytest
 from decodekit.core.plugin_manager import get_plugin_manager
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from tests.helpers.tiny_folders import save_tiny_llama
+
+# `decodekit run`, `serve` and `eval` freeze their one-engine process's heap out of the garbage collector
+# (`api.startup_heap`); this process runs hundreds of them in turn and drops each engine, so it must not.
+os.environ["DECODEKIT_GC_FREEZE"] = "0"
 
 
 @pytest.fixture(scope="session")

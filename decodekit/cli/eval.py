@@ -53,9 +53,11 @@ def eval_command(
         if output is not None:
             _check_writable(output, "--output")
         check_machine(recipe)
+        from decodekit.api.startup_heap import freeze_startup_heap
         from decodekit.eval.model import DecodekitLM
 
         lm = DecodekitLM(recipe=recipe, llm=recipe.build_llm(context.plugin_manager))
+        freeze_startup_heap()  # one engine for the process's life: collections skip what it has built
         scores = evaluate(lm, task_list, manager, limit=limit, seed=seed, log_samples=output is not None,
                           apply_chat_template=apply_chat_template)
     except DecodeKitError as exc:

@@ -45,6 +45,7 @@ def run(
     load).
     """
     terminal.setup_logging(quiet or as_json)
+    from decodekit.api.startup_heap import freeze_startup_heap
     from decodekit.core.plan import Components
     from decodekit.recipe import check_machine
     from decodekit.recipe_runner import DEFAULT_TRACE, output_row, read_inputs, run_recipe, summarize, trace_row
@@ -67,6 +68,7 @@ def run(
         for b in bad:
             terminal.err_console.print(f"[yellow]skipped[/] {escape(str(b))}", soft_wrap=True)
         llm = recipe.build_llm(context.plugin_manager)
+        freeze_startup_heap()  # one engine for the process's life: collections skip what it has built
         with _progress(len(requests) * (3 if recipe.outputs.compare_plain else 1), quiet or as_json) as on_output:
             result = run_recipe(recipe, llm, requests, on_output)
     except DecodeKitError as exc:

@@ -67,6 +67,7 @@ def serve(
     /metrics. SIGTERM or Ctrl-C lets the requests in flight finish, then exits. With --ray, the same app runs as
     a Ray Serve deployment of --replicas replicas (or autoscaled up to --max-replicas) behind Ray's HTTP proxy."""
     terminal.setup_logging(False)
+    from decodekit.api.startup_heap import freeze_startup_heap
     from decodekit.serve import ServeOptions, create_app, run_server
 
     options = ServeOptions(host=host, port=port, api_key=api_key or None, served_model_name=served_model_name,
@@ -98,6 +99,7 @@ def serve(
             scale.deployment_options()  # contradictory replica options fail here too
         else:
             server = create_app(recipe, options, plugin_manager=context.plugin_manager)
+            freeze_startup_heap()  # one engine for the process's life: collections skip what it has built
     except DecodeKitError as exc:
         terminal.fail(str(exc))
     address = f"[{host}]" if ":" in host else host

@@ -4,6 +4,7 @@ and found through its entry point."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -297,3 +298,21 @@ def test_run_with_trace_writes_one_line_per_request_with_an_event_per_token_and_
         assert [e["token"] for e in events] == out["token_ids"]
         assert all(e["stages"][0]["stage"] == "model" and len(e["stages"][0]["top"]) == 5 for e in events)
         assert out["trace"][-1]["finished"] == out["finish_reason"]
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_run_freezes_the_heap_of_its_one_engine_unless_the_variable_says_no(tiny_dir, tmp_path, monkeypatch, setting):
+    """`decodekit run` builds one engine and keeps it: after building it, what is alive moves to the collector's
+    permanent generation (`gc.freeze`), so the decode steps' collections skip the model's ~400K objects;
+    `DECODEKIT_GC_FREEZE=0` (what the suite runs under, tests/conftest.py) leaves the heap as it was."""
+    gc.unfreeze()
+    monkeypatch.setenv("DECODEKIT_GC_FREEZE", setting)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: m\ninputs: {prompts: [hi]}\nsampling: {max_tokens: 4}\n")
+    try:
+        result = _invoke("run", str(recipe), *_tiny(tiny_dir), "--quiet")
+        assert result.exit_code == 0, result.stderr
+        frozen = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+    assert (frozen > 10_000) == (setting == "1"), frozen
