@@ -22,6 +22,7 @@ import torch
 
 from decodekit.api.config import EngineConfig
 from decodekit.api.errors import ConfigError
+from decodekit.api.startup_heap import frozen_heap
 from decodekit.bench.baselines import SYSTEMS, RunRecord, System, build_system
 from decodekit.bench.machine import environment
 from decodekit.bench.metrics import median
@@ -146,7 +147,9 @@ def measure(builders: Mapping[str, Callable[[], System]], work: Workload, repeat
     records: dict[str, list[RunRecord]] = {n: [] for n in names}
     systems = _setup(builders, figures, work, progress)
     try:
-        _run_rounds(systems, figures, records, work, repeats, time_limit_s, progress)
+        # every system built: the collections the rounds trigger skip their objects, as in a serving process
+        with frozen_heap():
+            _run_rounds(systems, figures, records, work, repeats, time_limit_s, progress)
     finally:
         for system in systems.values():
             system.close()
