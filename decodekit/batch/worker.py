@@ -15,6 +15,7 @@ from typing import Any
 import pluggy
 
 from decodekit.api.errors import DecodeKitError
+from decodekit.api.startup_heap import frozen_heap
 from decodekit.batch.rows import InputRow, output_row, prepare_row, uses_chat_template
 from decodekit.core.plan import Components
 from decodekit.core.plugin_manager import get_plugin_manager
@@ -42,7 +43,14 @@ class BatchWorker:
 
     def run(self, rows: Iterable[InputRow]) -> Iterator[dict[str, Any]]:
         """Output rows, one per input row, in input order, yielded as soon as they and every row before them are
-        done. A row that cannot run yields its error row without stopping the others."""
+        done. A row that cannot run yields its error row without stopping the others. The heap is frozen out of the
+        garbage collector while the rows run (`frozen_heap`: the engine's steps then skip its objects) and given back
+        when the rows are done or the generator is closed."""
+        with frozen_heap():
+            yield from self._run(rows)
+
+    def _run(self, rows: Iterable[InputRow]) -> Iterator[dict[str, Any]]:
+        """`run`'s rows, without the frozen heap."""
         engine = self.llm.engine
         pending = iter(rows)
         order: list[InputRow] = []  # admitted rows, in input order, not yet yielded

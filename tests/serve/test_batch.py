@@ -203,3 +203,33 @@ def test_a_row_with_reasoning_gets_its_thinking_apart_and_its_budget(tmp_path):
     assert a["reasoning_tokens"] == 3 + wrap + 1 and a["reasoning_text"].endswith(" OK")  # 3 tokens, ` OK`, `</think>`
     assert "reasoning.thinking.budget" in b["error"]
     assert c["reasoning_text"] is not None and c["error"] is None
+
+
+def test_a_job_runs_its_rows_on_a_frozen_heap_and_gives_it_back_after(recipe, dataset, tmp_path, reference,
+                                                                     monkeypatch):
+    """With `DECODEKIT_GC_FREEZE` on (the suite runs with it off), the rows run while the heap is frozen out of the
+    garbage collector (the engine's steps skip its objects) and the heap is the collector's again once the job is
+    done; the rows are the same as without."""
+    import gc
+
+    from decodekit.batch.worker import BatchWorker
+
+    gc.unfreeze()
+    monkeypatch.setenv("DECODEKIT_GC_FREEZE", "1")
+    frozen_while_running: list[int] = []
+    original = BatchWorker._run
+
+    def spying(self, rows):
+        for row in original(self, rows):
+            frozen_while_running.append(gc.get_freeze_count())
+            yield row
+
+    monkeypatch.setattr(BatchWorker, "_run", spying)
+    out = tmp_path / "out.jsonl"
+    try:
+        run_batch(recipe, dataset, out)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+    assert frozen_while_running and min(frozen_while_running) > 10_000
+    assert same(read_jsonl(out), reference)
