@@ -65,8 +65,11 @@ def test_logits_and_hidden_states_are_the_dequantized_models_up_to_summation_ord
     prompt = random_prompts(1, length, length + 1, seed=length)[0]
     logits, hidden = _last(stored, prompt)
     want_logits, want_hidden = _last(dequantized, prompt)
-    torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-3)
+    # AVX2's Q4_0 and Q4_1 products round each activation to 16-bit fixed point per block of 32 (2^-16 of the
+    # block's largest value): through 2 layers of random weights that moves a hidden value by ~1e-4
+    fixed_point = 5 if stored.engine.model.runner.fused.layers[0].qkv.isa == "avx2" else 1
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4 * fixed_point)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-3 * fixed_point)
 
 
 @needs_kernels

@@ -48,6 +48,43 @@ def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.abs().double() @ weight.abs().double().t()) * 2e-6 + 1e-30
 
 
+FIXED_POINT_FORMATS = ("Q4_0", "Q4_1")
+"""The formats the AVX2 path multiplies by activations rounded to 16-bit fixed point per block of 32."""
+
+
+def _fixed_point(fmt: str, isa: str) -> bool:
+    return isa == "avx2" and fmt in FIXED_POINT_FORMATS
+
+
+def _block_scales(x: torch.Tensor) -> torch.Tensor:
+    """Each value's 16-bit fixed-point step: its block of 32's largest |value| / 32767, in float32 as the kernel
+    computes it."""
+    largest = x.abs().reshape(x.shape[0], -1, 32).amax(dim=2)
+    return (largest / 32767.0).repeat_interleave(32, dim=1)
+
+
+def _rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The most that rounding the activations to 16-bit fixed point per block (half a step each) moves `x @ W.T`."""
+    return (_block_scales(x).double() * 0.5 * 1.001) @ weight.abs().double().t()
+
+
+def _split_bound(x: torch.Tensor, weight: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Float32 summation-order error of the fixed-point product's two sums, (d q) . x and m . (block sums of x),
+    each of which can exceed the output they add up to (Q4_1's mins cancel much of the scaled quants' sum)."""
+    magnitudes = x.abs().double() @ ((weight.double() - mins).abs() + mins.abs()).t()
+    return magnitudes * 2e-6 + _rounding_bound(x, weight)
+
+
+def _block_mins(stored: StoredWeight) -> torch.Tensor:
+    """Each weight's block min m (Q4_0: -8d) as float64 `[rows, width]`: the weight is d q + m."""
+    rows, width = stored.shape
+    size = GGUF_FORMATS[stored.format][2]
+    blocks = stored.data.reshape(rows, width // 32, size)
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16)[:, :, 0].double()
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16)[:, :, 0].double() if stored.format == "Q4_1" else -8 * d
+    return m.repeat_interleave(32, dim=1)
+
+
 def _assert_the_float_product(fmt: str, part_rows: list[int], width: int, isa: str, rows: int, bias: bool,
                               residual: bool, seed: int) -> None:
     """A `GgufMatrix` of random `fmt` parts (`part_rows` rows each, stacked) times random rows (with a random bias,
@@ -55,6 +92,7 @@ def _assert_the_float_product(fmt: str, part_rows: list[int], width: int, isa: s
     `dequantized()` is that weight exactly."""
     parts = [_stored(fmt, n, width, seed + i) for i, n in enumerate(part_rows)]
     weight = torch.cat([w for _, w in parts])
+    mins = torch.cat([_block_mins(s) for s, _ in parts]) if _fixed_point(fmt, isa) else None
     g = torch.Generator().manual_seed(seed)
     b = torch.randn(weight.shape[0], generator=g) if bias else None
     matrix = GgufMatrix([s for s, _ in parts], b, kernels, isa)
@@ -62,6 +100,8 @@ def _assert_the_float_product(fmt: str, part_rows: list[int], width: int, isa: s
     res = torch.randn(rows, weight.shape[0], generator=g) if residual else None
     want = x.double() @ weight.double().t()
     bound = _bound(x, weight) + 1e-6 * want.abs()
+    if mins is not None:
+        bound += _split_bound(x, weight, mins)
     # each float32 add of the bias and the residual rounds once, at the magnitude of what it adds up
     if b is not None:
         want += b.double()
@@ -111,6 +151,33 @@ def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa, fmt)
     for rows in (1, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 17, 20, 21, 24):
         for start in range(0, x.shape[0] - rows + 1, 7):
             assert torch.equal(matrix(x[start:start + rows]), together[start:start + rows])
+
+
+@needs_kernels
+@pytest.mark.skipif("avx2" not in ISAS, reason="the AVX2 path is not available on this CPU")
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(FIXED_POINT_FORMATS), rows=st.sampled_from([1, 2, 3, 5, 8, 9, 17, 40]),
+       blocks=st.integers(1, 5), seed=st.integers(0, 2**16), spread=st.sampled_from([1.0, 1e-3, 1e3]))
+def test_avx2_q4_products_are_the_file_weights_times_activations_in_16_bit_fixed_point(fmt, rows, blocks, seed,
+                                                                                      spread):
+    """AVX2's Q4_0 and Q4_1 products round each activation to 16-bit fixed point per block of 32 (x = sx * round(x
+    / sx), sx = max|x| / 32767) and nothing else: the output is sum_k (d q_k) * rounded(x_k) + m * sum_k x_k with
+    the file's own d, m and quants, up to float32 summation order (odd block counts pair the last block with zeros;
+    rows with an outlier 1000x their others keep their small values' share within the rounding)."""
+    width = blocks * 32
+    stored, weight = _stored(fmt, 11, width, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) * spread
+    x[:, 0] *= 1000.0  # an outlier in each row's first block
+    largest = x.abs().reshape(rows, blocks, 32).amax(dim=2).repeat_interleave(32, dim=1)
+    rounded = torch.round(x * (32767.0 / largest))  # float32, to nearest (ties to even), as the kernel rounds
+    m = _block_mins(stored)
+    want = (rounded.double() * _block_scales(x).double()) @ (weight.double() - m).t() + x.double() @ m.t()
+    got = GgufMatrix([stored], None, kernels, "avx2")(x).double()
+    order = _split_bound(x, weight, m) - _rounding_bound(x, weight)
+    assert torch.all((got - want).abs() <= order + 1e-6 * want.abs()), (got - want).abs().max()
+    exact = x.double() @ weight.double().t()
+    assert torch.all((got - exact).abs() <= _split_bound(x, weight, m) + 1e-6 * exact.abs())
 
 
 @needs_kernels
