@@ -65,7 +65,7 @@ def test_logits_and_hidden_states_are_the_dequantized_models_up_to_summation_ord
     prompt = random_prompts(1, length, length + 1, seed=length)[0]
     logits, hidden = _last(stored, prompt)
     want_logits, want_hidden = _last(dequantized, prompt)
-    # AVX2's Q4_0 and Q4_1 products round each activation to 16-bit fixed point per block of 32 (2^-16 of the
+    # AVX2's Q4_0, Q4_1 and Q8_0 products round each activation to 16-bit fixed point per block of 32 (2^-16 of the
     # block's largest value): through 2 layers of random weights that moves a hidden value by ~1e-4
     fixed_point = 5 if stored.engine.model.runner.fused.layers[0].qkv.isa == "avx2" else 1
     torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4 * fixed_point)
@@ -117,7 +117,8 @@ def test_interleaved_q4_1_weights_give_the_dequantized_models_greedy_tokens_batc
     assert interleaved.generate(prompts[2], params)[0].token_ids == want[2]
     prompt = random_prompts(1, 5, 6, seed=5)[0]
     _, hidden = _last(interleaved, prompt)
-    torch.testing.assert_close(hidden, _last(dequantized, prompt)[1], rtol=1e-4, atol=1e-4)
+    # its Q4_0 and Q8_0 parts round the activations to 16-bit fixed point per block (AVX2): up to ~1e-4 here
+    torch.testing.assert_close(hidden, _last(dequantized, prompt)[1], rtol=1e-4, atol=5e-4)
 
 
 @pytest.mark.slow

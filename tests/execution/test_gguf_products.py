@@ -5,6 +5,7 @@ of those weights up to summation order; bad operands and unknown paths are refus
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -48,7 +49,7 @@ def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.abs().double() @ weight.abs().double().t()) * 2e-6 + 1e-30
 
 
-FIXED_POINT_FORMATS = ("Q4_0", "Q4_1")
+FIXED_POINT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 """The formats the AVX2 path multiplies by activations rounded to 16-bit fixed point per block of 32."""
 
 
@@ -76,8 +77,10 @@ def _split_bound(x: torch.Tensor, weight: torch.Tensor, mins: torch.Tensor) -> t
 
 
 def _block_mins(stored: StoredWeight) -> torch.Tensor:
-    """Each weight's block min m (Q4_0: -8d) as float64 `[rows, width]`: the weight is d q + m."""
+    """Each weight's block min m (Q4_0: -8d; Q8_0: none, 0) as float64 `[rows, width]`: the weight is d q + m."""
     rows, width = stored.shape
+    if stored.format == "Q8_0":
+        return torch.zeros(rows, width, dtype=torch.float64)
     size = GGUF_FORMATS[stored.format][2]
     blocks = stored.data.reshape(rows, width // 32, size)
     d = blocks[:, :, 0:2].contiguous().view(torch.float16)[:, :, 0].double()
@@ -158,19 +161,23 @@ def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa, fmt)
 @settings(max_examples=40, deadline=None)
 @given(fmt=st.sampled_from(FIXED_POINT_FORMATS), rows=st.sampled_from([1, 2, 3, 5, 8, 9, 17, 40]),
        blocks=st.integers(1, 5), seed=st.integers(0, 2**16), spread=st.sampled_from([1.0, 1e-3, 1e3]))
-def test_avx2_q4_products_are_the_file_weights_times_activations_in_16_bit_fixed_point(fmt, rows, blocks, seed,
-                                                                                      spread):
-    """AVX2's Q4_0 and Q4_1 products round each activation to 16-bit fixed point per block of 32 (x = sx * round(x
-    / sx), sx = max|x| / 32767) and nothing else: the output is sum_k (d q_k) * rounded(x_k) + m * sum_k x_k with
-    the file's own d, m and quants, up to float32 summation order (odd block counts pair the last block with zeros;
-    rows with an outlier 1000x their others keep their small values' share within the rounding)."""
+def test_avx2_q4_and_q8_products_are_the_file_weights_times_activations_in_16_bit_fixed_point(
+        fmt, rows, blocks, seed, spread):
+    """AVX2's Q4_0, Q4_1 and Q8_0 products round each activation to 16-bit fixed point per block of 32 (x = sx *
+    round(x / sx), sx = max|x| / 32767) and nothing else: the output is sum_k (d q_k) * rounded(x_k) + m * sum_k x_k
+    with the file's own d, m (Q4_0: -8d, Q8_0: 0) and quants, up to float32 summation order (odd block counts pair
+    the last block with zeros; rows with an outlier 1000x their others keep their small values' share within the
+    rounding)."""
     width = blocks * 32
     stored, weight = _stored(fmt, 11, width, seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=g) * spread
     x[:, 0] *= 1000.0  # an outlier in each row's first block
     largest = x.abs().reshape(rows, blocks, 32).amax(dim=2).repeat_interleave(32, dim=1)
-    rounded = torch.round(x * (32767.0 / largest))  # float32, to nearest (ties to even), as the kernel rounds
+    # 32767 / largest correctly rounded (numpy's float32 division: torch's may multiply by a reciprocal, a step off
+    # at some values), then x times it in float32 to the nearest integer (ties to even), as the kernel rounds
+    inverse = torch.from_numpy(np.float32(32767.0) / largest.numpy())
+    rounded = torch.round(x * inverse)
     m = _block_mins(stored)
     want = (rounded.double() * _block_scales(x).double()) @ (weight.double() - m).t() + x.double() @ m.t()
     got = GgufMatrix([stored], None, kernels, "avx2")(x).double()

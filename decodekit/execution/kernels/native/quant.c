@@ -682,13 +682,18 @@ static __attribute__((noinline)) void wide_rows_avx2(int kind, const float* x, i
  * An activation row's blocks are laid out by pairs (I16_PAIR_BYTES each): 64 int16, in the order the quants come
  * out of a pair's 32 bytes read as 16-bit words (X0: x_2i, X1: x_2i+16, X2: x_2i+1, X3: x_2i+17, i = 0..7, block
  * 2p in the low 128 bits and 2p + 1 in the high), then SX (8 floats) and ST (8 floats). An odd last block is paired
- * with zeros. */
+ * with zeros. After the pairs, the same int16 in their natural order, 32 a block, then each block's sx: Q8_0's
+ * layout. Q8_0 (signed 8-bit quants, d per block, no min) widens its quants to int16 with one `vpmovsxbw` per 16
+ * and sums q . x16 by `vpmaddwd` the same way (4 products a lane: |sum| < 2^24, exact as a float), then acc =
+ * fma(float(P), d * sx, acc) block by block (its float product: ~18 vector operations a block, this one ~10). */
 #define I16_PAIR_BYTES 192
 #define I16_TILE_MAX_M 8
-/* Bytes of one activation row laid out for the products (`i16_prepare_avx2`). */
-static inline int64_t i16_row_bytes(int64_t in) { return (in / CHUNK + 1) / 2 * I16_PAIR_BYTES; }
+/* Bytes of the pairs' layout of one activation row; the natural layout (Q8_0's) follows it. */
+static inline int64_t i16_paired_bytes(int64_t in) { return (in / CHUNK + 1) / 2 * I16_PAIR_BYTES; }
+/* Bytes of one activation row laid out for the products (`i16_prepare_avx2`): both layouts. */
+static inline int64_t i16_row_bytes(int64_t in) { return i16_paired_bytes(in) + in / CHUNK * (64 + 4); }
 /* Whether the AVX2 path multiplies `kind` by activations in 16-bit fixed point. */
-static inline int i16_kind(int64_t kind) { return kind == DK_Q4_0 || kind == DK_Q4_1; }
+static inline int i16_kind(int64_t kind) { return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0; }
 
 #if DK_QUANT_AVX2
 /* The calling thread's buffer of at least `bytes` (grown, never shrunk), or NULL without memory. */
@@ -744,6 +749,10 @@ static void i16_prepare_avx2(const float* x, int64_t rows, int64_t in, uint8_t* 
              * 64-bit quarters regrouped: [x0, x2, .., x14 | x1, x3, .., x15] and [x16, x18, .. | x17, x19, ..] */
             __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
             __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+            uint8_t* natural = row + i16_paired_bytes(in);
+            _mm256_storeu_si256((__m256i*)(natural + 64 * b), lo);
+            _mm256_storeu_si256((__m256i*)(natural + 64 * b + 32), hi);
+            memcpy(natural + 64 * blocks + 4 * b, &sx, sizeof sx);
             lo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(lo, evens_odds), 0xD8);
             hi = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(hi, evens_odds), 0xD8);
             uint8_t* pair = row + b / 2 * I16_PAIR_BYTES;
@@ -812,7 +821,46 @@ ALWAYS_INLINE void i16_tile_avx2(int kind, const uint8_t* xi, int64_t stride, co
         for (int m = 0; m < M; ++m) sums[m * R + r] = hsum_avx2(acc[r][m]);
 }
 
-/* The outputs [o0, o0 + nr) (nr <= QUANT_PANEL_ROWS) of Q4_0 or Q4_1 weights for every activation row (laid out at
+/* i16_tile_avx2 for Q8_0, from the natural layout at xn (`stride` bytes apart). */
+ALWAYS_INLINE void i16_tile_q8_avx2(const uint8_t* xn, int64_t stride, const uint8_t* w, int64_t row_bytes, int R,
+                                    int M, int64_t blocks, float* sums) {
+    __m256 acc[2][I16_TILE_MAX_M];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m256i v[2][2];
+        __m256 d[2];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* block = w + r * row_bytes + b * 34;
+            __builtin_prefetch(block + QUANT_PREFETCH_BYTES);
+            v[r][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 2)));
+            v[r][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 18)));
+            d[r] = half_splat_avx2(block);
+        }
+        for (int m = 0; m < M; ++m) {
+            const uint8_t* x = xn + m * stride;
+            __m256i x0 = _mm256_loadu_si256((const __m256i*)(x + 64 * b));
+            __m256i x1 = _mm256_loadu_si256((const __m256i*)(x + 64 * b + 32));
+            __m256 sx = _mm256_broadcast_ss((const float*)(x + 64 * blocks) + b);
+            for (int r = 0; r < R; ++r) {
+                __m256i P = _mm256_add_epi32(_mm256_madd_epi16(v[r][0], x0), _mm256_madd_epi16(v[r][1], x1));
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), _mm256_mul_ps(d[r], sx), acc[r][m]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) sums[m * R + r] = hsum_avx2(acc[r][m]);
+}
+
+/* One tile of `kind` (Q4_0, Q4_1 or Q8_0): its layout of the activation rows at xm. */
+ALWAYS_INLINE void i16_any_tile_avx2(int kind, const uint8_t* xm, int64_t stride, int64_t in, const uint8_t* w,
+                                     int64_t row_bytes, int R, int M, int64_t blocks, float* sums) {
+    if (kind == DK_Q8_0) i16_tile_q8_avx2(xm + i16_paired_bytes(in), stride, w, row_bytes, R, M, blocks, sums);
+    else if (kind == DK_Q4_1) i16_tile_avx2(DK_Q4_1, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else i16_tile_avx2(DK_Q4_0, xm, stride, w, row_bytes, R, M, blocks, sums);
+}
+
+/* The outputs [o0, o0 + nr) (nr <= QUANT_PANEL_ROWS) of Q4_0, Q4_1 or Q8_0 weights for every activation row (laid out at
  * xi), in tiles of one weight row by up to 8 activation rows (two weight rows by one: each output's multiply-adds
  * wait on the one before, and a second row's fill the gaps), stored with bias and residual. */
 static void i16_group_avx2(int kind, const uint8_t* xi, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
@@ -827,8 +875,7 @@ static void i16_group_avx2(int kind, const uint8_t* xi, int64_t rows, int64_t in
         if (nm == 1)
             for (; r + 2 <= nr; r += 2) {
                 float two[2];
-                if (kind == DK_Q4_1) i16_tile_avx2(DK_Q4_1, xm, stride, wr + r * row_bytes, row_bytes, 2, 1, blocks, two);
-                else i16_tile_avx2(DK_Q4_0, xm, stride, wr + r * row_bytes, row_bytes, 2, 1, blocks, two);
+                i16_any_tile_avx2(kind, xm, stride, in, wr + r * row_bytes, row_bytes, 2, 1, blocks, two);
                 sums[r] = two[0];
                 sums[r + 1] = two[1];
             }
@@ -837,8 +884,7 @@ static void i16_group_avx2(int kind, const uint8_t* xi, int64_t rows, int64_t in
             const uint8_t* row = wr + r * row_bytes;
 #define I16_TILE_CASE(M)                                                                                        \
     case M:                                                                                                     \
-        if (kind == DK_Q4_1) i16_tile_avx2(DK_Q4_1, xm, stride, row, row_bytes, 1, M, blocks, one);            \
-        else i16_tile_avx2(DK_Q4_0, xm, stride, row, row_bytes, 1, M, blocks, one);                            \
+        i16_any_tile_avx2(kind, xm, stride, in, row, row_bytes, 1, M, blocks, one);                             \
         break;
             switch (nm) {
                 I16_TILE_CASE(1) I16_TILE_CASE(2) I16_TILE_CASE(3) I16_TILE_CASE(4)
@@ -1263,7 +1309,7 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
     ALWAYS_INLINE void any_group_##ISA(int kind, const float* x, const uint8_t* xi, int64_t rows, int64_t in,  \
                                        const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t nr,             \
                                        const float* bias, const float* residual, float* out, int64_t ld) {      \
-        if (xi != NULL && i16_kind(kind)) /* AVX2's Q4_0, Q4_1: activations in 16-bit fixed point, any rows */   \
+        if (xi != NULL && i16_kind(kind)) /* AVX2's Q4_0, Q4_1, Q8_0: activations in 16-bit, any rows */ \
             I16_GROUP_##ISA(kind, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);                 \
         else if (rows >= PANEL_MIN_ROWS_##ISA)                                                                  \
             panel_group_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld, PANEL_R_##ISA); \
@@ -1384,7 +1430,7 @@ void dk_silu_mul_range(const float* gate_up, float* out, int64_t rows, int64_t i
 int64_t dk_quant_row_bytes(int64_t kind, int64_t in);
 void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units);
 
-/* The activation rows laid out for AVX2's Q4_0 and Q4_1 products (`i16_prepare_avx2`) in the calling thread's
+/* The activation rows laid out for AVX2's Q4_0, Q4_1 and Q8_0 products (`i16_prepare_avx2`) in the calling thread's
  * buffer, once per product before its parallel region (`any`: the product has such weights); NULL on the other paths,
  * for other weights, or without memory (then the float tiles run). */
 #if DK_QUANT_AVX2
