@@ -91,6 +91,31 @@ def test_asking_for_gguf_without_stored_weights_or_where_it_cannot_run_is_refuse
 
 
 @needs_kernels
+@pytest.mark.parametrize("length", [1, 5])
+def test_float32_activations_give_the_dequantized_models_hidden_states_within_float_summation_order(
+        stored_and_dequantized, monkeypatch, length):
+    """DECODEKIT_GGUF_ACTIVATIONS=float32: no product rounds its activations (the AVX2 path's Q4_0, Q4_1, Q8_0 would
+    by default), through the native layer stack too, so the tight float32 tolerance holds on every path."""
+    monkeypatch.setenv("DECODEKIT_GGUF_ACTIVATIONS", "float32")
+    exact = _llm()
+    assert exact.engine.model.runner.fused.layers[0].qkv.float_activations
+    assert not any("16-bit fixed point" in reason for reason in exact.engine.plan.reasons)
+    _, dequantized = stored_and_dequantized
+    prompt = random_prompts(1, length, length + 1, seed=length)[0]
+    logits, hidden = _last(exact, prompt)
+    want_logits, want_hidden = _last(dequantized, prompt)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-3)
+
+
+@needs_kernels
+def test_a_bad_activations_variable_is_refused_when_the_engine_is_built_naming_the_choices(monkeypatch):
+    monkeypatch.setenv("DECODEKIT_GGUF_ACTIVATIONS", "int4")
+    with pytest.raises(ConfigError, match=r"DECODEKIT_GGUF_ACTIVATIONS='int4': the choices are fixed16, float32"):
+        _llm()
+
+
+@needs_kernels
 def test_a_bad_code_path_variable_is_refused_when_the_engine_is_built(monkeypatch):
     monkeypatch.setenv("DECODEKIT_QUANT_ISA", "avx1024")
     with pytest.raises(ConfigError, match="DECODEKIT_QUANT_ISA='avx1024'"):

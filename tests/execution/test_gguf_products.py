@@ -188,6 +188,28 @@ def test_avx2_q4_and_q8_products_are_the_file_weights_times_activations_in_16_bi
 
 
 @needs_kernels
+@pytest.mark.skipif("avx2" not in ISAS, reason="the AVX2 path is not available on this CPU")
+@pytest.mark.parametrize("fmt", FIXED_POINT_FORMATS)
+def test_float32_activations_keep_the_avx2_products_within_float_summation_order(fmt, monkeypatch):
+    """Under DECODEKIT_GGUF_ACTIVATIONS=float32 the AVX2 path multiplies the activations as they are: within
+    float32 summation order of the exact product where an outlier makes the fixed-point rounding of the other values
+    (a step of max|x| / 32767) move the output far beyond it."""
+    stored, weight = _stored(fmt, 9, 96, seed=5)
+    x = torch.randn(4, 96)
+    x[:, 0] = 3e4
+    exact = x.double() @ weight.double().t()
+    fixed = GgufMatrix([stored], None, kernels, "avx2")(x).double()
+    monkeypatch.setenv("DECODEKIT_GGUF_ACTIVATIONS", "float32")
+    matrix = GgufMatrix([stored], None, kernels, "avx2")
+    assert matrix.float_activations
+    got = matrix(x).double()
+    assert torch.all((got - exact).abs() <= _bound(x, weight) + 1e-6 * exact.abs())
+    assert not torch.all((fixed - exact).abs() <= _bound(x, weight) + 1e-6 * exact.abs())
+    gate_up, _ = kernels.quant.gated(x, (stored.data, fmt), (stored.data, fmt), "avx2", float_activations=True)
+    assert torch.equal(gate_up[:, :9], got.float())
+
+
+@needs_kernels
 def test_the_paths_agree_up_to_summation_order():
     stored, weight = _stored("Q6_K", 9, 512, seed=2)
     x = torch.randn(3, 512)

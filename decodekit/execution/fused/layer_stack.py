@@ -51,7 +51,7 @@ from decodekit.execution.kernels.native import (
     DrawRuleFields,
     NativeKernels,
 )
-from decodekit.execution.kernels.quant import GGUF_FORMATS, ISAS
+from decodekit.execution.kernels.quant import GGUF_FORMATS, path_code
 
 STACK_VARIABLE = "DECODEKIT_NATIVE_STACK"
 """Set to 0 (false, no, off) to run every step's layers one native call at a time."""
@@ -203,7 +203,8 @@ def _describe_matrix(matrix: Any) -> tuple[StackMatrix, int]:
         if len(matrix.parts) > _PARTS:
             raise ValueError(f"a GGUF stack of {len(matrix.parts)} parts (the native stack takes {_PARTS})")
         desc.kind, desc.in_dim, desc.out_dim = _QUANT, matrix.in_dim, matrix.out_dim
-        desc.bias, desc.isa, desc.parts = _floats(matrix.bias), ISAS.index(matrix.isa), len(matrix.parts)
+        desc.bias, desc.parts = _floats(matrix.bias), len(matrix.parts)
+        desc.isa = path_code(matrix.isa, matrix.float_activations)
         for index, (start, fmt, blocks) in enumerate(matrix.parts):
             desc.part_kind[index], desc.part_blocks[index] = GGUF_FORMATS[fmt][0], blocks.data_ptr()
             desc.part_start[index], desc.part_rows[index] = start, blocks.shape[0]

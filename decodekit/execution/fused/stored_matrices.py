@@ -23,7 +23,12 @@ from decodekit.api.huge_pages import on_huge_pages
 from decodekit.api.models import StoredWeight
 from decodekit.execution.fused.weight_matrices import DEQUANTIZE_BLOCK, AnyMatrix, Matrix, dequantized_mm
 from decodekit.execution.kernels.native import NativeKernels
-from decodekit.execution.kernels.quant import INTERLEAVED_Q4_1, INTERLEAVED_ROWS, interleave_q4_1
+from decodekit.execution.kernels.quant import (
+    INTERLEAVED_Q4_1,
+    INTERLEAVED_ROWS,
+    float_activations_asked,
+    interleave_q4_1,
+)
 
 STORED_QUANTIZATION = "gguf"
 """The `ExecutionPlan.quantization` of weights multiplied as stored."""
@@ -71,8 +76,12 @@ class GgufMatrix:
         native: the kernels (their `quant` products).
         isa: the code path (`QuantKernels.isa`: default the best this CPU has, or `$DECODEKIT_QUANT_ISA`).
 
+    `$DECODEKIT_GGUF_ACTIVATIONS=float32` (read when it is built) keeps float32 activations where the AVX2 path
+    would round them to 16-bit fixed point (`kernels.quant.ACTIVATIONS_VARIABLE`).
+
     Raises:
-        ValueError: the parts differ in width, a format is not one the kernels take, or the path is not available.
+        ValueError: the parts differ in width, a format is not one the kernels take, the path is not available, or
+            `$DECODEKIT_GGUF_ACTIVATIONS` is neither `fixed16` nor `float32`.
     """
 
     def __init__(self, parts: Sequence[StoredWeight], bias: torch.Tensor | None, native: NativeKernels,
@@ -83,6 +92,7 @@ class GgufMatrix:
         self.in_dim = widths.pop()
         self.quant = native.quant
         self.isa = native.quant.isa(isa)
+        self.float_activations = float_activations_asked()
         self.parts: list[tuple[int, str, torch.Tensor]] = []
         start = 0
         for part in parts:
@@ -107,7 +117,7 @@ class GgufMatrix:
             out = x.new_empty(x.shape[0], self.out_dim)
             residual = None if residual is None else residual.contiguous()
             for start, fmt, blocks in self.parts:
-                self.quant.linear(x, blocks, fmt, out, start, self.bias, residual, self.isa)
+                self.quant.linear(x, blocks, fmt, out, start, self.bias, residual, self.isa, self.float_activations)
             return out
         out = dequantized_mm(x, residual, self.out_dim, self.dequantized_blocks())
         return out if self.bias is None else out.add_(self.bias)

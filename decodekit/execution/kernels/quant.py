@@ -46,6 +46,14 @@ ISAS = ("portable", "avx2", "avx512")
 
 ISA_VARIABLE = "DECODEKIT_QUANT_ISA"
 
+ACTIVATIONS_VARIABLE = "DECODEKIT_GGUF_ACTIVATIONS"
+"""`fixed16` (the default): the AVX2 path's Q4_0, Q4_1 and Q8_0 products round the activations to 16-bit fixed point
+per block of 32 (integer sums, half the vector operations); `float32`: float32 activations on every path (the
+dequantized model's outputs up to summation order alone)."""
+ACTIVATIONS = ("fixed16", "float32")
+
+_FLOAT_ACTIVATIONS = 8  # or'd into a product's path (`native/quant.c`'s DK_QUANT_FLOAT_ACTIVATIONS)
+
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
 
@@ -83,6 +91,23 @@ def interleave_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, mins, quants], dim=2).reshape(n, width_bytes).contiguous()
 
 
+def float_activations_asked() -> bool:
+    """Whether `$DECODEKIT_GGUF_ACTIVATIONS` asks for float32 activations (`float32`; `fixed16` or unset: no).
+
+    Raises:
+        ValueError: the variable holds neither (the message names it and the choices).
+    """
+    asked = os.environ.get(ACTIVATIONS_VARIABLE, "").strip().lower() or ACTIVATIONS[0]
+    if asked not in ACTIVATIONS:
+        raise ValueError(f"{ACTIVATIONS_VARIABLE}={asked!r}: the choices are {', '.join(ACTIVATIONS)}")
+    return asked == "float32"
+
+
+def path_code(isa: str, float_activations: bool = False) -> int:
+    """The `isa` argument of the native products: the path's index, with the float-activations flag."""
+    return ISAS.index(isa) | (_FLOAT_ACTIVATIONS if float_activations else 0)
+
+
 class QuantKernels:
     """The quantized products of one loaded kernels library (`NativeKernels.quant`)."""
 
@@ -118,10 +143,12 @@ class QuantKernels:
         return name
 
     def linear(self, x: torch.Tensor, blocks: torch.Tensor, fmt: str, out: torch.Tensor, start: int = 0,
-               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, isa: str | None = None) -> None:
+               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, isa: str | None = None,
+               float_activations: bool = False) -> None:
         """`out[:, start:start + n] = x @ W.T (+ bias[start:start + n]) (+ residual[:, start:start + n])` for float32
         rows `x` `[rows, in]` (contiguous) and the `fmt` weight `W` `[n, in]` held as its blocks `blocks` (`uint8
         [n, row_bytes]`, contiguous); `out` and `residual` are contiguous `[rows, out_dim]` float32, `bias` `[out_dim]`.
+        `float_activations` keeps float32 activations where the AVX2 path would round them to 16-bit fixed point.
 
         Raises:
             ValueError: the operands do not fit each other (the kernel would read out of bounds).
@@ -140,11 +167,11 @@ class QuantKernels:
         status = self._linear(GGUF_FORMATS[fmt][0], x.data_ptr(), rows, width, blocks.data_ptr(), n,
                               None if bias is None else bias.data_ptr() + step,
                               None if residual is None else residual.data_ptr() + step, out.data_ptr() + step,
-                              out.shape[1], ISAS.index(self.isa(isa)))
+                              out.shape[1], path_code(self.isa(isa), float_activations))
         assert status == 0, "dk_quant_linear refused operands the wrapper checked"
 
     def gated(self, x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str],
-              isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              isa: str | None = None, float_activations: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate/up product of float32 rows `x` `[rows, in]` with the gate's and the up's `(blocks, fmt)` (`inter`
         rows each) and its SiLU-gating, in one parallel region (what the layer stack runs for GGUF layers): returns
         `(gate_up [rows, 2 inter], silu(gate) * up [rows, inter])`, the values `linear` of both parts then
@@ -166,7 +193,7 @@ class QuantKernels:
         pointers = (ctypes.c_void_p * 2)(gate_blocks.data_ptr(), up_blocks.data_ptr())
         gate_up, gated = x.new_empty(rows, 2 * inter), x.new_empty(rows, inter)
         status = self._gated(kinds, pointers, inter, x.data_ptr(), rows, width, gate_up.data_ptr(), gated.data_ptr(),
-                             ISAS.index(self.isa(isa)))
+                             path_code(self.isa(isa), float_activations))
         assert status == 0, "dk_quant_gated refused operands the wrapper checked"
         return gate_up, gated
 

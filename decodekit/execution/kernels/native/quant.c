@@ -1336,10 +1336,10 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
     /* the whole product on one path */                                                                        \
     static void linear_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,             \
                              int64_t out_rows, const float* bias, const float* residual, float* out, int64_t ld,\
-                             int64_t row_bytes, int parallel) {                                                 \
+                             int64_t row_bytes, int parallel, int fixed) {                                      \
         int64_t span = group_span(kind, rows, PANEL_MIN_ROWS_##ISA);                                            \
         int64_t groups = (out_rows + span - 1) / span;                                                          \
-        const uint8_t* xi = I16_ROWS_##ISA(i16_kind(kind), x, rows, in);                                        \
+        const uint8_t* xi = I16_ROWS_##ISA(fixed && i16_kind(kind), x, rows, in);                               \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < groups; ++g) {                                    \
             int64_t o0 = g * span, nr = out_rows - o0 < span ? out_rows - o0 : span;                            \
             kind_group_##ISA(kind, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);             \
@@ -1354,7 +1354,7 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
     static void parts_##ISA(int64_t parts, const int64_t* kinds, const uint8_t* const* blocks,                 \
                             const int64_t* starts, const int64_t* part_rows, const float* x, int64_t rows,      \
                             int64_t in, const float* bias, const float* residual, float* out, int64_t ld,       \
-                            int parallel) {                                                                     \
+                            int parallel, int fixed) {                                                          \
         int64_t first[DK_QUANT_MAX_PARTS + 1] = {0}, span[DK_QUANT_MAX_PARTS];                                  \
         int any_i16 = 0;                                                                                        \
         for (int64_t p = 0; p < parts; ++p) {                                                                   \
@@ -1362,7 +1362,7 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
             first[p + 1] = first[p] + (part_rows[p] + span[p] - 1) / span[p];                                   \
             any_i16 |= i16_kind(kinds[p]);                                                                      \
         }                                                                                                       \
-        const uint8_t* xi = I16_ROWS_##ISA(any_i16, x, rows, in);                                               \
+        const uint8_t* xi = I16_ROWS_##ISA(fixed && any_i16, x, rows, in);                                      \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < first[parts]; ++g) {                              \
             dk_side_prefetch(DK_QUANT_THREAD, DK_QUANT_THREADS, g, first[parts]);                               \
             int64_t p = 0;                                                                                      \
@@ -1384,13 +1384,13 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
  * arithmetic is the one `linear_ISA` does. Shares of the rows start at multiples of 8 (the gating's vectors). */
 #define DK_QUANT_GATED(ISA)                                                                                     \
     static void gated_##ISA(const int64_t* kinds, const uint8_t* const* blocks, int64_t inter, const float* x,   \
-                            int64_t rows, int64_t in, float* gate_up, float* gated, int parallel) {              \
+                            int64_t rows, int64_t in, float* gate_up, float* gated, int parallel, int fixed) {   \
         int64_t spans[2] = {group_span(kinds[0], rows, PANEL_MIN_ROWS_##ISA),                                   \
                             group_span(kinds[1], rows, PANEL_MIN_ROWS_##ISA)};                                  \
         int64_t unit = spans[0] > spans[1] ? spans[0] : spans[1];                                               \
         unit = unit < 8 ? 8 : unit; /* a multiple of either span (4, 8 or 16) */                                \
         int64_t units = (inter + unit - 1) / unit;                                                              \
-        const uint8_t* xi = I16_ROWS_##ISA(i16_kind(kinds[0]) || i16_kind(kinds[1]), x, rows, in);              \
+        const uint8_t* xi = I16_ROWS_##ISA(fixed && (i16_kind(kinds[0]) || i16_kind(kinds[1])), x, rows, in);   \
         DK_QUANT_PARALLEL(parallel) {                                                                           \
             int64_t b = units * DK_QUANT_THREAD / DK_QUANT_THREADS * unit;                                      \
             int64_t e = units * (DK_QUANT_THREAD + 1) / DK_QUANT_THREADS * unit;                                \
@@ -1462,6 +1462,10 @@ DK_QUANT_PARTS(avx512)
 DK_QUANT_GATED(avx512)
 #endif
 
+/* Or'd into a product's `isa`: multiply float32 activations on every path (AVX2's Q4_0, Q4_1 and Q8_0 products
+ * otherwise round them to 16-bit fixed point per block: `i16_prepare_avx2`). */
+#define DK_QUANT_FLOAT_ACTIVATIONS 8
+
 /* The best path this library was compiled with: 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
 int dk_quant_isa(void) {
     return DK_QUANT_AVX512 ? 2 : DK_QUANT_AVX2 ? 1 : 0;
@@ -1482,7 +1486,8 @@ int64_t dk_quant_row_bytes(int64_t kind, int64_t in) {
 
 /* out[m * ld + o] = sum_i x[m * in + i] * W[o, i] (+ bias[o]) (+ residual[m * ld + o]) for the `rows` float32 rows
  * of x and the `out_rows` rows of W, stored as GGUF blocks of type `kind` row after row (`dk_quant_row_bytes(kind,
- * in)` bytes each), on path `isa` (capped at `dk_quant_isa()`). From 64K weight-row products the groups of 4
+ * in)` bytes each), on path `isa` (capped at `dk_quant_isa()`; with DK_QUANT_FLOAT_ACTIVATIONS or'd in, float32
+ * activations whatever the path). From 64K weight-row products the groups of 4
  * output rows are split over torch's threads. Returns 0, or -1 (nothing computed) for a type or width it does not
  * take. */
 int dk_quant_linear(int64_t kind, const float* x, int64_t rows, int64_t in, const uint8_t* w, int64_t out_rows,
@@ -1490,14 +1495,16 @@ int dk_quant_linear(int64_t kind, const float* x, int64_t rows, int64_t in, cons
     int64_t row_bytes = dk_quant_row_bytes(kind, in);
     if (row_bytes == 0 || rows < 0 || out_rows < 0 || !whole_groups(kind, out_rows)) return -1;
     int parallel = out_rows * in * (rows < 8 ? rows : 8) >= 65536 && out_rows > QUANT_GROUP;
+    int fixed = !(isa & DK_QUANT_FLOAT_ACTIVATIONS);
+    isa &= ~(int64_t)DK_QUANT_FLOAT_ACTIVATIONS;
 #if DK_QUANT_AVX512
-    if (isa >= 2) { linear_avx512((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel); return 0; }
+    if (isa >= 2) { linear_avx512((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel, fixed); return 0; }
 #endif
 #if DK_QUANT_AVX2
-    if (isa >= 1) { linear_avx2((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel); return 0; }
+    if (isa >= 1) { linear_avx2((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel, fixed); return 0; }
 #endif
     (void)isa;
-    linear_portable((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel);
+    linear_portable((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel, fixed);
     return 0;
 }
 
@@ -1516,14 +1523,16 @@ int dk_quant_linear_parts(int64_t parts, const int64_t* kinds, const uint8_t* co
         total_rows += part_rows[p];
     }
     int parallel = total_rows * in * (rows < 8 ? rows : 8) >= 65536 && total_rows > QUANT_GROUP;
+    int fixed = !(isa & DK_QUANT_FLOAT_ACTIVATIONS);
+    isa &= ~(int64_t)DK_QUANT_FLOAT_ACTIVATIONS;
 #if DK_QUANT_AVX512
-    if (isa >= 2) { parts_avx512(parts, kinds, blocks, starts, part_rows, x, rows, in, bias, residual, out, ld, parallel); return 0; }
+    if (isa >= 2) { parts_avx512(parts, kinds, blocks, starts, part_rows, x, rows, in, bias, residual, out, ld, parallel, fixed); return 0; }
 #endif
 #if DK_QUANT_AVX2
-    if (isa >= 1) { parts_avx2(parts, kinds, blocks, starts, part_rows, x, rows, in, bias, residual, out, ld, parallel); return 0; }
+    if (isa >= 1) { parts_avx2(parts, kinds, blocks, starts, part_rows, x, rows, in, bias, residual, out, ld, parallel, fixed); return 0; }
 #endif
     (void)isa;
-    parts_portable(parts, kinds, blocks, starts, part_rows, x, rows, in, bias, residual, out, ld, parallel);
+    parts_portable(parts, kinds, blocks, starts, part_rows, x, rows, in, bias, residual, out, ld, parallel, fixed);
     return 0;
 }
 
@@ -1536,14 +1545,16 @@ int dk_quant_gated(const int64_t* kinds, const uint8_t* const* blocks, int64_t i
         || !whole_groups(kinds[0], inter) || !whole_groups(kinds[1], inter))
         return -1;
     int parallel = 2 * inter * in * (rows < 8 ? rows : 8) >= 65536 && 2 * inter > QUANT_GROUP;
+    int fixed = !(isa & DK_QUANT_FLOAT_ACTIVATIONS);
+    isa &= ~(int64_t)DK_QUANT_FLOAT_ACTIVATIONS;
 #if DK_QUANT_AVX512
-    if (isa >= 2) { gated_avx512(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel); return 0; }
+    if (isa >= 2) { gated_avx512(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel, fixed); return 0; }
 #endif
 #if DK_QUANT_AVX2
-    if (isa >= 1) { gated_avx2(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel); return 0; }
+    if (isa >= 1) { gated_avx2(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel, fixed); return 0; }
 #endif
     (void)isa;
-    gated_portable(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel);
+    gated_portable(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel, fixed);
     return 0;
 }
 
