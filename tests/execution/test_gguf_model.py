@@ -151,7 +151,7 @@ def test_interleaved_q4_1_weights_give_the_dequantized_models_greedy_tokens_batc
 def test_the_bundled_model_runs_its_q4_1_blocks_with_the_dequantized_models_greedy_tokens():
     """The bundled SmolLM2 (210 Q4_1 weights, a Q8_0 embedding tied to the LM head) loads as stored by default.
     Agreement with the float32 dequantized model: every greedy token of 8 prompts x 32 tokens (hidden states within
-    1e-3 of each other's, float32 summation order)."""
+    1e-3 of each other's with float32 activations, 1.5e-2 where AVX2 rounds them to 16-bit fixed point)."""
     stored, dequantized = LLM(), LLM(dtype="float32")
     assert stored.engine.plan.stored_formats == {"Q4_1": 210, "Q8_0": 1}
     prompts = [f"Question {i}: what is {i} times {i + 3}? Answer:" for i in range(6)]
@@ -163,5 +163,10 @@ def test_the_bundled_model_runs_its_q4_1_blocks_with_the_dequantized_models_gree
     ids = stored.tokenizer("The capital of France is")["input_ids"]
     logits, hidden = _last(stored, ids)
     want_logits, want_hidden = _last(dequantized, ids)
-    torch.testing.assert_close(hidden, want_hidden, rtol=1e-3, atol=1e-3)
+    # AVX2's products round the activations to 16-bit fixed point per block of 32: SmolLM2's outlier channels (a
+    # block's largest value ~100x its others) leave those blocks' other values ~8 bits, so a hidden value moves by
+    # up to ~7e-3 here (6.6e-3 measured on a Zen 3), against 1e-3 with float32 activations
+    fixed_point = stored.engine.model.runner.fused.layers[0].qkv.isa == "avx2"
+    tolerance = 1.5e-2 if fixed_point else 1e-3
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-3, atol=tolerance)
     assert int(logits.argmax()) == int(want_logits.argmax())
