@@ -660,11 +660,12 @@ static __attribute__((noinline)) void wide_rows_avx2(int kind, const float* x, i
 #endif
 #define QUANT_PANEL_ROWS 16
 
-/* ---- AVX2: Q4_0 and Q4_1 times activations in 16-bit block fixed point -----------------------------------------
+/* ---- AVX2: Q4_0, Q4_1 and Q8_0 times activations in 16-bit block fixed point ------------------------------------
  * AVX2 has no instruction that multiplies 4-bit integers into floats: the float product widens each quant to 32
  * bits, converts it and dequantizes it with a multiply-add before the multiply-add that uses it (~22 vector
  * operations a block of 32 weights by one activation row), and is bound by that arithmetic, not by memory (a
  * batch-1 GGUF token read its weights at 42-47% of the bound on a 2-core Zen 3). Here each activation row is first
+ * (once per product, by the calling thread, before its parallel region: `i16_rows_avx2`)
  * rounded, block by block, to 16-bit fixed point: x = sx * x16 with sx = max|x| / 32767 over the block's 32 values
  * and x16 = round(x / sx) (|error| <= sx / 2, 2^-16 of the block's largest value: finer than bfloat16, 2^-9 of each
  * value). Then Q4_1's sum over a block, sum_k (d q_k + m) x_k, is d sx (sum_k q_k x16_k) + m (sum_k x_k): the
@@ -771,7 +772,7 @@ static void i16_prepare_avx2(const float* x, int64_t rows, int64_t in, uint8_t* 
 }
 
 /* sums[m * R + r] for R (1-2) weight rows (`row_bytes` apart, `blocks` blocks of Q4_0 or Q4_1 each) by M (1-8)
- * activation rows laid out at xi (`stride` bytes apart). */
+ * activation rows laid out at xi (`stride` bytes apart). An inf or NaN activation makes its block's outputs NaN. */
 ALWAYS_INLINE void i16_tile_avx2(int kind, const uint8_t* xi, int64_t stride, const uint8_t* w, int64_t row_bytes,
                                  int R, int M, int64_t blocks, float* sums) {
     int one = kind == DK_Q4_1;
