@@ -5,8 +5,8 @@ Up to `GGUF_NATIVE_MAX_ROWS` rows (decode, batches, speculative verification, pr
 product, which dequantizes each block in registers, or for 16 activation rows and more once into a panel in cache
 (`kernels.quant`); more rows dequantize a block of output rows at a time to float32 for BLAS (`dequantized_mm`), as
 the int8 and bf16 copies do. Both multiply exactly the float32 weights transformers dequantizes from the file: the
-output is the dequantized model's up to summation order (on the AVX2 path, Q4_0 and Q4_1 times activations rounded
-to 16-bit fixed point per block of 32, `native/quant.c`), and the native product sums each output in one order
+output is the dequantized model's up to summation order (on the AVX2 path, Q4_0, Q4_1 and Q8_0 times activations
+rounded to 16-bit fixed point per block of 32, `native/quant.c`), and the native product sums each output in one order
 whatever the rows, so a row's result does not depend on its batch.
 """
 

@@ -2,10 +2,10 @@
 
 A GGUF weight `[out, in]` is kept as the file stores it: `out` rows of blocks (`uint8 [out, row_bytes]`), Q4_0,
 Q4_1, Q8_0 (blocks of 32 weights) or Q4_K, Q6_K (super-blocks of 256). `QuantKernels.linear` multiplies float32
-rows by it, dequantizing each block in registers (the AVX2 path's Q4_0 and Q4_1: their quants times the activations
-rounded to 16-bit fixed point per block of 32, integers summed exactly), and `dequantize` writes float32 rows of it
-(for the GEMM of many rows). Both compute each weight exactly as gguf-py's `dequantize` does (the float32 weights
-transformers loads).
+rows by it, dequantizing each block in registers (the AVX2 path's Q4_0, Q4_1 and Q8_0: their quants times the
+activations rounded to 16-bit fixed point per block of 32, integers summed exactly), and `dequantize` writes float32
+rows of it (for the GEMM of many rows). Both compute each weight exactly as gguf-py's `dequantize` does (the
+float32 weights transformers loads).
 `Q4_1x8` is decodekit's own layout of Q4_1 (`interleave_q4_1`: each 8 rows' blocks regrouped so a vector's lanes are
 8 output rows), which the AVX2 path multiplies faster for one or two activation rows and slower for more (opt-in:
 `stored_matrices.laid_out_for`).
