@@ -61,7 +61,9 @@ def test_a_heap_frozen_before_stays_frozen_and_the_variable_turns_freezing_off(f
     before = gc.get_freeze_count()
     with frozen_heap() as frozen:
         assert frozen == 0
-    assert gc.get_freeze_count() == before, "someone else's freeze is not undone"
+    # undone, the count would be 0; frozen objects whose last reference goes meanwhile (other threads, the
+    # interpreter's own caches) lower it by a few, so equality would be flaky
+    assert gc.get_freeze_count() > before // 2, "someone else's freeze is not undone"
     gc.unfreeze()
     monkeypatch.setenv("DECODEKIT_GC_FREEZE", "off")
     with frozen_heap() as frozen:
