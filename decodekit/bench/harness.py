@@ -30,6 +30,8 @@ from decodekit.bench.peers import PeerSpec, build_peer, check_peers, parse_peer,
 from decodekit.bench.progress import BenchProgress
 from decodekit.bench.report import BenchResult, SystemFigures, summarize
 from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
+from decodekit.execution.kernels.native import load_kernels
+from decodekit.execution.kernels.quant import float_activations_asked
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
 from decodekit.models.gguf_weights import stored_formats as count_stored_formats
 
@@ -268,8 +270,8 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
                                                 stored)
     figures, ratios, notes = measure(builders, work, repeats, time_limit_s=time_limit_s, progress=progress)
     if stored:
-        notes.append(f"decodekit ran the GGUF's weights as stored ({stored}; float32 activations), loading the file "
-                     "itself; the baselines run the dequantized float32 model; llama.cpp reads the same file")
+        notes.append(f"decodekit ran the GGUF's weights as stored ({stored}; {stored_activations()}), loading the "
+                     "file itself; the baselines run the dequantized float32 model; llama.cpp reads the same file")
     if peers:
         notes.append("same tokens: the share of requests whose greedy tokens equal decodekit's; common prefix: the "
                      "mean over requests of the share of decodekit's tokens matched before the first difference")
@@ -279,6 +281,18 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
     env["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return BenchResult(work.describe(), model_name, dtype_name, str(loaded.device), repeats, figures, ratios,
                        options, env, notes)
+
+
+def stored_activations() -> str:
+    """What decodekit's products of stored GGUF weights multiply: float32 activations, or on the AVX2 path (unless
+    `$DECODEKIT_GGUF_ACTIVATIONS=float32`) Q4_0, Q4_1 and Q8_0 times activations in 16-bit fixed point."""
+    kernels = load_kernels()
+    try:
+        fixed = not isinstance(kernels, str) and kernels.quant.isa() == "avx2" and not float_activations_asked()
+    except ValueError:  # a bad variable: the engine build refuses it, naming it
+        fixed = False
+    return ("Q4_0, Q4_1, Q8_0 by activations in 16-bit fixed point per block of 32, AVX2" if fixed
+            else "float32 activations")
 
 
 def stored_formats(loaded: Any) -> str:
