@@ -1,7 +1,9 @@
 """The native products of GGUF quantized weights (`kernels.quant`, `GgufMatrix`): on every code path this CPU has
 (AVX-512, AVX2 + FMA, portable C), each format's blocks dequantize to exactly gguf-py's float32 weights, and the
 product of 1 to N rows (native up to GGUF_NATIVE_MAX_ROWS, dequantized blocks and BLAS beyond) is the float product
-of those weights up to summation order; bad operands and unknown paths are refused naming what is wrong."""
+of those weights up to summation order (on the AVX2 path Q4_0, Q4_1 and Q8_0 also within the rounding of the
+activations to 16-bit fixed point per block, and exactly that scheme); bad operands and unknown paths are refused
+naming what is wrong."""
 
 from __future__ import annotations
 
