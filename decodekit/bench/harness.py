@@ -31,7 +31,7 @@ from decodekit.bench.progress import BenchProgress
 from decodekit.bench.report import BenchResult, SystemFigures, summarize
 from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
 from decodekit.execution.kernels.native import load_kernels
-from decodekit.execution.kernels.quant import float_activations_asked
+from decodekit.execution.kernels.quant import rounds_activations
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
 from decodekit.models.gguf_weights import stored_formats as count_stored_formats
 
@@ -288,7 +288,7 @@ def stored_activations() -> str:
     `$DECODEKIT_GGUF_ACTIVATIONS=float32`) Q4_0, Q4_1 and Q8_0 times activations in 16-bit fixed point."""
     kernels = load_kernels()
     try:
-        fixed = not isinstance(kernels, str) and kernels.quant.isa() == "avx2" and not float_activations_asked()
+        fixed = not isinstance(kernels, str) and rounds_activations(kernels.quant.isa())
     except ValueError:  # a bad variable: the engine build refuses it, naming it
         fixed = False
     return ("Q4_0, Q4_1, Q8_0 by activations in 16-bit fixed point per block of 32, AVX2" if fixed

@@ -103,6 +103,16 @@ def float_activations_asked() -> bool:
     return asked == "float32"
 
 
+def rounds_activations(isa: str) -> bool:
+    """Whether the products on path `isa` round Q4_0, Q4_1 and Q8_0's activations to 16-bit fixed point: the AVX2
+    path, unless `$DECODEKIT_GGUF_ACTIVATIONS=float32`.
+
+    Raises:
+        ValueError: the variable holds neither choice.
+    """
+    return isa == "avx2" and not float_activations_asked()
+
+
 def path_code(isa: str, float_activations: bool = False) -> int:
     """The `isa` argument of the native products: the path's index, with the float-activations flag."""
     return ISAS.index(isa) | (_FLOAT_ACTIVATIONS if float_activations else 0)

@@ -1467,6 +1467,14 @@ DK_QUANT_GATED(avx512)
  * otherwise round them to 16-bit fixed point per block: `i16_prepare_avx2`). */
 #define DK_QUANT_FLOAT_ACTIVATIONS 8
 
+/* Whether a product's `isa` argument keeps the fixed-point activations (no DK_QUANT_FLOAT_ACTIVATIONS), the flag
+ * cleared from *isa so that it names the path alone. */
+static inline int fixed_point_asked(int64_t* isa) {
+    int fixed = !(*isa & DK_QUANT_FLOAT_ACTIVATIONS);
+    *isa &= ~(int64_t)DK_QUANT_FLOAT_ACTIVATIONS;
+    return fixed;
+}
+
 /* The best path this library was compiled with: 2 AVX-512, 1 AVX2 + FMA, 0 portable C. */
 int dk_quant_isa(void) {
     return DK_QUANT_AVX512 ? 2 : DK_QUANT_AVX2 ? 1 : 0;
@@ -1496,8 +1504,7 @@ int dk_quant_linear(int64_t kind, const float* x, int64_t rows, int64_t in, cons
     int64_t row_bytes = dk_quant_row_bytes(kind, in);
     if (row_bytes == 0 || rows < 0 || out_rows < 0 || !whole_groups(kind, out_rows)) return -1;
     int parallel = out_rows * in * (rows < 8 ? rows : 8) >= 65536 && out_rows > QUANT_GROUP;
-    int fixed = !(isa & DK_QUANT_FLOAT_ACTIVATIONS);
-    isa &= ~(int64_t)DK_QUANT_FLOAT_ACTIVATIONS;
+    int fixed = fixed_point_asked(&isa);
 #if DK_QUANT_AVX512
     if (isa >= 2) { linear_avx512((int)kind, x, rows, in, w, out_rows, bias, residual, out, ld, row_bytes, parallel, fixed); return 0; }
 #endif
@@ -1524,8 +1531,7 @@ int dk_quant_linear_parts(int64_t parts, const int64_t* kinds, const uint8_t* co
         total_rows += part_rows[p];
     }
     int parallel = total_rows * in * (rows < 8 ? rows : 8) >= 65536 && total_rows > QUANT_GROUP;
-    int fixed = !(isa & DK_QUANT_FLOAT_ACTIVATIONS);
-    isa &= ~(int64_t)DK_QUANT_FLOAT_ACTIVATIONS;
+    int fixed = fixed_point_asked(&isa);
 #if DK_QUANT_AVX512
     if (isa >= 2) { parts_avx512(parts, kinds, blocks, starts, part_rows, x, rows, in, bias, residual, out, ld, parallel, fixed); return 0; }
 #endif
@@ -1546,8 +1552,7 @@ int dk_quant_gated(const int64_t* kinds, const uint8_t* const* blocks, int64_t i
         || !whole_groups(kinds[0], inter) || !whole_groups(kinds[1], inter))
         return -1;
     int parallel = 2 * inter * in * (rows < 8 ? rows : 8) >= 65536 && 2 * inter > QUANT_GROUP;
-    int fixed = !(isa & DK_QUANT_FLOAT_ACTIVATIONS);
-    isa &= ~(int64_t)DK_QUANT_FLOAT_ACTIVATIONS;
+    int fixed = fixed_point_asked(&isa);
 #if DK_QUANT_AVX512
     if (isa >= 2) { gated_avx512(kinds, blocks, inter, x, rows, in, gate_up, gated, parallel, fixed); return 0; }
 #endif
