@@ -92,8 +92,8 @@ def test_a_block_quantized_target_generates_what_transformers_generates_on_the_d
               max_num_batched_tokens=32)
     assert llm.engine.model.forward_name == f"fused ({quantization} weights)"
     fused = llm.engine.model.runner.fused
-    assert isinstance(fused.lm_head, GgufMatrix) and fused.lm_head.formats == (HEAD_FORMATS[quantization],)
-    assert fused.layers[0].down.formats == (BLOCK_FORMATS[quantization],)
+    assert isinstance(fused.lm_head, GgufMatrix) and fused.lm_head.file_formats == (HEAD_FORMATS[quantization],)
+    assert fused.layers[0].down.file_formats == (BLOCK_FORMATS[quantization],)
     prompts = random_prompts(6, 3, 40, seed=11)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
     assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 16) for p in prompts]

@@ -22,10 +22,14 @@ from decodekit.execution.fused.stored_matrices import (
 )
 from decodekit.execution.kernels.native import load_kernels
 from decodekit.execution.kernels.quant import (
+    ACTIVATIONS_VARIABLE,
+    FILE_FORMATS,
     GGUF_FORMATS,
     INTERLEAVED_Q4_1,
     ISA_VARIABLE,
+    PAIRED,
     interleave_q4_1,
+    pair_blocks,
     row_bytes,
 )
 from tests.helpers.gguf_blocks import gguf_dequantize, random_blocks
@@ -33,8 +37,9 @@ from tests.helpers.gguf_blocks import gguf_dequantize, random_blocks
 kernels = load_kernels()
 needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
 ISAS = () if isinstance(kernels, str) else kernels.quant.available
-FORMATS = sorted(fmt for fmt in GGUF_FORMATS if fmt != INTERLEAVED_Q4_1)  # a file's formats
-"""The formats a GGUF file holds; `Q4_1x8` (Q4_1 interleaved by 8 rows) is decodekit's own layout of Q4_1."""
+FORMATS = sorted(FILE_FORMATS)
+"""The formats a GGUF file holds; `Q4_1x8` (Q4_1 interleaved by 8 rows), `Q4_0p` and `Q4_1p` (paired blocks) are
+decodekit's own layouts."""
 
 
 def _stored(fmt: str, rows: int, width: int, seed: int) -> tuple[StoredWeight, torch.Tensor]:
@@ -327,10 +332,74 @@ def test_q4_1_is_interleaved_only_when_asked_on_the_avx2_path_and_for_whole_grou
     eight, _ = _stored("Q4_1", 16, 64, seed=1)
     seven, _ = _stored("Q4_1", 7, 64, seed=1)
     q8, _ = _stored("Q8_0", 16, 64, seed=1)
-    assert laid_out_for(eight, "avx2")[0] == "Q4_1"  # off by default
+    assert laid_out_for(eight, "avx2")[0] == PAIRED["Q4_1"]  # off by default: paired instead
     monkeypatch.setenv(INTERLEAVE_VARIABLE, "on")
     fmt, blocks = laid_out_for(eight, "avx2")
     assert fmt == INTERLEAVED_Q4_1 and torch.equal(blocks, interleave_q4_1(eight.data))
     assert eight.format == "Q4_1" and not torch.equal(blocks, eight.data)  # a copy: the stored weight is untouched
     assert laid_out_for(eight, "portable")[0] == laid_out_for(eight, "avx512")[0] == "Q4_1"
-    assert laid_out_for(seven, "avx2")[0] == "Q4_1" and laid_out_for(q8, "avx2")[0] == "Q8_0"
+    assert laid_out_for(seven, "avx2")[0] == PAIRED["Q4_1"] and laid_out_for(q8, "avx2")[0] == "Q8_0"
+
+
+# ---- Q4_0 and Q4_1 paired by blocks (`Q4_0p`, `Q4_1p`: the AVX2 fixed-point products' layout) ------------------------
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(sorted(PAIRED)), blocks=st.integers(1, 7), out_rows=st.integers(1, 40),
+       rows=st.integers(1, 20), bias=st.booleans(), residual=st.booleans(), float_activations=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_paired_blocks_multiply_and_dequantize_to_the_stored_blocks_bits_on_every_path(
+        fmt, blocks, out_rows, rows, bias, residual, float_activations, seed):
+    """Odd block counts (the last block as stored), every row count of the tiles (1 activation row by 2 weight rows,
+    up to 8 by 1), both activations: the paired layout's outputs are the stored layout's bit for bit (the AVX2
+    fixed-point tiles read the same values into the same registers; every other path multiplies each row unpaired)."""
+    assert not isinstance(kernels, str)
+    width = 32 * blocks
+    stored, want = _stored(fmt, out_rows, width, seed)
+    paired = pair_blocks(stored.data, fmt)
+    assert paired.shape == stored.data.shape and (blocks == 1 or not torch.equal(paired, stored.data))
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator)
+    bias_row = torch.randn(out_rows, generator=generator) if bias else None
+    residual_rows = torch.randn(rows, out_rows, generator=generator) if residual else None
+    for isa in ISAS:
+        assert torch.equal(kernels.quant.dequantize(paired, PAIRED[fmt], width, isa), want), isa
+        outputs = []
+        for blocks_laid_out, laid_out_fmt in ((stored.data, fmt), (paired, PAIRED[fmt])):
+            out = torch.empty(rows, out_rows)
+            kernels.quant.linear(x, blocks_laid_out, laid_out_fmt, out, 0, bias_row, residual_rows, isa,
+                                 float_activations)
+            outputs.append(out)
+        assert torch.equal(outputs[0], outputs[1]), (isa, float_activations)
+    gate_up, gated = kernels.quant.gated(x, (paired, PAIRED[fmt]), (stored.data, fmt))
+    want_up = torch.empty(rows, 2 * out_rows)
+    kernels.quant.linear(x, stored.data, fmt, want_up, 0)
+    kernels.quant.linear(x, stored.data, fmt, want_up, out_rows)
+    assert torch.equal(gate_up, want_up) and torch.equal(gated, kernels.silu_mul(want_up))
+
+
+@needs_kernels
+def test_q4_rows_are_paired_only_for_the_avx2_fixed_point_products(monkeypatch):
+    q4_0, _ = _stored("Q4_0", 4, 96, seed=2)
+    q4_1, _ = _stored("Q4_1", 4, 96, seed=2)
+    q8, _ = _stored("Q8_0", 4, 96, seed=2)
+    fmt, blocks = laid_out_for(q4_1, "avx2")
+    assert fmt == "Q4_1p" and torch.equal(blocks, pair_blocks(q4_1.data, "Q4_1"))
+    assert laid_out_for(q4_0, "avx2")[0] == "Q4_0p" and laid_out_for(q8, "avx2")[0] == "Q8_0"
+    assert q4_1.format == "Q4_1" and not torch.equal(blocks, q4_1.data)  # a copy: the stored weight is untouched
+    assert laid_out_for(q4_1, "portable")[0] == laid_out_for(q4_1, "avx512")[0] == "Q4_1"
+    monkeypatch.setenv(ACTIVATIONS_VARIABLE, "float32")
+    assert laid_out_for(q4_1, "avx2")[0] == "Q4_1"
+    with pytest.raises(ValueError, match="only Q4_0 and Q4_1 rows pair"):
+        pair_blocks(q8.data, "Q8_0")
+
+
+def test_pairing_a_q4_1_row_puts_each_two_blocks_scales_and_mins_before_their_quants():
+    row = torch.arange(60, dtype=torch.uint8).reshape(1, 60)  # three Q4_1 blocks of 20 bytes: 0-19, 20-39, 40-59
+    paired = pair_blocks(row, "Q4_1")[0].tolist()
+    assert paired[:8] == [0, 1, 20, 21, 2, 3, 22, 23]  # d0, d1, m0, m1
+    assert paired[8:40] == list(range(4, 20)) + list(range(24, 40))  # block 0's quants, block 1's
+    assert paired[40:] == list(range(40, 60))  # the odd last block as stored
+    q4_0 = pair_blocks(torch.arange(36, dtype=torch.uint8).reshape(1, 36), "Q4_0")[0].tolist()
+    assert q4_0 == [0, 1, 18, 19, *range(2, 18), *range(20, 36)]

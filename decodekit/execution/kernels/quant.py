@@ -8,7 +8,8 @@ rows of it (for the GEMM of many rows). Both compute each weight exactly as gguf
 float32 weights transformers loads).
 `Q4_1x8` is decodekit's own layout of Q4_1 (`interleave_q4_1`: each 8 rows' blocks regrouped so a vector's lanes are
 8 output rows), which the AVX2 path multiplies faster for one or two activation rows and slower for more (opt-in:
-`stored_matrices.laid_out_for`).
+`stored_matrices.laid_out_for`). `Q4_0p` and `Q4_1p` are Q4_0 and Q4_1 rows with each two blocks' scales first
+(`pair_blocks`), which the AVX2 path's fixed-point products read with fewer instructions, to the same bits.
 
 Three code paths: AVX-512, AVX2 + FMA and portable C, chosen at run time: the best the library was compiled with
 for this CPU, or a lower one named by `DECODEKIT_QUANT_ISA` (portable, avx2, avx512) or by the `isa` argument (tests
@@ -25,6 +26,8 @@ import torch
 
 INTERLEAVED_Q4_1 = "Q4_1x8"
 """The format name of Q4_1 blocks interleaved by 8 rows (`interleave_q4_1`)."""
+PAIRED = {"Q4_0": "Q4_0p", "Q4_1": "Q4_1p"}
+"""A format -> the name of its rows laid out by pairs of blocks (`pair_blocks`)."""
 
 # ggml's type ids (`gguf.GGMLQuantizationType`) of the formats the kernels take, with (weights, bytes) per block.
 GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
@@ -34,9 +37,21 @@ GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_K": (12, 256, 144),
     "Q6_K": (14, 256, 210),
     INTERLEAVED_Q4_1: (103, 32, 20),
+    PAIRED["Q4_0"]: (104, 32, 18),
+    PAIRED["Q4_1"]: (105, 32, 20),
 }
-"""format name -> (ggml type id, weights per block, bytes per block); `Q4_1x8` is decodekit's own layout of Q4_1
-(`interleave_q4_1`), not a file's."""
+"""format name -> (ggml type id, weights per block, bytes per block); `Q4_1x8`, `Q4_0p` and `Q4_1p` are decodekit's
+own layouts (`interleave_q4_1`, `pair_blocks`; ids past ggml's), not a file's."""
+
+FILE_FORMATS = tuple(fmt for fmt in GGUF_FORMATS if fmt != INTERLEAVED_Q4_1 and fmt not in PAIRED.values())
+"""The formats a GGUF file holds (the others are decodekit's layouts of them)."""
+
+
+def file_format(fmt: str) -> str:
+    """The format a GGUF file stores for blocks laid out as `fmt` (`Q4_1x8` and `Q4_1p`: Q4_1; `Q4_0p`: Q4_0)."""
+    if fmt == INTERLEAVED_Q4_1:
+        return "Q4_1"
+    return next((stored for stored, paired in PAIRED.items() if paired == fmt), fmt)
 
 INTERLEAVED_ROWS = 8
 """Rows whose blocks `interleave_q4_1` lays out together."""
@@ -89,6 +104,31 @@ def interleave_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     scales, mins = groups[..., 0:2].flatten(2), groups[..., 2:4].flatten(2)
     quants = groups[..., 4:20].unflatten(3, (4, 4)).permute(0, 1, 3, 2, 4).flatten(2)
     return torch.cat([scales, mins, quants], dim=2).reshape(n, width_bytes).contiguous()
+
+
+def pair_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Q4_0 or Q4_1 rows `[n, row_bytes]` laid out by pairs of blocks (`PAIRED[fmt]`): the same bytes a row, each two
+    blocks as their fp16 scales (Q4_1: then their fp16 mins), then the first block's 16 quant bytes and the
+    second's; an odd last block stays as stored (`native/quant.c`, DK_Q4_0P and DK_Q4_1P). A copy.
+
+    Raises:
+        ValueError: `fmt` is neither, or the rows are not whole blocks of it.
+    """
+    if fmt not in PAIRED or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} {fmt} blocks: only Q4_0 and Q4_1 rows pair")
+    size = GGUF_FORMATS[fmt][2]
+    n, width_bytes = blocks.shape
+    if width_bytes % size:
+        raise ValueError(f"{width_bytes} bytes a row are not whole {fmt} blocks of {size}")
+    pairs = width_bytes // size // 2
+    head = size - 16  # a block's scale (and min) bytes before its 16 quant bytes
+    two = blocks[:, :2 * pairs * size].reshape(n, pairs, 2, size)
+    fields = [two[:, :, 0, 0:2], two[:, :, 1, 0:2]]
+    if head == 4:
+        fields += [two[:, :, 0, 2:4], two[:, :, 1, 2:4]]
+    fields += [two[:, :, 0, head:], two[:, :, 1, head:]]
+    paired = torch.cat(fields, dim=2).reshape(n, 2 * pairs * size)
+    return torch.cat([paired, blocks[:, 2 * pairs * size:]], dim=1).contiguous()
 
 
 def float_activations_asked() -> bool:

@@ -67,6 +67,9 @@ enum { DK_Q4_0 = 2, DK_Q4_1 = 3, DK_Q8_0 = 8, DK_Q4_K = 12, DK_Q6_K = 14 };
 /* Q4_1 with each 8 rows' blocks interleaved (`Q4_1x8` in quant.py, decodekit's own id): the AVX2 path's layout of
  * Q4_1, below. */
 enum { DK_Q4_1X8 = 103 };
+/* decodekit's own layouts of Q4_0 and Q4_1 rows for the AVX2 path's products (`kernels.quant.pair_blocks`): each
+ * two blocks' scales (and mins) first, then their quants, the same bytes a row (an odd last block as stored). */
+enum { DK_Q4_0P = 104, DK_Q4_1P = 105 };
 /* ggml's F32, here only inside the library: a row of weights already dequantized (the panels of many-row products,
  * below); no entry point takes it. */
 enum { DK_F32 = 0 };
@@ -84,11 +87,38 @@ static int64_t block_bytes(int64_t kind) {
         case DK_Q4_0: return 18;
         case DK_Q4_1: return 20;
         case DK_Q4_1X8: return 20;
+        case DK_Q4_0P: return 18;
+        case DK_Q4_1P: return 20;
         case DK_Q8_0: return 34;
         case DK_Q4_K: return 144;
         case DK_Q6_K: return 210;
         default: return 0;
     }
+}
+
+/* Whether a type is a paired layout of Q4_0 or Q4_1 (DK_Q4_0P, DK_Q4_1P), and the type its blocks hold. */
+static inline int is_paired(int64_t kind) { return kind == DK_Q4_0P || kind == DK_Q4_1P; }
+static inline int paired_base(int64_t kind) { return kind == DK_Q4_0P ? DK_Q4_0 : DK_Q4_1; }
+
+/* A paired row (`blocks` blocks of DK_Q4_0P or DK_Q4_1P at src) written in the file's layout at dst. A pair of blocks
+ * lies as [d0 d1 (m0 m1)] (fp16) then block 0's 16 quant bytes and block 1's: `kernels.quant.pair_blocks`' order. */
+static void unpair_row(int64_t kind, const uint8_t* src, uint8_t* dst, int64_t blocks) {
+    int one = kind == DK_Q4_1P;
+    int64_t bytes = one ? 20 : 18, head = one ? 8 : 4;
+    for (int64_t p = 0; p < blocks / 2; ++p) {
+        const uint8_t* s = src + 2 * p * bytes;
+        uint8_t* b0 = dst + 2 * p * bytes;
+        uint8_t* b1 = b0 + bytes;
+        memcpy(b0, s, 2);
+        memcpy(b1, s + 2, 2);
+        if (one) {
+            memcpy(b0 + 2, s + 4, 2);
+            memcpy(b1 + 2, s + 6, 2);
+        }
+        memcpy(b0 + bytes - 16, s + head, 16);
+        memcpy(b1 + bytes - 16, s + head + 16, 16);
+    }
+    if (blocks % 2) memcpy(dst + (blocks - 1) * bytes, src + (blocks - 1) * bytes, (size_t)bytes);
 }
 
 /* Whether a type's blocks are super-blocks of 8 chunks (whose constants the AVX2 path computes once for all 8). */
@@ -694,7 +724,9 @@ static inline int64_t i16_paired_bytes(int64_t in) { return (in / CHUNK + 1) / 2
 /* Bytes of one activation row laid out for the products (`i16_prepare_avx2`): both layouts. */
 static inline int64_t i16_row_bytes(int64_t in) { return i16_paired_bytes(in) + in / CHUNK * (64 + 4); }
 /* Whether the AVX2 path multiplies `kind` by activations in 16-bit fixed point. */
-static inline int i16_kind(int64_t kind) { return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0; }
+static inline int i16_kind(int64_t kind) {
+    return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0 || is_paired(kind);
+}
 
 #if DK_QUANT_AVX2
 /* The calling thread's buffer of at least `bytes` (grown, never shrunk), or NULL without memory. */
@@ -771,14 +803,28 @@ static void i16_prepare_avx2(const float* x, int64_t rows, int64_t in, uint8_t* 
     }
 }
 
-/* sums[m * R + r] for R (1-2) weight rows (`row_bytes` apart, `blocks` blocks of Q4_0 or Q4_1 each) by M (1-8)
- * activation rows laid out at xi (`stride` bytes apart). An inf or NaN activation makes its block's outputs NaN. */
+/* Asks for the bytes a tile of R (1-2) weight rows from `w` will read QUANT_PREFETCH_BYTES on, at step i of `step`
+ * bytes a row: one stream, ahead of the tile's R * step bytes a step. Its rows lie one after another, so the next
+ * rows' first bytes follow. (Each of two rows prefetching itself, two streams into the same memory, read a one-row
+ * Q8_0 product of SmolLM2's 612-byte rows from memory 1.23x slower on a 2-core Zen 3: `benchmarks/kernel_ab.py
+ * --formats Q8_0 --rows 1 --out 262144 --width 576`; 1536 wide and Q4_1, bound by arithmetic there, the same.) */
+ALWAYS_INLINE void i16_prefetch(const uint8_t* w, int R, int64_t step, int64_t i) {
+    __builtin_prefetch(w + QUANT_PREFETCH_BYTES + R * step * i);
+}
+
+/* sums[m * R + r] for R (1-2) weight rows (`row_bytes` apart, `blocks` blocks of Q4_0 or Q4_1 each, as stored or
+ * paired) by M (1-8) activation rows laid out at xi (`stride` bytes apart). An inf or NaN activation makes its
+ * block's outputs NaN. A paired pair's scales (and mins) come in one load and one conversion, its quants in one
+ * 32-byte load (the stored blocks' take two loads and an insert, and four loads, two moves, an unpack and a
+ * conversion): the same values in the same registers, so both layouts give the same bits. */
 ALWAYS_INLINE void i16_tile_avx2(int kind, const uint8_t* xi, int64_t stride, const uint8_t* w, int64_t row_bytes,
                                  int R, int M, int64_t blocks, float* sums) {
-    int one = kind == DK_Q4_1;
+    int one = kind == DK_Q4_1 || kind == DK_Q4_1P, paired = is_paired(kind);
     int64_t bytes = one ? 20 : 18, head = one ? 4 : 2;
     const __m256i nibble = _mm256_set1_epi16(15);
     const __m256i scales_at = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), mins_at = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
+    const __m256i pair_scales_at = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i pair_mins_at = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     __m256 acc[2][I16_TILE_MAX_M];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
@@ -786,9 +832,23 @@ ALWAYS_INLINE void i16_tile_avx2(int kind, const uint8_t* xi, int64_t stride, co
         int whole = 2 * p + 1 < blocks;
         __m256i v[2][4];
         __m256 d[2], mins[2];
+        i16_prefetch(w, R, 2 * bytes, p);
         for (int r = 0; r < R; ++r) {
             const uint8_t* b = w + r * row_bytes + 2 * p * bytes;
-            __builtin_prefetch(b + QUANT_PREFETCH_BYTES);
+            if (paired && whole) {
+                __m256i quants = _mm256_loadu_si256((const __m256i*)(b + 2 * head));
+                v[r][0] = _mm256_and_si256(quants, nibble);
+                v[r][1] = _mm256_and_si256(_mm256_srli_epi16(quants, 4), nibble);
+                v[r][2] = _mm256_and_si256(_mm256_srli_epi16(quants, 8), nibble);
+                v[r][3] = _mm256_srli_epi16(quants, 12);
+                int32_t scales = 0;
+                if (!one) memcpy(&scales, b, 4);
+                __m256 h = _mm256_castps128_ps256(_mm_cvtph_ps(one ? _mm_loadl_epi64((const __m128i*)b)
+                                                                   : _mm_cvtsi32_si128(scales)));
+                d[r] = _mm256_permutevar8x32_ps(h, pair_scales_at);
+                mins[r] = one ? _mm256_permutevar8x32_ps(h, pair_mins_at) : _mm256_mul_ps(d[r], _mm256_set1_ps(-8.0f));
+                continue;
+            }
             __m128i qlo = _mm_loadu_si128((const __m128i*)(b + head));
             __m128i qhi = whole ? _mm_loadu_si128((const __m128i*)(b + bytes + head)) : _mm_setzero_si128();
             __m256i quants = _mm256_inserti128_si256(_mm256_castsi128_si256(qlo), qhi, 1);
@@ -831,9 +891,9 @@ ALWAYS_INLINE void i16_tile_q8_avx2(const uint8_t* xn, int64_t stride, const uin
     for (int64_t b = 0; b < blocks; ++b) {
         __m256i v[2][2];
         __m256 d[2];
+        i16_prefetch(w, R, 34, b);
         for (int r = 0; r < R; ++r) {
             const uint8_t* block = w + r * row_bytes + b * 34;
-            __builtin_prefetch(block + QUANT_PREFETCH_BYTES);
             v[r][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 2)));
             v[r][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 18)));
             d[r] = half_splat_avx2(block);
@@ -858,6 +918,8 @@ ALWAYS_INLINE void i16_any_tile_avx2(int kind, const uint8_t* xm, int64_t stride
                                      int64_t row_bytes, int R, int M, int64_t blocks, float* sums) {
     if (kind == DK_Q8_0) i16_tile_q8_avx2(xm + i16_paired_bytes(in), stride, w, row_bytes, R, M, blocks, sums);
     else if (kind == DK_Q4_1) i16_tile_avx2(DK_Q4_1, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else if (kind == DK_Q4_1P) i16_tile_avx2(DK_Q4_1P, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else if (kind == DK_Q4_0P) i16_tile_avx2(DK_Q4_0P, xm, stride, w, row_bytes, R, M, blocks, sums);
     else i16_tile_avx2(DK_Q4_0, xm, stride, w, row_bytes, R, M, blocks, sums);
 }
 
@@ -1320,6 +1382,9 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
     /* one group of output rows of weights of type `kind`: the one place each type's tiles are instantiated (the  \
      * products below all call it, out of line: a call per group of 4-16 output rows, where inlining it into each \
      * took the compiler three times as long, quant.c's -O3 build past two minutes on a 2-core Zen 3) */         \
+    static void paired_rows_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,        \
+                                  int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,                 \
+                                  const float* residual, float* out, int64_t ld);                               \
     static __attribute__((noinline)) void kind_group_##ISA(int kind, const float* x, const uint8_t* xi,         \
                                                            int64_t rows, int64_t in,                            \
                                                            const uint8_t* w, int64_t row_bytes, int64_t o0,     \
@@ -1330,8 +1395,26 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
             case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
             case DK_Q4_1X8: x8_group_##ISA(x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break;       \
             case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+            case DK_Q4_0P:                                                                                      \
+            case DK_Q4_1P:                                                                                      \
+                if (xi != NULL) I16_GROUP_##ISA(kind, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); \
+                else paired_rows_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);       \
+                break;                                                                                          \
             case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
             default: any_group_##ISA(DK_Q6_K, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
+        }                                                                                                       \
+    }                                                                                                           \
+    /* a paired layout's rows where the fixed-point tiles do not run (other paths, float32 activations, no memory \
+     * for the activations' layout): each row back in the file's layout, then that type's product, one row at a  \
+     * time (slow, and never the way decodekit multiplies them: `laid_out_for` pairs blocks only for those tiles) */\
+    static void paired_rows_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,        \
+                                  int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,                 \
+                                  const float* residual, float* out, int64_t ld) {                              \
+        uint8_t row[row_bytes];                                                                                 \
+        for (int64_t r = o0; r < o0 + nr; ++r) {                                                                \
+            unpair_row(kind, w + r * row_bytes, row, in / CHUNK);                                               \
+            kind_group_##ISA(paired_base(kind), x, NULL, rows, in, row, row_bytes, 0, 1, bias ? bias + r : NULL, \
+                             residual ? residual + r : NULL, out + r, ld);                                      \
         }                                                                                                       \
     }                                                                                                           \
     /* the whole product on one path */                                                                        \
@@ -1586,19 +1669,25 @@ int dk_quant_dequantize(int64_t kind, const uint8_t* w, int64_t out_rows, int64_
     for (int64_t o = 0; o < out_rows; ++o) {
         const uint8_t* row = w + o * row_bytes;
         float* dst = out + o * in;
+        uint8_t stored[is_paired(kind) ? row_bytes : 1];  /* a paired row back in the file's layout */
+        if (is_paired(kind)) {
+            unpair_row(kind, row, stored, chunks);
+            row = stored;
+        }
+        int64_t as = is_paired(kind) ? paired_base(kind) : kind;
 #if DK_QUANT_AVX512
         if (isa >= 2) {
-            dequantize_row_avx512((int)kind, row, row_bytes, chunks, dst);
+            dequantize_row_avx512((int)as, row, row_bytes, chunks, dst);
             continue;
         }
 #endif
 #if DK_QUANT_AVX2
         if (isa >= 1) {
-            dequantize_row_avx2((int)kind, row, row_bytes, chunks, dst);
+            dequantize_row_avx2((int)as, row, row_bytes, chunks, dst);
             continue;
         }
 #endif
-        dequantize_row_portable((int)kind, row, row_bytes, chunks, dst);
+        dequantize_row_portable((int)as, row, row_bytes, chunks, dst);
     }
     return 0;
 }
