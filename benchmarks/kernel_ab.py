@@ -1,16 +1,18 @@
 """Two versions of the native kernels' GGUF products side by side in ONE process: a git revision's sources (before)
 against the working tree's (after), rounds alternating, the outputs compared bit for bit.
 
-On a shared 2-core machine two timings minutes apart differ by more than most kernel changes gain; two libraries
-loaded into the same process and timed in alternating rounds see the same machine, so their paired ratio is what to
-trust. For each format and row count it multiplies one stored matrix (`--out` x `--width`, random blocks with sane
-scales) by `--rows` activation rows, `--calls` products a round, `--rounds` rounds, and prints ns a 32-weight chunk of
-a weight row for each side (the fastest round and the median), the median of the rounds' paired ratios (after's
-speed over before's), and whether every output bit agreed. A small matrix (the default, ~1 MB) sits in cache: the
-arithmetic alone; a large one (`--out 32768`) streams from memory.
+On a shared 2-core machine two timings minutes apart differ by more than most kernel changes gain; two libraries loaded
+into the same process and timed in alternating rounds see the same machine, so their paired ratio is what to trust. For
+each format and row count it multiplies one stored matrix (`--out` x `--width`, random blocks with sane scales) by
+`--rows` activation rows, `--calls` products a round, `--rounds` rounds (each side the blocks as `GgufMatrix` lays them
+out for its path, e.g. Q4_1 paired on AVX2: `stored_matrices.laid_out_for`; `--stored-before`: the before side the
+blocks as stored, for a revision that predates a layout, or to set the two layouts side by side with `--before HEAD`),
+and prints ns a 32-weight chunk of a weight row for each side (the fastest round and the median), the median of the
+rounds' paired ratios (after's speed over before's), and whether every output bit agreed. A small matrix (the default,
+~1 MB) sits in cache: the arithmetic alone; a large one (`--out 32768`) streams from memory.
 
-Usage: python benchmarks/kernel_ab.py [--before HEAD] [--formats Q4_1 Q4_K] [--rows 1 4] [--isa avx2]
-       [--out 1024] [--width 1536] [--threads 1] [--rounds 15] [--calls 600]
+Usage: python benchmarks/kernel_ab.py [--before HEAD] [--stored-before] [--formats Q4_1 Q4_K] [--rows 1 4]
+       [--isa avx2] [--out 1024] [--width 1536] [--threads 1] [--rounds 15] [--calls 600]
 """
 
 from __future__ import annotations
@@ -84,15 +86,18 @@ def compare(fmt: str, rows: int, args: argparse.Namespace, libraries: list[nativ
     data = stored_blocks(fmt, args.out, args.width)
     matrices = [GgufMatrix([StoredWeight(fmt, data, (args.out, args.width))], None, kernels, args.isa)
                 for kernels in libraries]
+    # (format, blocks) each side multiplies: as laid out for the path, or the before side's as stored
+    laid_out = [(fmt, data) if side == 0 and args.stored_before else matrix.parts[0][1:]
+                for side, matrix in enumerate(matrices)]
     x = torch.randn(rows, args.width, generator=torch.Generator().manual_seed(1))
     outputs = [x.new_empty(rows, args.out) for _ in matrices]
 
     def round_time(side: int) -> float:
         matrix, y = matrices[side], outputs[side]
-        weight = matrix.parts[0][2]
+        side_fmt, weight = laid_out[side]
         start = time.perf_counter()
         for _ in range(args.calls):
-            matrix.quant.linear(x, weight, fmt, y, isa=args.isa)
+            matrix.quant.linear(x, weight, side_fmt, y, isa=args.isa)
         return (time.perf_counter() - start) / args.calls
 
     round_time(0), round_time(1)  # warm: caches, threads
@@ -115,6 +120,8 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["Q4_1", "Q4_K"], choices=sorted(GGUF_FORMATS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--isa", default=None, help="code path (default: the best this CPU has)")
+    parser.add_argument("--stored-before", action="store_true",
+                        help="the before side multiplies the blocks as stored, not as laid out for the path")
     parser.add_argument("--out", type=int, default=1024)
     parser.add_argument("--width", type=int, default=1536, help="a multiple of 256 (the K-quants' blocks)")
     parser.add_argument("--threads", type=int, default=1)
