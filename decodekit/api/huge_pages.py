@@ -10,13 +10,16 @@ memory-mapped file; this machine showed 424 MB of file-backed huge pages while i
 
 `on_huge_pages(tensor)` copies a CPU tensor of at least `MIN_BYTES` into an arena of anonymous memory advised
 `MADV_HUGEPAGE` (chunks of `CHUNK_BYTES`, 2 MiB-aligned, each tensor 4 KiB-aligned in it) and returns the copy; the
-arena's chunks live as long as a tensor in them does. It returns the tensor itself where that cannot apply: not
+arena's chunks live as long as a tensor in them does, and a tensor's pages go back to the kernel (`MADV_DONTNEED`)
+when it and its last view die: a weight laid out anew (`stored_matrices.laid_out_for`) and dropped is not kept
+resident by its neighbours in the chunk. It returns the tensor itself where that cannot apply: not
 Linux, transparent huge pages `never`, a GPU or small tensor, or `DECODEKIT_HUGE_PAGES=0`. Only where bytes lie
 changes: the values, and every product, are the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -56,8 +59,19 @@ def huge_pages_available() -> bool:
     return "[always]" in setting or "[madvise]" in setting
 
 
+def _give_back(chunk: weakref.ref[mmap.mmap], start: int, length: int) -> None:
+    """A dead tensor's pages back to the kernel (`MADV_DONTNEED`: read again they are zeros); nothing if its chunk
+    is gone or the kernel refuses."""
+    mapping = chunk()
+    if mapping is None or mapping.closed:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(mmap.MADV_DONTNEED, start, length)
+
+
 class HugePageArena:
-    """Anonymous memory advised onto huge pages, handed out as tensors (bump allocation, never freed piecemeal)."""
+    """Anonymous memory advised onto huge pages, handed out as tensors (bump allocation: a dead tensor's pages are
+    given back to the kernel, its addresses not reused)."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
@@ -96,8 +110,13 @@ class HugePageArena:
             assert self._chunk is not None
             start = self._next
             self._next = -(-(start + nbytes) // ALIGN) * ALIGN
-            # the tensor holds the mapping through its buffer: the chunk lives while any tensor in it does
-            out = torch.frombuffer(self._chunk, dtype=tensor.dtype, count=tensor.numel(), offset=start)
+            # the tensor's own buffer, a ctypes array over its bytes of the chunk: it holds the chunk (which lives
+            # while any tensor in it does), and it dies with the tensor's storage (the tensor and every view of it),
+            # when its pages (whole: no two tensors share one) go back to the kernel
+            own = (ctypes.c_char * nbytes).from_buffer(self._chunk, start)
+            release = weakref.finalize(own, _give_back, weakref.ref(self._chunk), start, self._next - start)
+            release.atexit = False  # at exit the process's memory goes anyway; later exit handlers may still read it
+            out = torch.frombuffer(own, dtype=tensor.dtype, count=tensor.numel())
         return out.view(tensor.shape).copy_(tensor)
 
 

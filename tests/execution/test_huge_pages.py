@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import itertools
 
 import pytest
@@ -77,3 +79,20 @@ def test_a_chunk_unmapped_with_its_last_tensor_is_forgotten_so_a_later_mapping_t
     del first  # the first chunk's last tensor: the chunk is unmapped, and its addresses are free for any mapping
     assert not arena.holds_address(address), "an unmapped chunk's addresses still count as the arena's"
     assert arena.holds(kept)
+
+
+@needs_huge_pages
+def test_a_dead_tensors_pages_go_back_to_the_kernel_and_a_live_neighbours_and_views_keep_theirs():
+    arena = HugePageArena(chunk_bytes=8 * 2**20)
+    dropped = arena.copy(torch.full((300_000,), 7.0))
+    neighbour = arena.copy(torch.full((300_000,), 3.0))
+    viewed = arena.copy(torch.full((300_000,), 5.0))
+    assert arena._chunk is not None
+    chunk = arena._chunk  # the mapping all three lie in
+    base = ctypes.addressof(ctypes.c_char.from_buffer(chunk))
+    at = dropped.data_ptr() - base
+    tail = viewed[1000:]  # a view keeps its tensor's pages even after the tensor itself is gone
+    del dropped, viewed
+    gc.collect()
+    assert chunk[at:at + 8] == bytes(8), "the dead tensor's pages were not given back (read again: zeros)"
+    assert bool((neighbour == 3.0).all()) and bool((tail == 5.0).all())

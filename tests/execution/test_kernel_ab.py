@@ -34,12 +34,15 @@ def test_a_revisions_sources_are_the_files_git_holds_for_it(tmp_path):
         assert path.read_text() == held
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K", "Q6_K"])
-def test_one_library_against_itself_reports_equal_outputs_and_a_ratio(fmt):
+@pytest.mark.parametrize(("fmt", "stored_before"), [("Q4_1", False), ("Q4_K", False), ("Q6_K", False),
+                                                   ("Q4_1", True), ("Q4_0", True)])
+def test_one_library_against_itself_reports_equal_outputs_and_a_ratio(fmt, stored_before):
+    """`--stored-before`: the stored blocks against their layout for the path (Q4_0 and Q4_1 paired on AVX2), which
+    must give the same bits."""
     kernels = load_kernels()
     if isinstance(kernels, str):
         pytest.skip(kernels)
-    args = argparse.Namespace(out=8, width=256, calls=2, rounds=2, isa=kernels.quant.isa())
+    args = argparse.Namespace(out=8, width=256, calls=2, rounds=2, isa=kernels.quant.isa(), stored_before=stored_before)
     line = _script().compare(fmt, 3, args, [kernels, kernels])
     fields = line.split()
     assert fields[0] == fmt and fields[1] == "3" and fields[-1] == "equal"

@@ -156,13 +156,23 @@ StackMaker = Callable[[Sequence[nn.Linear], "torch.Tensor | None"], LayerMatrix]
 
 def stored_matrix_maker(model: Any, stored: dict[str, StoredWeight], native: NativeKernels) -> StackMaker:
     """What makes the fused decoder's products of `model`'s layers from their `stored` weights (`GgufMatrix`); a
-    stack with a layer whose weight is not stored multiplies a float32 copy of the modules' weights instead."""
+    stack with a layer whose weight is not stored multiplies a float32 copy of the modules' weights instead.
+
+    A weight the product lays out anew (`laid_out_for`: Q4_0 and Q4_1 paired on AVX2) is replaced in `stored` by
+    that copy, under its layout's format, so the file's blocks are not held twice (66 MB for the bundled model); a
+    product built from it later multiplies it as it is (`laid_out_for` leaves a laid-out format alone)."""
     names = {module: name for name, module in model.named_modules()}
 
     def make(modules: Sequence[nn.Linear], bias: torch.Tensor | None) -> LayerMatrix:
         parts = [stored.get(f"{names[module]}.weight") for module in modules]
         if all(part is not None for part in parts):
-            return GgufMatrix([part for part in parts if part is not None], bias, native)
+            matrix = GgufMatrix([part for part in parts if part is not None], bias, native)
+            for part, (_, fmt, blocks) in zip(parts, matrix.parts, strict=True):
+                if part is not None and blocks.data_ptr() != part.data.data_ptr():
+                    laid_out = StoredWeight(fmt, blocks, part.shape)
+                    for key in [key for key, weight in stored.items() if weight is part]:  # tied names too
+                        stored[key] = laid_out
+            return matrix
         dense = torch.cat([module.weight.detach().to(torch.float32) for module in modules])
         return Matrix(dense.contiguous(), bias, False, native)
 
