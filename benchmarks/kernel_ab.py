@@ -5,7 +5,7 @@ On a shared 2-core machine two timings minutes apart differ by more than most ke
 into the same process and timed in alternating rounds see the same machine, so their paired ratio is what to trust. For
 each format and row count it multiplies one stored matrix (`--out` x `--width`, random blocks with sane scales) by
 `--rows` activation rows, `--calls` products a round, `--rounds` rounds (each side the blocks as `GgufMatrix` lays them
-out for its path, e.g. Q4_1 paired on AVX2: `stored_matrices.laid_out_for`; `--stored-before`: the before side the
+out for its path, e.g. Q4_1 grouped on AVX2: `stored_matrices.laid_out_for`; `--stored-before`: the before side the
 blocks as stored, for a revision that predates a layout, or to set the two layouts side by side with `--before HEAD`),
 and prints ns a 32-weight chunk of a weight row for each side (the fastest round and the median), the median of the
 rounds' paired ratios (after's speed over before's), and whether every output bit agreed. A small matrix (the default,

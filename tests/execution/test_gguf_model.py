@@ -55,10 +55,10 @@ def test_dtype_auto_runs_the_stored_blocks_and_float32_the_dequantized_model(sto
     assert any("multiplied as stored" in reason for reason in stored.engine.plan.reasons)
     assert stored.engine.plan.compute_dtype == torch.float32 == stored.engine.plan.kv_dtype
     layer = stored.engine.model.runner.fused.layers[0]
-    # the AVX2 path's fixed-point products take Q4_0 and Q4_1 rows paired (`laid_out_for`): the same blocks
-    paired = rounds_activations(layer.qkv.isa)
+    # the AVX2 path's fixed-point products take Q4_0 and Q4_1 rows grouped (`laid_out_for`): the same blocks
+    grouped = rounds_activations(layer.qkv.isa)
     assert isinstance(layer.qkv, GgufMatrix)
-    assert layer.qkv.formats == (("Q4_0p", "Q4_1p", "Q8_0") if paired else ("Q4_0", "Q4_1", "Q8_0"))
+    assert layer.qkv.formats == (("Q4_0g", "Q4_1g", "Q8_0") if grouped else ("Q4_0", "Q4_1", "Q8_0"))
     assert dequantized.engine.plan.quantization is None and not dequantized.engine.plan.stored_formats
 
 
@@ -138,7 +138,7 @@ def test_interleaved_q4_1_weights_give_the_dequantized_models_greedy_tokens_batc
     interleaved = _llm()
     _, dequantized = stored_and_dequantized
     layer = interleaved.engine.model.runner.fused.layers[0]
-    assert layer.qkv.formats == ("Q4_0p", "Q4_1x8", "Q8_0")
+    assert layer.qkv.formats == ("Q4_0g", "Q4_1x8", "Q8_0")
     prompts = random_prompts(6, 3, 40, seed=11)
     params = SamplingParams(max_tokens=12, temperature=0)
     want = [o.token_ids for o in dequantized.generate(prompts, params)]

@@ -25,11 +25,11 @@ from decodekit.execution.kernels.quant import (
     ACTIVATIONS_VARIABLE,
     FILE_FORMATS,
     GGUF_FORMATS,
+    GROUPED,
     INTERLEAVED_Q4_1,
     ISA_VARIABLE,
-    PAIRED,
+    group_blocks,
     interleave_q4_1,
-    pair_blocks,
     row_bytes,
 )
 from tests.helpers.gguf_blocks import gguf_dequantize, random_blocks
@@ -38,7 +38,7 @@ kernels = load_kernels()
 needs_kernels = pytest.mark.skipif(isinstance(kernels, str), reason=f"native kernels unavailable: {kernels}")
 ISAS = () if isinstance(kernels, str) else kernels.quant.available
 FORMATS = sorted(FILE_FORMATS)
-"""The formats a GGUF file holds; `Q4_1x8` (Q4_1 interleaved by 8 rows), `Q4_0p` and `Q4_1p` (paired blocks) are
+"""The formats a GGUF file holds; `Q4_1x8` (Q4_1 interleaved by 8 rows), `Q4_0g` and `Q4_1g` (grouped blocks) are
 decodekit's own layouts."""
 
 
@@ -71,16 +71,18 @@ def _block_scales(x: torch.Tensor) -> torch.Tensor:
     return (largest / 32767.0).repeat_interleave(32, dim=1)
 
 
-def _rounding_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The most that rounding the activations to 16-bit fixed point per block (half a step each) moves `x @ W.T`."""
-    return (_block_scales(x).double() * 0.5 * 1.001) @ weight.abs().double().t()
+def _rounding_bound(x: torch.Tensor, scaled_quants: torch.Tensor) -> torch.Tensor:
+    """The most that rounding the activations to 16-bit fixed point per block (half a step each) moves the product's
+    sum over the scaled quants `d q` (the weights less their block mins: the mins multiply the block sums of the
+    unrounded activations)."""
+    return (_block_scales(x).double() * 0.5 * 1.001) @ scaled_quants.abs().double().t()
 
 
 def _split_bound(x: torch.Tensor, weight: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """Float32 summation-order error of the fixed-point product's two sums, (d q) . x and m . (block sums of x),
     each of which can exceed the output they add up to (Q4_1's mins cancel much of the scaled quants' sum)."""
     magnitudes = x.abs().double() @ ((weight.double() - mins).abs() + mins.abs()).t()
-    return magnitudes * 2e-6 + _rounding_bound(x, weight)
+    return magnitudes * 2e-6 + _rounding_bound(x, weight.double() - mins)
 
 
 def _block_mins(stored: StoredWeight) -> torch.Tensor:
@@ -167,14 +169,14 @@ def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa, fmt)
 @pytest.mark.skipif("avx2" not in ISAS, reason="the AVX2 path is not available on this CPU")
 @settings(max_examples=40, deadline=None)
 @given(fmt=st.sampled_from(FIXED_POINT_FORMATS), rows=st.sampled_from([1, 2, 3, 5, 8, 9, 17, 40]),
-       blocks=st.integers(1, 5), seed=st.integers(0, 2**16), spread=st.sampled_from([1.0, 1e-3, 1e3]))
+       blocks=st.integers(1, 19), seed=st.integers(0, 2**16), spread=st.sampled_from([1.0, 1e-3, 1e3]))
 def test_avx2_q4_and_q8_products_are_the_file_weights_times_activations_in_16_bit_fixed_point(
         fmt, rows, blocks, seed, spread):
     """AVX2's Q4_0, Q4_1 and Q8_0 products round each activation to 16-bit fixed point per block of 32 (x = sx *
     round(x / sx), sx = max|x| / 32767) and nothing else: the output is sum_k (d q_k) * rounded(x_k) + m * sum_k x_k
-    with the file's own d, m (Q4_0: -8d, Q8_0: 0) and quants, up to float32 summation order (odd block counts pair
-    the last block with zeros; rows with an outlier 1000x their others keep their small values' share within the
-    rounding)."""
+    with the file's own d, m (Q4_0: -8d, Q8_0: 0) and quants, up to float32 summation order (a last run of fewer than
+    8 blocks, or an odd last block, is filled with zeros; rows with an outlier 1000x their others keep their small
+    values' share within the rounding)."""
     width = blocks * 32
     stored, weight = _stored(fmt, 11, width, seed)
     g = torch.Generator().manual_seed(seed)
@@ -188,7 +190,7 @@ def test_avx2_q4_and_q8_products_are_the_file_weights_times_activations_in_16_bi
     m = _block_mins(stored)
     want = (rounded.double() * _block_scales(x).double()) @ (weight.double() - m).t() + x.double() @ m.t()
     got = GgufMatrix([stored], None, kernels, "avx2")(x).double()
-    order = _split_bound(x, weight, m) - _rounding_bound(x, weight)
+    order = _split_bound(x, weight, m) - _rounding_bound(x, weight.double() - m)
     assert torch.all((got - want).abs() <= order + 1e-6 * want.abs()), (got - want).abs().max()
     exact = x.double() @ weight.double().t()
     assert torch.all((got - exact).abs() <= _split_bound(x, weight, m) + 1e-6 * exact.abs())
@@ -332,47 +334,48 @@ def test_q4_1_is_interleaved_only_when_asked_on_the_avx2_path_and_for_whole_grou
     eight, _ = _stored("Q4_1", 16, 64, seed=1)
     seven, _ = _stored("Q4_1", 7, 64, seed=1)
     q8, _ = _stored("Q8_0", 16, 64, seed=1)
-    assert laid_out_for(eight, "avx2")[0] == PAIRED["Q4_1"]  # off by default: paired instead
+    assert laid_out_for(eight, "avx2")[0] == GROUPED["Q4_1"]  # off by default: grouped instead
     monkeypatch.setenv(INTERLEAVE_VARIABLE, "on")
     fmt, blocks = laid_out_for(eight, "avx2")
     assert fmt == INTERLEAVED_Q4_1 and torch.equal(blocks, interleave_q4_1(eight.data))
     assert eight.format == "Q4_1" and not torch.equal(blocks, eight.data)  # a copy: the stored weight is untouched
     assert laid_out_for(eight, "portable")[0] == laid_out_for(eight, "avx512")[0] == "Q4_1"
-    assert laid_out_for(seven, "avx2")[0] == PAIRED["Q4_1"] and laid_out_for(q8, "avx2")[0] == "Q8_0"
+    assert laid_out_for(seven, "avx2")[0] == GROUPED["Q4_1"] and laid_out_for(q8, "avx2")[0] == "Q8_0"
 
 
-# ---- Q4_0 and Q4_1 paired by blocks (`Q4_0p`, `Q4_1p`: the AVX2 fixed-point products' layout) ------------------------
+# ---- Q4_0 and Q4_1 grouped by runs of 8 blocks (`Q4_0g`, `Q4_1g`: the AVX2 fixed-point products' layout) ------------
 
 
 @needs_kernels
 @settings(max_examples=40, deadline=None)
-@given(fmt=st.sampled_from(sorted(PAIRED)), blocks=st.integers(1, 7), out_rows=st.integers(1, 40),
+@given(fmt=st.sampled_from(sorted(GROUPED)), blocks=st.integers(1, 19), out_rows=st.integers(1, 40),
        rows=st.integers(1, 20), bias=st.booleans(), residual=st.booleans(), float_activations=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_paired_blocks_multiply_and_dequantize_to_the_stored_blocks_bits_on_every_path(
+def test_grouped_blocks_multiply_and_dequantize_to_the_stored_blocks_bits_on_every_path(
         fmt, blocks, out_rows, rows, bias, residual, float_activations, seed):
-    """Odd block counts (the last block as stored), every row count of the tiles (1 activation row by 2 weight rows,
-    up to 8 by 1), both activations: the paired layout's outputs are the stored layout's bit for bit (the AVX2
-    fixed-point tiles read the same values into the same registers; every other path multiplies each row unpaired)."""
+    """Whole runs of 8 blocks and a shorter last run (odd or even), every row count of the tiles (1 activation row by
+    2 weight rows, up to 8 by 1), both activations: the grouped layout's outputs are the stored layout's bit for bit
+    (the AVX2 fixed-point tiles read the same values into the same registers; every other path multiplies each row
+    back in the file's layout)."""
     assert not isinstance(kernels, str)
     width = 32 * blocks
     stored, want = _stored(fmt, out_rows, width, seed)
-    paired = pair_blocks(stored.data, fmt)
-    assert paired.shape == stored.data.shape and (blocks == 1 or not torch.equal(paired, stored.data))
+    grouped = group_blocks(stored.data, fmt)
+    assert grouped.shape == stored.data.shape and (blocks == 1 or not torch.equal(grouped, stored.data))
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=generator)
     bias_row = torch.randn(out_rows, generator=generator) if bias else None
     residual_rows = torch.randn(rows, out_rows, generator=generator) if residual else None
     for isa in ISAS:
-        assert torch.equal(kernels.quant.dequantize(paired, PAIRED[fmt], width, isa), want), isa
+        assert torch.equal(kernels.quant.dequantize(grouped, GROUPED[fmt], width, isa), want), isa
         outputs = []
-        for blocks_laid_out, laid_out_fmt in ((stored.data, fmt), (paired, PAIRED[fmt])):
+        for blocks_laid_out, laid_out_fmt in ((stored.data, fmt), (grouped, GROUPED[fmt])):
             out = torch.empty(rows, out_rows)
             kernels.quant.linear(x, blocks_laid_out, laid_out_fmt, out, 0, bias_row, residual_rows, isa,
                                  float_activations)
             outputs.append(out)
         assert torch.equal(outputs[0], outputs[1]), (isa, float_activations)
-    gate_up, gated = kernels.quant.gated(x, (paired, PAIRED[fmt]), (stored.data, fmt))
+    gate_up, gated = kernels.quant.gated(x, (grouped, GROUPED[fmt]), (stored.data, fmt))
     want_up = torch.empty(rows, 2 * out_rows)
     kernels.quant.linear(x, stored.data, fmt, want_up, 0)
     kernels.quant.linear(x, stored.data, fmt, want_up, out_rows)
@@ -380,26 +383,31 @@ def test_paired_blocks_multiply_and_dequantize_to_the_stored_blocks_bits_on_ever
 
 
 @needs_kernels
-def test_q4_rows_are_paired_only_for_the_avx2_fixed_point_products(monkeypatch):
+def test_q4_rows_are_grouped_only_for_the_avx2_fixed_point_products(monkeypatch):
     q4_0, _ = _stored("Q4_0", 4, 96, seed=2)
     q4_1, _ = _stored("Q4_1", 4, 96, seed=2)
     q8, _ = _stored("Q8_0", 4, 96, seed=2)
     fmt, blocks = laid_out_for(q4_1, "avx2")
-    assert fmt == "Q4_1p" and torch.equal(blocks, pair_blocks(q4_1.data, "Q4_1"))
-    assert laid_out_for(q4_0, "avx2")[0] == "Q4_0p" and laid_out_for(q8, "avx2")[0] == "Q8_0"
+    assert fmt == "Q4_1g" and torch.equal(blocks, group_blocks(q4_1.data, "Q4_1"))
+    assert laid_out_for(q4_0, "avx2")[0] == "Q4_0g" and laid_out_for(q8, "avx2")[0] == "Q8_0"
     assert q4_1.format == "Q4_1" and not torch.equal(blocks, q4_1.data)  # a copy: the stored weight is untouched
     assert laid_out_for(q4_1, "portable")[0] == laid_out_for(q4_1, "avx512")[0] == "Q4_1"
     monkeypatch.setenv(ACTIVATIONS_VARIABLE, "float32")
     assert laid_out_for(q4_1, "avx2")[0] == "Q4_1"
-    with pytest.raises(ValueError, match="only Q4_0 and Q4_1 rows pair"):
-        pair_blocks(q8.data, "Q8_0")
+    with pytest.raises(ValueError, match="only Q4_0 and Q4_1 rows are grouped"):
+        group_blocks(q8.data, "Q8_0")
 
 
-def test_pairing_a_q4_1_row_puts_each_two_blocks_scales_and_mins_before_their_quants():
-    row = torch.arange(60, dtype=torch.uint8).reshape(1, 60)  # three Q4_1 blocks of 20 bytes: 0-19, 20-39, 40-59
-    paired = pair_blocks(row, "Q4_1")[0].tolist()
-    assert paired[:8] == [0, 1, 20, 21, 2, 3, 22, 23]  # d0, d1, m0, m1
-    assert paired[8:40] == list(range(4, 20)) + list(range(24, 40))  # block 0's quants, block 1's
-    assert paired[40:] == list(range(40, 60))  # the odd last block as stored
-    q4_0 = pair_blocks(torch.arange(36, dtype=torch.uint8).reshape(1, 36), "Q4_0")[0].tolist()
+def test_grouping_a_q4_1_row_puts_each_8_blocks_scales_then_mins_before_their_quants():
+    blocks = 11  # a run of 8, then a run of 3
+    row = torch.arange(20 * blocks, dtype=torch.int32).reshape(1, -1)  # block b's bytes: 20 b .. 20 b + 19
+    grouped = group_blocks((row % 256).to(torch.uint8), "Q4_1")[0].tolist()
+    want: list[int] = []
+    for first, n in ((0, 8), (8, 3)):
+        run = range(first, first + n)
+        want += [v for b in run for v in (20 * b, 20 * b + 1)]  # the run's fp16 scales
+        want += [v for b in run for v in (20 * b + 2, 20 * b + 3)]  # then its fp16 mins
+        want += [v for b in run for v in range(20 * b + 4, 20 * b + 20)]  # then its blocks' 16 quant bytes each
+    assert grouped == [v % 256 for v in want]
+    q4_0 = group_blocks(torch.arange(36, dtype=torch.uint8).reshape(1, 36), "Q4_0")[0].tolist()
     assert q4_0 == [0, 1, 18, 19, *range(2, 18), *range(20, 36)]

@@ -37,7 +37,7 @@ def test_a_revisions_sources_are_the_files_git_holds_for_it(tmp_path):
 @pytest.mark.parametrize(("fmt", "stored_before"), [("Q4_1", False), ("Q4_K", False), ("Q6_K", False),
                                                    ("Q4_1", True), ("Q4_0", True)])
 def test_one_library_against_itself_reports_equal_outputs_and_a_ratio(fmt, stored_before):
-    """`--stored-before`: the stored blocks against their layout for the path (Q4_0 and Q4_1 paired on AVX2), which
+    """`--stored-before`: the stored blocks against their layout for the path (Q4_0 and Q4_1 grouped on AVX2), which
     must give the same bits."""
     kernels = load_kernels()
     if isinstance(kernels, str):

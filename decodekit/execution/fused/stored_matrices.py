@@ -24,13 +24,13 @@ from decodekit.api.models import StoredWeight
 from decodekit.execution.fused.weight_matrices import DEQUANTIZE_BLOCK, AnyMatrix, Matrix, dequantized_mm
 from decodekit.execution.kernels.native import NativeKernels
 from decodekit.execution.kernels.quant import (
+    GROUPED,
     INTERLEAVED_Q4_1,
     INTERLEAVED_ROWS,
-    PAIRED,
     file_format,
     float_activations_asked,
+    group_blocks,
     interleave_q4_1,
-    pair_blocks,
     rounds_activations,
 )
 
@@ -54,15 +54,16 @@ INTERLEAVE_VARIABLE = "DECODEKIT_GGUF_INTERLEAVE"
 
 def laid_out_for(weight: StoredWeight, isa: str) -> tuple[str, torch.Tensor]:
     """The `(format, blocks)` the product on path `isa` multiplies for `weight`: its own; on the AVX2 path with
-    fixed-point activations (`kernels.quant.rounds_activations`) a Q4_0 or Q4_1 weight's blocks paired (`Q4_0p`,
-    `Q4_1p`, `kernels.quant.pair_blocks`: each two blocks' scales first, the same bytes regrouped, a copy; the same
-    output bits, fewer instructions a block); or under `DECODEKIT_GGUF_INTERLEAVE=on` a Q4_1 weight's blocks
+    fixed-point activations (`kernels.quant.rounds_activations`) a Q4_0 or Q4_1 weight's blocks grouped (`Q4_0g`,
+    `Q4_1g`, `kernels.quant.group_blocks`: each 8 blocks' scales and mins first, the same bytes regrouped, a copy;
+    the same output bits, fewer instructions a block); or under `DECODEKIT_GGUF_INTERLEAVE=on` a Q4_1 weight's blocks
     interleaved by 8 rows for the AVX2 path's interleaved product (format `Q4_1x8`, `kernels.quant.interleave_q4_1`),
     which every path multiplies as the same weights. Only on the AVX2 path (AVX-512's row-major Q4_1 product takes a
     block's 16 weights from a table instead) and for whole groups of 8 rows.
 
-    Pairing measured on a 2-core Zen 3 (random Q4_1 blocks, 576 wide, one activation row, two weight rows a tile,
-    standalone): 1.23x the stored layout's speed in cache, 1.2x from memory (2 threads).
+    Grouping measured on a 2-core Zen 3 (standalone, random Q4_1 blocks, 512 wide, one activation row, two weight
+    rows a tile): 1.3-1.7x the speed of blocks paired with their own scales (this layout's predecessor, itself 1.23x
+    the stored layout's) in cache, 1.15-1.25x from memory (both cores).
 
     Opt-in, because it pays for one or two activation rows only. Measured on a 2-core Zen 3 (SmolLM2's 120 layer
     products, the two layouts alternating in one process, 2 threads): 1 row 1.11-1.20x, 2 rows 1.01-1.11x, but 4
@@ -74,8 +75,8 @@ def laid_out_for(weight: StoredWeight, isa: str) -> tuple[str, torch.Tensor]:
     if (weight.format == "Q4_1" and not weight.shape[0] % INTERLEAVED_ROWS
             and os.environ.get(INTERLEAVE_VARIABLE, "off") == "on"):
         return INTERLEAVED_Q4_1, on_huge_pages(interleave_q4_1(weight.data))
-    if weight.format in PAIRED and rounds_activations(isa):
-        return PAIRED[weight.format], on_huge_pages(pair_blocks(weight.data.contiguous(), weight.format))
+    if weight.format in GROUPED and rounds_activations(isa):
+        return GROUPED[weight.format], on_huge_pages(group_blocks(weight.data.contiguous(), weight.format))
     return weight.format, weight.data.contiguous()
 
 
@@ -158,7 +159,7 @@ def stored_matrix_maker(model: Any, stored: dict[str, StoredWeight], native: Nat
     """What makes the fused decoder's products of `model`'s layers from their `stored` weights (`GgufMatrix`); a
     stack with a layer whose weight is not stored multiplies a float32 copy of the modules' weights instead.
 
-    A weight the product lays out anew (`laid_out_for`: Q4_0 and Q4_1 paired on AVX2) is replaced in `stored` by
+    A weight the product lays out anew (`laid_out_for`: Q4_0 and Q4_1 grouped on AVX2) is replaced in `stored` by
     that copy, under its layout's format, so the file's blocks are not held twice (66 MB for the bundled model); a
     product built from it later multiplies it as it is (`laid_out_for` leaves a laid-out format alone)."""
     names = {module: name for name, module in model.named_modules()}

@@ -8,8 +8,8 @@ rows of it (for the GEMM of many rows). Both compute each weight exactly as gguf
 float32 weights transformers loads).
 `Q4_1x8` is decodekit's own layout of Q4_1 (`interleave_q4_1`: each 8 rows' blocks regrouped so a vector's lanes are
 8 output rows), which the AVX2 path multiplies faster for one or two activation rows and slower for more (opt-in:
-`stored_matrices.laid_out_for`). `Q4_0p` and `Q4_1p` are Q4_0 and Q4_1 rows with each two blocks' scales first
-(`pair_blocks`), which the AVX2 path's fixed-point products read with fewer instructions, to the same bits.
+`stored_matrices.laid_out_for`). `Q4_0g` and `Q4_1g` are Q4_0 and Q4_1 rows with each 8 blocks' scales (and mins)
+first (`group_blocks`), which the AVX2 path's fixed-point products read with fewer instructions, to the same bits.
 
 Three code paths: AVX-512, AVX2 + FMA and portable C, chosen at run time: the best the library was compiled with
 for this CPU, or a lower one named by `DECODEKIT_QUANT_ISA` (portable, avx2, avx512) or by the `isa` argument (tests
@@ -26,8 +26,10 @@ import torch
 
 INTERLEAVED_Q4_1 = "Q4_1x8"
 """The format name of Q4_1 blocks interleaved by 8 rows (`interleave_q4_1`)."""
-PAIRED = {"Q4_0": "Q4_0p", "Q4_1": "Q4_1p"}
-"""A format -> the name of its rows laid out by pairs of blocks (`pair_blocks`)."""
+GROUPED = {"Q4_0": "Q4_0g", "Q4_1": "Q4_1g"}
+"""A format -> the name of its rows laid out by runs of blocks (`group_blocks`)."""
+GROUP_BLOCKS = 8
+"""Blocks a run of `group_blocks`' layout holds (a row's last run: what is left)."""
 
 # ggml's type ids (`gguf.GGMLQuantizationType`) of the formats the kernels take, with (weights, bytes) per block.
 GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
@@ -37,21 +39,21 @@ GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_K": (12, 256, 144),
     "Q6_K": (14, 256, 210),
     INTERLEAVED_Q4_1: (103, 32, 20),
-    PAIRED["Q4_0"]: (104, 32, 18),
-    PAIRED["Q4_1"]: (105, 32, 20),
+    GROUPED["Q4_0"]: (104, 32, 18),
+    GROUPED["Q4_1"]: (105, 32, 20),
 }
-"""format name -> (ggml type id, weights per block, bytes per block); `Q4_1x8`, `Q4_0p` and `Q4_1p` are decodekit's
-own layouts (`interleave_q4_1`, `pair_blocks`; ids past ggml's), not a file's."""
+"""format name -> (ggml type id, weights per block, bytes per block); `Q4_1x8`, `Q4_0g` and `Q4_1g` are decodekit's
+own layouts (`interleave_q4_1`, `group_blocks`; ids past ggml's), not a file's."""
 
-FILE_FORMATS = tuple(fmt for fmt in GGUF_FORMATS if fmt != INTERLEAVED_Q4_1 and fmt not in PAIRED.values())
+FILE_FORMATS = tuple(fmt for fmt in GGUF_FORMATS if fmt != INTERLEAVED_Q4_1 and fmt not in GROUPED.values())
 """The formats a GGUF file holds (the others are decodekit's layouts of them)."""
 
 
 def file_format(fmt: str) -> str:
-    """The format a GGUF file stores for blocks laid out as `fmt` (`Q4_1x8` and `Q4_1p`: Q4_1; `Q4_0p`: Q4_0)."""
+    """The format a GGUF file stores for blocks laid out as `fmt` (`Q4_1x8` and `Q4_1g`: Q4_1; `Q4_0g`: Q4_0)."""
     if fmt == INTERLEAVED_Q4_1:
         return "Q4_1"
-    return next((stored for stored, paired in PAIRED.items() if paired == fmt), fmt)
+    return next((stored for stored, grouped in GROUPED.items() if grouped == fmt), fmt)
 
 INTERLEAVED_ROWS = 8
 """Rows whose blocks `interleave_q4_1` lays out together."""
@@ -106,29 +108,33 @@ def interleave_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, mins, quants], dim=2).reshape(n, width_bytes).contiguous()
 
 
-def pair_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Q4_0 or Q4_1 rows `[n, row_bytes]` laid out by pairs of blocks (`PAIRED[fmt]`): the same bytes a row, each two
-    blocks as their fp16 scales (Q4_1: then their fp16 mins), then the first block's 16 quant bytes and the
-    second's; an odd last block stays as stored (`native/quant.c`, DK_Q4_0P and DK_Q4_1P). A copy.
+def group_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Q4_0 or Q4_1 rows `[n, row_bytes]` laid out by runs of 8 blocks (`GROUPED[fmt]`): the same bytes a row, each
+    run (the last one 1-8 blocks) as its blocks' fp16 scales, then (Q4_1) their fp16 mins, then their 16-byte quants
+    one after another (`native/quant.c`, DK_Q4_0G and DK_Q4_1G). A copy.
 
     Raises:
         ValueError: `fmt` is neither, or the rows are not whole blocks of it.
     """
-    if fmt not in PAIRED or blocks.dtype != torch.uint8 or blocks.dim() != 2:
-        raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} {fmt} blocks: only Q4_0 and Q4_1 rows pair")
+    if fmt not in GROUPED or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(f"{tuple(blocks.shape)} {blocks.dtype} {fmt} blocks: only Q4_0 and Q4_1 rows are grouped")
     size = GGUF_FORMATS[fmt][2]
     n, width_bytes = blocks.shape
     if width_bytes % size:
         raise ValueError(f"{width_bytes} bytes a row are not whole {fmt} blocks of {size}")
-    pairs = width_bytes // size // 2
-    head = size - 16  # a block's scale (and min) bytes before its 16 quant bytes
-    two = blocks[:, :2 * pairs * size].reshape(n, pairs, 2, size)
-    fields = [two[:, :, 0, 0:2], two[:, :, 1, 0:2]]
-    if head == 4:
-        fields += [two[:, :, 0, 2:4], two[:, :, 1, 2:4]]
-    fields += [two[:, :, 0, head:], two[:, :, 1, head:]]
-    paired = torch.cat(fields, dim=2).reshape(n, 2 * pairs * size)
-    return torch.cat([paired, blocks[:, 2 * pairs * size:]], dim=1).contiguous()
+    count = width_bytes // size
+    whole = count // GROUP_BLOCKS * GROUP_BLOCKS
+
+    def runs(part: torch.Tensor, run: int) -> torch.Tensor:
+        """`part`'s blocks, `run` a run, laid out run by run: scales, (mins,) quants."""
+        if part.shape[1] == 0:
+            return part
+        grouped = part.reshape(n, -1, run, size)
+        fields = [grouped[..., 0:2]] + ([grouped[..., 2:4]] if size == 20 else []) + [grouped[..., size - 16:]]
+        return torch.cat([field.flatten(2) for field in fields], dim=2).flatten(1)
+
+    return torch.cat([runs(blocks[:, :whole * size], GROUP_BLOCKS),
+                      runs(blocks[:, whole * size:], count - whole)], dim=1).contiguous()
 
 
 def float_activations_asked() -> bool:

@@ -67,9 +67,12 @@ enum { DK_Q4_0 = 2, DK_Q4_1 = 3, DK_Q8_0 = 8, DK_Q4_K = 12, DK_Q6_K = 14 };
 /* Q4_1 with each 8 rows' blocks interleaved (`Q4_1x8` in quant.py, decodekit's own id): the AVX2 path's layout of
  * Q4_1, below. */
 enum { DK_Q4_1X8 = 103 };
-/* decodekit's own layouts of Q4_0 and Q4_1 rows for the AVX2 path's products (`kernels.quant.pair_blocks`): each
- * two blocks' scales (and mins) first, then their quants, the same bytes a row (an odd last block as stored). */
-enum { DK_Q4_0P = 104, DK_Q4_1P = 105 };
+/* decodekit's own layouts of Q4_0 and Q4_1 rows for the AVX2 path's products (`kernels.quant.group_blocks`): each
+ * run of 8 blocks (the last run 1-8) as its blocks' fp16 scales, then (Q4_1) their fp16 mins, then their 16-byte
+ * quants one after another: the same bytes a row. */
+enum { DK_Q4_0G = 104, DK_Q4_1G = 105 };
+/* Blocks a run of the grouped layouts holds (the last run of a row: what is left). */
+#define GROUP_BLOCKS 8
 /* ggml's F32, here only inside the library: a row of weights already dequantized (the panels of many-row products,
  * below); no entry point takes it. */
 enum { DK_F32 = 0 };
@@ -87,8 +90,8 @@ static int64_t block_bytes(int64_t kind) {
         case DK_Q4_0: return 18;
         case DK_Q4_1: return 20;
         case DK_Q4_1X8: return 20;
-        case DK_Q4_0P: return 18;
-        case DK_Q4_1P: return 20;
+        case DK_Q4_0G: return 18;
+        case DK_Q4_1G: return 20;
         case DK_Q8_0: return 34;
         case DK_Q4_K: return 144;
         case DK_Q6_K: return 210;
@@ -96,29 +99,26 @@ static int64_t block_bytes(int64_t kind) {
     }
 }
 
-/* Whether a type is a paired layout of Q4_0 or Q4_1 (DK_Q4_0P, DK_Q4_1P), and the type its blocks hold. */
-static inline int is_paired(int64_t kind) { return kind == DK_Q4_0P || kind == DK_Q4_1P; }
-static inline int paired_base(int64_t kind) { return kind == DK_Q4_0P ? DK_Q4_0 : DK_Q4_1; }
+/* Whether a type is a grouped layout of Q4_0 or Q4_1 (DK_Q4_0G, DK_Q4_1G), and the type its blocks hold. */
+static inline int is_grouped(int64_t kind) { return kind == DK_Q4_0G || kind == DK_Q4_1G; }
+static inline int grouped_base(int64_t kind) { return kind == DK_Q4_0G ? DK_Q4_0 : DK_Q4_1; }
 
-/* A paired row (`blocks` blocks of DK_Q4_0P or DK_Q4_1P at src) written in the file's layout at dst. A pair of blocks
- * lies as [d0 d1 (m0 m1)] (fp16) then block 0's 16 quant bytes and block 1's: `kernels.quant.pair_blocks`' order. */
-static void unpair_row(int64_t kind, const uint8_t* src, uint8_t* dst, int64_t blocks) {
-    int one = kind == DK_Q4_1P;
-    int64_t bytes = one ? 20 : 18, head = one ? 8 : 4;
-    for (int64_t p = 0; p < blocks / 2; ++p) {
-        const uint8_t* s = src + 2 * p * bytes;
-        uint8_t* b0 = dst + 2 * p * bytes;
-        uint8_t* b1 = b0 + bytes;
-        memcpy(b0, s, 2);
-        memcpy(b1, s + 2, 2);
-        if (one) {
-            memcpy(b0 + 2, s + 4, 2);
-            memcpy(b1 + 2, s + 6, 2);
+/* A grouped row (`blocks` blocks of DK_Q4_0G or DK_Q4_1G at src) written in the file's layout at dst. A run of n
+ * blocks lies as their n fp16 scales, (Q4_1) their n fp16 mins, then their n x 16 quant bytes:
+ * `kernels.quant.group_blocks`' order. */
+static void ungroup_row(int64_t kind, const uint8_t* src, uint8_t* dst, int64_t blocks) {
+    int one = kind == DK_Q4_1G;
+    int64_t bytes = one ? 20 : 18, head = bytes - 16;
+    for (int64_t first = 0; first < blocks; first += GROUP_BLOCKS) {
+        int64_t n = blocks - first < GROUP_BLOCKS ? blocks - first : GROUP_BLOCKS;
+        const uint8_t* s = src + first * bytes;
+        for (int64_t j = 0; j < n; ++j) {
+            uint8_t* b = dst + (first + j) * bytes;
+            memcpy(b, s + 2 * j, 2);
+            if (one) memcpy(b + 2, s + 2 * n + 2 * j, 2);
+            memcpy(b + head, s + head * n + 16 * j, 16);
         }
-        memcpy(b0 + bytes - 16, s + head, 16);
-        memcpy(b1 + bytes - 16, s + head + 16, 16);
     }
-    if (blocks % 2) memcpy(dst + (blocks - 1) * bytes, src + (blocks - 1) * bytes, (size_t)bytes);
 }
 
 /* Whether a type's blocks are super-blocks of 8 chunks (whose constants the AVX2 path computes once for all 8). */
@@ -705,27 +705,34 @@ static __attribute__((noinline)) void wide_rows_avx2(int kind, const float* x, i
  * Standalone (random blocks, one row, 2-core Zen 3): 1.5-1.8x the float product in cache, 1.2-1.8x from memory.
  *
  * An output sums the same vectors in the same order whatever the rows multiplied with it (the tiles differ only
- * in how many weight and activation rows share a load): per pair of blocks, acc = fma(float(P), D * SX, acc) then
- * acc = fma(M, ST, acc), where P are the pair's 8 integer partial sums (4 a block), D and M the blocks' scales and
- * mins in lanes 0-3 and 4-7, SX the activation scales likewise and ST the block sums in lanes 0 and 4 (zeros
- * elsewhere); then the lanes' sum (hsum_avx2). A row's result does not depend on its batch.
+ * in how many weight and activation rows share a load), by runs of 8 blocks (the last run 1-8): with D and M the
+ * run's 8 scales and mins (zeros past the run) and SX and ST its 8 activation scales and block sums, acc =
+ * fma(M, ST, acc), then per pair k of blocks acc = fma(float(P), DS_k, acc), where P are the pair's 8 integer
+ * partial sums (4 a block) and DS_k = D * SX with lanes 2k and 2k + 1 each spread over 4 lanes (`vpermps`); then
+ * the lanes' sum (hsum_avx2). A row's result does not depend on its batch, nor on its layout (grouped or stored).
+ * The run's scales, mins and the mins' multiply-add come once a run (the grouped layout's in one load and one
+ * conversion each), one multiply-add a pair waits on the one before: standalone (one thread, 2 x 512 weights x one
+ * activation row, a 2-core Zen 3) a row of 16 blocks in cache 1.3-1.7x as fast as pairs of blocks with their own
+ * scales, from memory (both cores) 1.15-1.25x.
  *
- * An activation row's blocks are laid out by pairs (I16_PAIR_BYTES each): 64 int16, in the order the quants come
- * out of a pair's 32 bytes read as 16-bit words (X0: x_2i, X1: x_2i+16, X2: x_2i+1, X3: x_2i+17, i = 0..7, block
- * 2p in the low 128 bits and 2p + 1 in the high), then SX (8 floats) and ST (8 floats). An odd last block is paired
- * with zeros. After the pairs, the same int16 in their natural order, 32 a block, then each block's sx: Q8_0's
- * layout. Q8_0 (signed 8-bit quants, d per block, no min) widens its quants to int16 with one `vpmovsxbw` per 16
+ * An activation row's blocks are laid out by runs of 8 (I16_GROUP_BYTES each): per pair of blocks 64 int16, in the
+ * order the quants come out of a pair's 32 bytes read as 16-bit words (X0: x_2i, X1: x_2i+16, X2: x_2i+1, X3:
+ * x_2i+17, i = 0..7, block 2p in the low 128 bits and 2p + 1 in the high), 4 pairs, then SX (8 floats) and ST (8
+ * floats). A last run of fewer blocks is filled with zeros. After the runs, the same int16 in their natural order,
+ * 32 a block, then each block's sx: Q8_0's layout. Q8_0 (signed 8-bit quants, d per block, no min) widens its quants to int16 with one `vpmovsxbw` per 16
  * and sums q . x16 by `vpmaddwd` the same way (4 products a lane: |sum| < 2^24, exact as a float), then acc =
  * fma(float(P), d * sx, acc) block by block (its float product: ~18 vector operations a block, this one ~10). */
-#define I16_PAIR_BYTES 192
+#define I16_GROUP_BYTES 576
 #define I16_TILE_MAX_M 8
-/* Bytes of the pairs' layout of one activation row; the natural layout (Q8_0's) follows it. */
-static inline int64_t i16_paired_bytes(int64_t in) { return (in / CHUNK + 1) / 2 * I16_PAIR_BYTES; }
+/* Bytes of the runs' layout of one activation row; the natural layout (Q8_0's) follows it. */
+static inline int64_t i16_grouped_bytes(int64_t in) {
+    return (in / CHUNK + GROUP_BLOCKS - 1) / GROUP_BLOCKS * I16_GROUP_BYTES;
+}
 /* Bytes of one activation row laid out for the products (`i16_prepare_avx2`): both layouts. */
-static inline int64_t i16_row_bytes(int64_t in) { return i16_paired_bytes(in) + in / CHUNK * (64 + 4); }
+static inline int64_t i16_row_bytes(int64_t in) { return i16_grouped_bytes(in) + in / CHUNK * (64 + 4); }
 /* Whether the AVX2 path multiplies `kind` by activations in 16-bit fixed point. */
 static inline int i16_kind(int64_t kind) {
-    return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0 || is_paired(kind);
+    return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0 || is_grouped(kind);
 }
 
 #if DK_QUANT_AVX2
@@ -766,7 +773,7 @@ static void i16_prepare_avx2(const float* x, int64_t rows, int64_t in, uint8_t* 
                                                 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int64_t m = 0; m < rows; ++m) {
         uint8_t* row = dst + m * stride;
-        if (blocks % 2) memset(row + blocks / 2 * I16_PAIR_BYTES, 0, I16_PAIR_BYTES);
+        if (blocks % GROUP_BLOCKS) memset(row + blocks / GROUP_BLOCKS * I16_GROUP_BYTES, 0, I16_GROUP_BYTES);
         for (int64_t b = 0; b < blocks; ++b) {
             const float* xb = x + m * in + b * CHUNK;
             __m256 v[4];
@@ -782,23 +789,21 @@ static void i16_prepare_avx2(const float* x, int64_t rows, int64_t in, uint8_t* 
              * 64-bit quarters regrouped: [x0, x2, .., x14 | x1, x3, .., x15] and [x16, x18, .. | x17, x19, ..] */
             __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
             __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
-            uint8_t* natural = row + i16_paired_bytes(in);
+            uint8_t* natural = row + i16_grouped_bytes(in);
             _mm256_storeu_si256((__m256i*)(natural + 64 * b), lo);
             _mm256_storeu_si256((__m256i*)(natural + 64 * b + 32), hi);
             memcpy(natural + 64 * blocks + 4 * b, &sx, sizeof sx);
             lo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(lo, evens_odds), 0xD8);
             hi = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(hi, evens_odds), 0xD8);
-            uint8_t* pair = row + b / 2 * I16_PAIR_BYTES;
+            uint8_t* run = row + b / GROUP_BLOCKS * I16_GROUP_BYTES;
+            uint8_t* pair = run + b % GROUP_BLOCKS / 2 * 128;
             int64_t half = 16 * (b % 2);
             _mm_storeu_si128((__m128i*)(pair + 0 + half), _mm256_castsi256_si128(lo));       /* X0 */
             _mm_storeu_si128((__m128i*)(pair + 32 + half), _mm256_castsi256_si128(hi));      /* X1 */
             _mm_storeu_si128((__m128i*)(pair + 64 + half), _mm256_extracti128_si256(lo, 1)); /* X2 */
             _mm_storeu_si128((__m128i*)(pair + 96 + half), _mm256_extracti128_si256(hi, 1)); /* X3 */
-            float* scales = (float*)(pair + 128);
-            for (int k = 0; k < 4; ++k) {
-                scales[4 * (b % 2) + k] = sx;
-                scales[8 + 4 * (b % 2) + k] = k == 0 ? sum : 0.0f;
-            }
+            memcpy(run + 512 + 4 * (b % GROUP_BLOCKS), &sx, sizeof sx);   /* SX */
+            memcpy(run + 544 + 4 * (b % GROUP_BLOCKS), &sum, sizeof sum); /* ST */
         }
     }
 }
@@ -812,69 +817,92 @@ ALWAYS_INLINE void i16_prefetch(const uint8_t* w, int R, int64_t step, int64_t i
     __builtin_prefetch(w + QUANT_PREFETCH_BYTES + R * step * i);
 }
 
+/* A run's n (1-8) fp16 values from `b`, `step` bytes apart (2: the grouped layouts' scales or mins one after another;
+ * a block's bytes: the stored blocks'), as 8 floats, zeros past n. A grouped run's 16 bytes from b lie in the run
+ * (n blocks of 18 or 20 bytes), whatever follows its n values is masked off (bitwise: a NaN there is gone too). */
+ALWAYS_INLINE __m256 run_halves_avx2(const uint8_t* b, int64_t step, int64_t n) {
+    if (step == 2) {
+        __m256 all = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));
+        if (n == GROUP_BLOCKS) return all;
+        __m256i kept = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        return _mm256_and_ps(all, _mm256_castsi256_ps(kept));
+    }
+    uint16_t h[GROUP_BLOCKS] = {0};  /* (in registers: lanes inserted one by one, no store to forward) */
+    for (int64_t j = 0; j < n; ++j) memcpy(&h[j], b + j * step, 2);
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                                          (short)h[6], (short)h[7]));
+}
+
 /* sums[m * R + r] for R (1-2) weight rows (`row_bytes` apart, `blocks` blocks of Q4_0 or Q4_1 each, as stored or
- * paired) by M (1-8) activation rows laid out at xi (`stride` bytes apart). An inf or NaN activation makes its
- * block's outputs NaN. A paired pair's scales (and mins) come in one load and one conversion, its quants in one
- * 32-byte load (the stored blocks' take two loads and an insert, and four loads, two moves, an unpack and a
- * conversion): the same values in the same registers, so both layouts give the same bits. */
+ * grouped) by M (1-8) activation rows laid out at xi (`stride` bytes apart). An inf or NaN activation makes its
+ * block's outputs NaN. A grouped run's scales (and mins) come in one load and one conversion, a pair's quants in
+ * one 32-byte load (the stored blocks' are gathered one by one, and take two loads and an insert): the same values
+ * in the same registers, so both layouts give the same bits. */
 ALWAYS_INLINE void i16_tile_avx2(int kind, const uint8_t* xi, int64_t stride, const uint8_t* w, int64_t row_bytes,
                                  int R, int M, int64_t blocks, float* sums) {
-    int one = kind == DK_Q4_1 || kind == DK_Q4_1P, paired = is_paired(kind);
-    int64_t bytes = one ? 20 : 18, head = one ? 4 : 2;
+    int one = kind == DK_Q4_1 || kind == DK_Q4_1G, grouped = is_grouped(kind);
+    int64_t bytes = one ? 20 : 18, head = bytes - 16;
     const __m256i nibble = _mm256_set1_epi16(15);
-    const __m256i scales_at = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), mins_at = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
-    const __m256i pair_scales_at = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    const __m256i pair_mins_at = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    __m256 acc[2][I16_TILE_MAX_M];
+    const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                               _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+    __m256 acc[2][I16_TILE_MAX_M], ds[2][2];
+    float ds_stack[2][I16_TILE_MAX_M][8] __attribute__((aligned(32)));
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < (blocks + 1) / 2; ++p) {
-        int whole = 2 * p + 1 < blocks;
-        __m256i v[2][4];
+    for (int64_t g = 0; g * GROUP_BLOCKS < blocks; ++g) {
+        int64_t n = blocks - g * GROUP_BLOCKS < GROUP_BLOCKS ? blocks - g * GROUP_BLOCKS : GROUP_BLOCKS;
+        const uint8_t* run[2];
         __m256 d[2], mins[2];
-        i16_prefetch(w, R, 2 * bytes, p);
+        for (int64_t line = 0; line < R * GROUP_BLOCKS * bytes; line += 64)
+            i16_prefetch(w + line, R, GROUP_BLOCKS * bytes, g);
         for (int r = 0; r < R; ++r) {
-            const uint8_t* b = w + r * row_bytes + 2 * p * bytes;
-            if (paired && whole) {
-                __m256i quants = _mm256_loadu_si256((const __m256i*)(b + 2 * head));
+            run[r] = w + r * row_bytes + g * GROUP_BLOCKS * bytes;
+            d[r] = run_halves_avx2(run[r], grouped ? 2 : bytes, n);
+            /* Q4_0's weight d (q - 8) = d q + (-8d), with -8d exact */
+            mins[r] = one ? run_halves_avx2(run[r] + (grouped ? 2 * n : 2), grouped ? 2 : bytes, n)
+                          : _mm256_mul_ps(d[r], _mm256_set1_ps(-8.0f));
+        }
+        /* D * SX once a run (in registers for 1-2 activation rows; for more, whose accumulators fill the
+         * registers, on the stack, each pair's lanes spread from there by one `vpermps` with a memory operand) */
+        for (int m = 0; m < M; ++m) {
+            const float* xs = (const float*)(xi + m * stride + g * I16_GROUP_BYTES + 512);
+            __m256 st = _mm256_loadu_ps(xs + 8);
+            for (int r = 0; r < R; ++r) {
+                acc[r][m] = _mm256_fmadd_ps(mins[r], st, acc[r][m]);
+                if (M <= 2) ds[r][m] = _mm256_mul_ps(d[r], _mm256_loadu_ps(xs));
+                else _mm256_store_ps(ds_stack[r][m], _mm256_mul_ps(d[r], _mm256_loadu_ps(xs)));
+            }
+        }
+        for (int64_t k = 0; k < (n + 1) / 2; ++k) {
+            int whole = 2 * k + 1 < n;
+            __m256i v[2][4];
+            for (int r = 0; r < R; ++r) {
+                __m256i quants;
+                if (grouped) {
+                    const uint8_t* q = run[r] + head * n + 32 * k;
+                    quants = whole ? _mm256_loadu_si256((const __m256i*)q)
+                                   : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)q));
+                } else {
+                    const uint8_t* b = run[r] + 2 * k * bytes + head;
+                    __m128i qhi = whole ? _mm_loadu_si128((const __m128i*)(b + bytes)) : _mm_setzero_si128();
+                    quants = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)b)), qhi, 1);
+                }
+                if (!whole) quants = _mm256_inserti128_si256(quants, _mm_setzero_si128(), 1);
                 v[r][0] = _mm256_and_si256(quants, nibble);
                 v[r][1] = _mm256_and_si256(_mm256_srli_epi16(quants, 4), nibble);
                 v[r][2] = _mm256_and_si256(_mm256_srli_epi16(quants, 8), nibble);
                 v[r][3] = _mm256_srli_epi16(quants, 12);
-                int32_t scales = 0;
-                if (!one) memcpy(&scales, b, 4);
-                __m256 h = _mm256_castps128_ps256(_mm_cvtph_ps(one ? _mm_loadl_epi64((const __m128i*)b)
-                                                                   : _mm_cvtsi32_si128(scales)));
-                d[r] = _mm256_permutevar8x32_ps(h, pair_scales_at);
-                mins[r] = one ? _mm256_permutevar8x32_ps(h, pair_mins_at) : _mm256_mul_ps(d[r], _mm256_set1_ps(-8.0f));
-                continue;
             }
-            __m128i qlo = _mm_loadu_si128((const __m128i*)(b + head));
-            __m128i qhi = whole ? _mm_loadu_si128((const __m128i*)(b + bytes + head)) : _mm_setzero_si128();
-            __m256i quants = _mm256_inserti128_si256(_mm256_castsi128_si256(qlo), qhi, 1);
-            v[r][0] = _mm256_and_si256(quants, nibble);
-            v[r][1] = _mm256_and_si256(_mm256_srli_epi16(quants, 4), nibble);
-            v[r][2] = _mm256_and_si256(_mm256_srli_epi16(quants, 8), nibble);
-            v[r][3] = _mm256_srli_epi16(quants, 12);
-            uint32_t h0 = 0, h1 = 0;  /* the fp16 scale (and Q4_1's min after it) of each block */
-            memcpy(&h0, b, one ? 4 : 2);
-            if (whole) memcpy(&h1, b + bytes, one ? 4 : 2);
-            __m128 halves = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_cvtsi32_si128((int)h0), _mm_cvtsi32_si128((int)h1)));
-            d[r] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(halves), scales_at);
-            /* Q4_0's weight d (q - 8) = d q + (-8d), with -8d exact */
-            mins[r] = one ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(halves), mins_at)
-                          : _mm256_mul_ps(d[r], _mm256_set1_ps(-8.0f));
-        }
-        for (int m = 0; m < M; ++m) {
-            const uint8_t* pair = xi + m * stride + p * I16_PAIR_BYTES;
-            __m256i x0 = _mm256_loadu_si256((const __m256i*)pair), x1 = _mm256_loadu_si256((const __m256i*)(pair + 32));
-            __m256i x2 = _mm256_loadu_si256((const __m256i*)(pair + 64)), x3 = _mm256_loadu_si256((const __m256i*)(pair + 96));
-            __m256 sx = _mm256_loadu_ps((const float*)(pair + 128)), st = _mm256_loadu_ps((const float*)(pair + 160));
-            for (int r = 0; r < R; ++r) {
-                __m256i P = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(v[r][0], x0), _mm256_madd_epi16(v[r][1], x1)),
-                                             _mm256_add_epi32(_mm256_madd_epi16(v[r][2], x2), _mm256_madd_epi16(v[r][3], x3)));
-                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), _mm256_mul_ps(d[r], sx), acc[r][m]);
-                acc[r][m] = _mm256_fmadd_ps(mins[r], st, acc[r][m]);
+            for (int m = 0; m < M; ++m) {
+                const uint8_t* pair = xi + m * stride + g * I16_GROUP_BYTES + 128 * k;
+                __m256i x0 = _mm256_loadu_si256((const __m256i*)pair), x1 = _mm256_loadu_si256((const __m256i*)(pair + 32));
+                __m256i x2 = _mm256_loadu_si256((const __m256i*)(pair + 64)), x3 = _mm256_loadu_si256((const __m256i*)(pair + 96));
+                for (int r = 0; r < R; ++r) {
+                    __m256i P = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(v[r][0], x0), _mm256_madd_epi16(v[r][1], x1)),
+                                                 _mm256_add_epi32(_mm256_madd_epi16(v[r][2], x2), _mm256_madd_epi16(v[r][3], x3)));
+                    __m256 scale = _mm256_permutevar8x32_ps(M > 2 ? _mm256_load_ps(ds_stack[r][m]) : ds[r][m], spread[k]);
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), scale, acc[r][m]);
+                }
             }
         }
     }
@@ -916,10 +944,10 @@ ALWAYS_INLINE void i16_tile_q8_avx2(const uint8_t* xn, int64_t stride, const uin
 /* One tile of `kind` (Q4_0, Q4_1 or Q8_0): its layout of the activation rows at xm. */
 ALWAYS_INLINE void i16_any_tile_avx2(int kind, const uint8_t* xm, int64_t stride, int64_t in, const uint8_t* w,
                                      int64_t row_bytes, int R, int M, int64_t blocks, float* sums) {
-    if (kind == DK_Q8_0) i16_tile_q8_avx2(xm + i16_paired_bytes(in), stride, w, row_bytes, R, M, blocks, sums);
+    if (kind == DK_Q8_0) i16_tile_q8_avx2(xm + i16_grouped_bytes(in), stride, w, row_bytes, R, M, blocks, sums);
     else if (kind == DK_Q4_1) i16_tile_avx2(DK_Q4_1, xm, stride, w, row_bytes, R, M, blocks, sums);
-    else if (kind == DK_Q4_1P) i16_tile_avx2(DK_Q4_1P, xm, stride, w, row_bytes, R, M, blocks, sums);
-    else if (kind == DK_Q4_0P) i16_tile_avx2(DK_Q4_0P, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else if (kind == DK_Q4_1G) i16_tile_avx2(DK_Q4_1G, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else if (kind == DK_Q4_0G) i16_tile_avx2(DK_Q4_0G, xm, stride, w, row_bytes, R, M, blocks, sums);
     else i16_tile_avx2(DK_Q4_0, xm, stride, w, row_bytes, R, M, blocks, sums);
 }
 
@@ -1382,7 +1410,7 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
     /* one group of output rows of weights of type `kind`: the one place each type's tiles are instantiated (the  \
      * products below all call it, out of line: a call per group of 4-16 output rows, where inlining it into each \
      * took the compiler three times as long, quant.c's -O3 build past two minutes on a 2-core Zen 3) */         \
-    static void paired_rows_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,        \
+    static void grouped_rows_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,        \
                                   int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,                 \
                                   const float* residual, float* out, int64_t ld);                               \
     static __attribute__((noinline)) void kind_group_##ISA(int kind, const float* x, const uint8_t* xi,         \
@@ -1395,25 +1423,25 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
             case DK_Q4_1: any_group_##ISA(DK_Q4_1, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
             case DK_Q4_1X8: x8_group_##ISA(x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break;       \
             case DK_Q8_0: any_group_##ISA(DK_Q8_0, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
-            case DK_Q4_0P:                                                                                      \
-            case DK_Q4_1P:                                                                                      \
+            case DK_Q4_0G:                                                                                      \
+            case DK_Q4_1G:                                                                                      \
                 if (xi != NULL) I16_GROUP_##ISA(kind, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); \
-                else paired_rows_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);       \
+                else grouped_rows_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);       \
                 break;                                                                                          \
             case DK_Q4_K: any_group_##ISA(DK_Q4_K, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
             default: any_group_##ISA(DK_Q6_K, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld); break; \
         }                                                                                                       \
     }                                                                                                           \
-    /* a paired layout's rows where the fixed-point tiles do not run (other paths, float32 activations, no memory \
+    /* a grouped layout's rows where the fixed-point tiles do not run (other paths, float32 activations, no memory \
      * for the activations' layout): each row back in the file's layout, then that type's product, one row at a  \
-     * time (slow, and never the way decodekit multiplies them: `laid_out_for` pairs blocks only for those tiles) */\
-    static void paired_rows_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,        \
+     * time (slow, and never the way decodekit multiplies them: `laid_out_for` groups blocks only for those tiles) */\
+    static void grouped_rows_##ISA(int kind, const float* x, int64_t rows, int64_t in, const uint8_t* w,        \
                                   int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,                 \
                                   const float* residual, float* out, int64_t ld) {                              \
         uint8_t row[row_bytes];                                                                                 \
         for (int64_t r = o0; r < o0 + nr; ++r) {                                                                \
-            unpair_row(kind, w + r * row_bytes, row, in / CHUNK);                                               \
-            kind_group_##ISA(paired_base(kind), x, NULL, rows, in, row, row_bytes, 0, 1, bias ? bias + r : NULL, \
+            ungroup_row(kind, w + r * row_bytes, row, in / CHUNK);                                              \
+            kind_group_##ISA(grouped_base(kind), x, NULL, rows, in, row, row_bytes, 0, 1, bias ? bias + r : NULL, \
                              residual ? residual + r : NULL, out + r, ld);                                      \
         }                                                                                                       \
     }                                                                                                           \
@@ -1669,12 +1697,12 @@ int dk_quant_dequantize(int64_t kind, const uint8_t* w, int64_t out_rows, int64_
     for (int64_t o = 0; o < out_rows; ++o) {
         const uint8_t* row = w + o * row_bytes;
         float* dst = out + o * in;
-        uint8_t stored[is_paired(kind) ? row_bytes : 1];  /* a paired row back in the file's layout */
-        if (is_paired(kind)) {
-            unpair_row(kind, row, stored, chunks);
+        uint8_t stored[is_grouped(kind) ? row_bytes : 1];  /* a grouped row back in the file's layout */
+        if (is_grouped(kind)) {
+            ungroup_row(kind, row, stored, chunks);
             row = stored;
         }
-        int64_t as = is_paired(kind) ? paired_base(kind) : kind;
+        int64_t as = is_grouped(kind) ? grouped_base(kind) : kind;
 #if DK_QUANT_AVX512
         if (isa >= 2) {
             dequantize_row_avx512((int)as, row, row_bytes, chunks, dst);
