@@ -61,9 +61,9 @@ def laid_out_for(weight: StoredWeight, isa: str) -> tuple[str, torch.Tensor]:
     which every path multiplies as the same weights. Only on the AVX2 path (AVX-512's row-major Q4_1 product takes a
     block's 16 weights from a table instead) and for whole groups of 8 rows.
 
-    Grouping measured on a 2-core Zen 3 (standalone, random Q4_1 blocks, 512 wide, one activation row, two weight
-    rows a tile): 1.3-1.7x the speed of blocks paired with their own scales (this layout's predecessor, itself 1.23x
-    the stored layout's) in cache, 1.15-1.25x from memory (both cores).
+    Grouping measured on a 2-core Zen 3 (`benchmarks/kernel_ab.py`, random Q4_1 blocks, 8192 rows, one activation
+    row, 2 threads): 1.17x (576 wide) and 1.24x (1536 wide) the speed of blocks paired with their own scales (this
+    layout's predecessor, itself 1.09-1.13x the stored layout's).
 
     Opt-in, because it pays for one or two activation rows only. Measured on a 2-core Zen 3 (SmolLM2's 120 layer
     products, the two layouts alternating in one process, 2 threads): 1 row 1.11-1.20x, 2 rows 1.01-1.11x, but 4

@@ -711,16 +711,17 @@ static __attribute__((noinline)) void wide_rows_avx2(int kind, const float* x, i
  * partial sums (4 a block) and DS_k = D * SX with lanes 2k and 2k + 1 each spread over 4 lanes (`vpermps`); then
  * the lanes' sum (hsum_avx2). A row's result does not depend on its batch, nor on its layout (grouped or stored).
  * The run's scales, mins and the mins' multiply-add come once a run (the grouped layout's in one load and one
- * conversion each), one multiply-add a pair waits on the one before: standalone (one thread, 2 x 512 weights x one
- * activation row, a 2-core Zen 3) a row of 16 blocks in cache 1.3-1.7x as fast as pairs of blocks with their own
- * scales, from memory (both cores) 1.15-1.25x.
+ * conversion each), one multiply-add a pair waits on the one before: standalone (one thread, two weight rows 512
+ * wide by one activation row, a 2-core Zen 3) 1.4x as fast in cache as pairs of blocks with their own scales, 1.1x
+ * from memory on both cores; in the library (`benchmarks/kernel_ab.py`, 8192 rows, 2 threads) 1.17x at one
+ * activation row 576 wide, 1.24x 1536 wide, 1.09-1.15x at two, 0.98-1.17x at 5-16.
  *
  * An activation row's blocks are laid out by runs of 8 (I16_GROUP_BYTES each): per pair of blocks 64 int16, in the
  * order the quants come out of a pair's 32 bytes read as 16-bit words (X0: x_2i, X1: x_2i+16, X2: x_2i+1, X3:
  * x_2i+17, i = 0..7, block 2p in the low 128 bits and 2p + 1 in the high), 4 pairs, then SX (8 floats) and ST (8
  * floats). A last run of fewer blocks is filled with zeros. After the runs, the same int16 in their natural order,
- * 32 a block, then each block's sx: Q8_0's layout. Q8_0 (signed 8-bit quants, d per block, no min) widens its quants to int16 with one `vpmovsxbw` per 16
- * and sums q . x16 by `vpmaddwd` the same way (4 products a lane: |sum| < 2^24, exact as a float), then acc =
+ * 32 a block, then each block's sx: Q8_0's layout. Q8_0 (signed 8-bit quants, d per block, no min) widens its
+ * quants to int16 with one `vpmovsxbw` per 16 and sums q . x16 by `vpmaddwd` the same way (4 products a lane: |sum| < 2^24, exact as a float), then acc =
  * fma(float(P), d * sx, acc) block by block (its float product: ~18 vector operations a block, this one ~10). */
 #define I16_GROUP_BYTES 576
 #define I16_TILE_MAX_M 8
