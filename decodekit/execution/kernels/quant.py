@@ -29,7 +29,8 @@ INTERLEAVED_Q4_1 = "Q4_1x8"
 GROUPED = {"Q4_0": "Q4_0g", "Q4_1": "Q4_1g"}
 """A format -> the name of its rows laid out by runs of blocks (`group_blocks`)."""
 GROUP_BLOCKS = 8
-"""Blocks a run of `group_blocks`' layout holds (a row's last run: what is left)."""
+"""Blocks a run of `group_blocks`' layout holds (a row's last run: what is left); `native/quant.c`'s GROUP_BLOCKS,
+which reads the runs, must be the same."""
 
 # ggml's type ids (`gguf.GGMLQuantizationType`) of the formats the kernels take, with (weights, bytes) per block.
 GGUF_FORMATS: dict[str, tuple[int, int, int]] = {
