@@ -96,10 +96,11 @@ def test_decodekit_run_prints_and_returns_a_speedup_that_is_the_ratio_of_the_rat
 def test_the_shipped_speculative_recipe_reports_acceptance_per_chained_proposer(tiny_dir):
     """recipes/speculative.yaml chains n-gram (two-token matches) to suffix decoding: on a prompt that repeats
     itself and one that does not, both proposers draft, and the table and JSON give each one's share. (Every step
-    asks the proposers here: with runs between drafts, whether suffix is asked at all depends on this machine's
-    step cost, which chooses k.)"""
+    asks the proposers here, for a fixed 4 tokens: with runs between drafts, or k chosen by this machine's step
+    cost, whether a proposer is asked at all depends on the machine's load; a CI run once drafted one token.)"""
     prompts = ["-p", "a b c d a b c d a b c d a b", "-p", "zebra quartz violin",
-               "--set", "strategy.speculative.runs_without_drafts=0"]
+               "--set", "strategy.speculative.runs_without_drafts=0",
+               "--set", "strategy.speculative.num_speculative_tokens=4"]
     result = _invoke("run", SPECULATIVE, *_tiny(tiny_dir, max_tokens=24), "--json", *prompts)
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)["summary"]
