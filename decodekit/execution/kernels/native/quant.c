@@ -881,14 +881,13 @@ ALWAYS_INLINE void i16_tile_avx2(int kind, const uint8_t* xi, int64_t stride, co
                 __m256i quants;
                 if (grouped) {
                     const uint8_t* q = run[r] + head * n + 32 * k;
-                    quants = whole ? _mm256_loadu_si256((const __m256i*)q)
-                                   : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)q));
+                    quants = whole ? _mm256_loadu_si256((const __m256i*)q)  /* an odd last block: zeros above */
+                                   : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i*)q), 0);
                 } else {
                     const uint8_t* b = run[r] + 2 * k * bytes + head;
                     __m128i qhi = whole ? _mm_loadu_si128((const __m128i*)(b + bytes)) : _mm_setzero_si128();
                     quants = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)b)), qhi, 1);
                 }
-                if (!whole) quants = _mm256_inserti128_si256(quants, _mm_setzero_si128(), 1);
                 v[r][0] = _mm256_and_si256(quants, nibble);
                 v[r][1] = _mm256_and_si256(_mm256_srli_epi16(quants, 4), nibble);
                 v[r][2] = _mm256_and_si256(_mm256_srli_epi16(quants, 8), nibble);
