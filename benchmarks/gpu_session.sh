@@ -19,7 +19,8 @@ prepare() {
     platforms+=(--platform manylinux2014_x86_64)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platforms[@]}" -d .gpu/whl pydantic pydantic-core annotated-types typing-inspection llguidance \
-        jsonschema jsonschema-specifications referencing rpds-py "transformers==$(python3 -c \
+        jsonschema jsonschema-specifications referencing rpds-py openai httpx2 httpcore2 truststore distro jiter sniffio fastapi starlette uvicorn opentelemetry-api gguf \
+        "transformers==$(python3 -c \
         'import transformers; print(transformers.__version__)' 2>/dev/null || echo 5.23.0)"
     local converted
     converted=$(ls -d "${DECODEKIT_CACHE:-$HOME/.cache/decodekit}"/gguf/*/ 2>/dev/null | head -1)
@@ -30,31 +31,52 @@ prepare() {
 }
 
 run() {
-    # BATCHES (default 64,128,256; empty: none) sizes the throughput rows; TESTS=0 skips the tests, MIXED=0 the mixed run
+    # Most telling first, each part under its own timeout, every log under $OUT as it is written:
+    # 1. gpu_step.py on both shapes (STEP=0 skips it): batch-1 per decode-path variant against the weight-read
+    #    bound, the batch-1 graph's kernels (--profile), throughput at BATCHES (default 256; empty: none) requests
+    #    of 16..1024 tokens;
+    # 2. every `pytest -m cuda` test that runs without the bundled weights (TESTS=0 skips them);
+    # 3. the one-row products over tile choices against cuBLAS, and a layer's four back to back with and without
+    #    programmatic dependent launches (LINEAR=0 skips them, LINEAR_ARGS=--no-sweep skips the sweep);
+    # 4. the mixed workload at MIXED (default 32,128,256; empty: none) requests against transformers'
+    #    continuous batching (`generate_batch`), same engine limits.
     local out="${OUT:-gpu-out}"
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .gpu/whl/*.whl
+        .gpu/whl/*.whl 2>&1 | grep -v "WARNING: Target directory" || true
     export PYTHONPATH="/tmp/site:$PWD:$PWD/plugins" PYTHONUNBUFFERED=1
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.log"
-    python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' \
-        | tee -a "$out/machine.log"
-    for shape in smollm2-135m llama-1b; do
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader | tee "$out/machine.log"
+    python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+        "transformers", transformers.__version__)' | tee -a "$out/machine.log"
+    for shape in smollm2-135m llama-1b; do  # random weights in the two shapes (the bundled ones stay here)
+        [ "${STEP:-1}" = 1 ] || [ -n "${MIXED-32 128 256}" ] || break
         python3 benchmarks/random_model.py --shape "$shape" --tokenizer .gpu/tok --output "/tmp/$shape" >/dev/null
     done
+    if [ "${STEP:-1}" = 1 ]; then
+        timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/gpu_step.py --model /tmp/llama-1b --tokens 256 \
+            --repeats 3 --profile --batches "${BATCHES-256}" 2>&1 | grep -v Loading | tee -a "$out/step.log" || true
+        timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/gpu_step.py --model /tmp/smollm2-135m --tokens 256 \
+            --repeats 3 --profile 2>&1 | grep -v Loading | tee -a "$out/step.log" || true
+    fi
     if [ "${TESTS:-1}" = 1 ]; then
-        timeout 300 python3 -m pytest -q -p no:randomly -p no:cacheprovider -m cuda --tb=short \
-            tests/execution/test_cuda_path.py tests/execution/test_cuda_strategies.py tests/execution/test_gpu_ops.py \
-            tests/execution/test_gpu_layer.py tests/processors/test_structured.py 2>&1 | tail -60 | tee "$out/tests.log" || true
+        timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:randomly -p no:cacheprovider -m cuda --tb=short \
+            --continue-on-collection-errors tests/execution/test_cuda_path.py tests/execution/test_cuda_strategies.py \
+            tests/execution/test_gpu_ops.py tests/execution/test_gpu_layer.py tests/processors/test_structured.py \
+            tests/execution/test_tensor_parallel.py 2>&1 | tail -80 | tee "$out/tests.log" || true
     fi
-    for shape in smollm2-135m llama-1b; do
-        timeout 240 python3 benchmarks/gpu_step.py --model "/tmp/$shape" --tokens 256 --repeats 3 \
-            --batches "${BATCHES-64,128,256}" 2>&1 | grep -v Loading | tail -16 | tee -a "$out/step.log" || true
+    if [ "${LINEAR:-1}" = 1 ]; then
+        timeout "${LINEAR_TIMEOUT:-150}" python3 benchmarks/gpu_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$out/linear.log" || true
+    fi
+    cat > /tmp/gpu_mixed.yaml <<YAML
+model: /tmp/smollm2-135m
+dtype: bfloat16
+engine: {max_num_seqs: 256, max_num_batched_tokens: 4096, kv_cache_memory: 8GiB}
+YAML
+    for requests in ${MIXED-32 128 256}; do
+        timeout "${MIXED_TIMEOUT:-100}" python3 -m decodekit bench mixed --recipe /tmp/gpu_mixed.yaml \
+            --num-requests "$requests" --repeats 1 --baseline hf-cb 2>&1 | grep -E "│|machine|rror" \
+            | tee -a "$out/mixed.log" || true
     done
-    if [ "${MIXED:-1}" = 1 ]; then
-        timeout 200 python3 -m decodekit bench mixed --model /tmp/smollm2-135m --num-requests 32 \
-            --baseline hf-cb 2>&1 | grep -E "│|machine" | tee -a "$out/mixed.log" || true
-    fi
 }
 
 case "${1:-}" in

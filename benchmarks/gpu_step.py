@@ -7,7 +7,9 @@ For one model folder, in one process:
   output token (greedy, `ignore_eos`, a long answer so that the prefill is noise) and the replay of the batch-1 graph
   alone (CUDA events). The variants: `per-op` (cuBLAS products and one launch per small op, the rotary module each
   step, one step per token: the path before `kernels/gpu_layer.py`), `five launches` (a layer in five launches, RoPE
-  by lookup), `five launches + runs` (the same, and greedy runs of `decode_run_steps` tokens per graph replay);
+  by lookup, each launch a programmatic dependent launch on Hopper: `gpu_layer.programmatic_launches`),
+  `five launches + runs` (the same, and greedy runs of `decode_run_steps` tokens per graph replay), and the same
+  with plain launches;
 - the weight bytes over the measured device-to-device copy bandwidth (the batch-1 bound), and the host
   synchronisations per step (`torch.cuda.set_sync_debug_mode`);
 - with `--batches`, throughput at those many concurrent requests (prompts and outputs drawn from 16..1024,
@@ -22,6 +24,7 @@ Run on the GPU machine:
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -70,7 +73,8 @@ def set_variant(llm: LLM, name: str, rope: Any) -> None:
     fused, graphs = runner.fused, runner.graphs
     fused.gpu_layer_rows = 0 if name == "per-op" else gpu_layer.FUSED_MAX_ROWS
     fused._device_rope = None if name == "per-op" else rope
-    llm.engine.config.decode_run_steps = 8 if name.endswith("runs") else 1
+    llm.engine.config.decode_run_steps = 8 if "runs" in name else 1
+    os.environ["DECODEKIT_GPU_PDL"] = "0" if name.endswith("plain launches") else "1"
     if graphs is not None:
         graphs._graphs.clear()
         graphs._runs.clear()
@@ -126,7 +130,7 @@ def main() -> None:
     runner = llm.engine.model.runner
     graphs = runner.graphs
     rope = runner.fused._device_rope
-    variants = ["per-op", "five launches", "five launches + runs"]
+    variants = ["per-op", "five launches", "five launches + runs, plain launches", "five launches + runs"]
     per_token: dict[str, list[float]] = {v: [] for v in variants}
     replays: dict[str, float] = {}
     answers: dict[str, list[int]] = {}

@@ -124,7 +124,16 @@ def test_rope_attend_equals_rope_write_then_the_paged_attention(dtype, parts):
     real = torch.tensor([c > 0 for c in contexts], device=DEVICE)
     assert torch.equal(keys[slots[real]], want_keys[slots[real]])  # the new keys and values written, rotated
     assert torch.equal(values[slots[real]], want_values[slots[real]])
-    _close(got.view_as(want), want)
+    if dtype == torch.float32:
+        _close(got.view_as(want), want)
+    else:  # bf16 SDPA rounds the probabilities before their product with the values, the kernel does not: both
+        # against the exact attention of the same (rounded) query, keys and values, as test_cuda_path checks the
+        # paged-attention kernel
+        exact = attend_tokens_reference(table, query.double(), want_keys.double(), want_values.double(), block_size,
+                                         0.25)
+        kernel_error = (got.view_as(want).double() - exact).norm() / exact.norm()
+        sdpa_error = (want.double() - exact).norm() / exact.norm()
+        assert kernel_error <= max(1.25 * sdpa_error, 4e-3), (kernel_error, sdpa_error)
     assert not got.view_as(want)[~real].any()  # padding attends to nothing
 
 

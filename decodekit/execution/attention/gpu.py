@@ -161,7 +161,7 @@ def attention_parts(rows: int, kv_heads: int, longest: int, device: torch.device
     """How many programs share each token's keys in a decode step's attention (a power of two; flash-decoding's
     split): one while the step's tokens and KV heads alone fill the GPU's multiprocessors or the longest context
     (`longest` keys) is short, else enough parts of at least `_KEYS_PER_PART` keys to fill them."""
-    programs = _multiprocessors(device)
+    programs = multiprocessors(device)
     base = max(1, rows * kv_heads)
     parts = 1
     while parts < _MAX_PARTS and base * parts < programs and longest > 2 * parts * _KEYS_PER_PART:
@@ -170,7 +170,7 @@ def attention_parts(rows: int, kv_heads: int, longest: int, device: torch.device
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
     """The CUDA device's multiprocessor count (132 on an H100 or H200); 8 elsewhere (the interpreter's tests)."""
     if device.type != "cuda":
         return 8

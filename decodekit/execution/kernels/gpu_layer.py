@@ -28,15 +28,67 @@ tensors; tests/execution/test_gpu_layer.py checks them against the torch ops tha
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from typing import Any
 
 import torch
 
-from decodekit.execution.attention.gpu import TokenTable, next_power_of_2
+from decodekit.execution.attention.gpu import TokenTable, multiprocessors, next_power_of_2
+
+log = logging.getLogger(__name__)
 
 # The most rows (packed tokens) whose products these kernels take; the `tl.dot` tile pads 2..16 rows to 16.
 FUSED_MAX_ROWS = 16
 _ATTEND_BLOCK_N = 32  # keys per loop iteration of `rope_attend`
+# A one-row program's weight tile, in elements: 16 KB of bf16 (64 elements, eight 16-byte loads, a thread of 4
+# warps), so that a program has its whole tile in flight at once and a product of a few MB needs few iterations
+_ONE_ROW_TILE = 8192
+
+
+def one_row_tiles(n_out: int, k_dim: int, device: torch.device) -> tuple[int, int, int]:
+    """`(block_n, block_k, num_warps)` of a one-row product: a matrix-vector product, bound by the latency of
+    reading its weight more than by the bandwidth. The H200 showed it (benchmarks/gpu_step.py): 8 x 256 tiles read
+    Llama-1B's layers at 1.8 TB/s of its 4.2. So: the fewest output rows a program (down to 2) that still gives at
+    least two programs a multiprocessor, and each program's whole row share (up to `_ONE_ROW_TILE` elements a
+    tile) in as few iterations as that allows."""
+    programs = 2 * multiprocessors(device)
+    block_n = 8
+    while block_n > 2 and -(-n_out // block_n) < programs:
+        block_n //= 2
+    block_k = max(16, min(next_power_of_2(k_dim), _ONE_ROW_TILE // block_n))
+    return block_n, block_k, 4
+
+
+# Programmatic dependent launches (Hopper and later): each launch of these kernels may start while the one before
+# finishes, load its first weight tile, then wait for it (`triton_layer.linear_kernel`). The batch-1 products
+# measured back to back on an H200 took 54.6 µs a Llama-1B layer against 39.7 µs for the four alone
+# (benchmarks/gpu_linear.py): each launch's first reads waited for the one before to drain. Off with
+# DECODEKIT_GPU_PDL=0, and for good once a launch with it fails.
+_pdl_failed = False
+
+
+def programmatic_launches(device: torch.device) -> bool:
+    """Whether this layer's kernels are launched as programmatic dependent launches on `device`: a CUDA device of
+    compute capability 9.0 or later (not Triton's interpreter), unless DECODEKIT_GPU_PDL=0 or a launch failed."""
+    if _pdl_failed or device.type != "cuda" or os.environ.get("DECODEKIT_GPU_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any, **constants: Any) -> None:
+    """`kernel[grid](*args, **constants)`, as a programmatic dependent launch where `programmatic_launches`; a
+    failed one (an older driver or Triton) is logged and the kernel launched plainly from then on."""
+    global _pdl_failed
+    if programmatic_launches(device):
+        try:
+            kernel[grid](*args, **constants, PDL=True, launch_pdl=True)
+            return
+        except Exception as exc:  # any compile or launch failure: the plain launch still works
+            log.warning("programmatic dependent launches failed (%r); launching the GPU layer's kernels plainly",
+                        exc)
+            _pdl_failed = True
+    kernel[grid](*args, **constants, PDL=False)
 
 
 @functools.cache
@@ -56,12 +108,13 @@ def available() -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`x @ weight.T` (+ `bias`) for `[T, K]` rows, T <= `FUSED_MAX_ROWS`, `weight` `[N, K]` row-major, one launch.
 
     With `norm_weight`, the rows are first LlamaRMSNorm-ed (`eps`) inside the product. With `gated`, `weight` holds
     the gate rows then the up rows (`[2I, K]`) and the result is `silu(gate) * up` `[T, I]`. With `residual`
-    (`[T, N]`), returns `residual + product`, written into `residual` itself.
+    (`[T, N]`), returns `residual + product`, written into `residual` itself. `tiles` overrides the
+    `(block_n, block_k, num_warps)` chosen (`one_row_tiles` for one row; benchmarks/gpu_linear.py sweeps them).
     """
     tokens, k_dim = x.shape
     if tokens > FUSED_MAX_ROWS:
@@ -69,17 +122,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n_out = weight.shape[0] // 2 if gated else weight.shape[0]
     out = residual if residual is not None else x.new_empty(tokens, n_out)
     rows = 1 if tokens == 1 else FUSED_MAX_ROWS
-    block_n = 8 if rows == 1 else 16
-    # wide enough loads (8 bf16 or 4 float32 a thread) without masking most of a short row
-    block_k = min(256 if rows == 1 else 64, max(16, next_power_of_2(k_dim)))
+    if tiles is not None:
+        block_n, block_k, warps = tiles
+    elif rows == 1:
+        block_n, block_k, warps = one_row_tiles(n_out, k_dim, x.device)
+    else:  # `tl.dot` tiles of 16 rows: 16 output columns, 64 of K
+        block_n, block_k, warps = 16, min(64, max(16, next_power_of_2(k_dim))), 4
     if tokens == 0:
         return out
-    _kernels()[0][(-(-n_out // block_n),)](
+    _launch(_kernels()[0], (-(-n_out // block_n),), x.device,
         x, norm_weight if norm_weight is not None else x, weight, bias if bias is not None else x,
         residual if residual is not None else out, out, tokens, k_dim, n_out, x.stride(0), weight.stride(0),
         (residual if residual is not None else out).stride(0), out.stride(0), eps,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm_weight is not None, BIAS=bias is not None,
-        GATED=gated, RESIDUAL=residual is not None, IEEE=weight.dtype == torch.float32)
+        GATED=gated, RESIDUAL=residual is not None, IEEE=weight.dtype == torch.float32, num_warps=warps)
     return out
 
 
@@ -101,13 +157,13 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, 
     partials = (qkv.new_empty(tokens * kv_heads * parts * group_pad * (dim + 2), dtype=torch.float32)
                 if parts > 1 else out)
     kernels = _kernels()
-    kernels[1][(tokens, kv_heads, parts)](
+    _launch(kernels[1], (tokens, kv_heads, parts), qkv.device,
         qkv, cos, signed_sin, key_slots, value_slots, slot_mapping, table.token_rows, table.key_limits,
         table.block_tables, out, partials, table.block_tables.stride(0), scale, qkv.stride(0), cos.stride(0),
         key_slots.stride(0), key_slots.stride(1), out.stride(0), dim,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_SIZE=block_size,
         BLOCK_N=_ATTEND_BLOCK_N, PARTS=parts, ROUND=qkv.dtype != torch.float32)
     if parts > 1:
-        kernels[2][(tokens, kv_heads)](partials, out, out.stride(0), dim, KV_HEADS=kv_heads, GROUP=group,
-                                       GROUP_PAD=group_pad, DIM=dim, PARTS=parts)
+        _launch(kernels[2], (tokens, kv_heads), qkv.device, partials, out, out.stride(0), dim, KV_HEADS=kv_heads,
+                GROUP=group, GROUP_PAD=group_pad, DIM=dim, PARTS=parts)
     return out

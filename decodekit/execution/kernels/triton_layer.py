@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -39,9 +40,15 @@ def load_rows(x_ptr, nw_ptr, rstd, rows, row_ok, k, k_ok, stride_x, NORM: tl.con
 
 
 @triton.jit
-def tile_product(acc, x, w_ptr, n, n_ok, k, k_ok, stride_w, ROWS: tl.constexpr, IEEE: tl.constexpr):
-    """`acc[ROWS, BLOCK_N] += x[ROWS, BLOCK_K] @ W[n, k].T`: a broadcast sum for one row, else `tl.dot`."""
-    w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+def load_tile(w_ptr, n, n_ok, k, k_ok, stride_w):
+    """The weight tile `W[n, k]` as stored."""
+    return tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def tile_product(acc, x, w, ROWS: tl.constexpr, IEEE: tl.constexpr):
+    """`acc[ROWS, BLOCK_N] += x[ROWS, BLOCK_K] @ w[BLOCK_N, BLOCK_K].T`: a broadcast sum for one row, else
+    `tl.dot`."""
     if ROWS == 1:
         acc += tl.sum(x * w.to(tl.float32), axis=1)[None, :]
     elif IEEE:
@@ -55,33 +62,49 @@ def tile_product(acc, x, w_ptr, n, n_ok, k, k_ok, stride_w, ROWS: tl.constexpr, 
 def linear_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, T, K, N, stride_x, stride_w, stride_r,
                   stride_o, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, PDL: tl.constexpr):
     """Output columns `[pid * BLOCK_N, +BLOCK_N)` of `T <= ROWS` rows: `x @ W.T` (+ bias), the input optionally
     RMS-normed, the output optionally SiLU-gated with the same columns of W's second half (`GATED`: W has 2N
-    rows), or added to the residual rows (`RESIDUAL`, which may be the output itself)."""
+    rows), or added to the residual rows (`RESIDUAL`, which may be the output itself).
+
+    With `PDL` (launched as a programmatic dependent launch, Hopper on): the first weight tile is loaded before
+    waiting for the launch before it to finish, so that the weight's first reads overlap that launch's tail;
+    nothing written by an earlier launch is read, and nothing written, before `gdc_wait`."""
     dtype = out_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = tl.arange(0, ROWS)
     row_ok = rows < T
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    w = load_tile(w_ptr, n, n_ok, k, k_ok, stride_w)  # the weights are never written: safe before the wait
+    u = w
+    if GATED:
+        u = load_tile(w_ptr, n + N, n_ok, k, k_ok, stride_w)
+    if PDL:
+        gdc_launch_dependents()  # the next launch may start (and load its own weights) once every program got here
+        gdc_wait()  # the rows this reads were written by the launch before
     rstd = tl.zeros([ROWS], tl.float32)
     if NORM:  # the rows' statistics first: a pass over a few rows in L2, cheaper than another launch
         squares = tl.zeros([ROWS], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :],
-                        mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :],
+                        mask=row_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
             squares += tl.sum(x * x, axis=1)
         rstd = 1.0 / tl.sqrt(squares / K + eps)
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    x = load_rows(x_ptr, nw_ptr, rstd, rows, row_ok, k, k_ok, stride_x, NORM, dtype)
+    acc = tile_product(tl.zeros([ROWS, BLOCK_N], tl.float32), x, w, ROWS, IEEE)
     up = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if GATED:
+        up = tile_product(up, x, u, ROWS, IEEE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = load_rows(x_ptr, nw_ptr, rstd, rows, row_ok, k, k_ok, stride_x, NORM, dtype)
-        acc = tile_product(acc, x, w_ptr, n, n_ok, k, k_ok, stride_w, ROWS, IEEE)
+        acc = tile_product(acc, x, load_tile(w_ptr, n, n_ok, k, k_ok, stride_w), ROWS, IEEE)
         if GATED:
-            up = tile_product(up, x, w_ptr, n + N, n_ok, k, k_ok, stride_w, ROWS, IEEE)
+            up = tile_product(up, x, load_tile(w_ptr, n + N, n_ok, k, k_ok, stride_w), ROWS, IEEE)
     if BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_mask = row_ok[:, None] & n_ok[None, :]
@@ -100,11 +123,15 @@ def rope_attend_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, rows_
                        stride_ot, stride_oh, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
-                       ROUND: tl.constexpr):
+                       ROUND: tl.constexpr, PDL: tl.constexpr):
     """One token (its sequence's only new one), one KV head, one part of its keys: RoPE on the group's queries;
     the part holding the token's own key rotates it and writes it and the value to the pool slot; then an
     online softmax over the part's keys. One part writes the output; several write `(acc, max, sum)` partials
-    for `merge_parts_kernel`."""
+    for `merge_parts_kernel`. With `PDL`, everything waits for the launch before (it reads that launch's q/k/v);
+    the next launch may start loading its weights meanwhile."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -127,7 +154,7 @@ def rope_attend_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, rows_
     if ROUND:  # torch rounds each product to the model dtype before the add
         a = round_to(a, dtype)
         b = round_to(b, dtype)
-    q = (a + b).to(dtype).to(tl.float32)
+    q = round_to(a + b, dtype)  # the query as rope_write stores it (a plain round trip is dropped in bf16)
     # this part's keys: an equal share of the token's, in whole loop blocks
     share = tl.cdiv(tl.cdiv(limit, PARTS), BLOCK_N) * BLOCK_N
     start = part * share
@@ -176,8 +203,12 @@ def rope_attend_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, rows_
 
 @triton.jit
 def merge_parts_kernel(part_ptr, o_ptr, stride_ot, stride_oh, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PARTS: tl.constexpr):
-    """The parts' online-softmax partials of one token and KV head, merged (log-sum-exp) into its output."""
+                       GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+    """The parts' online-softmax partials of one token and KV head, merged (log-sum-exp) into its output (with
+    `PDL`, after the partials' launch has finished)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
