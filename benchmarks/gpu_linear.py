@@ -127,8 +127,8 @@ def main() -> None:
             x = torch.randn(1, weight.shape[1], device="cuda").to(torch.bfloat16)
             size = weight.numel() * weight.element_size()
             cublas = time_product(x, weight, options, None, cublas=True)
-            default = gpu_layer.one_row_tiles(weight.shape[0] // (2 if options.get("gated") else 1),
-                                              weight.shape[1], x.device)
+            gated = bool(options.get("gated"))
+            default = gpu_layer.one_row_tiles(weight.shape[0] // (2 if gated else 1), weight.shape[1], x.device, gated)
             timed = {default: time_product(x, weight, options, None)}
             for tiles in SWEEP if args.sweep else []:
                 if tiles not in timed:

@@ -41,23 +41,25 @@ log = logging.getLogger(__name__)
 # The most rows (packed tokens) whose products these kernels take; the `tl.dot` tile pads 2..16 rows to 16.
 FUSED_MAX_ROWS = 16
 _ATTEND_BLOCK_N = 32  # keys per loop iteration of `rope_attend`
-# A one-row program's weight tile, in elements: 16 KB of bf16 (64 elements, eight 16-byte loads, a thread of 4
-# warps), so that a program has its whole tile in flight at once and a product of a few MB needs few iterations
-_ONE_ROW_TILE = 8192
+# A one-row program's loads: 64 elements a thread (eight 16-byte loads of bf16), so that a program has its whole
+# tile in flight at once and a product of a few MB needs few iterations
+_ELEMENTS_PER_THREAD = 64
 
 
-def one_row_tiles(n_out: int, k_dim: int, device: torch.device) -> tuple[int, int, int]:
+def one_row_tiles(n_out: int, k_dim: int, device: torch.device, gated: bool = False) -> tuple[int, int, int]:
     """`(block_n, block_k, num_warps)` of a one-row product: a matrix-vector product, bound by the latency of
-    reading its weight more than by the bandwidth. The H200 showed it (benchmarks/gpu_step.py): 8 x 256 tiles read
+    reading its weight more than by the bandwidth. On an H200 (benchmarks/gpu_linear.py) 8 x 256 tiles read
     Llama-1B's layers at 1.8 TB/s of its 4.2. So: the fewest output rows a program (down to 2) that still gives at
-    least two programs a multiprocessor, and each program's whole row share (up to `_ONE_ROW_TILE` elements a
-    tile) in as few iterations as that allows."""
+    least two programs a multiprocessor; up to 2048 of K a tile (1024 gated, which loads two tiles); 4 warps, or 8
+    where the tile would give a thread more than `_ELEMENTS_PER_THREAD` (the best of the sweep in each product
+    but the smallest, within 10%)."""
     programs = 2 * multiprocessors(device)
     block_n = 8
     while block_n > 2 and -(-n_out // block_n) < programs:
         block_n //= 2
-    block_k = max(16, min(next_power_of_2(k_dim), _ONE_ROW_TILE // block_n))
-    return block_n, block_k, 4
+    block_k = max(16, min(next_power_of_2(k_dim), 1024 if gated else 2048))
+    warps = 8 if block_n * block_k > 4 * 32 * _ELEMENTS_PER_THREAD else 4
+    return block_n, block_k, warps
 
 
 # Programmatic dependent launches (Hopper and later): each launch of these kernels may start while the one before
@@ -125,7 +127,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if tiles is not None:
         block_n, block_k, warps = tiles
     elif rows == 1:
-        block_n, block_k, warps = one_row_tiles(n_out, k_dim, x.device)
+        block_n, block_k, warps = one_row_tiles(n_out, k_dim, x.device, gated)
     else:  # `tl.dot` tiles of 16 rows: 16 output columns, 64 of K
         block_n, block_k, warps = 16, min(64, max(16, next_power_of_2(k_dim))), 4
     if tokens == 0:
