@@ -159,7 +159,7 @@ class LLM:
             for prompt, p, priority in zip(prompt_list, param_list, priority_list):
                 rid = f"gen-{uuid.uuid4().hex[:12]}"
                 self.engine.add_request(prompt, p, request_id=rid, priority=priority,
-                                        add_special_tokens=add_special_tokens)
+                                        add_special_tokens=add_special_tokens, final_only=on_output is None)
                 ids.append(rid)
         except BaseException:
             self._withdraw(ids)  # the requests queued before the failure would run in the next call

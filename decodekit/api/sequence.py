@@ -261,6 +261,7 @@ class Request:
     state: dict[str, Any] = field(default_factory=dict)  # untyped per-plugin state (kept for existing plugins)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # `params.prompt_logprobs`: None for the first token
     forks: int = 0  # sequences forked from this request's so far (numbers each fork: seeds a seeded request's forks)
+    final_only: bool = False  # its caller reads only the final output: no per-step deltas are built for it
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=len(self.prompt_token_ids))

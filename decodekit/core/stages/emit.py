@@ -60,7 +60,7 @@ class OutputEmitter:
         done = {o.request_id for o in outputs}
         for request in record.requests():
             strategy = request.plan.strategy
-            if request.request_id not in done and not request.finished and not (
+            if request.request_id not in done and not request.finished and not request.final_only and not (
                     strategy.handles_stopping or strategy.finalizes):
                 outputs.append(self._output(request, final=False))
         return outputs
