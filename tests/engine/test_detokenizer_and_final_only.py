@@ -32,7 +32,7 @@ def test_a_tokenizer_that_cleans_up_spaces_or_decodes_its_own_way_keeps_its_deco
     cleaning.clean_up_tokenization_spaces = True
     assert rust_decoder(cleaning) is None
 
-    class Shouting(type(_TOKENIZER)):  # type: ignore[misc]
+    class Shouting(type(_TOKENIZER)):
         def decode(self, *args, **kwargs):
             return super().decode(*args, **kwargs).upper()
 

@@ -30,7 +30,7 @@ class _Kernel:
 @pytest.fixture
 def hopper(monkeypatch):
     monkeypatch.setattr(gpu_layer, "_pdl_failed", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gpu_layer, "_capability", lambda device: (9, 0))
 
 
 def test_a_hopper_launch_is_programmatic_and_the_kernel_told_so(hopper):
@@ -42,9 +42,9 @@ def test_a_hopper_launch_is_programmatic_and_the_kernel_told_so(hopper):
 def test_a_cpu_an_older_gpu_or_the_switch_off_launch_plainly(hopper, monkeypatch):
     kernel = _Kernel(refuse_pdl=False)
     gpu_layer._launch(kernel, (1,), torch.device("cpu"), ROWS=1)  # Triton's interpreter
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(gpu_layer, "_capability", lambda device: (8, 0))
     gpu_layer._launch(kernel, (1,), torch.device("cuda"), ROWS=1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gpu_layer, "_capability", lambda device: (9, 0))
     monkeypatch.setenv("DECODEKIT_GPU_PDL", "0")
     gpu_layer._launch(kernel, (1,), torch.device("cuda"), ROWS=1)
     assert [kwargs for _, kwargs in kernel.launches] == [{"ROWS": 1, "PDL": False}] * 3

@@ -75,7 +75,13 @@ def programmatic_launches(device: torch.device) -> bool:
     compute capability 9.0 or later (not Triton's interpreter), unless DECODEKIT_GPU_PDL=0 or a launch failed."""
     if _pdl_failed or device.type != "cuda" or os.environ.get("DECODEKIT_GPU_PDL", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return _capability(device) >= (9, 0)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability (asked once: every eager launch checks it)."""
+    return torch.cuda.get_device_capability(device)
 
 
 def _launch(kernel: Any, grid: tuple[int, ...], device: torch.device, *args: Any, **constants: Any) -> None:
