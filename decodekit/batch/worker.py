@@ -103,7 +103,8 @@ class BatchWorker:
             prepared = prepare_row(self.recipe, self.components, self.llm, row)
             request_id = f"batch-{row.id}-{uuid.uuid4().hex[:8]}"
             self.llm.engine.add_request(prepared.text, prepared.params, request_id=request_id,
-                                        add_special_tokens=not uses_chat_template(self.recipe, row))
+                                        add_special_tokens=not uses_chat_template(self.recipe, row),
+                                        final_only=True)  # a row is written from its final output alone
         except DecodeKitError as exc:
             return output_row(row, error=str(exc))
         running[request_id] = (row, prepared.tools)
