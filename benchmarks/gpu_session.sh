@@ -34,7 +34,7 @@ run() {
     # Most telling first, each part under its own timeout, every log under $OUT as it is written:
     # 1. gpu_step.py on both shapes (STEP=0 skips it): batch-1 per decode-path variant against the weight-read
     #    bound, the batch-1 graph's kernels (--profile), throughput at BATCHES (default 256; empty: none) requests
-    #    of 16..1024 tokens;
+    #    of 16..1024 tokens (HOST_PROFILE=1: and where the host time of the largest goes);
     # 2. every `pytest -m cuda` test that runs without the bundled weights (TESTS=0 skips them);
     # 3. the one-row products over tile choices against cuBLAS, and a layer's four back to back with and without
     #    programmatic dependent launches (LINEAR=0 skips them, LINEAR_ARGS=--no-sweep skips the sweep);
@@ -54,7 +54,7 @@ run() {
     done
     if [ "${STEP:-1}" = 1 ]; then
         timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/gpu_step.py --model /tmp/llama-1b --tokens 256 \
-            --repeats 3 --profile --batches "${BATCHES-256}" 2>&1 | grep -v Loading | tee -a "$out/step.log" || true
+            --repeats 3 --profile --batches "${BATCHES-256}" ${HOST_PROFILE:+--host-profile} 2>&1 | grep -v Loading | tee -a "$out/step.log" || true
         timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/gpu_step.py --model /tmp/smollm2-135m --tokens 256 \
             --repeats 3 --profile 2>&1 | grep -v Loading | tee -a "$out/step.log" || true
     fi

@@ -13,8 +13,9 @@ For one model folder, in one process:
 - the weight bytes over the measured device-to-device copy bandwidth (the batch-1 bound), and the host
   synchronisations per step (`torch.cuda.set_sync_debug_mode`);
 - with `--batches`, throughput at those many concurrent requests (prompts and outputs drawn from 16..1024,
-  `ignore_eos`): output tokens per second, and the decode's share of the bf16 matrix rate measured here
-  (2 x parameters FLOP per token over a large bf16 product's rate).
+  `ignore_eos`): output tokens per second, milliseconds a step, and the decode's share of the bf16 matrix rate
+  measured here (2 x parameters FLOP per token over a large bf16 product's rate); with `--host-profile`, where the
+  host's time goes at the largest of them (cProfile).
 
 Run on the GPU machine:
 
@@ -92,19 +93,44 @@ def replay_time(graph: Any, replays: int = 200) -> float:
     return start.elapsed_time(end) / replays / 1e3
 
 
-def throughput(llm: LLM, vocab: int, requests: int, seed: int = 0) -> tuple[float, int]:
-    """Output tokens per second of `requests` concurrent greedy requests, prompts and outputs drawn from 16..1024."""
+def workload(vocab: int, requests: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """`requests` greedy requests, prompts and outputs drawn from 16..1024 tokens (`ignore_eos`)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(16, 1024))] for _ in range(requests)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(16, 1024), ignore_eos=True)
               for _ in range(requests)]
+    return prompts, params
+
+
+def throughput(llm: LLM, vocab: int, requests: int) -> tuple[float, int, float]:
+    """Output tokens per second of `workload(vocab, requests)` run together, the tokens, and milliseconds a step."""
+    prompts, params = workload(vocab, requests)
     llm.generate(prompts[:4], params[:4])  # graphs of the first buckets, warm-up
     torch.cuda.synchronize()
+    steps = llm.engine.step_count
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    steps = llm.engine.step_count - steps
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens / (time.perf_counter() - start), tokens
+    return tokens / wall, tokens, wall / max(steps, 1) * 1e3
+
+
+def host_profile(llm: LLM, vocab: int, requests: int) -> None:
+    """`workload(vocab, requests)` again under cProfile: the engine's functions by cumulative time (where the
+    host's time a step goes at that many requests; cProfile inflates the Python share)."""
+    import cProfile
+    import pstats
+
+    prompts, params = workload(vocab, requests)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"host profile of the {requests}-request run (cumulative seconds):")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats("decodekit", 30)
 
 
 def main() -> None:
@@ -116,6 +142,8 @@ def main() -> None:
     parser.add_argument("--batches", default="", help="Comma-separated request counts for the throughput rows.")
     parser.add_argument("--profile", action="store_true", help="Also print the batch-1 graph's kernels by device "
                         "time (torch.profiler over 20 replays).")
+    parser.add_argument("--host-profile", action="store_true", help="Also run the largest --batches again under "
+                        "cProfile and print the engine's functions by cumulative time.")
     args = parser.parse_args()
 
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -194,12 +222,14 @@ def main() -> None:
     if batches:
         set_variant(llm, "five launches + runs", rope)
         rate = bf16_matmul_rate()
-        print(f"| concurrent requests | output tok/s | tokens | share of the bf16 matrix rate ({rate / 1e12:.0f} "
-              f"TFLOP/s measured) |")
-        print("|---|---|---|---|")
+        print(f"| concurrent requests | output tok/s | tokens | ms a step | share of the bf16 matrix rate "
+              f"({rate / 1e12:.0f} TFLOP/s measured) |")
+        print("|---|---|---|---|---|")
         for requests in batches:
-            tok_s, tokens = throughput(llm, model.config.vocab_size, requests)
-            print(f"| {requests} | {tok_s:.0f} | {tokens} | {tok_s * 2 * parameters / rate:.1%} |")
+            tok_s, tokens, step_ms = throughput(llm, model.config.vocab_size, requests)
+            print(f"| {requests} | {tok_s:.0f} | {tokens} | {step_ms:.1f} | {tok_s * 2 * parameters / rate:.1%} |")
+        if args.host_profile:
+            host_profile(llm, model.config.vocab_size, max(batches))
 
 
 if __name__ == "__main__":
