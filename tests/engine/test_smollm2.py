@@ -6,6 +6,10 @@ decodekit loads the model itself here, so it runs the fused decoder with its nat
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -82,16 +86,19 @@ def test_cuda_bf16_chat_names_paris():
     assert "Paris" in out[0].text
 
 
-def test_cli_generate_prints_paris_as_json_and_bad_input_exits_2():
-    import json
-    import subprocess
-    import sys
+_GENERATE = [sys.executable, "-m", "decodekit", "generate", "-p", "What is the capital of France?", "--json"]
 
-    cmd = [sys.executable, "-m", "decodekit", "generate", "-p", "What is the capital of France?", "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+@pytest.mark.slow  # 34 s (a process loading the bundled model); the quickstart CLI run covers that in the default run
+def test_cli_generate_prints_paris_as_json():
+    done = subprocess.run(_GENERATE, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert "Paris" in result["outputs"][0]["text"] and result["summary"]["requests"] == 1
+
+
+def test_cli_generate_exits_2_on_bad_input_and_a_missing_model():
+    cmd = _GENERATE
     bad = subprocess.run([*cmd[:4], "-p", "x", "--top-p", "1.5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--top-p" in bad.stderr and "Traceback" not in bad.stderr
     missing = subprocess.run([*cmd[:4], "-p", "x", "--model", "/nonexistent/model.gguf"], capture_output=True,

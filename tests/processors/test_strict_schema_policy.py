@@ -286,7 +286,7 @@ def _validator(text: str):
     return jsonschema.Draft202012Validator(json.loads(text))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(documents() | intersections(), st.lists(INSTANCES, min_size=10, max_size=30))
 def test_every_value_the_strict_schema_accepts_the_schema_as_written_accepts(schema, instances):
     closed = forbid_additional_properties(schema)

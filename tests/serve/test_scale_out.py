@@ -63,6 +63,7 @@ def ray_cluster() -> Iterator[Any]:
     ray.shutdown()
 
 
+@pytest.mark.slow  # 24 s; a killed replica's job (below) runs a Ray job in the default run
 def test_a_200_row_job_on_2_ray_replicas_gives_the_in_process_rows(ray_cluster, recipe, dataset, in_process,
                                                                   tmp_path):
     out = tmp_path / "out.jsonl"
@@ -149,6 +150,7 @@ def test_a_serve_deployment_of_2_replicas_answers_the_openai_client_from_both(ra
         stop()
 
 
+@pytest.mark.slow  # 43 s; the 2-replica deployment answering the openai client runs in the default run
 def test_decodekit_serve_ray_runs_the_deployment_until_sigterm(recipe_path, tmp_path):
     pytest.importorskip("ray")
     import httpx
