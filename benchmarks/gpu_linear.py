@@ -6,7 +6,9 @@ product adding into the residual, gate/up with the norm and SiLU-gating, the dow
 residual), bf16, one row: the time of one launch inside a CUDA graph (`triton.testing.do_bench_cudagraph`, so
 without launch overhead, as the engine runs it), the weight bytes over that time, and the same for cuBLAS
 (`F.linear` alone, no norm or epilogue), for the default tiles (`gpu_layer.one_row_tiles`) and a sweep of
-`(block_n, block_k, num_warps)`. Prints one table per shape; the best tile of each product is marked.
+`(block_n, block_k, num_warps)`. Prints one table per shape; the best tile of each product is marked. A product
+repeated alone reads a weight that fits the L2 (50-60 MB on an H100/H200) partly from there: the small products'
+figures are optimistic; a layer's four back to back (Llama-1B's 116 MiB) read from memory, as a decode step does.
 
 Run on the GPU machine (benchmarks/gpu_session.sh does):
 
