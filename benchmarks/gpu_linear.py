@@ -19,33 +19,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gpu_step import copy_bandwidth  # benchmarks/ is on the path of a script run from it
 
 from decodekit.execution.kernels import gpu_layer
 
 # (hidden, intermediate, query heads, kv heads, head size) of random_model.py's shapes
 SHAPES = {"smollm2-135m": (576, 1536, 9, 3, 64), "llama-1b": (2048, 8192, 32, 8, 64)}
 SWEEP = [(n, k, w) for n in (2, 4, 8) for k, w in ((512, 4), (1024, 4), (2048, 8))]
-
-
-def bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), median of 10 copies of 1 GiB."""
-    src = torch.empty(2**28, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * 4 / statistics.median(times[2:])
 
 
 def time_graph(fn: Callable[[], object]) -> float:
@@ -119,7 +104,7 @@ def main() -> None:
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     os.environ["DECODEKIT_GPU_PDL"] = "0"  # each product alone: a launch after itself gains nothing from it
-    rate = bandwidth()
+    rate = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {rate / 1e12:.2f} TB/s; bf16, one row; times inside a "
           f"CUDA graph (median)")
     for shape in args.shapes:
