@@ -6,7 +6,8 @@ product adding into the residual, gate/up with the norm and SiLU-gating, the dow
 residual), bf16, one row: the time of one launch inside a CUDA graph (`triton.testing.do_bench_cudagraph`, so
 without launch overhead, as the engine runs it), the weight bytes over that time, and the same for cuBLAS
 (`F.linear` alone, no norm or epilogue), for the default tiles (`gpu_layer.one_row_tiles`) and a sweep of
-`(block_n, block_k, num_warps)`. Prints one table per shape; the best tile of each product is marked. A product
+`(block_n, block_k, num_warps)`. Prints one table per shape; the best tile of each product is marked. Then one
+decode token's attention launch (`gpu_layer.rope_attend`) over contexts, parts and keys a loop iteration. A product
 repeated alone reads a weight that fits the L2 (50-60 MB on an H100/H200) partly from there: the small products'
 figures are optimistic; a layer's four back to back (Llama-1B's 116 MiB) read from memory, as a decode step does.
 
@@ -18,6 +19,7 @@ Run on the GPU machine (benchmarks/gpu_session.sh does):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -83,6 +85,51 @@ def launch_cost(torch_kernel: bool = False) -> float:
     return time_graph(chain) * 1e6 / 200
 
 
+def attention_inputs(shape: str, context: int, parts: int, block_size: int = 16) -> tuple[Any, ...]:
+    """`gpu_layer.rope_attend`'s arguments for one decode token of `shape` after `context` keys (random bf16 pool,
+    blocks in a shuffled order, as a pool that served other requests holds them)."""
+    from decodekit.execution.attention.gpu import TokenTable
+
+    _, _, heads, kv_heads, dim = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    blocks = -(-(context + 1) // block_size)
+    keys = torch.randn(blocks * block_size, kv_heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+    values = torch.randn(blocks * block_size, kv_heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)).to("cuda")
+    table = TokenTable(torch.zeros(1, dtype=torch.long, device="cuda"),
+                       torch.tensor([context + 1], device="cuda"), order[None, :], single_query=True, parts=parts)
+    slots = (order[context // block_size] * block_size + context % block_size).reshape(1)
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * dim, generator=gen, device="cuda").to(torch.bfloat16)
+    angles = torch.rand(1, dim // 2, generator=gen, device="cuda")
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(torch.bfloat16)
+    return qkv, cos, sin, heads, kv_heads, keys, values, slots, table, block_size, dim ** -0.5
+
+
+def attention_sweep(shape: str, contexts: tuple[int, ...] = (256, 1024, 4096)) -> None:
+    """One decode token's `rope_attend` (RoPE, KV write, paged attention, and the merge launch for several parts)
+    alone in a graph, over parts (programs sharing the keys) and keys a loop iteration; prints a table per
+    context with the engine's choice (`attention_parts`) marked."""
+    from decodekit.execution.attention.gpu import attention_parts
+
+    print(f"\n{shape}: rope_attend of one decode token, µs (parts x keys an iteration; * the engine's parts)")
+    blocks_n = (32, 64, 128)
+    print("| context | parts | " + " | ".join(f"{b} keys" for b in blocks_n) + " |")
+    print("|---|---|" + "---|" * len(blocks_n))
+    for context in contexts:
+        chosen = attention_parts(1, SHAPES[shape][3], context + 1, torch.device("cuda"))
+        for parts in (1, 2, 4, 8, 16):
+            args = attention_inputs(shape, context, parts)
+            cells = []
+            for block_n in blocks_n:
+                try:
+                    seconds = time_graph(functools.partial(gpu_layer.rope_attend, *args, block_n=block_n))
+                    cells.append(f"{seconds * 1e6:.1f}")
+                except Exception as error:  # a tile too large for the registers
+                    cells.append(type(error).__name__)
+            print(f"| {context} | {parts}{'*' if parts == chosen else ''} | " + " | ".join(cells) + " |")
+
+
 def time_chain(layer: list[tuple[str, dict[str, Any], torch.Tensor]]) -> float:
     """Seconds of a layer's products launched back to back in one graph (each alone is `time_product`)."""
     inputs = [torch.ones(1, weight.shape[1], device="cuda", dtype=weight.dtype) for _, _, weight in layer]
@@ -102,6 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True,
+                        help="Also sweep one decode token's attention launch over parts and keys an iteration.")
     args = parser.parse_args()
     os.environ["DECODEKIT_GPU_PDL"] = "0"  # each product alone: a launch after itself gains nothing from it
     rate = copy_bandwidth()
@@ -136,6 +185,10 @@ def main() -> None:
             os.environ["DECODEKIT_GPU_PDL"] = pdl
             print(f"| the four back to back in one graph (default tiles, {'programmatic' if pdl == '1' else 'plain'}"
                   f" launches) | | | {time_chain(layer) * 1e6:.1f} µs | |")
+    if args.attention:
+        os.environ["DECODEKIT_GPU_PDL"] = "0"
+        for shape in args.shapes:
+            attention_sweep(shape)
     print(f"\nper launch inside a graph, 200 launches of a one-element kernel: {launch_cost():.2f} µs Triton, "
           f"{launch_cost(torch_kernel=True):.2f} µs torch")
 

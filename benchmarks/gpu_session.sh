@@ -61,9 +61,9 @@ run() {
     if [ "${TESTS:-1}" = 1 ]; then
         # -v into the log: a run cut by its timeout still says which tests passed
         timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -v -p no:randomly -p no:cacheprovider -m cuda --tb=short \
-            --continue-on-collection-errors tests/execution/test_cuda_path.py tests/execution/test_cuda_strategies.py \
-            tests/execution/test_gpu_ops.py tests/execution/test_gpu_layer.py tests/processors/test_structured.py \
-            tests/execution/test_tensor_parallel.py 2>&1 | tee "$out/tests.log" | grep -vE " PASSED " | tail -60 || true
+            --continue-on-collection-errors tests/execution/test_tensor_parallel.py tests/execution/test_cuda_path.py \
+            tests/execution/test_cuda_strategies.py tests/execution/test_gpu_ops.py tests/execution/test_gpu_layer.py \
+            tests/processors/test_structured.py 2>&1 | tee "$out/tests.log" | grep -vE " PASSED " | tail -60 || true
     fi
     if [ "${LINEAR:-1}" = 1 ]; then
         timeout "${LINEAR_TIMEOUT:-150}" python3 benchmarks/gpu_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$out/linear.log" || true

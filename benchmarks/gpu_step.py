@@ -3,13 +3,13 @@ tensor cores' bf16 rate.
 
 For one model folder, in one process:
 
-- batch 1, for each variant of the decode path (alternated over `--repeats` rounds, medians): the engine's time per
-  output token (greedy, `ignore_eos`, a long answer so that the prefill is noise) and the replay of the batch-1 graph
-  alone (CUDA events). The variants: `per-op` (cuBLAS products and one launch per small op, the rotary module each
-  step, one step per token: the path before `kernels/gpu_layer.py`), `five launches` (a layer in five launches, RoPE
-  by lookup, each launch a programmatic dependent launch on Hopper: `gpu_layer.programmatic_launches`),
-  `five launches + runs` (the same, and greedy runs of `decode_run_steps` tokens per graph replay), and the same
-  with plain launches;
+- batch 1, for each variant of the decode path (alternated over `--repeats` rounds, medians, each warmed up by an
+  answer as long first, so that every graph it replays is captured before the timing): the engine's time per output
+  token (greedy, `ignore_eos`, a long answer so that the prefill is noise) and the replay of its longest graph alone
+  (CUDA events), the difference being the host's share. The variants: `one step a token` (a layer in five launches,
+  RoPE by lookup, each launch a programmatic dependent launch on Hopper: `gpu_layer.programmatic_launches`), and
+  greedy runs of 8, 32 (the default on a GPU: `plan.GRAPH_RUN_STEPS`) and 64 tokens a graph replay
+  (`decode_run_steps`);
 - the weight bytes over the measured device-to-device copy bandwidth (the batch-1 bound), and the host
   synchronisations per step (`torch.cuda.set_sync_debug_mode`);
 - with `--batches`, throughput at those many concurrent requests (prompts and outputs drawn from 16..1024,
@@ -25,7 +25,6 @@ Run on the GPU machine:
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
@@ -35,7 +34,6 @@ from typing import Any
 import torch
 
 from decodekit import LLM, SamplingParams
-from decodekit.execution.kernels import gpu_layer
 
 
 def copy_bandwidth(gib: float = 1.0) -> float:
@@ -68,14 +66,13 @@ def bf16_matmul_rate(size: int = 8192) -> float:
     return 2 * size**3 / statistics.median(times[2:])
 
 
-def set_variant(llm: LLM, name: str, rope: Any) -> None:
-    """Switch the engine to a decode-path variant (the graphs are captured anew for it)."""
-    runner = llm.engine.model.runner
-    fused, graphs = runner.fused, runner.graphs
-    fused.gpu_layer_rows = 0 if name == "per-op" else gpu_layer.FUSED_MAX_ROWS
-    fused._device_rope = None if name == "per-op" else rope
-    llm.engine.config.decode_run_steps = 8 if "runs" in name else 1
-    os.environ["DECODEKIT_GPU_PDL"] = "0" if name.endswith("plain launches") else "1"
+VARIANTS = {"one step a token": 1, "runs of 8": 8, "runs of 32": 32, "runs of 64": 64}
+
+
+def set_variant(llm: LLM, name: str) -> None:
+    """Switch the engine to a decode-path variant (`VARIANTS`: its run length); the graphs are captured anew."""
+    llm.engine.config.decode_run_steps = VARIANTS[name]
+    graphs = llm.engine.model.runner.graphs
     if graphs is not None:
         graphs._graphs.clear()
         graphs._runs.clear()
@@ -155,18 +152,14 @@ def main() -> None:
     parameters = sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     prompt = llm.tokenizer("The history of the printing press").input_ids
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    runner = llm.engine.model.runner
-    graphs = runner.graphs
-    rope = runner.fused._device_rope
-    variants = ["per-op", "five launches", "five launches + runs, plain launches", "five launches + runs"]
-    per_token: dict[str, list[float]] = {v: [] for v in variants}
+    graphs = llm.engine.model.runner.graphs
+    per_token: dict[str, list[float]] = {v: [] for v in VARIANTS}
     replays: dict[str, float] = {}
     answers: dict[str, list[int]] = {}
     for _ in range(args.repeats):
-        for name in variants:
-            set_variant(llm, name, rope)
-            answers[name] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-                                         )[0].outputs[0].token_ids  # capture, warm up
+        for name in VARIANTS:
+            set_variant(llm, name)
+            answers[name] = llm.generate([prompt], params)[0].outputs[0].token_ids  # captures every graph it needs
             torch.cuda.synchronize()
             start = time.perf_counter()
             llm.generate([prompt], params)
@@ -181,7 +174,7 @@ def main() -> None:
                 elif one and one[0].graph is not None:
                     replays[name] = replay_time(one[0].graph)
 
-    set_variant(llm, "five launches", rope)
+    set_variant(llm, "one step a token")
     steps = 16
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -201,7 +194,7 @@ def main() -> None:
             for _ in range(20):
                 captured.graph.replay()
             torch.cuda.synchronize()
-        print("20 replays of the batch-1 graph (five launches a layer):")
+        print("20 replays of the one-step batch-1 graph (five launches a layer):")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
     bandwidth = copy_bandwidth()
@@ -211,16 +204,16 @@ def main() -> None:
           f"{'on' if graphs is not None else 'off'}; same tokens across variants: "
           f"{len({tuple(a) for a in answers.values()}) == 1}")
     print(f"| batch-1 variant | engine per token (median of {args.repeats} x {args.tokens}) | graph replay per token "
-          f"| engine / bound ({bound * 1e3:.3f} ms: weights at {bandwidth / 1e12:.2f} TB/s) |")
-    print("|---|---|---|---|")
-    for name in variants:
+          f"| replay / bound | engine / bound ({bound * 1e3:.3f} ms: weights at {bandwidth / 1e12:.2f} TB/s) |")
+    print("|---|---|---|---|---|")
+    for name in VARIANTS:
         tpot = statistics.median(per_token[name])
-        replay = f"{replays[name] * 1e3:.3f} ms" if name in replays else "-"
-        print(f"| {name} | {tpot * 1e3:.3f} ms ({1 / tpot:.0f} tok/s) | {replay} | {tpot / bound:.1f}x |")
+        replay = f"{replays[name] * 1e3:.3f} ms | {replays[name] / bound:.2f}x" if name in replays else "- | -"
+        print(f"| {name} | {tpot * 1e3:.3f} ms ({1 / tpot:.0f} tok/s) | {replay} | {tpot / bound:.2f}x |")
     print(f"host synchronisations per step (five launches, {steps} steps, prefill included): "
           f"{len(syncs) / steps:.1f} ({', '.join(sites[:8])})")
     if batches:
-        set_variant(llm, "five launches + runs", rope)
+        set_variant(llm, "runs of 32")
         rate = bf16_matmul_rate()
         print(f"| concurrent requests | output tok/s | tokens | ms a step | share of the bf16 matrix rate "
               f"({rate / 1e12:.0f} TFLOP/s measured) |")

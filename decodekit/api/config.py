@@ -102,12 +102,14 @@ class EngineConfig(BaseModel):
         "values are rounded to bf16 when written and attended in float32. On a GPU the pool holds the activations' "
         "dtype.")
 
-    decode_run_steps: int = Field(
-        8, ge=1, description="Greedy steps of a lone request run natively in one call (the fused decoder's native "
-        "layer stack on a CPU): when one request runs and none waits, and its tokens are plain argmaxes (greedy, no "
-        "processors, logprobs or trace), up to this many tokens come from one native call and then pass the "
-        "stopping criteria in order, so the step's Python is paid once per run (a batch-1 token 1.05-1.15x faster on "
-        "a 2-core CPU); the same tokens, streamed a run at a time. 1: every token its own step.")
+    decode_run_steps: int | None = Field(
+        None, ge=1, description="Greedy steps of a lone request run in one call (the fused decoder's native "
+        "layer stack on a CPU, one CUDA graph replay on a GPU): when one request runs and none waits, and its tokens "
+        "are plain argmaxes (greedy, no processors, logprobs or trace), up to this many tokens come from one call "
+        "and then pass the stopping criteria in order, so the step's Python is paid once per run (a batch-1 token "
+        "1.05-1.15x faster on a 2-core CPU); the same tokens, streamed a run at a time. Default 8, or 32 where CUDA "
+        "graphs replay the runs (a GPU token takes ~1 ms or less, the step's Python about as long). 1: every token "
+        "its own step.")
 
     tensor_parallel_size: int = Field(
         1, ge=1, description="Split the model over this many processes on this machine (tensor parallelism, "

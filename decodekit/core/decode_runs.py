@@ -100,12 +100,13 @@ def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: t
     drawn by a `DrawRule` without a seed), left with no draft this step, for the steps its strategy allows
     (`Strategy.steps_without_drafts`): speculative decoding whose proposers found nothing, or whose adaptive k is 0
     where speculation cannot pay, decodes at a decode run's pace rather than a step at a time."""
-    if config.decode_run_steps < 2 or len(scheduler.running) != 1:
+    limit = config.decode_run_steps
+    assert limit is not None, "the execution plan resolves decode_run_steps (plan.CPU_RUN_STEPS, GRAPH_RUN_STEPS)"
+    if limit < 2 or len(scheduler.running) != 1:
         return None
     if scheduler.waiting and config.max_num_seqs > 1:  # a waiting request could join the next step: no run delays it
         return None
     request = scheduler.running[0]
-    limit = config.decode_run_steps
     if proposed:
         if request.plan is None or type(request.plan.strategy).propose is Strategy.propose:
             return None  # not proposing: `plain_greedy` and `plain_draw` decided before the step

@@ -41,9 +41,10 @@ log = logging.getLogger("decodekit.cuda_graphs")
 # Steps whose sequences each bring at most this many tokens can be replayed: decode, and verification of up to 15
 # draft tokens. (The n-gram proposer's adaptive k tops out at 10.)
 MAX_GRAPH_QUERY = 16
-# The most steps of one decode run (`DecodeGraphs.decode_run`): the run's token ids live in one static row of
-# MAX_GRAPH_QUERY columns (the pending token, then each step's argmax).
-MAX_RUN_STEPS = MAX_GRAPH_QUERY - 1
+# The most steps of one decode run (`DecodeGraphs.decode_run`): the run's token ids live in one static row of the
+# metadata (the pending token, then each step's argmax). A run replays a power of two of steps (at most 7 graphs
+# for any run lengths asked, each captured once), and a step of the engine's Python (~1 ms) is paid once a run.
+MAX_RUN_STEPS = 64
 
 # Rows of the static metadata buffer: token ids, positions, KV slots, token rows, key limits.
 _IDS, _POSITIONS, _SLOTS, _ROWS, _LIMITS = range(5)
@@ -92,7 +93,7 @@ class DecodeGraphs:
         self.cache = cache
         self.capture = capture
         self.buckets = batch_buckets(max_batch)
-        max_tokens = self.buckets[-1] * MAX_GRAPH_QUERY
+        max_tokens = max(self.buckets[-1] * MAX_GRAPH_QUERY, MAX_RUN_STEPS + 1)
         self.width = -(-(max_model_len + MAX_GRAPH_QUERY) // cache.block_size)
         self.meta = torch.zeros(5, max_tokens, dtype=torch.long, device=device)
         self.tables = torch.zeros(self.buckets[-1], self.width, dtype=torch.long, device=device)
@@ -189,9 +190,10 @@ class DecodeGraphs:
         """Up to `steps` greedy tokens of one sequence in one replay (`ModelExecutor.decode_run`): the pending `token`
         at `position`, then each step's argmax fed to the next on the device, so the host waits once per run
         instead of once per token. Ends after one of `stop_ids` (the tokens computed after it are dropped, their
-        keys and values written to the sequence's own slots, which it then frees). At most `MAX_RUN_STEPS` steps;
+        keys and values written to the sequence's own slots, which it then frees). The largest power of two of
+        steps up to `steps` and `MAX_RUN_STEPS` (a graph per run length: the engine asks for the rest next step);
         None (nothing run) where the graphs are off or the run's context passes the static block table."""
-        steps = min(steps, MAX_RUN_STEPS)
+        steps = 1 << (min(steps, MAX_RUN_STEPS).bit_length() - 1) if steps >= 1 else 0
         block_size = self.cache.block_size
         if self.disabled is not None or steps < 1 or position + steps > self.width * block_size - MAX_GRAPH_QUERY:
             return None

@@ -44,6 +44,12 @@ PREPACK_DEFAULT_LIMIT = 2 << 30
 
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+# `decode_run_steps` left unset: a lone request's greedy tokens per call. On a CPU a token costs 3-20 ms and the
+# step's Python ~0.4 ms, so 8 pays it off while streaming finely; a GPU token of a small model costs ~1 ms or less
+# from a graph, about what the step's Python costs, so a replay makes 32 (`DecodeGraphs.decode_run`).
+CPU_RUN_STEPS = 8
+GRAPH_RUN_STEPS = 32
+
 
 @dataclass(frozen=True)
 class RelayPlan:
@@ -241,6 +247,8 @@ def plan_model(loaded: LoadedModel, config: EngineConfig, refusal: str | None,
         config = config.model_copy(update={"quantization": quantization})  # float32 activations (`_compute_dtype`)
     elif config.quantization == STORED_QUANTIZATION:
         config = config.model_copy(update={"quantization": None})  # asked, and refused above
+    if config.decode_run_steps is None:  # a GPU token costs about what a step's Python does: longer runs there
+        config = config.model_copy(update={"decode_run_steps": GRAPH_RUN_STEPS if graphs else CPU_RUN_STEPS})
     stack = _native_stack_rows(loaded, kernels, quantization, bf16_gemm, reasons) if fused and ranks == 1 else 0
     return ExecutionPlan(config, geometry, max_model_len, uniform_window(loaded.model), fused, kernels, prepack,
                          quantization, bf16_gemm, relay, graphs, _compute_dtype(loaded, config),

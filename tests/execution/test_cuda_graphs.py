@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from decodekit import LLM, SamplingParams
 from decodekit.api.errors import ConfigError
 from decodekit.execution.attention.kv_cache import PagedKVCache, build_layout, paged_attention
-from decodekit.execution.cuda_graphs import MAX_GRAPH_QUERY, DecodeGraphs, batch_buckets
+from decodekit.execution.cuda_graphs import MAX_GRAPH_QUERY, MAX_RUN_STEPS, DecodeGraphs, batch_buckets
+from decodekit.execution.plan import CPU_RUN_STEPS, GRAPH_RUN_STEPS
 from decodekit.models.tiny import tiny_model
 from tests.helpers.reference import random_prompts
 
@@ -155,19 +156,30 @@ def test_cuda_graphs_on_a_cpu_model_are_refused_naming_the_option(tokenizer):
         LLM(tiny_model("llama"), tokenizer, fused_decoder=True, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("max_tokens", [1, 9, 13, 40])
+@pytest.mark.parametrize("max_tokens", [1, 9, 13, 40, 100])
 def test_a_lone_greedy_request_decodes_in_graph_runs_with_the_tokens_of_the_eager_path(tokenizer, max_tokens):
-    # a decode run (several steps, each argmax fed to the next on the device) from the graphs' static buffers
+    # a decode run (several steps, each argmax fed to the next on the device) from the graphs' static buffers, at
+    # the GPU's default run length: runs of 32, 16, ... steps, a graph per power of two
     plain = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4,
                 decode_run_steps=1)
-    graphed = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4)
+    graphed = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB", block_size=4,
+                  decode_run_steps=GRAPH_RUN_STEPS)
     graphs = _with_static_buffers(graphed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for prompt in random_prompts(3, 3, 30, seed=11):
         want = plain.generate([prompt], params)[0].outputs[0].token_ids
         assert graphed.generate([prompt], params)[0].outputs[0].token_ids == want
     assert (graphed.engine.decode_run_tokens > 0) == (max_tokens > 2)
-    assert all(steps <= 8 for steps, _ in graphs._runs)
+    lengths = {steps for steps, _ in graphs._runs}
+    assert all(steps & (steps - 1) == 0 and steps <= GRAPH_RUN_STEPS for steps in lengths)
+    assert (GRAPH_RUN_STEPS in lengths) == (max_tokens > GRAPH_RUN_STEPS)
+
+
+def test_the_run_length_left_unset_is_eight_on_a_cpu_and_a_graph_replays_more(tokenizer):
+    llm = LLM(tiny_model("llama"), tokenizer, fused_decoder=True, kv_cache_memory="16MiB")
+    assert llm.engine.config.decode_run_steps == CPU_RUN_STEPS == 8
+    assert GRAPH_RUN_STEPS <= MAX_RUN_STEPS
+    assert LLM(tiny_model("llama"), tokenizer, decode_run_steps=3).engine.config.decode_run_steps == 3
 
 
 def test_a_graph_run_ends_at_a_stop_id_mid_run(tokenizer):

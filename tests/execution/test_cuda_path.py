@@ -59,12 +59,16 @@ def test_greedy_equals_transformers_generate_batched_and_alone(tokenizer, fused)
     assert (graphs is not None) == fused and llm.engine.model.runner.by_token
     prompts = random_prompts(7, 3, 60, seed=1)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    alone = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    # alone: a run of 32 tokens from one graph replay (the GPU's default run length), then 16, 4, 2
+    alone = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=56, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         ref = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, min_new_tokens=24,
                                  do_sample=False, pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
-    assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    ref = reference.generate(torch.tensor(prompts[:1], device="cuda"), max_new_tokens=56, min_new_tokens=56,
+                             do_sample=False, pad_token_id=0)
+    assert alone[0].outputs[0].token_ids == ref[0, len(prompts[0]):].tolist()
+    assert not fused or llm.engine.decode_run_tokens >= 32
     if graphs is not None:
         assert graphs.num_captured >= 2  # batch 7 (bucket 8) and alone (bucket 1)
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_blocks

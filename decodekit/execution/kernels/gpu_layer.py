@@ -149,11 +149,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, q_heads: int, kv_heads: int,
                 key_slots: torch.Tensor, value_slots: torch.Tensor, slot_mapping: torch.Tensor, table: TokenTable,
-                block_size: int, scale: float) -> torch.Tensor:
+                block_size: int, scale: float, block_n: int = _ATTEND_BLOCK_N) -> torch.Tensor:
     """RoPE, KV write and paged attention of a decode step (each sequence brings one token) from the fused
     `[T, (q + 2 kv) * D]` product; `cos`/`signed_sin` `[T, D]` as `gpu_ops.rope_write` takes them. Returns the
     attended `[T, q_heads * D]` (zeros for padding tokens, whose key limit is 0). `table.parts` programs share
-    each token's keys (`attention.gpu.attention_parts`); more than one adds the merge launch."""
+    each token's keys (`attention.gpu.attention_parts`); more than one adds the merge launch. `block_n`: keys a
+    loop iteration (benchmarks/gpu_linear.py sweeps it)."""
     tokens = qkv.shape[0]
     dim = key_slots.shape[-1]
     group = q_heads // kv_heads
@@ -170,7 +171,7 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, 
         table.block_tables, out, partials, table.block_tables.stride(0), scale, qkv.stride(0), cos.stride(0),
         key_slots.stride(0), key_slots.stride(1), out.stride(0), dim,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_SIZE=block_size,
-        BLOCK_N=_ATTEND_BLOCK_N, PARTS=parts, ROUND=qkv.dtype != torch.float32)
+        BLOCK_N=block_n, PARTS=parts, ROUND=qkv.dtype != torch.float32)
     if parts > 1:
         _launch(kernels[2], (tokens, kv_heads), qkv.device, partials, out, out.stride(0), dim, KV_HEADS=kv_heads,
                 GROUP=group, GROUP_PAD=group_pad, DIM=dim, PARTS=parts)
