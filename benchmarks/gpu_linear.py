@@ -113,7 +113,7 @@ def attention_sweep(shape: str, contexts: tuple[int, ...] = (256, 1024, 4096)) -
     from decodekit.execution.attention.gpu import attention_parts
 
     print(f"\n{shape}: rope_attend of one decode token, µs (parts x keys an iteration; * the engine's parts)")
-    blocks_n = (32, 64, 128)
+    blocks_n = (32, 64)
     print("| context | parts | " + " | ".join(f"{b} keys" for b in blocks_n) + " |")
     print("|---|---|" + "---|" * len(blocks_n))
     for context in contexts:
@@ -148,6 +148,8 @@ def time_product(x: torch.Tensor, weight: torch.Tensor, options: dict[str, Any],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--products", action=argparse.BooleanOptionalAction, default=True,
+                        help="Time the products (--no-products: the attention sweep alone).")
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True,
                         help="Also sweep one decode token's attention launch over parts and keys an iteration.")
@@ -156,7 +158,7 @@ def main() -> None:
     rate = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {rate / 1e12:.2f} TB/s; bf16, one row; times inside a "
           f"CUDA graph (median)")
-    for shape in args.shapes:
+    for shape in args.shapes if args.products else []:
         print(f"\n{shape}:\n| product | weight | cuBLAS | default tiles | best swept tiles |\n|---|---|---|---|---|")
         total = {"cublas": 0.0, "default": 0.0, "best": 0.0}
         for name, options, weight in products(shape):

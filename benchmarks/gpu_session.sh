@@ -20,8 +20,7 @@ prepare() {
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platforms[@]}" -d .gpu/whl pydantic pydantic-core annotated-types typing-inspection llguidance \
         jsonschema jsonschema-specifications referencing rpds-py openai httpx2 httpcore2 truststore distro jiter sniffio fastapi starlette uvicorn opentelemetry-api gguf \
-        "transformers==$(python3 -c \
-        'import transformers; print(transformers.__version__)' 2>/dev/null || echo 5.23.0)"
+        "transformers==${GPU_TRANSFORMERS:-5.23.0}"  # newer ones need a huggingface-hub >= 2.4 the device lacks
     local converted
     converted=$(ls -d "${DECODEKIT_CACHE:-$HOME/.cache/decodekit}"/gguf/*/ 2>/dev/null | head -1)
     [ -n "$converted" ] || { echo "run decodekit once first: the bundled model is converted on first use" >&2; exit 1; }
@@ -32,12 +31,15 @@ prepare() {
 
 run() {
     # Most telling first, each part under its own timeout, every log under $OUT as it is written:
-    # 1. gpu_step.py on both shapes (STEP=0 skips it): batch-1 per decode-path variant against the weight-read
+    # 1. gpu_step.py on both shapes (STEP=0 skips it): batch-1 per decode-path variant (VARIANTS: a comma-separated
+    #    choice of gpu_step's, default all) against the weight-read
     #    bound, the batch-1 graph's kernels (--profile), throughput at BATCHES (default 256; empty: none) requests
     #    of 16..1024 tokens (HOST_PROFILE=1: and where the host time of the largest goes);
-    # 2. every `pytest -m cuda` test that runs without the bundled weights (TESTS=0 skips them);
-    # 3. the one-row products over tile choices against cuBLAS, and a layer's four back to back with and without
-    #    programmatic dependent launches (LINEAR=0 skips them, LINEAR_ARGS=--no-sweep skips the sweep);
+    # 2. the one-row products over tile choices against cuBLAS, a layer's four back to back with and without
+    #    programmatic dependent launches, and the decode attention launch over its splits (LINEAR=0 skips them,
+    #    LINEAR_ARGS=--no-sweep skips the products' sweep, --no-products them all);
+    # 3. every `pytest -m cuda` test that runs without the bundled weights (TESTS=0 skips them; the kernels' own
+    #    tests run before 1, the rest after 2);
     # 4. the mixed workload at MIXED (default 32,128,256; empty: none) requests against transformers'
     #    continuous batching (`generate_batch`), same engine limits.
     local out="${OUT:-gpu-out}"
@@ -52,21 +54,30 @@ run() {
         [ "${STEP:-1}" = 1 ] || [ -n "${MIXED-32 128 256}" ] || break
         python3 benchmarks/random_model.py --shape "$shape" --tokenizer .gpu/tok --output "/tmp/$shape" >/dev/null
     done
+    local pytest=(python3 -m pytest -v -p no:randomly -p no:cacheprovider -m cuda --tb=short)
+    local kernel_tests=(tests/execution/test_gpu_ops.py tests/execution/test_gpu_layer.py
+        tests/execution/test_cuda_path.py::test_the_triton_kernel_equals_the_torch_reference_and_zeroes_padding)
+    if [ "${TESTS:-1}" = 1 ]; then  # the kernels' own tests first: a kernel that fails makes the timings moot
+        timeout "${KERNEL_TEST_TIMEOUT:-90}" "${pytest[@]}" "${kernel_tests[@]}" 2>&1 | tee "$out/kernel-tests.log" \
+            | grep -vE " PASSED " | tail -30 || true
+    fi
+    local variants=(${VARIANTS:+--variants "$VARIANTS"})
     if [ "${STEP:-1}" = 1 ]; then
         timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/gpu_step.py --model /tmp/llama-1b --tokens 256 \
-            --repeats 3 --profile --batches "${BATCHES-256}" ${HOST_PROFILE:+--host-profile} 2>&1 | grep -v Loading | tee -a "$out/step.log" || true
+            --repeats 3 --profile --batches "${BATCHES-256}" ${HOST_PROFILE:+--host-profile} "${variants[@]}" 2>&1 \
+            | grep -v Loading | tee -a "$out/step.log" || true
         timeout "${STEP_TIMEOUT:-150}" python3 benchmarks/gpu_step.py --model /tmp/smollm2-135m --tokens 256 \
-            --repeats 3 --profile 2>&1 | grep -v Loading | tee -a "$out/step.log" || true
-    fi
-    if [ "${TESTS:-1}" = 1 ]; then
-        # -v into the log: a run cut by its timeout still says which tests passed
-        timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -v -p no:randomly -p no:cacheprovider -m cuda --tb=short \
-            --continue-on-collection-errors tests/execution/test_tensor_parallel.py tests/execution/test_cuda_path.py \
-            tests/execution/test_cuda_strategies.py tests/execution/test_gpu_ops.py tests/execution/test_gpu_layer.py \
-            tests/processors/test_structured.py 2>&1 | tee "$out/tests.log" | grep -vE " PASSED " | tail -60 || true
+            --repeats 3 --profile "${variants[@]}" 2>&1 | grep -v Loading | tee -a "$out/step.log" || true
     fi
     if [ "${LINEAR:-1}" = 1 ]; then
         timeout "${LINEAR_TIMEOUT:-150}" python3 benchmarks/gpu_linear.py ${LINEAR_ARGS:-} 2>&1 | tee "$out/linear.log" || true
+    fi
+    if [ "${TESTS:-1}" = 1 ]; then
+        # -v into the log: a run cut by its timeout still says which tests passed
+        timeout "${TEST_TIMEOUT:-200}" "${pytest[@]}" --continue-on-collection-errors \
+            tests/execution/test_tensor_parallel.py tests/execution/test_cuda_path.py \
+            tests/execution/test_cuda_strategies.py tests/processors/test_structured.py 2>&1 \
+            | tee "$out/tests.log" | grep -vE " PASSED " | tail -60 || true
     fi
     cat > /tmp/gpu_mixed.yaml <<YAML
 model: /tmp/smollm2-135m

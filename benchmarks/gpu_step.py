@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="Comma-separated batch-1 variants to time "
+                        f"(of {', '.join(VARIANTS)}).")
     parser.add_argument("--batches", default="", help="Comma-separated request counts for the throughput rows.")
     parser.add_argument("--profile", action="store_true", help="Also print the batch-1 graph's kernels by device "
                         "time (torch.profiler over 20 replays).")
@@ -144,6 +146,9 @@ def main() -> None:
     args = parser.parse_args()
 
     batches = [int(b) for b in args.batches.split(",") if b]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     llm = LLM(args.model, device="cuda", dtype=args.dtype, max_num_seqs=max([1, *batches]),
               max_num_batched_tokens=4096, kv_cache_memory="24GiB" if batches else "2GiB")
     model = llm.engine.loaded.model
@@ -153,11 +158,11 @@ def main() -> None:
     prompt = llm.tokenizer("The history of the printing press").input_ids
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     graphs = llm.engine.model.runner.graphs
-    per_token: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    per_token: dict[str, list[float]] = {v: [] for v in variants}
     replays: dict[str, float] = {}
     answers: dict[str, list[int]] = {}
     for _ in range(args.repeats):
-        for name in VARIANTS:
+        for name in variants:
             set_variant(llm, name)
             answers[name] = llm.generate([prompt], params)[0].outputs[0].token_ids  # captures every graph it needs
             torch.cuda.synchronize()
@@ -206,7 +211,7 @@ def main() -> None:
     print(f"| batch-1 variant | engine per token (median of {args.repeats} x {args.tokens}) | graph replay per token "
           f"| replay / bound | engine / bound ({bound * 1e3:.3f} ms: weights at {bandwidth / 1e12:.2f} TB/s) |")
     print("|---|---|---|---|---|")
-    for name in VARIANTS:
+    for name in variants:
         tpot = statistics.median(per_token[name])
         replay = f"{replays[name] * 1e3:.3f} ms | {replays[name] / bound:.2f}x" if name in replays else "- | -"
         print(f"| {name} | {tpot * 1e3:.3f} ms ({1 / tpot:.0f} tok/s) | {replay} | {tpot / bound:.2f}x |")

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # The most rows (packed tokens) whose products these kernels take; the `tl.dot` tile pads 2..16 rows to 16.
 FUSED_MAX_ROWS = 16
-_ATTEND_BLOCK_N = 32  # keys per loop iteration of `rope_attend`
+_ATTEND_BLOCK_N = 64  # keys per loop iteration of `rope_attend` (a `tl.dot`'s side: at least 16)
 # A one-row program's loads: 64 elements a thread (eight 16-byte loads of bf16), so that a program has its whole
 # tile in flight at once and a product of a few MB needs few iterations
 _ELEMENTS_PER_THREAD = 64
@@ -170,7 +170,8 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, 
         qkv, cos, signed_sin, key_slots, value_slots, slot_mapping, table.token_rows, table.key_limits,
         table.block_tables, out, partials, table.block_tables.stride(0), scale, qkv.stride(0), cos.stride(0),
         key_slots.stride(0), key_slots.stride(1), out.stride(0), dim,
-        Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_SIZE=block_size,
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, QROWS=max(16, group_pad), DIM=dim,
+        BLOCK_SIZE=block_size,
         BLOCK_N=block_n, PARTS=parts, ROUND=qkv.dtype != torch.float32)
     if parts > 1:
         _launch(kernels[2], (tokens, kv_heads), qkv.device, partials, out, out.stride(0), dim, KV_HEADS=kv_heads,

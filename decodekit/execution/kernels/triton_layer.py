@@ -121,14 +121,18 @@ def linear_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, res_ptr, out_ptr, T, K, N, stride
 def rope_attend_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, rows_ptr, limits_ptr, tables_ptr,
                        o_ptr, part_ptr, table_stride, scale, stride_qkv, stride_cs, stride_ks, stride_kh,
                        stride_ot, stride_oh, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, QROWS: tl.constexpr, DIM: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
                        ROUND: tl.constexpr, PDL: tl.constexpr):
     """One token (its sequence's only new one), one KV head, one part of its keys: RoPE on the group's queries;
     the part holding the token's own key rotates it and writes it and the value to the pool slot; then an
     online softmax over the part's keys. One part writes the output; several write `(acc, max, sum)` partials
     for `merge_parts_kernel`. With `PDL`, everything waits for the launch before (it reads that launch's q/k/v);
-    the next launch may start loading its weights meanwhile."""
+    the next launch may start loading its weights meanwhile.
+
+    The group's queries are padded to `QROWS` (>= 16) rows so that scores and the value sum are `tl.dot`s (the
+    tensor cores): a broadcast sum over `[group, keys, dim]` took ~0.12 µs a key on an H200 (31 µs for 256 keys).
+    As in SDPA and flash attention, a narrow dtype's probabilities are rounded to it before the value product."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -138,7 +142,7 @@ def rope_attend_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, rows_
     dtype = qkv_ptr.dtype.element_ty
     limit = tl.load(limits_ptr + token)
     row = tl.load(rows_ptr + token)
-    g = tl.arange(0, GROUP_PAD)
+    g = tl.arange(0, QROWS)
     d = tl.arange(0, DIM)
     g_ok = g < GROUP
     rolled_d = (d + DIM // 2) % DIM
@@ -171,23 +175,30 @@ def rope_attend_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, rows_
         tl.store(v_ptr + slot * stride_ks + kv_head * stride_kh + d,
                  tl.load(qkv + (Q_HEADS + KV_HEADS + kv_head) * DIM + d))
         tl.debug_barrier()  # every thread's stores land before the loop reads that slot back
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+    m = tl.full([QROWS], float("-inf"), tl.float32)
+    total = tl.zeros([QROWS], tl.float32)
+    acc = tl.zeros([QROWS, DIM], tl.float32)
+    q_op = q.to(dtype)  # exact: q holds values of the model dtype
     for first in range(start, end, BLOCK_N):
         n = first + tl.arange(0, BLOCK_N)
         n_ok = n < end
         block = tl.load(tables_ptr + row * table_stride + n // BLOCK_SIZE, mask=n_ok, other=0)
         slots = block * BLOCK_SIZE + n % BLOCK_SIZE
         offsets = slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_ptr + offsets, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
-        scores = tl.where(n_ok[None, :], scores, float("-inf"))
+        k = tl.load(k_ptr + offsets, mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + offsets, mask=n_ok[:, None], other=0.0)
+        if ROUND:
+            scores = tl.dot(q_op, tl.trans(k.to(dtype)))
+        else:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        scores = tl.where(n_ok[None, :], scores * scale, float("-inf"))  # [QROWS, BLOCK_N]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
-        v = tl.load(v_ptr + offsets, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if ROUND:
+            acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         total = total * alpha + tl.sum(p, axis=1)
         m = m_new
     out_mask = g_ok[:, None]
@@ -196,9 +207,10 @@ def rope_attend_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, rows_
         tl.store(o_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(dtype), mask=out_mask)
     else:  # partials [T, KV_HEADS, PARTS, GROUP_PAD, DIM + 2]: acc, then max and sum
         base = part_ptr + ((token * KV_HEADS + kv_head) * PARTS + part) * GROUP_PAD * (DIM + 2)
-        tl.store(base + g[:, None] * (DIM + 2) + d[None, :], acc)
-        tl.store(base + g * (DIM + 2) + DIM, m)
-        tl.store(base + g * (DIM + 2) + DIM + 1, total)
+        kept = g < GROUP_PAD
+        tl.store(base + g[:, None] * (DIM + 2) + d[None, :], acc, mask=kept[:, None])
+        tl.store(base + g * (DIM + 2) + DIM, m, mask=kept)
+        tl.store(base + g * (DIM + 2) + DIM + 1, total, mask=kept)
 
 
 @triton.jit
