@@ -142,7 +142,9 @@ def test_attention_parts_split_only_long_contexts_of_few_programs():
     assert attention_parts(1, 1, 100, cpu) == 1  # short: one part
     assert attention_parts(1, 1, 4096, cpu) == 8  # one token and head: split to fill the programs
     assert attention_parts(8, 1, 4096, cpu) == 1  # the tokens fill them already
-    assert attention_parts(1, 2, 600, cpu) == 2  # at least ~256 keys a part
+    assert attention_parts(1, 2, 600, cpu) == 4  # as many as fill the programs
+    assert attention_parts(1, 1, 128, cpu) == 1  # two loop iterations: not worth the merge launch
+    assert attention_parts(1, 1, 256, cpu) == 4  # a loop iteration (64 keys) a part
 
 
 def _engines(tokenizer) -> tuple[LLM, LLM]:
@@ -158,10 +160,9 @@ def _engines(tokenizer) -> tuple[LLM, LLM]:
     return plain, gpu
 
 
-def test_engine_on_the_five_launch_layer_gives_the_tokens_of_the_eager_path(tokenizer, monkeypatch):
+def test_engine_on_the_five_launch_layer_gives_the_tokens_of_the_eager_path(tokenizer):
     # the whole GPU decode path (graphs' static buffers, token table, the five launches, a long context split over
     # parts) on the CPU through the interpreter, against the torch forward
-    monkeypatch.setattr("decodekit.execution.attention.gpu._KEYS_PER_PART", 64)  # split the tiny model's contexts
     plain, gpu = _engines(tokenizer)
     runner = gpu.engine.model.runner
     prompts = [(p * 40)[:n] for p, n in zip(random_prompts(3, 3, 30, seed=5), (12, 300, 40))]

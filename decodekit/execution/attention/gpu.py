@@ -163,19 +163,25 @@ def attend_tokens_reference(table: TokenTable, query: torch.Tensor, key_slots: t
     return torch.where((limits > 0)[:, None, None], attended[:, :, 0], 0.0).to(query.dtype)
 
 
-# Keys each program attends at least before a decode token's keys are split over several (`attention_parts`)
-_KEYS_PER_PART = 256
-_MAX_PARTS = 32
+# A decode token's keys are split over programs (`attention_parts`) down to one loop iteration of `rope_attend`
+# (`gpu_layer._ATTEND_BLOCK_N` keys) each, up to 16 programs: each iteration waits on its block-table and key
+# loads, so a lone token's attention is latency-bound. On an H200 (benchmarks/gpu_linear.py, one token alone, the
+# merge launch included) 256 keys took 7.9 µs in one part and 6.2 in four; 1,024 keys 21.2 in one, 9.7 in four and
+# 7.6 in sixteen; 4,096 keys 10.7 in sixteen.
+_KEYS_PER_PART = 64
+_MAX_PARTS = 16
 
 
 def attention_parts(rows: int, kv_heads: int, longest: int, device: torch.device) -> int:
     """How many programs share each token's keys in a decode step's attention (a power of two; flash-decoding's
     split): one while the step's tokens and KV heads alone fill the GPU's multiprocessors or the longest context
-    (`longest` keys) is short, else enough parts of at least `_KEYS_PER_PART` keys to fill them."""
+    (`longest` keys) fits two loop iterations, else enough parts of `_KEYS_PER_PART` keys or more, up to
+    `_MAX_PARTS` and as many programs as multiprocessors."""
     programs = multiprocessors(device)
     base = max(1, rows * kv_heads)
     parts = 1
-    while parts < _MAX_PARTS and base * parts < programs and longest > 2 * parts * _KEYS_PER_PART:
+    while (parts < _MAX_PARTS and base * parts < programs and longest > parts * _KEYS_PER_PART
+           and longest > 2 * _KEYS_PER_PART):
         parts *= 2
     return parts
 
