@@ -157,7 +157,8 @@ def rounds_activations(isa: str) -> bool:
     Raises:
         ValueError: the variable holds neither choice.
     """
-    return isa == "avx2" and not float_activations_asked()
+    float_activations = float_activations_asked()  # checked on every path: a bad value is refused everywhere
+    return isa == "avx2" and not float_activations
 
 
 def path_code(isa: str, float_activations: bool = False) -> int:
