@@ -1004,7 +1004,8 @@ static void i16_group_avx2(int kind, const uint8_t* xi, int64_t rows, int64_t in
  * multiply-adds' latency (two accumulator chains an output, each step waiting for the one before), so a second weight
  * row's independent chains fill the gaps: each output's sum is the same, in the same order (a Q4_1 token 1.03x on a
  * 2-core Zen 3). Two on AVX-512 too, whose one-row tile is as latency-bound (four interleaved rows measured 1.09x
- * slower than one on a Zen 5, below; two were not tried there): on a 2-core Intel Xeon one Q4_1 row in cache 1.04x
+ * slower than one on a Zen 5; one against two there, kernel_ab: 0.93x in cache, 1.04x from memory, Q4_K 0.85x in
+ * cache): on a 2-core Intel Xeon one Q4_1 row in cache 1.04x
  * (576 wide) and 1.10x (1536), Q8_0 1.06x, a batch-1 GGUF token 1.05x on top of the scales' broadcast from memory
  * (`head_splat_avx512`), two engines alternating in one process, same tokens. */
 #define ONE_ROW_R_avx512 2
