@@ -116,7 +116,8 @@ class ExecutionPlan:
                 parts.append(f"linear layers in {self.relay.quantization}" if self.relay.quantization
                              else "re-laid linear layers")
         if self.cuda_graphs:
-            parts.append("CUDA graphs")
+            parts.append(f"CUDA graphs (a lone greedy request's runs of up to {self.config.decode_run_steps} tokens a "
+                         "replay)")
         dtype = str(self.compute_dtype).removeprefix("torch.")
         parts += [f"{dtype} activations", f"{str(self.kv_dtype).removeprefix('torch.')} KV cache"]
         if self.native_stack:

@@ -7,6 +7,8 @@ on the CPU. The kernel and the captured graphs themselves are tested on a GPU in
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -180,6 +182,11 @@ def test_the_run_length_left_unset_is_eight_on_a_cpu_and_a_graph_replays_more(to
     assert llm.engine.config.decode_run_steps == CPU_RUN_STEPS == 8
     assert GRAPH_RUN_STEPS <= MAX_RUN_STEPS
     assert LLM(tiny_model("llama"), tokenizer, decode_run_steps=3).engine.config.decode_run_steps == 3
+    # `decodekit recipe check` names the run length where graphs replay the runs
+    graphed = dataclasses.replace(llm.engine.plan, cuda_graphs=True, config=llm.engine.plan.config.model_copy(
+        update={"decode_run_steps": GRAPH_RUN_STEPS}))
+    assert f"CUDA graphs (a lone greedy request's runs of up to {GRAPH_RUN_STEPS} tokens a replay)" in \
+        graphed.describe()
 
 
 def test_a_graph_run_ends_at_a_stop_id_mid_run(tokenizer):
