@@ -54,6 +54,16 @@ def hardware_cpu_flags() -> frozenset[str]:
                           []))
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's `vendor_id` (`AuthenticAMD`, `GenuineIntel`), or "" where there is none."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), "")
+
+
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as decodekit's path choices see them: `hardware_cpu_flags` less those above
     `cpu_isa_cap()`."""
@@ -62,8 +72,12 @@ def cpu_flags() -> frozenset[str]:
 
 
 def kernel_compile_flags() -> tuple[str, ...]:
-    """The compiler flags the cap adds after `-march=native` when the native kernels are built."""
-    return CPU_ISA_CAPS[cpu_isa_cap()][1]
+    """The compiler flags added after `-march=native` when the native kernels are built: the cap's, and where one
+    vendor's cores measured a choice the other's did not, that choice (`-DDK_SPLAT_FROM_REGISTERS` on AMD: a GGUF
+    block's fp16 scales widened and broadcast in registers, a Q4_1 one-row product 1.13-1.20x from memory on a
+    Zen 5; Intel's keep the broadcast from memory, 1.07x there: `head_splat_avx512` in native/quant.c)."""
+    vendor = ("-DDK_SPLAT_FROM_REGISTERS",) if cpu_vendor() == "AuthenticAMD" else ()
+    return (*CPU_ISA_CAPS[cpu_isa_cap()][1], *vendor)
 
 
 def cap_torch_isa() -> None:

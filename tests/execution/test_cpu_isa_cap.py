@@ -13,7 +13,14 @@ import sys
 
 import pytest
 
-from decodekit.api.cpu import CPU_ISA_VARIABLE, cpu_flags, cpu_isa_cap, hardware_cpu_flags, kernel_compile_flags
+from decodekit.api.cpu import (
+    CPU_ISA_VARIABLE,
+    cpu_flags,
+    cpu_isa_cap,
+    cpu_vendor,
+    hardware_cpu_flags,
+    kernel_compile_flags,
+)
 from decodekit.bench.machine import cpu_description, machine_line
 from decodekit.execution.kernels.native import find_compiler
 
@@ -35,7 +42,9 @@ def test_the_avx2_cap_hides_every_avx512_and_amx_flag_and_builds_without_them(mo
 
 def test_uncapped_flags_are_the_hardware_flags(monkeypatch):
     monkeypatch.delenv(CPU_ISA_VARIABLE, raising=False)
-    assert cpu_isa_cap() == "native" and cpu_flags() == hardware_cpu_flags() and kernel_compile_flags() == ()
+    assert cpu_isa_cap() == "native" and cpu_flags() == hardware_cpu_flags()
+    # no cap's flags; only the vendor's measured choice (AMD: the GGUF scales broadcast in registers)
+    assert kernel_compile_flags() == (("-DDK_SPLAT_FROM_REGISTERS",) if cpu_vendor() == "AuthenticAMD" else ())
     assert "cpu_isa_cap" not in cpu_description()
 
 

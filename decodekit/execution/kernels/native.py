@@ -53,7 +53,8 @@ SOURCES: tuple[Path, ...] = (SOURCE, SOURCE.with_name("quant.c"), SOURCE.with_na
                              SOURCE.with_name("draws.c"))
 # -ffp-contract=off: no fused multiply-adds, so elementwise math rounds exactly as torch's does (RoPE stays
 # bit-identical to transformers); -march=native: the library is built on, and cached for, this CPU only.
-# `DECODEKIT_CPU_ISA` appends its flags (`api.cpu.kernel_compile_flags`: an AVX2 build on an AVX-512 CPU).
+# `DECODEKIT_CPU_ISA` appends its flags (`api.cpu.kernel_compile_flags`: an AVX2 build on an AVX-512 CPU), and so
+# does a CPU vendor whose cores measured a choice of their own.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 # OpenMP when the compiler has it: the library then links libgomp.so.1, which resolves to the copy torch has
 # already loaded, so attention runs on torch's own thread pool (no second pool spinning against it: a pool of
