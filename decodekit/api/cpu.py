@@ -44,24 +44,24 @@ def cpu_isa_cap() -> str:
 
 
 @functools.cache
-def hardware_cpu_flags() -> frozenset[str]:
-    """The flags /proc/cpuinfo lists (empty where there is none, or it has no x86 flags), whatever the cap."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")),
-                          []))
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's `vendor_id` (`AuthenticAMD`, `GenuineIntel`), or "" where there is none."""
+def _cpuinfo_field(name: str) -> str:
+    """The value of /proc/cpuinfo's first `name` line (its first processor's), or "" where there is none."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), "")
+    return next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(name)), "")
+
+
+@functools.cache
+def hardware_cpu_flags() -> frozenset[str]:
+    """The flags /proc/cpuinfo lists (empty where there is none, or it has no x86 flags), whatever the cap."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's `vendor_id` (`AuthenticAMD`, `GenuineIntel`), or "" where there is none."""
+    return _cpuinfo_field("vendor_id")
 
 
 def cpu_flags() -> frozenset[str]:
