@@ -31,7 +31,7 @@ from decodekit.bench.progress import BenchProgress
 from decodekit.bench.report import BenchResult, SystemFigures, summarize
 from decodekit.bench.workloads import WORKLOADS, Workload, default_baselines, make_workload
 from decodekit.execution.kernels.native import load_kernels
-from decodekit.execution.kernels.quant import rounds_activations
+from decodekit.execution.kernels.quant import fixed_point_formats
 from decodekit.models import BUNDLED_MODEL_NAME, load_model
 from decodekit.models.gguf_weights import stored_formats as count_stored_formats
 
@@ -284,15 +284,17 @@ def _benchmark(workload: str, chosen: list[str], model: Any, dtype: Any, hf_mode
 
 
 def stored_activations() -> str:
-    """What decodekit's products of stored GGUF weights multiply: float32 activations, or on the AVX2 path (unless
-    `$DECODEKIT_GGUF_ACTIVATIONS=float32`) Q4_0, Q4_1 and Q8_0 times activations in 16-bit fixed point."""
+    """What decodekit's products of stored GGUF weights multiply: float32 activations, or on the AVX2 and AVX-512
+    paths (unless `$DECODEKIT_GGUF_ACTIVATIONS=float32`) some formats times activations in 16-bit fixed point."""
     kernels = load_kernels()
     try:
-        fixed = not isinstance(kernels, str) and rounds_activations(kernels.quant.isa())
+        isa = "" if isinstance(kernels, str) else kernels.quant.isa()
+        formats = fixed_point_formats(isa) if isa else ()
     except ValueError:  # a bad variable: the engine build refuses it, naming it
-        fixed = False
-    return ("Q4_0, Q4_1, Q8_0 by activations in 16-bit fixed point per block of 32, AVX2" if fixed
-            else "float32 activations")
+        formats = ()
+    if not formats:
+        return "float32 activations"
+    return f"{', '.join(formats)} by activations in 16-bit fixed point per block of 32 ({isa}), the rest float32"
 
 
 def stored_formats(loaded: Any) -> str:

@@ -32,7 +32,7 @@ from decodekit.execution.fused.weight_matrices import (
 )
 from decodekit.execution.geometry import ModelGeometry, model_geometry, text_config
 from decodekit.execution.kernels.native import NativeKernels, load_kernels
-from decodekit.execution.kernels.quant import ACTIVATIONS_VARIABLE, rounds_activations
+from decodekit.execution.kernels.quant import ACTIVATIONS_VARIABLE, fixed_point_formats
 from decodekit.execution.parallel.shard import shard_refusal
 from decodekit.models.gguf_weights import stored_formats
 from decodekit.models.loader import cpu_has_bf16_dot_products
@@ -316,11 +316,12 @@ def _stored_weights(formats: dict[str, int], fused: bool, kernels: NativeKernels
     assert kernels is not None
     try:
         isa = kernels.quant.isa()
-        fixed_point = rounds_activations(isa)
+        fixed_point = fixed_point_formats(isa)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if fixed_point:
-        activations = (f"Q4_0, Q4_1 and Q8_0 times activations rounded to 16-bit fixed point per block of 32, the "
+        named = " and ".join([", ".join(fixed_point[:-1]), fixed_point[-1]] if len(fixed_point) > 1 else fixed_point)
+        activations = (f"{named} times activations rounded to 16-bit fixed point per block of 32, the "
                        f"rest float32 ({ACTIVATIONS_VARIABLE}=float32 keeps float32 activations)")
     else:
         activations = "float32 activations: the dequantized float32 model's outputs up to summation order"

@@ -19,6 +19,7 @@ from decodekit.execution.fused.block_copies import BLOCK_WIDTH, HEAD_FORMATS, qu
 from decodekit.execution.fused.stored_matrices import BLOCK_FORMATS, GgufMatrix
 from decodekit.execution.fused.weight_matrices import Matrix
 from decodekit.execution.kernels.native import load_kernels
+from decodekit.execution.kernels.quant import fixed_point_formats
 from decodekit.models.tiny import tiny_model
 from tests.helpers.gguf_blocks import gguf_dequantize
 from tests.helpers.reference import hf_greedy, random_prompts
@@ -54,9 +55,9 @@ def test_each_copied_weight_is_within_half_a_step_of_the_float_weight(fmt, rows,
     x = torch.randn(3, weight.shape[1], generator=g)
     want = x @ got.T
     slack = torch.zeros_like(want)
-    if matrix.isa == "avx2":
-        # AVX2's Q4_0, Q4_1 and Q8_0 products round each activation to 16-bit fixed point per block of 32: half a step
-        # of its block's largest |value| / 32767 at most, times the weights it multiplies
+    if fmt in fixed_point_formats(matrix.isa):
+        # AVX2's Q4_0, Q4_1 and Q8_0 products (AVX-512's Q4_0 and Q4_1) round each activation to 16-bit fixed point
+        # per block of 32: half a step of its block's largest |value| / 32767 at most, times the weights it multiplies
         largest = x.abs().view(3, blocks, BLOCK_WIDTH).amax(dim=-1).repeat_interleave(BLOCK_WIDTH, dim=1)
         slack = (largest / 65534 * 1.001) @ got.abs().T
     assert bool(((matrix(x) - want).abs() <= 1e-4 * want.abs() + 1e-4 * scale + slack).all())

@@ -69,9 +69,10 @@ def test_logits_and_hidden_states_are_the_dequantized_models_up_to_summation_ord
     prompt = random_prompts(1, length, length + 1, seed=length)[0]
     logits, hidden = _last(stored, prompt)
     want_logits, want_hidden = _last(dequantized, prompt)
-    # AVX2's Q4_0, Q4_1 and Q8_0 products round each activation to 16-bit fixed point per block of 32 (2^-16 of the
-    # block's largest value): through 2 layers of random weights that moves a hidden value by ~1e-4
-    fixed_point = 5 if stored.engine.model.runner.fused.layers[0].qkv.isa == "avx2" else 1
+    # AVX2's Q4_0, Q4_1 and Q8_0 products (AVX-512's Q4_0 and Q4_1) round each activation to 16-bit fixed point per
+    # block of 32 (2^-16 of the block's largest value): through 2 layers of random weights that moves a hidden value
+    # by ~1e-4
+    fixed_point = 5 if rounds_activations(stored.engine.model.runner.fused.layers[0].qkv.isa) else 1
     torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4 * fixed_point)
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-3 * fixed_point)
 
@@ -167,10 +168,10 @@ def test_the_bundled_model_runs_its_q4_1_blocks_with_the_dequantized_models_gree
     ids = stored.tokenizer("The capital of France is")["input_ids"]
     logits, hidden = _last(stored, ids)
     want_logits, want_hidden = _last(dequantized, ids)
-    # AVX2's products round the activations to 16-bit fixed point per block of 32: SmolLM2's outlier channels (a
-    # block's largest value ~100x its others) leave those blocks' other values ~8 bits, so a hidden value moves by
-    # up to ~7e-3 here (6.6e-3 measured on a Zen 3), against 1e-3 with float32 activations
-    fixed_point = stored.engine.model.runner.fused.layers[0].qkv.isa == "avx2"
+    # AVX2's and AVX-512's products round the activations to 16-bit fixed point per block of 32: SmolLM2's outlier
+    # channels (a block's largest value ~100x its others) leave those blocks' other values ~8 bits, so a hidden value
+    # moves by up to ~7e-3 here (6.6e-3 measured on a Zen 3), against 1e-3 with float32 activations
+    fixed_point = rounds_activations(stored.engine.model.runner.fused.layers[0].qkv.isa)
     tolerance = 1.5e-2 if fixed_point else 1e-3
     torch.testing.assert_close(hidden, want_hidden, rtol=1e-3, atol=tolerance)
     assert int(logits.argmax()) == int(want_logits.argmax())

@@ -1,9 +1,9 @@
 """The native products of GGUF quantized weights (`kernels.quant`, `GgufMatrix`): on every code path this CPU has
 (AVX-512, AVX2 + FMA, portable C), each format's blocks dequantize to exactly gguf-py's float32 weights, and the
 product of 1 to N rows (native up to GGUF_NATIVE_MAX_ROWS, dequantized blocks and BLAS beyond) is the float product
-of those weights up to summation order (on the AVX2 path Q4_0, Q4_1 and Q8_0 also within the rounding of the
-activations to 16-bit fixed point per block, and exactly that scheme); bad operands and unknown paths are refused
-naming what is wrong."""
+of those weights up to summation order (on the AVX2 path Q4_0, Q4_1 and Q8_0, on the AVX-512 path Q4_0 and Q4_1, also
+within the rounding of the activations to 16-bit fixed point per block, exactly that scheme, and AVX-512's the same
+bits as AVX2's); bad operands and unknown paths are refused naming what is wrong."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from decodekit.execution.kernels.native import load_kernels
 from decodekit.execution.kernels.quant import (
     ACTIVATIONS_VARIABLE,
     FILE_FORMATS,
+    FIXED_POINT_FORMATS,
     GGUF_FORMATS,
     GROUPED,
     INTERLEAVED_Q4_1,
@@ -56,12 +57,13 @@ def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.abs().double() @ weight.abs().double().t()) * 2e-6 + 1e-30
 
 
-FIXED_POINT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-"""The formats the AVX2 path multiplies by activations rounded to 16-bit fixed point per block of 32."""
+FIXED_POINT_PATHS = tuple(isa for isa in FIXED_POINT_FORMATS if isa in ISAS)
+"""This CPU's paths that multiply some formats by activations rounded to 16-bit fixed point per block of 32."""
+FIXED_POINT_CASES = [(isa, fmt) for isa in FIXED_POINT_PATHS for fmt in FIXED_POINT_FORMATS[isa]]
 
 
 def _fixed_point(fmt: str, isa: str) -> bool:
-    return isa == "avx2" and fmt in FIXED_POINT_FORMATS
+    return fmt in FIXED_POINT_FORMATS.get(isa, ())
 
 
 def _block_scales(x: torch.Tensor) -> torch.Tensor:
@@ -166,17 +168,18 @@ def test_a_rows_product_does_not_depend_on_the_rows_multiplied_with_it(isa, fmt)
 
 
 @needs_kernels
-@pytest.mark.skipif("avx2" not in ISAS, reason="the AVX2 path is not available on this CPU")
+@pytest.mark.skipif(not FIXED_POINT_PATHS, reason="no fixed-point path (AVX2, AVX-512) on this CPU")
 @settings(max_examples=40, deadline=None)
-@given(fmt=st.sampled_from(FIXED_POINT_FORMATS), rows=st.sampled_from([1, 2, 3, 5, 8, 9, 17, 40]),
+@given(case=st.sampled_from(FIXED_POINT_CASES or [("", "")]), rows=st.sampled_from([1, 2, 3, 5, 8, 9, 17, 40]),
        blocks=st.integers(1, 19), seed=st.integers(0, 2**16), spread=st.sampled_from([1.0, 1e-3, 1e3]))
-def test_avx2_q4_and_q8_products_are_the_file_weights_times_activations_in_16_bit_fixed_point(
-        fmt, rows, blocks, seed, spread):
-    """AVX2's Q4_0, Q4_1 and Q8_0 products round each activation to 16-bit fixed point per block of 32 (x = sx *
-    round(x / sx), sx = max|x| / 32767) and nothing else: the output is sum_k (d q_k) * rounded(x_k) + m * sum_k x_k
-    with the file's own d, m (Q4_0: -8d, Q8_0: 0) and quants, up to float32 summation order (a last run of fewer than
-    8 blocks, or an odd last block, is filled with zeros; rows with an outlier 1000x their others keep their small
-    values' share within the rounding)."""
+def test_fixed_point_products_are_the_file_weights_times_activations_in_16_bit_fixed_point(
+        case, rows, blocks, seed, spread):
+    """AVX2's Q4_0, Q4_1 and Q8_0 products and AVX-512's Q4_0 and Q4_1 round each activation to 16-bit fixed point
+    per block of 32 (x = sx * round(x / sx), sx = max|x| / 32767) and nothing else: the output is sum_k (d q_k) *
+    rounded(x_k) + m * sum_k x_k with the file's own d, m (Q4_0: -8d, Q8_0: 0) and quants, up to float32 summation
+    order (a last run of fewer than 8 blocks, or an odd last block, is filled with zeros; rows with an outlier 1000x
+    their others keep their small values' share within the rounding)."""
+    isa, fmt = case
     width = blocks * 32
     stored, weight = _stored(fmt, 11, width, seed)
     g = torch.Generator().manual_seed(seed)
@@ -189,7 +192,7 @@ def test_avx2_q4_and_q8_products_are_the_file_weights_times_activations_in_16_bi
     rounded = torch.round(x * inverse)
     m = _block_mins(stored)
     want = (rounded.double() * _block_scales(x).double()) @ (weight.double() - m).t() + x.double() @ m.t()
-    got = GgufMatrix([stored], None, kernels, "avx2")(x).double()
+    got = GgufMatrix([stored], None, kernels, isa)(x).double()
     order = _split_bound(x, weight, m) - _rounding_bound(x, weight.double() - m)
     assert torch.all((got - want).abs() <= order + 1e-6 * want.abs()), (got - want).abs().max()
     exact = x.double() @ weight.double().t()
@@ -197,25 +200,57 @@ def test_avx2_q4_and_q8_products_are_the_file_weights_times_activations_in_16_bi
 
 
 @needs_kernels
-@pytest.mark.skipif("avx2" not in ISAS, reason="the AVX2 path is not available on this CPU")
-@pytest.mark.parametrize("fmt", FIXED_POINT_FORMATS)
-def test_float32_activations_keep_the_avx2_products_within_float_summation_order(fmt, monkeypatch):
-    """Under DECODEKIT_GGUF_ACTIVATIONS=float32 the AVX2 path multiplies the activations as they are: within
-    float32 summation order of the exact product where an outlier makes the fixed-point rounding of the other values
-    (a step of max|x| / 32767) move the output far beyond it."""
+@pytest.mark.skipif(not FIXED_POINT_PATHS, reason="no fixed-point path (AVX2, AVX-512) on this CPU")
+@pytest.mark.parametrize("case", FIXED_POINT_CASES)
+def test_float32_activations_keep_the_fixed_point_products_within_float_summation_order(case, monkeypatch):
+    """Under DECODEKIT_GGUF_ACTIVATIONS=float32 the AVX2 and AVX-512 paths multiply the activations as they are:
+    within float32 summation order of the exact product where an outlier makes the fixed-point rounding of the other
+    values (a step of max|x| / 32767) move the output far beyond it."""
+    isa, fmt = case
     stored, weight = _stored(fmt, 9, 96, seed=5)
     x = torch.randn(4, 96)
     x[:, 0] = 3e4
     exact = x.double() @ weight.double().t()
-    fixed = GgufMatrix([stored], None, kernels, "avx2")(x).double()
+    fixed = GgufMatrix([stored], None, kernels, isa)(x).double()
     monkeypatch.setenv("DECODEKIT_GGUF_ACTIVATIONS", "float32")
-    matrix = GgufMatrix([stored], None, kernels, "avx2")
+    matrix = GgufMatrix([stored], None, kernels, isa)
     assert matrix.float_activations
     got = matrix(x).double()
     assert torch.all((got - exact).abs() <= _bound(x, weight) + 1e-6 * exact.abs())
     assert not torch.all((fixed - exact).abs() <= _bound(x, weight) + 1e-6 * exact.abs())
-    gate_up, _ = kernels.quant.gated(x, (stored.data, fmt), (stored.data, fmt), "avx2", float_activations=True)
+    gate_up, _ = kernels.quant.gated(x, (stored.data, fmt), (stored.data, fmt), isa, float_activations=True)
     assert torch.equal(gate_up[:, :9], got.float())
+
+
+@needs_kernels
+@pytest.mark.skipif(not {"avx2", "avx512"} <= set(ISAS), reason="needs the AVX2 and AVX-512 paths (an AVX-512 CPU)")
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from(sorted(GROUPED)), blocks=st.integers(1, 27), out_rows=st.integers(1, 21),
+       rows=st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 16, 23]), bias=st.booleans(), residual=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_avx512_fixed_point_q4_products_are_avx2s_bit_for_bit(fmt, blocks, out_rows, rows, bias, residual, seed):
+    """AVX-512's Q4_0 and Q4_1 products (512-bit integer tiles over two pairs of blocks, `vpdpwssd` where the CPU has
+    VNNI) sum every output as AVX2's do: the same bits for whole runs of 8 blocks and a shorter last run (1-7 blocks:
+    a masked load, a missing pair skipped), every tile (1 activation row by 2 weight rows, up to 8 by 1), stacked
+    parts and the gate/up product, an activation block holding an infinity or a NaN."""
+    width = 32 * blocks
+    stored, _ = _stored(fmt, out_rows, width, seed)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator) * torch.rand(rows, 1, generator=generator) * 10
+    if seed % 5 == 0:
+        x[rows // 2, (seed // 5) % width] = float("inf") if seed % 2 else float("nan")
+    b = torch.randn(out_rows, generator=generator) if bias else None
+    res = torch.randn(rows, out_rows, generator=generator) if residual else None
+    outputs = []
+    for isa in ("avx2", "avx512"):
+        matrix = GgufMatrix([stored, stored], b if b is None else torch.cat([b, b]), kernels, isa)
+        assert matrix.formats == (GROUPED[fmt], GROUPED[fmt])
+        gate_up, gated = kernels.quant.gated(x, matrix.parts[0][1:][::-1], matrix.parts[1][1:][::-1], isa)
+        out = torch.empty(rows, out_rows)
+        kernels.quant.linear(x, matrix.parts[0][2], GROUPED[fmt], out, 0, b, res, isa)
+        outputs.append((matrix(x), gate_up, gated, out))
+    for avx2, avx512 in zip(*outputs, strict=True):
+        assert torch.equal(avx2.nan_to_num(1.5, 2.5, -2.5), avx512.nan_to_num(1.5, 2.5, -2.5))
 
 
 @needs_kernels
@@ -339,11 +374,11 @@ def test_q4_1_is_interleaved_only_when_asked_on_the_avx2_path_and_for_whole_grou
     fmt, blocks = laid_out_for(eight, "avx2")
     assert fmt == INTERLEAVED_Q4_1 and torch.equal(blocks, interleave_q4_1(eight.data))
     assert eight.format == "Q4_1" and not torch.equal(blocks, eight.data)  # a copy: the stored weight is untouched
-    assert laid_out_for(eight, "portable")[0] == laid_out_for(eight, "avx512")[0] == "Q4_1"
+    assert laid_out_for(eight, "portable")[0] == "Q4_1" and laid_out_for(eight, "avx512")[0] == GROUPED["Q4_1"]
     assert laid_out_for(seven, "avx2")[0] == GROUPED["Q4_1"] and laid_out_for(q8, "avx2")[0] == "Q8_0"
 
 
-# ---- Q4_0 and Q4_1 grouped by runs of 8 blocks (`Q4_0g`, `Q4_1g`: the AVX2 fixed-point products' layout) ------------
+# ---- Q4_0 and Q4_1 grouped by runs of 8 blocks (`Q4_0g`, `Q4_1g`: the fixed-point products' layout) -----------------
 
 
 @needs_kernels
@@ -383,7 +418,7 @@ def test_grouped_blocks_multiply_and_dequantize_to_the_stored_blocks_bits_on_eve
 
 
 @needs_kernels
-def test_q4_rows_are_grouped_only_for_the_avx2_fixed_point_products(monkeypatch):
+def test_q4_rows_are_grouped_only_for_the_fixed_point_products(monkeypatch):
     q4_0, _ = _stored("Q4_0", 4, 96, seed=2)
     q4_1, _ = _stored("Q4_1", 4, 96, seed=2)
     q8, _ = _stored("Q8_0", 4, 96, seed=2)
@@ -391,9 +426,9 @@ def test_q4_rows_are_grouped_only_for_the_avx2_fixed_point_products(monkeypatch)
     assert fmt == "Q4_1g" and torch.equal(blocks, group_blocks(q4_1.data, "Q4_1"))
     assert laid_out_for(q4_0, "avx2")[0] == "Q4_0g" and laid_out_for(q8, "avx2")[0] == "Q8_0"
     assert q4_1.format == "Q4_1" and not torch.equal(blocks, q4_1.data)  # a copy: the stored weight is untouched
-    assert laid_out_for(q4_1, "portable")[0] == laid_out_for(q4_1, "avx512")[0] == "Q4_1"
+    assert laid_out_for(q4_1, "portable")[0] == "Q4_1" and laid_out_for(q4_1, "avx512")[0] == "Q4_1g"
     monkeypatch.setenv(ACTIVATIONS_VARIABLE, "float32")
-    assert laid_out_for(q4_1, "avx2")[0] == "Q4_1"
+    assert laid_out_for(q4_1, "avx2")[0] == laid_out_for(q4_1, "avx512")[0] == "Q4_1"
     with pytest.raises(ValueError, match="only Q4_0 and Q4_1 rows are grouped"):
         group_blocks(q8.data, "Q8_0")
 

@@ -70,9 +70,9 @@ def laid_out_for(weight: StoredWeight, isa: str) -> tuple[str, torch.Tensor]:
     rows 0.79-0.82x and 8 rows 0.80-0.84x (its tiles broadcast each activation into 8 rows' lanes, and more than two
     activation rows a tile do not fit the registers); a batch-1 token 1.12x, batch 4 0.84x, and speculative
     decoding, whose verification multiplies several rows, no faster."""
-    if weight.data.device.type != "cpu" or isa != "avx2":
+    if weight.data.device.type != "cpu":
         return weight.format, weight.data.contiguous()
-    if (weight.format == "Q4_1" and not weight.shape[0] % INTERLEAVED_ROWS
+    if (isa == "avx2" and weight.format == "Q4_1" and not weight.shape[0] % INTERLEAVED_ROWS
             and os.environ.get(INTERLEAVE_VARIABLE, "off") == "on"):
         return INTERLEAVED_Q4_1, on_huge_pages(interleave_q4_1(weight.data))
     if weight.format in GROUPED and rounds_activations(isa):

@@ -65,9 +65,9 @@ ISAS = ("portable", "avx2", "avx512")
 ISA_VARIABLE = "DECODEKIT_QUANT_ISA"
 
 ACTIVATIONS_VARIABLE = "DECODEKIT_GGUF_ACTIVATIONS"
-"""`fixed16` (the default): the AVX2 path's Q4_0, Q4_1 and Q8_0 products round the activations to 16-bit fixed point
-per block of 32 (integer sums, half the vector operations); `float32`: float32 activations on every path (the
-dequantized model's outputs up to summation order alone)."""
+"""`fixed16` (the default): the AVX2 and AVX-512 paths' Q4_0, Q4_1 and Q8_0 products round the activations to 16-bit
+fixed point per block of 32 (integer sums, half the vector operations); `float32`: float32 activations on every path
+(the dequantized model's outputs up to summation order alone)."""
 ACTIVATIONS = ("fixed16", "float32")
 
 _FLOAT_ACTIVATIONS = 8  # or'd into a product's path (`native/quant.c`'s DK_QUANT_FLOAT_ACTIVATIONS)
@@ -150,15 +150,31 @@ def float_activations_asked() -> bool:
     return asked == "float32"
 
 
-def rounds_activations(isa: str) -> bool:
-    """Whether the products on path `isa` round Q4_0, Q4_1 and Q8_0's activations to 16-bit fixed point: the AVX2
-    path, unless `$DECODEKIT_GGUF_ACTIVATIONS=float32`.
+FIXED_POINT_FORMATS: dict[str, tuple[str, ...]] = {"avx2": ("Q4_0", "Q4_1", "Q8_0"), "avx512": ("Q4_0", "Q4_1")}
+"""path -> the formats whose products on it round the activations to 16-bit fixed point per block of 32 (AVX-512's
+Q4_0 and Q4_1 products are AVX2's arithmetic on 512-bit integer tiles, the same output bits; its float Q8_0 product
+reads at the bandwidth already and multiplies several rows faster than the fixed-point one)."""
+
+
+def fixed_point_formats(isa: str) -> tuple[str, ...]:
+    """The file formats whose products on path `isa` round the activations to 16-bit fixed point
+    (`FIXED_POINT_FORMATS`); none under `$DECODEKIT_GGUF_ACTIVATIONS=float32`.
 
     Raises:
         ValueError: the variable holds neither choice.
     """
     float_activations = float_activations_asked()  # checked on every path: a bad value is refused everywhere
-    return isa == "avx2" and not float_activations
+    return () if float_activations else FIXED_POINT_FORMATS.get(isa, ())
+
+
+def rounds_activations(isa: str) -> bool:
+    """Whether any product on path `isa` rounds the activations to 16-bit fixed point (`fixed_point_formats`): the
+    AVX2 and AVX-512 paths, unless `$DECODEKIT_GGUF_ACTIVATIONS=float32`.
+
+    Raises:
+        ValueError: the variable holds neither choice.
+    """
+    return bool(fixed_point_formats(isa))
 
 
 def path_code(isa: str, float_activations: bool = False) -> int:

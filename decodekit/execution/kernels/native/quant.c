@@ -731,13 +731,17 @@ static __attribute__((noinline)) void wide_rows_avx2(int kind, const float* x, i
  *
  * An activation row's blocks are laid out by runs of 8 (I16_GROUP_BYTES each): per pair of blocks 64 int16, in the
  * order the quants come out of a pair's 32 bytes read as 16-bit words (X0: x_2i, X1: x_2i+16, X2: x_2i+1, X3:
- * x_2i+17, i = 0..7, block 2p in the low 128 bits and 2p + 1 in the high), 4 pairs, then SX (8 floats) and ST (8
- * floats). A last run of fewer blocks is filled with zeros. After the runs, the same int16 in their natural order,
+ * x_2i+17, i = 0..7, block 2p in the low 128 bits and 2p + 1 in the high), two pairs' X0 side by side, then their
+ * X1, X2 and X3 (so that AVX-512 loads both pairs' Xj as one vector: `i16_pair_offset`), 4 pairs, then SX (8
+ * floats) and ST (8 floats). A last run of fewer blocks is filled with zeros. After the runs, the same int16 in their natural order,
  * 32 a block, then each block's sx: Q8_0's layout. Q8_0 (signed 8-bit quants, d per block, no min) widens its
  * quants to int16 with one `vpmovsxbw` per 16 and sums q . x16 by `vpmaddwd` the same way (4 products a lane: |sum| < 2^24, exact as a float), then acc =
  * fma(float(P), d * sx, acc) block by block (its float product: ~18 vector operations a block, this one ~10). */
 #define I16_GROUP_BYTES 576
 #define I16_TILE_MAX_M 8
+/* Where pair p (0-3) of a run's blocks starts in the run's layout: its X0; its X1, X2 and X3 64, 128 and 192 bytes on
+ * (pairs 0 and 1 share 256 bytes, 2 and 3 the next 256). */
+static inline int64_t i16_pair_offset(int64_t p) { return 256 * (p / 2) + 32 * (p % 2); }
 /* Bytes of the runs' layout of one activation row; the natural layout (Q8_0's) follows it. */
 static inline int64_t i16_grouped_bytes(int64_t in) {
     return (in / CHUNK + GROUP_BLOCKS - 1) / GROUP_BLOCKS * I16_GROUP_BYTES;
@@ -748,6 +752,15 @@ static inline int64_t i16_row_bytes(int64_t in) { return i16_grouped_bytes(in) +
 static inline int i16_kind(int64_t kind) {
     return kind == DK_Q4_0 || kind == DK_Q4_1 || kind == DK_Q8_0 || is_grouped(kind);
 }
+/* Whether the AVX-512 path does: Q4_0 and Q4_1 only. Its float Q8_0 product already reads at the bandwidth for one
+ * activation row, and multiplies more rows faster than the fixed-point one (a float multiply-add a vector a row
+ * against `vpmaddwd`, a conversion and a multiply-add of the block's scale: 2-8 rows 1.19-1.38x on a 2-core Zen 5). */
+static inline int i16_kind_avx512(int64_t kind) {
+    return kind == DK_Q4_0 || kind == DK_Q4_1 || is_grouped(kind);
+}
+#define I16_KIND_avx2 i16_kind
+#define I16_KIND_avx512 i16_kind_avx512
+#define I16_KIND_portable(kind) 0
 
 #if DK_QUANT_AVX2
 /* The calling thread's buffer of at least `bytes` (grown, never shrunk), or NULL without memory. */
@@ -810,12 +823,12 @@ static void i16_prepare_avx2(const float* x, int64_t rows, int64_t in, uint8_t* 
             lo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(lo, evens_odds), 0xD8);
             hi = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(hi, evens_odds), 0xD8);
             uint8_t* run = row + b / GROUP_BLOCKS * I16_GROUP_BYTES;
-            uint8_t* pair = run + b % GROUP_BLOCKS / 2 * 128;
+            uint8_t* pair = run + i16_pair_offset(b % GROUP_BLOCKS / 2);
             int64_t half = 16 * (b % 2);
-            _mm_storeu_si128((__m128i*)(pair + 0 + half), _mm256_castsi256_si128(lo));       /* X0 */
-            _mm_storeu_si128((__m128i*)(pair + 32 + half), _mm256_castsi256_si128(hi));      /* X1 */
-            _mm_storeu_si128((__m128i*)(pair + 64 + half), _mm256_extracti128_si256(lo, 1)); /* X2 */
-            _mm_storeu_si128((__m128i*)(pair + 96 + half), _mm256_extracti128_si256(hi, 1)); /* X3 */
+            _mm_storeu_si128((__m128i*)(pair + 0 + half), _mm256_castsi256_si128(lo));        /* X0 */
+            _mm_storeu_si128((__m128i*)(pair + 64 + half), _mm256_castsi256_si128(hi));       /* X1 */
+            _mm_storeu_si128((__m128i*)(pair + 128 + half), _mm256_extracti128_si256(lo, 1)); /* X2 */
+            _mm_storeu_si128((__m128i*)(pair + 192 + half), _mm256_extracti128_si256(hi, 1)); /* X3 */
             memcpy(run + 512 + 4 * (b % GROUP_BLOCKS), &sx, sizeof sx);   /* SX */
             memcpy(run + 544 + 4 * (b % GROUP_BLOCKS), &sum, sizeof sum); /* ST */
         }
@@ -907,9 +920,9 @@ ALWAYS_INLINE void i16_tile_avx2(int kind, const uint8_t* xi, int64_t stride, co
                 v[r][3] = _mm256_srli_epi16(quants, 12);
             }
             for (int m = 0; m < M; ++m) {
-                const uint8_t* pair = xi + m * stride + g * I16_GROUP_BYTES + 128 * k;
-                __m256i x0 = _mm256_loadu_si256((const __m256i*)pair), x1 = _mm256_loadu_si256((const __m256i*)(pair + 32));
-                __m256i x2 = _mm256_loadu_si256((const __m256i*)(pair + 64)), x3 = _mm256_loadu_si256((const __m256i*)(pair + 96));
+                const uint8_t* pair = xi + m * stride + g * I16_GROUP_BYTES + i16_pair_offset(k);
+                __m256i x0 = _mm256_loadu_si256((const __m256i*)pair), x1 = _mm256_loadu_si256((const __m256i*)(pair + 64));
+                __m256i x2 = _mm256_loadu_si256((const __m256i*)(pair + 128)), x3 = _mm256_loadu_si256((const __m256i*)(pair + 192));
                 for (int r = 0; r < R; ++r) {
                     __m256i P = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(v[r][0], x0), _mm256_madd_epi16(v[r][1], x1)),
                                                  _mm256_add_epi32(_mm256_madd_epi16(v[r][2], x2), _mm256_madd_epi16(v[r][3], x3)));
@@ -989,6 +1002,139 @@ static void i16_group_avx2(int kind, const uint8_t* xi, int64_t rows, int64_t in
 #define I16_TILE_CASE(M)                                                                                        \
     case M:                                                                                                     \
         i16_any_tile_avx2(kind, xm, stride, in, row, row_bytes, 1, M, blocks, one);                             \
+        break;
+            switch (nm) {
+                I16_TILE_CASE(1) I16_TILE_CASE(2) I16_TILE_CASE(3) I16_TILE_CASE(4)
+                I16_TILE_CASE(5) I16_TILE_CASE(6) I16_TILE_CASE(7) default: I16_TILE_CASE(8)
+            }
+#undef I16_TILE_CASE
+            for (int64_t k = 0; k < nm; ++k) sums[k * nr + r] = one[k];
+        }
+        for (int64_t k = 0; k < nm; ++k)
+            for (int64_t q = 0; q < nr; ++q) {
+                float v = sums[k * nr + q];
+                if (bias) v += bias[o0 + q];
+                if (residual) v += residual[(m + k) * ld + o0 + q];
+                out[(m + k) * ld + o0 + q] = v;
+            }
+    }
+}
+#endif
+
+#if DK_QUANT_AVX512 && defined(__AVX512BW__)
+/* ---- AVX-512: the same fixed-point products, two pairs of blocks a vector ---------------------------------------
+ * The AVX-512 path's float products take a block's 16 weights from a table (`vpermps`), about five shuffles a block
+ * of 32 weights, and were bound by that port: a batch-1 GGUF token on a 2-core Zen 5 read its weights at 56-60% of
+ * the bandwidth, and AVX2's fixed-point tiles (256 bits) ran the same one-row product 1.37x faster there. These
+ * tiles are AVX2's (`i16_tile_avx2`) with 512-bit integer work: a run's two 64-byte halves hold 4 blocks' quants,
+ * masked and shifted to int16 once for every activation row, and each pair of pairs' 4 partial-sum vectors are one
+ * `vpdpwssd` chain (VNNI; `vpmaddwd` and adds without it): integer sums, exact in any order. Each output then takes
+ * the float multiply-adds of `i16_tile_avx2` in its order (the 16 integer lanes converted, their low half for pair
+ * 2q and their high half for pair 2q + 1), so both paths give the same bits for the same activation rows. Grouped
+ * layouts only (`laid_out_for` groups Q4_0 and Q4_1 for this path); blocks as stored and Q8_0 take AVX2's tiles. */
+ALWAYS_INLINE __m512i i16_dot4_avx512(const __m512i* v, const uint8_t* x) {
+    __m512i x0 = _mm512_loadu_si512(x), x1 = _mm512_loadu_si512(x + 64);
+    __m512i x2 = _mm512_loadu_si512(x + 128), x3 = _mm512_loadu_si512(x + 192);
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_madd_epi16(v[0], x0), v[1], x1),
+                                                   v[2], x2), v[3], x3);
+#else
+    return _mm512_add_epi32(_mm512_add_epi32(_mm512_madd_epi16(v[0], x0), _mm512_madd_epi16(v[1], x1)),
+                            _mm512_add_epi32(_mm512_madd_epi16(v[2], x2), _mm512_madd_epi16(v[3], x3)));
+#endif
+}
+
+/* i16_tile_avx2's sums for grouped Q4_0 or Q4_1 (`kind` DK_Q4_0G or DK_Q4_1G), the same bits. */
+ALWAYS_INLINE void i16_tile_avx512(int kind, const uint8_t* xi, int64_t stride, const uint8_t* w, int64_t row_bytes,
+                                   int R, int M, int64_t blocks, float* sums) {
+    int one = kind == DK_Q4_1G;
+    int64_t bytes = one ? 20 : 18, head = bytes - 16;
+    const __m512i nibble = _mm512_set1_epi16(15);
+    const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                               _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+    __m256 acc[2][I16_TILE_MAX_M];
+    float ds[2][I16_TILE_MAX_M][8] __attribute__((aligned(32)));
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g * GROUP_BLOCKS < blocks; ++g) {
+        int64_t n = blocks - g * GROUP_BLOCKS < GROUP_BLOCKS ? blocks - g * GROUP_BLOCKS : GROUP_BLOCKS;
+        const uint8_t* run[2];
+        for (int64_t line = 0; line < R * GROUP_BLOCKS * bytes; line += 64)
+            i16_prefetch(w + line, R, GROUP_BLOCKS * bytes, g);
+        for (int r = 0; r < R; ++r) {
+            run[r] = w + r * row_bytes + g * GROUP_BLOCKS * bytes;
+            __m256 d = run_halves_avx2(run[r], 2, n);
+            __m256 mins = one ? run_halves_avx2(run[r] + 2 * n, 2, n) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+            for (int m = 0; m < M; ++m) {
+                const float* xs = (const float*)(xi + m * stride + g * I16_GROUP_BYTES + 512);
+                acc[r][m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + 8), acc[r][m]);
+                _mm256_store_ps(ds[r][m], _mm256_mul_ps(d, _mm256_loadu_ps(xs)));
+            }
+        }
+        int64_t pairs = (n + 1) / 2;
+        for (int64_t q = 0; 2 * q < pairs; ++q) {
+            int64_t quad_blocks = n - 4 * q < 4 ? n - 4 * q : 4;
+            __m512i v[2][4];
+            for (int r = 0; r < R; ++r) {
+                const uint8_t* at = run[r] + head * n + 64 * q;
+                /* a last run's missing blocks read as zeros (and are not read) */
+                __m512i quants = quad_blocks == 4 ? _mm512_loadu_si512(at)
+                                                  : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << (16 * quad_blocks)) - 1), at);
+                v[r][0] = _mm512_and_si512(quants, nibble);
+                v[r][1] = _mm512_and_si512(_mm512_srli_epi16(quants, 4), nibble);
+                v[r][2] = _mm512_and_si512(_mm512_srli_epi16(quants, 8), nibble);
+                v[r][3] = _mm512_srli_epi16(quants, 12);
+            }
+            for (int m = 0; m < M; ++m) {
+                const uint8_t* quad = xi + m * stride + g * I16_GROUP_BYTES + i16_pair_offset(2 * q);
+                for (int r = 0; r < R; ++r) {
+                    __m512 P = _mm512_cvtepi32_ps(i16_dot4_avx512(v[r], quad));
+                    __m256 ds_m = _mm256_load_ps(ds[r][m]);
+                    acc[r][m] = _mm256_fmadd_ps(_mm512_castps512_ps256(P), _mm256_permutevar8x32_ps(ds_m, spread[2 * q]),
+                                                acc[r][m]);
+                    if (2 * q + 1 < pairs)
+                        acc[r][m] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(P), 1)),
+                                                    _mm256_permutevar8x32_ps(ds_m, spread[2 * q + 1]), acc[r][m]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) sums[m * R + r] = hsum_avx2(acc[r][m]);
+}
+
+/* i16_any_tile_avx2 with the grouped layouts on the 512-bit tiles. */
+ALWAYS_INLINE void i16_any_tile_avx512(int kind, const uint8_t* xm, int64_t stride, int64_t in, const uint8_t* w,
+                                       int64_t row_bytes, int R, int M, int64_t blocks, float* sums) {
+    if (kind == DK_Q4_1G) i16_tile_avx512(DK_Q4_1G, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else if (kind == DK_Q4_0G) i16_tile_avx512(DK_Q4_0G, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else i16_any_tile_avx2(kind, xm, stride, in, w, row_bytes, R, M, blocks, sums);
+}
+
+/* i16_group_avx2 on the 512-bit tiles: the same outputs, bit for bit. */
+static void i16_group_avx512(int kind, const uint8_t* xi, int64_t rows, int64_t in, const uint8_t* w,
+                             int64_t row_bytes, int64_t o0, int64_t nr, const float* bias, const float* residual,
+                             float* out, int64_t ld) {
+    int64_t blocks = in / CHUNK, stride = i16_row_bytes(in);
+    const uint8_t* wr = w + o0 * row_bytes;
+    float sums[QUANT_PANEL_ROWS * I16_TILE_MAX_M];
+    for (int64_t m = 0; m < rows; m += I16_TILE_MAX_M) {
+        int64_t nm = rows - m < I16_TILE_MAX_M ? rows - m : I16_TILE_MAX_M;
+        const uint8_t* xm = xi + m * stride;
+        int64_t r = 0;
+        if (nm == 1)
+            for (; r + 2 <= nr; r += 2) {
+                float two[2];
+                i16_any_tile_avx512(kind, xm, stride, in, wr + r * row_bytes, row_bytes, 2, 1, blocks, two);
+                sums[r] = two[0];
+                sums[r + 1] = two[1];
+            }
+        for (; r < nr; ++r) {
+            float one[I16_TILE_MAX_M];
+            const uint8_t* row = wr + r * row_bytes;
+#define I16_TILE_CASE(M)                                                                                        \
+    case M:                                                                                                     \
+        i16_any_tile_avx512(kind, xm, stride, in, row, row_bytes, 1, M, blocks, one);                           \
         break;
             switch (nm) {
                 I16_TILE_CASE(1) I16_TILE_CASE(2) I16_TILE_CASE(3) I16_TILE_CASE(4)
@@ -1414,7 +1560,7 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
     ALWAYS_INLINE void any_group_##ISA(int kind, const float* x, const uint8_t* xi, int64_t rows, int64_t in,  \
                                        const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t nr,             \
                                        const float* bias, const float* residual, float* out, int64_t ld) {      \
-        if (xi != NULL && i16_kind(kind)) /* AVX2's Q4_0, Q4_1, Q8_0: activations in 16-bit, any rows */ \
+        if (xi != NULL && I16_KIND_##ISA(kind)) /* activations in 16-bit fixed point, any rows */               \
             I16_GROUP_##ISA(kind, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);                 \
         else if (rows >= PANEL_MIN_ROWS_##ISA)                                                                  \
             panel_group_##ISA(kind, x, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld, PANEL_R_##ISA); \
@@ -1465,7 +1611,7 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
                              int64_t row_bytes, int parallel, int fixed) {                                      \
         int64_t span = group_span(kind, rows, PANEL_MIN_ROWS_##ISA);                                            \
         int64_t groups = (out_rows + span - 1) / span;                                                          \
-        const uint8_t* xi = I16_ROWS_##ISA(fixed && i16_kind(kind), x, rows, in);                               \
+        const uint8_t* xi = I16_ROWS_##ISA(fixed && I16_KIND_##ISA(kind), x, rows, in);                         \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < groups; ++g) {                                    \
             int64_t o0 = g * span, nr = out_rows - o0 < span ? out_rows - o0 : span;                            \
             kind_group_##ISA(kind, x, xi, rows, in, w, row_bytes, o0, nr, bias, residual, out, ld);             \
@@ -1486,7 +1632,7 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
         for (int64_t p = 0; p < parts; ++p) {                                                                   \
             span[p] = group_span(kinds[p], rows, PANEL_MIN_ROWS_##ISA);                                         \
             first[p + 1] = first[p] + (part_rows[p] + span[p] - 1) / span[p];                                   \
-            any_i16 |= i16_kind(kinds[p]);                                                                      \
+            any_i16 |= I16_KIND_##ISA(kinds[p]);                                                                \
         }                                                                                                       \
         const uint8_t* xi = I16_ROWS_##ISA(fixed && any_i16, x, rows, in);                                      \
         DK_QUANT_FOR_GROUPS(parallel) for (int64_t g = 0; g < first[parts]; ++g) {                              \
@@ -1516,7 +1662,7 @@ static void x8_dequantize(const uint8_t* w, int64_t row_bytes, int64_t o0, int64
         int64_t unit = spans[0] > spans[1] ? spans[0] : spans[1];                                               \
         unit = unit < 8 ? 8 : unit; /* a multiple of either span (4, 8 or 16) */                                \
         int64_t units = (inter + unit - 1) / unit;                                                              \
-        const uint8_t* xi = I16_ROWS_##ISA(fixed && (i16_kind(kinds[0]) || i16_kind(kinds[1])), x, rows, in);   \
+        const uint8_t* xi = I16_ROWS_##ISA(fixed && (I16_KIND_##ISA(kinds[0]) || I16_KIND_##ISA(kinds[1])), x, rows, in); \
         DK_QUANT_PARALLEL(parallel) {                                                                           \
             int64_t b = units * DK_QUANT_THREAD / DK_QUANT_THREADS * unit;                                      \
             int64_t e = units * (DK_QUANT_THREAD + 1) / DK_QUANT_THREADS * unit;                                \
@@ -1570,9 +1716,16 @@ static const uint8_t* i16_rows_avx2(int any, const float* x, int64_t rows, int64
 #define I16_GROUP_avx2 i16_group_avx2
 #endif
 #define I16_ROWS_portable(any, x, rows, in) ((void)(any), (const uint8_t*)NULL)
-#define I16_ROWS_avx512(any, x, rows, in) ((void)(any), (const uint8_t*)NULL)
 #define I16_GROUP_portable(...) ((void)0)
-#define I16_GROUP_avx512(...) ((void)0)
+#if DK_QUANT_AVX512
+/* AVX-512's Q4_0, Q4_1 and Q8_0: AVX2's activation layout, its grouped layouts on the 512-bit tiles (AVX512BW) */
+#define I16_ROWS_avx512 i16_rows_avx2
+#if defined(__AVX512BW__)
+#define I16_GROUP_avx512 i16_group_avx512
+#else
+#define I16_GROUP_avx512 i16_group_avx2
+#endif
+#endif
 
 DK_QUANT_GROUP(portable)
 DK_QUANT_PARTS(portable)
