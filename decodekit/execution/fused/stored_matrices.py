@@ -5,9 +5,9 @@ Up to `GGUF_NATIVE_MAX_ROWS` rows (decode, batches, speculative verification, pr
 product, which dequantizes each block in registers, or for 16 activation rows and more once into a panel in cache
 (`kernels.quant`); more rows dequantize a block of output rows at a time to float32 for BLAS (`dequantized_mm`), as
 the int8 and bf16 copies do. Both multiply exactly the float32 weights transformers dequantizes from the file: the
-output is the dequantized model's up to summation order (on the AVX2 path, Q4_0, Q4_1 and Q8_0 times activations
-rounded to 16-bit fixed point per block of 32, `native/quant.c`), and the native product sums each output in one order
-whatever the rows, so a row's result does not depend on its batch.
+output is the dequantized model's up to summation order (on the AVX2 path Q4_0, Q4_1 and Q8_0, on the AVX-512 path
+Q4_0 and Q4_1, times activations rounded to 16-bit fixed point per block of 32, `native/quant.c`), and the native
+product sums each output in one order whatever the rows, so a row's result does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -53,13 +53,13 @@ INTERLEAVE_VARIABLE = "DECODEKIT_GGUF_INTERLEAVE"
 
 
 def laid_out_for(weight: StoredWeight, isa: str) -> tuple[str, torch.Tensor]:
-    """The `(format, blocks)` the product on path `isa` multiplies for `weight`: its own; on the AVX2 path with
-    fixed-point activations (`kernels.quant.rounds_activations`) a Q4_0 or Q4_1 weight's blocks grouped (`Q4_0g`,
-    `Q4_1g`, `kernels.quant.group_blocks`: each 8 blocks' scales and mins first, the same bytes regrouped, a copy;
-    the same output bits, fewer instructions a block); or under `DECODEKIT_GGUF_INTERLEAVE=on` a Q4_1 weight's blocks
-    interleaved by 8 rows for the AVX2 path's interleaved product (format `Q4_1x8`, `kernels.quant.interleave_q4_1`),
-    which every path multiplies as the same weights. Only on the AVX2 path (AVX-512's row-major Q4_1 product takes a
-    block's 16 weights from a table instead) and for whole groups of 8 rows.
+    """The `(format, blocks)` the product on path `isa` multiplies for `weight`: its own; on the AVX2 and AVX-512
+    paths with fixed-point activations (`kernels.quant.rounds_activations`) a Q4_0 or Q4_1 weight's blocks grouped
+    (`Q4_0g`, `Q4_1g`, `kernels.quant.group_blocks`: each 8 blocks' scales and mins first, the same bytes regrouped,
+    a copy; the same output bits, fewer instructions a block); or under `DECODEKIT_GGUF_INTERLEAVE=on` a Q4_1
+    weight's blocks interleaved by 8 rows for the AVX2 path's interleaved product (format `Q4_1x8`,
+    `kernels.quant.interleave_q4_1`), which every path multiplies as the same weights. Only on the AVX2 path and for
+    whole groups of 8 rows.
 
     Grouping measured on a 2-core Zen 3 (`benchmarks/kernel_ab.py`, random Q4_1 blocks, 8192 rows, one activation
     row, 2 threads): 1.17x (576 wide) and 1.24x (1536 wide) the speed of blocks paired with their own scales (this
@@ -90,8 +90,8 @@ class GgufMatrix:
         native: the kernels (their `quant` products).
         isa: the code path (`QuantKernels.isa`: default the best this CPU has, or `$DECODEKIT_QUANT_ISA`).
 
-    `$DECODEKIT_GGUF_ACTIVATIONS=float32` (read when it is built) keeps float32 activations where the AVX2 path
-    would round them to 16-bit fixed point (`kernels.quant.ACTIVATIONS_VARIABLE`).
+    `$DECODEKIT_GGUF_ACTIVATIONS=float32` (read when it is built) keeps float32 activations where the AVX2 and
+    AVX-512 paths would round them to 16-bit fixed point (`kernels.quant.ACTIVATIONS_VARIABLE`).
 
     Raises:
         ValueError: the parts differ in width, a format is not one the kernels take, the path is not available, or

@@ -2,14 +2,15 @@
 
 A GGUF weight `[out, in]` is kept as the file stores it: `out` rows of blocks (`uint8 [out, row_bytes]`), Q4_0,
 Q4_1, Q8_0 (blocks of 32 weights) or Q4_K, Q6_K (super-blocks of 256). `QuantKernels.linear` multiplies float32
-rows by it, dequantizing each block in registers (the AVX2 path's Q4_0, Q4_1 and Q8_0: their quants times the
-activations rounded to 16-bit fixed point per block of 32, integers summed exactly), and `dequantize` writes float32
+rows by it, dequantizing each block in registers (the AVX2 path's Q4_0, Q4_1 and Q8_0, the AVX-512 path's Q4_0 and
+Q4_1: their quants times the activations rounded to 16-bit fixed point per block of 32, integers summed exactly,
+`FIXED_POINT_FORMATS`), and `dequantize` writes float32
 rows of it (for the GEMM of many rows). Both compute each weight exactly as gguf-py's `dequantize` does (the
 float32 weights transformers loads).
 `Q4_1x8` is decodekit's own layout of Q4_1 (`interleave_q4_1`: each 8 rows' blocks regrouped so a vector's lanes are
 8 output rows), which the AVX2 path multiplies faster for one or two activation rows and slower for more (opt-in:
 `stored_matrices.laid_out_for`). `Q4_0g` and `Q4_1g` are Q4_0 and Q4_1 rows with each 8 blocks' scales (and mins)
-first (`group_blocks`), which the AVX2 path's fixed-point products read with fewer instructions, to the same bits.
+first (`group_blocks`), which the fixed-point products read with fewer instructions, to the same bits.
 
 Three code paths: AVX-512, AVX2 + FMA and portable C, chosen at run time: the best the library was compiled with
 for this CPU, or a lower one named by `DECODEKIT_QUANT_ISA` (portable, avx2, avx512) or by the `isa` argument (tests
@@ -222,7 +223,8 @@ class QuantKernels:
         """`out[:, start:start + n] = x @ W.T (+ bias[start:start + n]) (+ residual[:, start:start + n])` for float32
         rows `x` `[rows, in]` (contiguous) and the `fmt` weight `W` `[n, in]` held as its blocks `blocks` (`uint8
         [n, row_bytes]`, contiguous); `out` and `residual` are contiguous `[rows, out_dim]` float32, `bias` `[out_dim]`.
-        `float_activations` keeps float32 activations where the AVX2 path would round them to 16-bit fixed point.
+        `float_activations` keeps float32 activations where the AVX2 and AVX-512 paths would round them to 16-bit
+        fixed point.
 
         Raises:
             ValueError: the operands do not fit each other (the kernel would read out of bounds).

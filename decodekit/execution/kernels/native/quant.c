@@ -15,14 +15,18 @@
  * bits times at most 7 of a scale and 6 of a quant), so a fused multiply-add gives the same float: the weights
  * multiplied are exactly the float32 weights of the dequantized model. Activations stay float32 (llama.cpp rounds
  * them to 8 bits for its integer dot products; that is why VNNI's int8 and AVX512-BF16's bf16 dot products are not
- * used here: neither multiplies these float32 weights by float32 activations). A product therefore equals the
- * float32 product of the dequantized weight up to the order of its sums.
+ * used here: neither multiplies these float32 weights by float32 activations), except in the fixed-point products
+ * below (AVX2's Q4_0, Q4_1 and Q8_0, AVX-512's Q4_0 and Q4_1: activations rounded to 16-bit per block of 32, unless
+ * DK_QUANT_FLOAT_ACTIVATIONS). A float product therefore equals the float32 product of the dequantized weight up to
+ * the order of its sums.
  *
  * Three code paths, chosen at run time by the `isa` argument (`dk_quant_isa` says the best this library was compiled
  * with; native.py picks it unless DECODEKIT_QUANT_ISA asks for a lower one):
  *   2  AVX-512: 4-bit quants index a 16-entry table of the block's 16 possible weights (`vpermps`: one permute per
- *      16 weights instead of a conversion and a multiply-add), 16 lanes;
- *   1  AVX2 + FMA: quants widened to int32 (8 bytes at a time, from memory) and converted, 8 lanes;
+ *      16 weights instead of a conversion and a multiply-add), 16 lanes; Q4_0 and Q4_1 in fixed point on 512-bit
+ *      integer tiles (`i16_tile_avx512`, the AVX2 fixed-point products' bits);
+ *   1  AVX2 + FMA: quants widened to int32 (8 bytes at a time, from memory) and converted, 8 lanes; Q4_0, Q4_1 and
+ *      Q8_0 in fixed point (`i16_tile_avx2`);
  *   0  portable C: GCC/Clang vector extensions of 8 floats (whatever the target makes of them).
  *
  * The product y[m, o] = sum_i x[m, i] w[o, i] runs in tiles of R weight rows x M activation rows (1x1-1x4, and
