@@ -226,31 +226,50 @@ def test_float32_activations_keep_the_fixed_point_products_within_float_summatio
 @pytest.mark.skipif(not {"avx2", "avx512"} <= set(ISAS), reason="needs the AVX2 and AVX-512 paths (an AVX-512 CPU)")
 @settings(max_examples=60, deadline=None)
 @given(fmt=st.sampled_from(sorted(GROUPED)), blocks=st.integers(1, 27), out_rows=st.integers(1, 21),
-       rows=st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 16, 23]), bias=st.booleans(), residual=st.booleans(),
+       rows=st.sampled_from([2, 3, 4, 5, 7, 8, 9, 16, 23]), bias=st.booleans(), residual=st.booleans(),
        seed=st.integers(0, 2**16))
-def test_avx512_fixed_point_q4_products_are_avx2s_bit_for_bit(fmt, blocks, out_rows, rows, bias, residual, seed):
-    """AVX-512's Q4_0 and Q4_1 products (512-bit integer tiles over two pairs of blocks, `vpdpwssd` where the CPU has
-    VNNI) sum every output as AVX2's do: the same bits for whole runs of 8 blocks and a shorter last run (1-7 blocks:
-    a masked load, a missing pair skipped), every tile (1 activation row by 2 weight rows, up to 8 by 1), stacked
-    parts and the gate/up product, an activation block holding an infinity or a NaN."""
+def test_avx512_fixed_point_q4_rows_are_batch_invariant_and_avx2s_up_to_summation_order(
+        fmt, blocks, out_rows, rows, bias, residual, seed):
+    """AVX-512's Q4_0 and Q4_1 products (512-bit integer tiles over quads of blocks, `vpdpwssd` where the CPU has
+    VNNI) sum AVX2's fixed-point terms in an order of their own, the same in every tile: each row alone gives the
+    bits it gives in the batch (whole runs of 8 blocks and a shorter last run of 1-7: a masked load, a half-empty
+    quad; 1 activation row by 2 weight rows, up to 8 by 1; stacked parts and the gate/up product), and every output
+    is AVX2's within float32 summation order of the two sums; an activation block holding an infinity or a NaN
+    makes the outputs it reaches NaN on both paths."""
     width = 32 * blocks
-    stored, _ = _stored(fmt, out_rows, width, seed)
+    stored, weight = _stored(fmt, out_rows, width, seed)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, width, generator=generator) * torch.rand(rows, 1, generator=generator) * 10
-    if seed % 5 == 0:
+    poisoned = seed % 5 == 0
+    if poisoned:
         x[rows // 2, (seed // 5) % width] = float("inf") if seed % 2 else float("nan")
     b = torch.randn(out_rows, generator=generator) if bias else None
     res = torch.randn(rows, out_rows, generator=generator) if residual else None
-    outputs = []
+    outputs = {}
     for isa in ("avx2", "avx512"):
-        matrix = GgufMatrix([stored, stored], b if b is None else torch.cat([b, b]), kernels, isa)
+        matrix = GgufMatrix([stored, stored], None if b is None else torch.cat([b, b]), kernels, isa)
         assert matrix.formats == (GROUPED[fmt], GROUPED[fmt])
-        gate_up, gated = kernels.quant.gated(x, matrix.parts[0][1:][::-1], matrix.parts[1][1:][::-1], isa)
+        blocks_laid_out = matrix.parts[0][2]
+        pair = (blocks_laid_out, GROUPED[fmt])
+        gate_up, _ = kernels.quant.gated(x, pair, pair, isa)
         out = torch.empty(rows, out_rows)
-        kernels.quant.linear(x, matrix.parts[0][2], GROUPED[fmt], out, 0, b, res, isa)
-        outputs.append((matrix(x), gate_up, gated, out))
-    for avx2, avx512 in zip(*outputs, strict=True):
-        assert torch.equal(avx2.nan_to_num(1.5, 2.5, -2.5), avx512.nan_to_num(1.5, 2.5, -2.5))
+        kernels.quant.linear(x, blocks_laid_out, GROUPED[fmt], out, 0, b, res, isa)
+        outputs[isa] = (matrix(x), gate_up, out)
+        for row in range(rows):
+            alone = torch.empty(1, out_rows)
+            kernels.quant.linear(x[row:row + 1], blocks_laid_out, GROUPED[fmt], alone, 0, b,
+                                 None if res is None else res[row:row + 1], isa)
+            assert torch.equal(alone.nan_to_num(1.5, 2.5, -2.5), out[row:row + 1].nan_to_num(1.5, 2.5, -2.5)), isa
+        gate, up = (half.nan_to_num(1.5, 2.5, -2.5) for half in gate_up.split(out_rows, dim=1))
+        assert torch.equal(gate, up)
+    mins = _block_mins(stored)
+    bound = 2 * _split_bound(x, weight, mins) - 2 * _rounding_bound(x, weight.double() - mins) + 1e-30
+    stacked = torch.cat([bound, bound], dim=1)
+    for avx2, avx512, allowed in zip(outputs["avx2"], outputs["avx512"], (stacked, stacked, bound), strict=True):
+        finite = avx2.isfinite()
+        assert torch.equal(finite, avx512.isfinite()) and torch.equal(avx2.isnan(), avx512.isnan())
+        extra = 0 if b is None and res is None else 1e-6 * avx2.abs()[finite].double()
+        assert torch.all((avx2 - avx512).abs()[finite].double() <= allowed.expand_as(avx2)[finite] + extra)
 
 
 @needs_kernels

@@ -153,8 +153,8 @@ def float_activations_asked() -> bool:
 
 FIXED_POINT_FORMATS: dict[str, tuple[str, ...]] = {"avx2": ("Q4_0", "Q4_1", "Q8_0"), "avx512": ("Q4_0", "Q4_1")}
 """path -> the formats whose products on it round the activations to 16-bit fixed point per block of 32 (AVX-512's
-Q4_0 and Q4_1 products are AVX2's arithmetic on 512-bit integer tiles, the same output bits; its float Q8_0 product
-reads at the bandwidth already and multiplies several rows faster than the fixed-point one)."""
+Q4_0 and Q4_1 products are AVX2's arithmetic on 512-bit integer tiles, summed in an order of their own; its float
+Q8_0 product reads at the bandwidth already and multiplies several rows faster than the fixed-point one)."""
 
 
 def fixed_point_formats(isa: str) -> tuple[str, ...]:

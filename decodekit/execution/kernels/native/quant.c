@@ -24,7 +24,7 @@
  * with; native.py picks it unless DECODEKIT_QUANT_ISA asks for a lower one):
  *   2  AVX-512: 4-bit quants index a 16-entry table of the block's 16 possible weights (`vpermps`: one permute per
  *      16 weights instead of a conversion and a multiply-add), 16 lanes; Q4_0 and Q4_1 in fixed point on 512-bit
- *      integer tiles (`i16_tile_avx512`, the AVX2 fixed-point products' bits);
+ *      integer tiles (`i16_tile_avx512`, the AVX2 fixed-point products' arithmetic in an order of its own);
  *   1  AVX2 + FMA: quants widened to int32 (8 bytes at a time, from memory) and converted, 8 lanes; Q4_0, Q4_1 and
  *      Q8_0 in fixed point (`i16_tile_avx2`);
  *   0  portable C: GCC/Clang vector extensions of 8 floats (whatever the target makes of them).
@@ -1030,12 +1030,16 @@ static void i16_group_avx2(int kind, const uint8_t* xi, int64_t rows, int64_t in
  * The AVX-512 path's float products take a block's 16 weights from a table (`vpermps`), about five shuffles a block
  * of 32 weights, and were bound by that port: a batch-1 GGUF token on a 2-core Zen 5 read its weights at 56-60% of
  * the bandwidth, and AVX2's fixed-point tiles (256 bits) ran the same one-row product 1.37x faster there. These
- * tiles are AVX2's (`i16_tile_avx2`) with 512-bit integer work: a run's two 64-byte halves hold 4 blocks' quants,
- * masked and shifted to int16 once for every activation row, and each pair of pairs' 4 partial-sum vectors are one
- * `vpdpwssd` chain (VNNI; `vpmaddwd` and adds without it): integer sums, exact in any order. Each output then takes
- * the float multiply-adds of `i16_tile_avx2` in its order (the 16 integer lanes converted, their low half for pair
- * 2q and their high half for pair 2q + 1), so both paths give the same bits for the same activation rows. Grouped
- * layouts only (`laid_out_for` groups Q4_0 and Q4_1 for this path); blocks as stored and Q8_0 take AVX2's tiles. */
+ * tiles are AVX2's arithmetic (`i16_tile_avx2`: the same activation layout, integer sums, d * sx and the mins' term)
+ * with 512-bit vectors: a run's two 64-byte halves hold 4 blocks' quants each, masked and shifted to int16 once for
+ * every activation row, each quad's 4 partial-sum vectors one `vpdpwssd` chain (VNNI; `vpmaddwd` and adds without
+ * it, the same integers), and each output accumulates 16 lanes, one multiply-add a quad: its own order, the same in
+ * every tile, so a row's result does not depend on its batch here either (AVX2's order instead, an 8-lane chain a
+ * pair with the 512-bit sums split in halves, measured 1.11-1.22x slower at 2-16 activation rows and the same at
+ * one). `laid_out_for` groups Q4_0 and Q4_1 for this path; blocks as stored gather their quants into the same lanes
+ * (four 16-byte inserts a quad), so both layouts give the same bits.
+ * Against the float tiles and panels they replace (2-core Zen 5, 32768 x 1536 Q4_1 from memory, two threads): one
+ * activation row 1.52x, 2-16 rows 1.33-1.46x, 32 rows 1.22x. */
 ALWAYS_INLINE __m512i i16_dot4_avx512(const __m512i* v, const uint8_t* x) {
     __m512i x0 = _mm512_loadu_si512(x), x1 = _mm512_loadu_si512(x + 64);
     __m512i x2 = _mm512_loadu_si512(x + 128), x3 = _mm512_loadu_si512(x + 192);
@@ -1048,18 +1052,21 @@ ALWAYS_INLINE __m512i i16_dot4_avx512(const __m512i* v, const uint8_t* x) {
 #endif
 }
 
-/* i16_tile_avx2's sums for grouped Q4_0 or Q4_1 (`kind` DK_Q4_0G or DK_Q4_1G), the same bits. */
+/* Sums for Q4_0 or Q4_1, grouped or as stored, as i16_tile_avx2 computes them, in an order of
+ * their own: each output's 16 lanes take a run's mins term in the low 8 (masked), then per quad of blocks one
+ * multiply-add of its 16 converted integer sums by d * sx spread 4 lanes a block (one `vpermps` a quad); the low 8
+ * lanes plus the high 8 summed at the end. */
 ALWAYS_INLINE void i16_tile_avx512(int kind, const uint8_t* xi, int64_t stride, const uint8_t* w, int64_t row_bytes,
                                    int R, int M, int64_t blocks, float* sums) {
-    int one = kind == DK_Q4_1G;
+    int one = kind == DK_Q4_1 || kind == DK_Q4_1G, grouped = is_grouped(kind);
     int64_t bytes = one ? 20 : 18, head = bytes - 16;
     const __m512i nibble = _mm512_set1_epi16(15);
-    const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                               _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
-    __m256 acc[2][I16_TILE_MAX_M];
-    float ds[2][I16_TILE_MAX_M][8] __attribute__((aligned(32)));
+    const __m512i spread[2] = {_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                               _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)};
+    __m512 acc[2][I16_TILE_MAX_M];
+    __m512 ds[2][I16_TILE_MAX_M];
     for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
     for (int64_t g = 0; g * GROUP_BLOCKS < blocks; ++g) {
         int64_t n = blocks - g * GROUP_BLOCKS < GROUP_BLOCKS ? blocks - g * GROUP_BLOCKS : GROUP_BLOCKS;
         const uint8_t* run[2];
@@ -1067,12 +1074,14 @@ ALWAYS_INLINE void i16_tile_avx512(int kind, const uint8_t* xi, int64_t stride, 
             i16_prefetch(w + line, R, GROUP_BLOCKS * bytes, g);
         for (int r = 0; r < R; ++r) {
             run[r] = w + r * row_bytes + g * GROUP_BLOCKS * bytes;
-            __m256 d = run_halves_avx2(run[r], 2, n);
-            __m256 mins = one ? run_halves_avx2(run[r] + 2 * n, 2, n) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+            __m256 d = run_halves_avx2(run[r], grouped ? 2 : bytes, n);
+            __m256 mins = one ? run_halves_avx2(run[r] + (grouped ? 2 * n : 2), grouped ? 2 : bytes, n)
+                              : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
             for (int m = 0; m < M; ++m) {
                 const float* xs = (const float*)(xi + m * stride + g * I16_GROUP_BYTES + 512);
-                acc[r][m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs + 8), acc[r][m]);
-                _mm256_store_ps(ds[r][m], _mm256_mul_ps(d, _mm256_loadu_ps(xs)));
+                acc[r][m] = _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(mins), _mm512_castps256_ps512(_mm256_loadu_ps(xs + 8)),
+                                                  acc[r][m], 0x00FF);
+                ds[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(d, _mm256_loadu_ps(xs)));
             }
         }
         int64_t pairs = (n + 1) / 2;
@@ -1080,10 +1089,19 @@ ALWAYS_INLINE void i16_tile_avx512(int kind, const uint8_t* xi, int64_t stride, 
             int64_t quad_blocks = n - 4 * q < 4 ? n - 4 * q : 4;
             __m512i v[2][4];
             for (int r = 0; r < R; ++r) {
-                const uint8_t* at = run[r] + head * n + 64 * q;
-                /* a last run's missing blocks read as zeros (and are not read) */
-                __m512i quants = quad_blocks == 4 ? _mm512_loadu_si512(at)
-                                                  : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << (16 * quad_blocks)) - 1), at);
+                __m512i quants = _mm512_setzero_si512();
+                if (grouped) {
+                    /* a last run's missing blocks read as zeros (and are not read) */
+                    const uint8_t* at = run[r] + head * n + 64 * q;
+                    quants = quad_blocks == 4 ? _mm512_loadu_si512(at)
+                                              : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << (16 * quad_blocks)) - 1), at);
+                } else {  /* the stored blocks' quants gathered 16 bytes at a time into the same lanes */
+                    const uint8_t* at = run[r] + 4 * q * bytes + head;
+                    quants = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)at));
+                    if (quad_blocks > 1) quants = _mm512_inserti32x4(quants, _mm_loadu_si128((const __m128i*)(at + bytes)), 1);
+                    if (quad_blocks > 2) quants = _mm512_inserti32x4(quants, _mm_loadu_si128((const __m128i*)(at + 2 * bytes)), 2);
+                    if (quad_blocks > 3) quants = _mm512_inserti32x4(quants, _mm_loadu_si128((const __m128i*)(at + 3 * bytes)), 3);
+                }
                 v[r][0] = _mm512_and_si512(quants, nibble);
                 v[r][1] = _mm512_and_si512(_mm512_srli_epi16(quants, 4), nibble);
                 v[r][2] = _mm512_and_si512(_mm512_srli_epi16(quants, 8), nibble);
@@ -1093,29 +1111,28 @@ ALWAYS_INLINE void i16_tile_avx512(int kind, const uint8_t* xi, int64_t stride, 
                 const uint8_t* quad = xi + m * stride + g * I16_GROUP_BYTES + i16_pair_offset(2 * q);
                 for (int r = 0; r < R; ++r) {
                     __m512 P = _mm512_cvtepi32_ps(i16_dot4_avx512(v[r], quad));
-                    __m256 ds_m = _mm256_load_ps(ds[r][m]);
-                    acc[r][m] = _mm256_fmadd_ps(_mm512_castps512_ps256(P), _mm256_permutevar8x32_ps(ds_m, spread[2 * q]),
-                                                acc[r][m]);
-                    if (2 * q + 1 < pairs)
-                        acc[r][m] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(P), 1)),
-                                                    _mm256_permutevar8x32_ps(ds_m, spread[2 * q + 1]), acc[r][m]);
+                    acc[r][m] = _mm512_fmadd_ps(P, _mm512_permutexvar_ps(spread[q], ds[r][m]), acc[r][m]);
                 }
             }
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) sums[m * R + r] = hsum_avx2(acc[r][m]);
+        for (int m = 0; m < M; ++m)
+            sums[m * R + r] = hsum_avx2(_mm256_add_ps(_mm512_castps512_ps256(acc[r][m]),
+                                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][m]), 1))));
 }
 
-/* i16_any_tile_avx2 with the grouped layouts on the 512-bit tiles. */
+/* i16_any_tile_avx2 with Q4_0 and Q4_1 on the 512-bit tiles. */
 ALWAYS_INLINE void i16_any_tile_avx512(int kind, const uint8_t* xm, int64_t stride, int64_t in, const uint8_t* w,
                                        int64_t row_bytes, int R, int M, int64_t blocks, float* sums) {
     if (kind == DK_Q4_1G) i16_tile_avx512(DK_Q4_1G, xm, stride, w, row_bytes, R, M, blocks, sums);
     else if (kind == DK_Q4_0G) i16_tile_avx512(DK_Q4_0G, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else if (kind == DK_Q4_1) i16_tile_avx512(DK_Q4_1, xm, stride, w, row_bytes, R, M, blocks, sums);
+    else if (kind == DK_Q4_0) i16_tile_avx512(DK_Q4_0, xm, stride, w, row_bytes, R, M, blocks, sums);
     else i16_any_tile_avx2(kind, xm, stride, in, w, row_bytes, R, M, blocks, sums);
 }
 
-/* i16_group_avx2 on the 512-bit tiles: the same outputs, bit for bit. */
+/* i16_group_avx2 on the 512-bit tiles (Q4_0 and Q4_1; other kinds on AVX2's). */
 static void i16_group_avx512(int kind, const uint8_t* xi, int64_t rows, int64_t in, const uint8_t* w,
                              int64_t row_bytes, int64_t o0, int64_t nr, const float* bias, const float* residual,
                              float* out, int64_t ld) {
