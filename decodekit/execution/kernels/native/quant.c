@@ -737,8 +737,8 @@ static __attribute__((noinline)) void wide_rows_avx2(int kind, const float* x, i
  * order the quants come out of a pair's 32 bytes read as 16-bit words (X0: x_2i, X1: x_2i+16, X2: x_2i+1, X3:
  * x_2i+17, i = 0..7, block 2p in the low 128 bits and 2p + 1 in the high), two pairs' X0 side by side, then their
  * X1, X2 and X3 (so that AVX-512 loads both pairs' Xj as one vector: `i16_pair_offset`), 4 pairs, then SX (8
- * floats) and ST (8 floats). A last run of fewer blocks is filled with zeros. After the runs, the same int16 in their natural order,
- * 32 a block, then each block's sx: Q8_0's layout. Q8_0 (signed 8-bit quants, d per block, no min) widens its
+ * floats) and ST (8 floats). A last run of fewer blocks is filled with zeros. After the runs, the same int16 in
+ * their natural order, 32 a block, then each block's sx: Q8_0's layout. Q8_0 (signed 8-bit quants, d per block, no min) widens its
  * quants to int16 with one `vpmovsxbw` per 16 and sums q . x16 by `vpmaddwd` the same way (4 products a lane: |sum| < 2^24, exact as a float), then acc =
  * fma(float(P), d * sx, acc) block by block (its float product: ~18 vector operations a block, this one ~10). */
 #define I16_GROUP_BYTES 576
@@ -1038,8 +1038,9 @@ static void i16_group_avx2(int kind, const uint8_t* xi, int64_t rows, int64_t in
  * pair with the 512-bit sums split in halves, measured 1.11-1.22x slower at 2-16 activation rows and the same at
  * one). `laid_out_for` groups Q4_0 and Q4_1 for this path; blocks as stored gather their quants into the same lanes
  * (four 16-byte inserts a quad), so both layouts give the same bits.
- * Against the float tiles and panels they replace (2-core Zen 5, 32768 x 1536 Q4_1 from memory, two threads): one
- * activation row 1.52x, 2-16 rows 1.33-1.46x, 32 rows 1.22x. */
+ * Against the float tiles and panels they replace (2-core Zen 5, two threads, `benchmarks/kernel_ab.py --before
+ * 64c0088 --stored-before`): Q4_1 131072 x 1536 (from memory) 1.54x at one activation row, 1.36x at 2, 1.76x at 4
+ * and 8; 32768 x 1536 1.80x at one, 1.56-1.66x at 2-32; Q4_0 the same. */
 ALWAYS_INLINE __m512i i16_dot4_avx512(const __m512i* v, const uint8_t* x) {
     __m512i x0 = _mm512_loadu_si512(x), x1 = _mm512_loadu_si512(x + 64);
     __m512i x2 = _mm512_loadu_si512(x + 128), x3 = _mm512_loadu_si512(x + 192);
