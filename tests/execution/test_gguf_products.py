@@ -233,9 +233,9 @@ def test_avx512_fixed_point_q4_rows_are_batch_invariant_and_avx2s_up_to_summatio
     """AVX-512's Q4_0 and Q4_1 products (512-bit integer tiles over quads of blocks, `vpdpwssd` where the CPU has
     VNNI) sum AVX2's fixed-point terms in an order of their own, the same in every tile: each row alone gives the
     bits it gives in the batch (whole runs of 8 blocks and a shorter last run of 1-7: a masked load, a half-empty
-    quad; 1 activation row by 2 weight rows, up to 8 by 1; stacked parts and the gate/up product), and every output
-    is AVX2's within float32 summation order of the two sums; an activation block holding an infinity or a NaN
-    makes the outputs it reaches NaN on both paths."""
+    quad; 1-4 activation rows by 2 weight rows, up to 8 by 1, an odd last weight row; stacked parts and the gate/up
+    product), and every output is AVX2's within float32 summation order of the two sums; an activation block holding
+    an infinity or a NaN makes the outputs it reaches NaN (or infinite) on both paths."""
     width = 32 * blocks
     stored, weight = _stored(fmt, out_rows, width, seed)
     generator = torch.Generator().manual_seed(seed)
