@@ -66,9 +66,10 @@ ISAS = ("portable", "avx2", "avx512")
 ISA_VARIABLE = "DECODEKIT_QUANT_ISA"
 
 ACTIVATIONS_VARIABLE = "DECODEKIT_GGUF_ACTIVATIONS"
-"""`fixed16` (the default): the AVX2 and AVX-512 paths' Q4_0, Q4_1 and Q8_0 products round the activations to 16-bit
-fixed point per block of 32 (integer sums, half the vector operations); `float32`: float32 activations on every path
-(the dequantized model's outputs up to summation order alone)."""
+"""`fixed16` (the default): the AVX2 path's Q4_0, Q4_1 and Q8_0 products and the AVX-512 path's Q4_0 and Q4_1
+(`FIXED_POINT_FORMATS`) round the activations to 16-bit fixed point per block of 32 (integer sums, half the vector
+operations); `float32`: float32 activations on every path (the dequantized model's outputs up to summation order
+alone)."""
 ACTIVATIONS = ("fixed16", "float32")
 
 _FLOAT_ACTIVATIONS = 8  # or'd into a product's path (`native/quant.c`'s DK_QUANT_FLOAT_ACTIVATIONS)

@@ -1734,7 +1734,7 @@ void dk_silu_mul_range(const float* gate_up, float* out, int64_t rows, int64_t i
 int64_t dk_quant_row_bytes(int64_t kind, int64_t in);
 void dk_side_prefetch(int64_t part, int64_t parts, int64_t unit, int64_t units);
 
-/* The activation rows laid out for AVX2's Q4_0, Q4_1 and Q8_0 products (`i16_prepare_avx2`) in the calling thread's
+/* The activation rows laid out for the fixed-point products (`i16_prepare_avx2`) in the calling thread's
  * buffer, once per product before its parallel region (`any`: the product has such weights); NULL on the other paths,
  * for other weights, or without memory (then the float tiles run). */
 #if DK_QUANT_AVX2
@@ -1773,8 +1773,8 @@ DK_QUANT_PARTS(avx512)
 DK_QUANT_GATED(avx512)
 #endif
 
-/* Or'd into a product's `isa`: multiply float32 activations on every path (AVX2's Q4_0, Q4_1 and Q8_0 products
- * otherwise round them to 16-bit fixed point per block: `i16_prepare_avx2`). */
+/* Or'd into a product's `isa`: multiply float32 activations on every path (AVX2's Q4_0, Q4_1 and Q8_0 products and
+ * AVX-512's Q4_0 and Q4_1 otherwise round them to 16-bit fixed point per block: `i16_prepare_avx2`). */
 #define DK_QUANT_FLOAT_ACTIVATIONS 8
 
 /* Whether a product's `isa` argument keeps the fixed-point activations (no DK_QUANT_FLOAT_ACTIVATIONS), the flag
