@@ -65,7 +65,9 @@ class EngineConfig(BaseModel):
     quantization: Literal["int8", "bf16", "gguf", "q4_0", "q4_1", "q8_0"] | None = Field(
         None, description="Weights of the fused decoder's products: unset keeps the model's own (for a GGUF file "
         "loaded with dtype auto on a CPU, its quantized weights as stored: 'gguf', Q4_0, Q4_1, Q8_0, Q4_K and Q6_K "
-        "dequantized inside the native products, the dequantized float32 model's outputs up to summation order; "
+        "dequantized inside the native products, the dequantized float32 model's outputs up to summation order (on "
+        "AVX2 and AVX-512 CPUs Q4_0 and Q4_1, and on AVX2 Q8_0, times activations rounded to 16-bit fixed point per "
+        "block of 32); "
         "dtype float32 runs the dequantized model instead); 'int8' multiplies "
         "int8 copies with one float32 scale per output row (the LM head too; float32 activations, like llama.cpp's "
         "Q8_0 weights) through the native kernels: about 2x faster per token at batch 1 on a CPU, no longer exactly "
