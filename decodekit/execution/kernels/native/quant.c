@@ -981,48 +981,65 @@ ALWAYS_INLINE void i16_any_tile_avx2(int kind, const uint8_t* xm, int64_t stride
     else i16_tile_avx2(DK_Q4_0, xm, stride, w, row_bytes, R, M, blocks, sums);
 }
 
-/* The outputs [o0, o0 + nr) (nr <= QUANT_PANEL_ROWS) of Q4_0, Q4_1 or Q8_0 weights for every activation row (laid out at
- * xi), in tiles of one weight row by up to 8 activation rows (two weight rows by one: each output's multiply-adds
- * wait on the one before, and a second row's fill the gaps), stored with bias and residual. */
-static void i16_group_avx2(int kind, const uint8_t* xi, int64_t rows, int64_t in, const uint8_t* w, int64_t row_bytes,
-                           int64_t o0, int64_t nr, const float* bias, const float* residual, float* out, int64_t ld) {
-    int64_t blocks = in / CHUNK, stride = i16_row_bytes(in);
-    const uint8_t* wr = w + o0 * row_bytes;
-    float sums[QUANT_PANEL_ROWS * I16_TILE_MAX_M];
-    for (int64_t m = 0; m < rows; m += I16_TILE_MAX_M) {
-        int64_t nm = rows - m < I16_TILE_MAX_M ? rows - m : I16_TILE_MAX_M;
-        const uint8_t* xm = xi + m * stride;
-        int64_t r = 0;
-        if (nm == 1)
-            for (; r + 2 <= nr; r += 2) {
-                float two[2];
-                i16_any_tile_avx2(kind, xm, stride, in, wr + r * row_bytes, row_bytes, 2, 1, blocks, two);
-                sums[r] = two[0];
-                sums[r + 1] = two[1];
-            }
-        for (; r < nr; ++r) {
-            float one[I16_TILE_MAX_M];
-            const uint8_t* row = wr + r * row_bytes;
-#define I16_TILE_CASE(M)                                                                                        \
-    case M:                                                                                                     \
-        i16_any_tile_avx2(kind, xm, stride, in, row, row_bytes, 1, M, blocks, one);                             \
-        break;
-            switch (nm) {
-                I16_TILE_CASE(1) I16_TILE_CASE(2) I16_TILE_CASE(3) I16_TILE_CASE(4)
-                I16_TILE_CASE(5) I16_TILE_CASE(6) I16_TILE_CASE(7) default: I16_TILE_CASE(8)
-            }
-#undef I16_TILE_CASE
-            for (int64_t k = 0; k < nm; ++k) sums[k * nr + r] = one[k];
-        }
-        for (int64_t k = 0; k < nm; ++k)
-            for (int64_t q = 0; q < nr; ++q) {
-                float v = sums[k * nr + q];
-                if (bias) v += bias[o0 + q];
-                if (residual) v += residual[(m + k) * ld + o0 + q];
-                out[(m + k) * ld + o0 + q] = v;
-            }
+/* DK_I16_GROUP(ISA, TWO_MAX) defines i16_group_ISA: the outputs [o0, o0 + nr) (nr <= QUANT_PANEL_ROWS) of Q4_0, Q4_1
+ * or Q8_0 weights for every activation row (laid out at xi), stored with bias and residual, in i16_any_tile_ISA's
+ * tiles: two weight rows by 1-TWO_MAX activation rows, else one weight row by up to 8. AVX2 takes two rows by one
+ * only (each output's multiply-adds wait on the one before, and a second row's fill the gaps); AVX-512 by 1-4 (each
+ * activation vector loaded once for both: 2 rows 1.13x, 3-4 rows 1.04x from memory on a 2-core Zen 5). Every output
+ * is summed in its one order whatever the tile: the same bits. */
+#define DK_I16_GROUP(ISA, TWO_MAX)                                                                              \
+    static void i16_group_##ISA(int kind, const uint8_t* xi, int64_t rows, int64_t in, const uint8_t* w,        \
+                                int64_t row_bytes, int64_t o0, int64_t nr, const float* bias,                   \
+                                const float* residual, float* out, int64_t ld) {                                \
+        int64_t blocks = in / CHUNK, stride = i16_row_bytes(in);                                                \
+        const uint8_t* wr = w + o0 * row_bytes;                                                                 \
+        float sums[QUANT_PANEL_ROWS * I16_TILE_MAX_M];                                                          \
+        for (int64_t m = 0; m < rows; m += I16_TILE_MAX_M) {                                                    \
+            int64_t nm = rows - m < I16_TILE_MAX_M ? rows - m : I16_TILE_MAX_M;                                 \
+            const uint8_t* xm = xi + m * stride;                                                                \
+            int64_t r = 0;                                                                                      \
+            if (nm <= (TWO_MAX))                                                                                \
+                for (; r + 2 <= nr; r += 2) {                                                                   \
+                    float two[8];                                                                               \
+                    const uint8_t* pair = wr + r * row_bytes;                                                   \
+                    if (nm == 1 || (TWO_MAX) < 2)                                                               \
+                        i16_any_tile_##ISA(kind, xm, stride, in, pair, row_bytes, 2, 1, blocks, two);           \
+                    else if (nm == 2 || (TWO_MAX) < 3)                                                          \
+                        i16_any_tile_##ISA(kind, xm, stride, in, pair, row_bytes, 2, 2, blocks, two);           \
+                    else if (nm == 3 || (TWO_MAX) < 4)                                                          \
+                        i16_any_tile_##ISA(kind, xm, stride, in, pair, row_bytes, 2, 3, blocks, two);           \
+                    else                                                                                        \
+                        i16_any_tile_##ISA(kind, xm, stride, in, pair, row_bytes, 2, 4, blocks, two);           \
+                    for (int64_t k = 0; k < nm; ++k) {                                                          \
+                        sums[k * nr + r] = two[k * 2];                                                          \
+                        sums[k * nr + r + 1] = two[k * 2 + 1];                                                  \
+                    }                                                                                           \
+                }                                                                                               \
+            for (; r < nr; ++r) {                                                                               \
+                float one[I16_TILE_MAX_M];                                                                      \
+                const uint8_t* row = wr + r * row_bytes;                                                        \
+                switch (nm) {                                                                                   \
+                    case 1: i16_any_tile_##ISA(kind, xm, stride, in, row, row_bytes, 1, 1, blocks, one); break; \
+                    case 2: i16_any_tile_##ISA(kind, xm, stride, in, row, row_bytes, 1, 2, blocks, one); break; \
+                    case 3: i16_any_tile_##ISA(kind, xm, stride, in, row, row_bytes, 1, 3, blocks, one); break; \
+                    case 4: i16_any_tile_##ISA(kind, xm, stride, in, row, row_bytes, 1, 4, blocks, one); break; \
+                    case 5: i16_any_tile_##ISA(kind, xm, stride, in, row, row_bytes, 1, 5, blocks, one); break; \
+                    case 6: i16_any_tile_##ISA(kind, xm, stride, in, row, row_bytes, 1, 6, blocks, one); break; \
+                    case 7: i16_any_tile_##ISA(kind, xm, stride, in, row, row_bytes, 1, 7, blocks, one); break; \
+                    default: i16_any_tile_##ISA(kind, xm, stride, in, row, row_bytes, 1, 8, blocks, one); break;\
+                }                                                                                               \
+                for (int64_t k = 0; k < nm; ++k) sums[k * nr + r] = one[k];                                     \
+            }                                                                                                   \
+            for (int64_t k = 0; k < nm; ++k)                                                                    \
+                for (int64_t q = 0; q < nr; ++q) {                                                              \
+                    float v = sums[k * nr + q];                                                                 \
+                    if (bias) v += bias[o0 + q];                                                                \
+                    if (residual) v += residual[(m + k) * ld + o0 + q];                                         \
+                    out[(m + k) * ld + o0 + q] = v;                                                             \
+                }                                                                                               \
+        }                                                                                                       \
     }
-}
+DK_I16_GROUP(avx2, 1)
 #endif
 
 #if DK_QUANT_AVX512 && defined(__AVX512BW__)
@@ -1133,57 +1150,8 @@ ALWAYS_INLINE void i16_any_tile_avx512(int kind, const uint8_t* xm, int64_t stri
     else i16_any_tile_avx2(kind, xm, stride, in, w, row_bytes, R, M, blocks, sums);
 }
 
-/* i16_group_avx2 on the 512-bit tiles (Q4_0 and Q4_1; other kinds on AVX2's), two weight rows a tile for 1-4
- * activation rows (each activation vector loaded once for both: 2 rows 1.13x, 3-4 rows 1.04x from memory on a 2-core
- * Zen 5, the same bits, every output summed in its one order whatever the tile). */
-static void i16_group_avx512(int kind, const uint8_t* xi, int64_t rows, int64_t in, const uint8_t* w,
-                             int64_t row_bytes, int64_t o0, int64_t nr, const float* bias, const float* residual,
-                             float* out, int64_t ld) {
-    int64_t blocks = in / CHUNK, stride = i16_row_bytes(in);
-    const uint8_t* wr = w + o0 * row_bytes;
-    float sums[QUANT_PANEL_ROWS * I16_TILE_MAX_M];
-    for (int64_t m = 0; m < rows; m += I16_TILE_MAX_M) {
-        int64_t nm = rows - m < I16_TILE_MAX_M ? rows - m : I16_TILE_MAX_M;
-        const uint8_t* xm = xi + m * stride;
-        int64_t r = 0;
-        if (nm <= 4)
-            for (; r + 2 <= nr; r += 2) {
-                float two[8];
-                const uint8_t* rows2 = wr + r * row_bytes;
-                switch (nm) {
-                    case 1: i16_any_tile_avx512(kind, xm, stride, in, rows2, row_bytes, 2, 1, blocks, two); break;
-                    case 2: i16_any_tile_avx512(kind, xm, stride, in, rows2, row_bytes, 2, 2, blocks, two); break;
-                    case 3: i16_any_tile_avx512(kind, xm, stride, in, rows2, row_bytes, 2, 3, blocks, two); break;
-                    default: i16_any_tile_avx512(kind, xm, stride, in, rows2, row_bytes, 2, 4, blocks, two); break;
-                }
-                for (int64_t k = 0; k < nm; ++k) {
-                    sums[k * nr + r] = two[k * 2];
-                    sums[k * nr + r + 1] = two[k * 2 + 1];
-                }
-            }
-        for (; r < nr; ++r) {
-            float one[I16_TILE_MAX_M];
-            const uint8_t* row = wr + r * row_bytes;
-#define I16_TILE_CASE(M)                                                                                        \
-    case M:                                                                                                     \
-        i16_any_tile_avx512(kind, xm, stride, in, row, row_bytes, 1, M, blocks, one);                           \
-        break;
-            switch (nm) {
-                I16_TILE_CASE(1) I16_TILE_CASE(2) I16_TILE_CASE(3) I16_TILE_CASE(4)
-                I16_TILE_CASE(5) I16_TILE_CASE(6) I16_TILE_CASE(7) default: I16_TILE_CASE(8)
-            }
-#undef I16_TILE_CASE
-            for (int64_t k = 0; k < nm; ++k) sums[k * nr + r] = one[k];
-        }
-        for (int64_t k = 0; k < nm; ++k)
-            for (int64_t q = 0; q < nr; ++q) {
-                float v = sums[k * nr + q];
-                if (bias) v += bias[o0 + q];
-                if (residual) v += residual[(m + k) * ld + o0 + q];
-                out[(m + k) * ld + o0 + q] = v;
-            }
-    }
-}
+/* i16_group_avx2 on the 512-bit tiles (Q4_0 and Q4_1; other kinds on AVX2's). */
+DK_I16_GROUP(avx512, 4)
 #endif
 
 /* Weight rows per tile of 3-4 activation rows (in registers or on a panel): two where the registers hold 2 x 4 x 2
