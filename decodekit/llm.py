@@ -292,6 +292,8 @@ class AsyncLLM:
                 self._deliver(out.request_id, out)
 
     def _drain_commands(self) -> None:
+        # lowered before taking them: a command put after this raises it again, so no run outlasts a waiting command
+        self.engine.run_interrupt.lower()
         while True:
             try:
                 kind, payload = self._commands.get_nowait()
@@ -326,8 +328,7 @@ class AsyncLLM:
             raise RequestError(f"request id {rid!r} is already in use by a running stream")
         q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", (rid, prompt, params or SamplingParams(), priority, add_special_tokens)))
-        self._wake.set()
+        self._command(("add", (rid, prompt, params or SamplingParams(), priority, add_special_tokens)))
         finished = False
         try:
             while True:
@@ -345,7 +346,13 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its stream ends with finish reason "abort"."""
-        self._commands.put(("abort", request_id))
+        self._command(("abort", request_id))
+
+    def _command(self, command: tuple[str, Any]) -> None:
+        """Hand the engine thread a command; a decode run in progress ends after its current token to take it
+        (`Engine.run_interrupt`), so neither a new request nor an abort waits for a run of up to 32 tokens."""
+        self._commands.put(command)
+        self.engine.run_interrupt.raise_()
         self._wake.set()
 
     def shutdown(self) -> None:

@@ -109,9 +109,10 @@ class EngineConfig(BaseModel):
         "layer stack on a CPU, one CUDA graph replay on a GPU): when one request runs and none waits, and its tokens "
         "are plain argmaxes (greedy, no processors, logprobs or trace), up to this many tokens come from one call "
         "and then pass the stopping criteria in order, so the step's Python is paid once per run (a batch-1 token "
-        "1.05-1.15x faster on a 2-core CPU); the same tokens, streamed a run at a time. Default 8, or 32 where CUDA "
-        "graphs replay the runs (a GPU token takes ~1 ms or less, the step's Python about as long). 1: every token "
-        "its own step.")
+        "1.05-1.15x faster on a 2-core CPU); the same tokens, streamed a run at a time. A run is cut to about 0.1 s "
+        "of tokens (no fewer than 8) by the engine's timing of earlier runs, and ends after its current token when "
+        "a request arrives or is aborted through the server. Default 32 (a GPU's CUDA graph replays 32 steps too). "
+        "1: every token its own step.")
 
     tensor_parallel_size: int = Field(
         1, ge=1, description="Split the model over this many processes on this machine (tensor parallelism, "

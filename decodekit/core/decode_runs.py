@@ -10,6 +10,11 @@ step's accepted drafts do: every stopping criterion still checks every token in 
 a plugin's criteria), and the tokens after a stop are dropped. The tokens are the ones step-by-step decoding picks
 (the run makes the one-row step's calls with the same operands); a stream gets them a run at a time.
 
+A run lasts up to `decode_run_steps` steps (32 on a CPU), fewer where that would take over ~0.1 s (`RUN_SECONDS`,
+by the engine's timing of its earlier runs), so a stream of a slow model still gets its tokens every tenth of a
+second. A request that arrives (or an abort) does not wait for a run in progress: the front-end raises the engine's
+`RunInterrupt`, and the run ends after the token it is making (`AsyncLLM`).
+
 An unseeded sampled request whose only processors are temperature, top_k, top_p and min_p (`plain_draw`: what an
 OpenAI client sends by default, and llama.cpp's usual sampler settings) runs the same way, each token drawn in C from
 the softmax at its temperature, truncated as those processors truncate it (`DrawRule`), by the inverse of its CDF at
@@ -27,6 +32,27 @@ from decodekit.api.sampling import DrawRule, draw_rule
 from decodekit.api.sequence import Request, Sequence
 from decodekit.api.strategy import Strategy
 from decodekit.core.scheduler import Scheduler, wants_hidden_states
+
+RUN_SECONDS = 0.1
+"""About the longest a run lasts (`timed_run_steps`): its tokens reach a stream together, so a run of a slow model
+is kept short (a float32 token of the bundled model takes ~13 ms on a 2-core CPU: 8 steps), a fast one's long
+(a token of its GGUF ~2.7 ms: 32 steps, where a run of 8 left 0.07 ms of the step's Python a token against 0.03)."""
+
+FIRST_RUN_STEPS = 8
+"""A run's steps before the engine has timed one (and the fewest `timed_run_steps` gives where the limit allows)."""
+
+RUN_TIME_DECAY = 0.7
+"""The weight of the earlier runs in the engine's running mean of a run token's seconds (`Engine.run_token_seconds`)."""
+
+
+def timed_run_steps(limit: int, token_seconds: float | None) -> int:
+    """A run's most steps: `limit` (`EngineConfig.decode_run_steps`), cut to what lasts about `RUN_SECONDS` at
+    `token_seconds` a token, but not below `FIRST_RUN_STEPS` (a token of several tens of ms pays the step's Python
+    a hundred times over either way); `FIRST_RUN_STEPS` before any run was timed (None)."""
+    floor = min(limit, FIRST_RUN_STEPS)
+    if token_seconds is None or token_seconds <= 0:
+        return floor
+    return max(floor, min(limit, int(RUN_SECONDS / token_seconds)))
 
 
 @dataclass(frozen=True)
@@ -90,7 +116,8 @@ def plain_greedy(request: Request) -> bool:
 
 
 def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: tuple[int, ...],
-                    max_model_len: int, proposed: bool = False) -> DecodeRunPlan | None:
+                    max_model_len: int, proposed: bool = False,
+                    token_seconds: float | None = None) -> DecodeRunPlan | None:
     """The run to make instead of this step, or None (then the step runs as usual): one request running, none
     waiting that could join it (`max_num_seqs` 1 queues the others until it ends), its sequence decoding one pending
     token, `plain_greedy` (or `plain_draw`: its tokens drawn natively by its `DrawRule`), and room for at least two
@@ -99,9 +126,12 @@ def plan_decode_run(scheduler: Scheduler, config: EngineConfig, eos_token_ids: t
     With `proposed` (asked after the strategies proposed), a proposing strategy's request instead (greedy, or
     drawn by a `DrawRule` without a seed), left with no draft this step, for the steps its strategy allows
     (`Strategy.steps_without_drafts`): speculative decoding whose proposers found nothing, or whose adaptive k is 0
-    where speculation cannot pay, decodes at a decode run's pace rather than a step at a time."""
+    where speculation cannot pay, decodes at a decode run's pace rather than a step at a time.
+
+    `token_seconds`, what a run's token took lately, cuts the run to about `RUN_SECONDS` (`timed_run_steps`)."""
     limit = config.decode_run_steps
     assert limit is not None, "the execution plan resolves decode_run_steps (plan.CPU_RUN_STEPS, GRAPH_RUN_STEPS)"
+    limit = timed_run_steps(limit, token_seconds)
     if limit < 2 or len(scheduler.running) != 1:
         return None
     if scheduler.waiting and config.max_num_seqs > 1:  # a waiting request could join the next step: no run delays it

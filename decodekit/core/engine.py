@@ -23,7 +23,7 @@ from decodekit.api.params import SamplingParams
 from decodekit.api.proposer import ProposerModel
 from decodekit.api.sequence import Request, RequestOutput, Sequence
 from decodekit.api.step_cost import StepCost, StepTiming
-from decodekit.core.decode_runs import DecodeRunPlan, plan_decode_run
+from decodekit.core.decode_runs import RUN_TIME_DECAY, DecodeRunPlan, plan_decode_run
 from decodekit.core.hooks import LifecycleHooks
 from decodekit.core.logprobs import record_prompt_logprobs
 from decodekit.core.plan import Components
@@ -38,7 +38,7 @@ from decodekit.core.stages.propose import propose
 from decodekit.core.stages.select import select
 from decodekit.core.stages.stop import StopStage
 from decodekit.core.step_context import CandidateOrigin, EngineStepContext, StepRecord
-from decodekit.execution import ExecutionPlan, ModelExecutor, RunDraws, cached_step_cost, plan_execution
+from decodekit.execution import ExecutionPlan, ModelExecutor, RunDraws, RunInterrupt, cached_step_cost, plan_execution
 
 log = logging.getLogger("decodekit.engine")
 
@@ -104,6 +104,11 @@ class Engine:
         self.step_count = 0
         self.decode_run_tokens = 0
         """Tokens that came from native decode runs (`decodekit.core.decode_runs`) so far."""
+        self.run_token_seconds: float | None = None
+        """What a decode run's token took lately (a running mean), which sizes the next run (`timed_run_steps`)."""
+        self.run_interrupt = RunInterrupt()
+        """Raised by a front-end on another thread when it has a request or an abort for the engine: the native run
+        in progress ends after its current token, so they are taken within a token (`AsyncLLM`)."""
         # per sequence with candidates, the row they were chosen from (`StepContext.score_candidates`)
         self.candidate_origins: weakref.WeakKeyDictionary[Sequence, CandidateOrigin] = weakref.WeakKeyDictionary()
         torch.manual_seed(config.seed)
@@ -191,14 +196,14 @@ class Engine:
         ctx = EngineStepContext(self.scheduler, self.processing, record, self.stop.finish_sequence,
                                 self.lifecycle.set_results, self.eos_token_ids, self.max_model_len, self.vocab_size,
                                 self.candidate_origins)  # type: ignore[arg-type]
-        run = plan_decode_run(self.scheduler, self.config, self.eos_token_ids, self.max_model_len) \
-            if self.model.runs_decode else None
+        run = plan_decode_run(self.scheduler, self.config, self.eos_token_ids, self.max_model_len,
+                              token_seconds=self.run_token_seconds) if self.model.runs_decode else None
         if run is not None and self._decode_run(run, ctx):
             return self._finish_step(record)
         self._fail(propose(self.scheduler.running, ctx))
         self._fail(self.processing.take_faults())  # a proposer's processors failed for these
-        run = plan_decode_run(self.scheduler, self.config, self.eos_token_ids, self.max_model_len, proposed=True) \
-            if self.model.runs_decode else None
+        run = plan_decode_run(self.scheduler, self.config, self.eos_token_ids, self.max_model_len, proposed=True,
+                              token_seconds=self.run_token_seconds) if self.model.runs_decode else None
         # nothing drafted: the strategy lets it run natively
         if run is not None and self._decode_run(run, ctx, proposed=True):
             return self._finish_step(record)
@@ -243,13 +248,17 @@ class Engine:
             draws = None if run.rule is None else \
                 RunDraws(run.rule, torch.rand(run.steps, dtype=torch.float64))  # unseeded: the global generator
             tokens = self.model.decode_run(seq.token_ids[-1], start, self.allocator.block_table(seq.seq_id),
-                                           run.steps, run.stop_ids, self.allocator.take_pending_copies(), draws)
+                                           run.steps, run.stop_ids, self.allocator.take_pending_copies(), draws,
+                                           self.run_interrupt)
         except Exception as exc:
             log.exception("decode run failed")
             self._fail([(run.request, f"model forward failed: {exc!r}")])
             return True
         if tokens is None:
             return False
+        seconds = (time.perf_counter() - started) / max(len(tokens), 1)
+        self.run_token_seconds = seconds if self.run_token_seconds is None else \
+            RUN_TIME_DECAY * self.run_token_seconds + (1 - RUN_TIME_DECAY) * seconds
         # the pending token's keys and values and every new token's but the last are in the cache now
         self.scheduler.advance(seq, len(tokens))
         for token in tokens:

@@ -19,10 +19,10 @@ its weight matrices, re-laid linears), `kernels/` (native C for the CPU, Triton 
 
 from decodekit.execution.blocks import BlockAllocator
 from decodekit.execution.executor import ModelExecutor
-from decodekit.execution.fused.layer_stack import RunDraws
+from decodekit.execution.fused.layer_stack import RunDraws, RunInterrupt
 from decodekit.execution.items import ForwardItem
 from decodekit.execution.plan import ExecutionPlan, plan_execution
 from decodekit.execution.step_cost import cached_step_cost
 
-__all__ = ["BlockAllocator", "ExecutionPlan", "ForwardItem", "ModelExecutor", "RunDraws", "cached_step_cost",
-           "plan_execution"]
+__all__ = ["BlockAllocator", "ExecutionPlan", "ForwardItem", "ModelExecutor", "RunDraws", "RunInterrupt",
+           "cached_step_cost", "plan_execution"]

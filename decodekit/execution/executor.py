@@ -20,7 +20,7 @@ from decodekit.api.sampling import DrawRule
 from decodekit.execution.attention.kv_cache import PagedKVCache
 from decodekit.execution.blocks import BlockAllocator
 from decodekit.execution.fused.decoder import release_layer_weights
-from decodekit.execution.fused.layer_stack import RunDraws
+from decodekit.execution.fused.layer_stack import RunDraws, RunInterrupt
 from decodekit.execution.fused.relaid_linears import relay_linears
 from decodekit.execution.host_memory import retain_freed_memory
 from decodekit.execution.items import ForwardItem
@@ -91,12 +91,14 @@ class ModelExecutor:
         return self.runner.runs_decode
 
     def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],
-                   block_copies: list[tuple[int, int]], draws: RunDraws | None = None) -> list[int] | None:
+                   block_copies: list[tuple[int, int]], draws: RunDraws | None = None,
+                   interrupt: RunInterrupt | None = None) -> list[int] | None:
         """Up to `steps` greedy tokens of one sequence whose pending `token` is at `position` (its block table
-        holding every position written), ending after one of `stop_ids`: the tokens the one-row forwards would have
-        led the argmax to, with their keys and values written (the last token's stays pending); with `draws`, each
-        drawn instead (`RunDraws`). None where this model has no such runs."""
-        return self.runner.decode_run(token, position, block_table, steps, stop_ids, block_copies, draws)
+        holding every position written), ending after one of `stop_ids` (or, natively, once `interrupt` is raised):
+        the tokens the one-row forwards would have led the argmax to, with their keys and values written (the last
+        token's stays pending); with `draws`, each drawn instead (`RunDraws`). None where this model has no such
+        runs."""
+        return self.runner.decode_run(token, position, block_table, steps, stop_ids, block_copies, draws, interrupt)
 
     @property
     def forward_name(self) -> str:

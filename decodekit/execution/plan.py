@@ -44,10 +44,13 @@ PREPACK_DEFAULT_LIMIT = 2 << 30
 
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-# `decode_run_steps` left unset: a lone request's greedy tokens per call. On a CPU a token costs 3-20 ms and the
-# step's Python ~0.4 ms, so 8 pays it off while streaming finely; a GPU token of a small model costs ~1 ms or less
-# from a graph, about what the step's Python costs, so a replay makes 32 (`DecodeGraphs.decode_run`).
-CPU_RUN_STEPS = 8
+# `decode_run_steps` left unset: a lone request's greedy tokens per call at most. On a CPU a token costs 2.5-20 ms and
+# a step's Python ~0.1-0.4 ms; runs are cut to ~0.1 s of tokens by the engine's timing (`timed_run_steps`: 8 for a
+# float32 token of the bundled model, 32 for its GGUF, whose token paid 0.07 ms of Python in runs of 8 against 0.03
+# in runs of 32: 2.5% of it) and end early when a request arrives (`RunInterrupt`). A GPU token of a small model
+# costs ~1 ms or less from a graph, about what the step's Python costs, so a replay makes 32
+# (`DecodeGraphs.decode_run`).
+CPU_RUN_STEPS = 32
 GRAPH_RUN_STEPS = 32
 
 

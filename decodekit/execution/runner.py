@@ -20,7 +20,7 @@ from decodekit.execution.attention.kv_cache import (
 )
 from decodekit.execution.cuda_graphs import DecodeGraphs, GraphCaptureFailed
 from decodekit.execution.fused.decoder import FusedDecoder
-from decodekit.execution.fused.layer_stack import RunDraws
+from decodekit.execution.fused.layer_stack import RunDraws, RunInterrupt
 from decodekit.execution.geometry import text_config
 from decodekit.execution.items import ForwardItem
 from decodekit.execution.kernels.native import DecodeAttentionPlan
@@ -75,17 +75,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],
-                   block_copies: list[tuple[int, int]], draws: RunDraws | None = None) -> list[int] | None:
+                   block_copies: list[tuple[int, int]], draws: RunDraws | None = None,
+                   interrupt: RunInterrupt | None = None) -> list[int] | None:
         """Up to `steps` greedy tokens of one sequence, natively (`FusedDecoder.decode_run`) or from a graph
         (`DecodeGraphs.decode_run`), after the pending copy-on-write `block_copies`; with `draws`, sampled tokens
-        (`RunDraws`), natively only. None where this runner has no such runs (nothing is run)."""
+        (`RunDraws`), natively only; a raised `interrupt` ends a native run after its current token (a graph's
+        replay runs whole). None where this runner has no such runs (nothing is run)."""
         if not self.runs_decode or (draws is not None and self.graphs is not None):
             return None
         assert self.fused is not None
         self.kv_cache.copy_blocks(block_copies)
         if self.graphs is not None:
             return self.graphs.decode_run(token, position, block_table, steps, stop_ids)
-        return self.fused.decode_run(token, position, block_table, self.kv_cache, steps, stop_ids, draws)
+        return self.fused.decode_run(token, position, block_table, self.kv_cache, steps, stop_ids, draws, interrupt)
 
     @torch.inference_mode()
     def forward_with_hidden(self, items: list[ForwardItem], block_copies: list[tuple[int, int]]

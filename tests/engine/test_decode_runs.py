@@ -4,6 +4,7 @@ stop string or max_tokens ends it, stream every token, and are not used where a 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -12,9 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from decodekit import LLM, SamplingParams
+from decodekit import LLM, AsyncLLM, SamplingParams
 from decodekit.api.params import ComponentSpec
 from decodekit.api.sampling import DrawRule
+from decodekit.core.decode_runs import FIRST_RUN_STEPS, RUN_SECONDS, timed_run_steps
 from decodekit.execution.kernels.native import load_kernels
 from decodekit.models.tiny import tiny_model, tiny_tokenizer
 from tests.engine.test_sampling_distribution import ALPHA, p_value
@@ -185,6 +187,92 @@ def test_a_request_arriving_during_runs_is_served_and_both_stay_exact(llama):
                 outputs[out.request_id] = out.outputs[0].token_ids
     assert outputs[a.request_id] == hf_greedy(llama, first, 30)
     assert outputs[b.request_id] == hf_greedy(llama, second, 30)
+
+
+def test_a_raised_interrupt_ends_every_run_after_one_token_and_the_tokens_stay_exact(llama):
+    steps, runs = _pair(llama, steps=8)
+    engine = runs.engine
+    prompt = random_prompts(1, 4, 20, seed=21)[0]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = _tokens(steps, [prompt], params)[0]
+    request = engine.add_request(prompt, params)
+    engine.step()  # the prefill: its token is not a run's
+    engine.run_interrupt.raise_()
+    while engine.has_unfinished_requests():
+        before = engine.decode_run_tokens
+        engine.step()
+        assert engine.decode_run_tokens - before <= 1  # raised: each run ends after the token it is making
+    assert engine.decode_run_tokens >= 18  # and the runs still ran (a run makes at least one token)
+    assert request.sequences[0].generated_ids == expected
+    engine.run_interrupt.lower()
+    before = engine.decode_run_tokens
+    assert _tokens(runs, [prompt], params)[0] == expected
+    assert engine.decode_run_tokens - before == 19  # lowered: whole runs again
+
+
+def test_a_request_handed_to_a_running_async_engine_ends_the_run_in_progress(llama):
+    """A command put while a run is in progress (simulated: put from inside the run's native call's caller, just
+    before the call) ends that run after its first token, and is taken at once."""
+    llm = AsyncLLM(copy.deepcopy(llama), tiny_tokenizer(), device="cpu", fused_decoder=True,
+                   kv_cache_memory="8MiB", block_size=4, decode_run_steps=32)
+    model = llm.engine.model
+    lengths: list[int] = []
+    run = model.decode_run
+
+    def arrives_during(*args: Any, **kwargs: Any) -> list[int] | None:
+        if not lengths:  # the first run: an abort of its own request comes in while it runs
+            llm.abort("long")
+        tokens = run(*args, **kwargs)
+        lengths.append(len(tokens or []))
+        return tokens
+
+    model.decode_run = arrives_during  # type: ignore[method-assign]
+    prompt = random_prompts(1, 4, 10, seed=22)[0]
+
+    async def stream() -> Any:
+        last = None
+        async for out in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                                      request_id="long"):
+            last = out
+        return last
+
+    try:
+        last = asyncio.run(stream())
+    finally:
+        llm.shutdown()
+    assert lengths[0] == 1  # not 32: the run stopped for the abort
+    assert last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) < 8
+
+
+@settings(max_examples=30, deadline=None)
+@given(limit=st.integers(1, 64), token_seconds=st.one_of(st.none(), st.floats(1e-5, 1.0)),
+       slower=st.floats(1.0, 10.0))
+def test_a_run_lasts_about_run_seconds_and_never_fewer_than_eight_steps_where_the_limit_allows(limit, token_seconds,
+                                                                                                 slower):
+    steps = timed_run_steps(limit, token_seconds)
+    assert min(limit, FIRST_RUN_STEPS) <= steps <= limit
+    if token_seconds is None:
+        assert steps == min(limit, FIRST_RUN_STEPS)
+        return
+    if steps > FIRST_RUN_STEPS:  # cut by time, not by the floor: about RUN_SECONDS of tokens
+        assert steps * token_seconds <= RUN_SECONDS + 1e-9
+    assert timed_run_steps(limit, token_seconds * slower) <= steps  # a slower token: never a longer run
+
+
+def test_the_engine_sizes_runs_by_its_timing_of_earlier_runs(llama):
+    _, runs = _pair(llama, steps=32)
+    engine = runs.engine
+    prompt = random_prompts(1, 4, 10, seed=23)[0]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    engine.step()  # the prefill
+    made = []
+    for slow in (None, 0.05, RUN_SECONDS / 20):  # untimed; a slow token; a fast one
+        engine.run_token_seconds = slow
+        before = engine.decode_run_tokens
+        engine.step()
+        made.append(engine.decode_run_tokens - before)
+    assert made == [FIRST_RUN_STEPS, FIRST_RUN_STEPS, 20]
+    assert engine.run_token_seconds is not None and engine.run_token_seconds > 0  # the runs were timed
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

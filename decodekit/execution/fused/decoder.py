@@ -61,7 +61,7 @@ from decodekit.execution.fused.blocks import (
     projections,
     qkv_bias_of,
 )
-from decodekit.execution.fused.layer_stack import DecodeRun, NativeLayerStack, RunDraws
+from decodekit.execution.fused.layer_stack import DecodeRun, NativeLayerStack, RunDraws, RunInterrupt
 from decodekit.execution.fused.stored_matrices import (
     STORED_QUANTIZATION,
     LayerMatrix,
@@ -411,13 +411,14 @@ class FusedDecoder:
         return self.decode_runner is not None and self.native_stack is not None
 
     def decode_run(self, token: int, position: int, block_table: list[int], cache: PagedKVCache, steps: int,
-                   stop_ids: Sequence[int], draws: RunDraws | None = None) -> list[int] | None:
+                   stop_ids: Sequence[int], draws: RunDraws | None = None,
+                   interrupt: RunInterrupt | None = None) -> list[int] | None:
         """Up to `steps` greedy tokens of one sequence whose pending `token` sits at `position` (`block_table`
         holding every position the run writes), each the argmax of the logits this decoder's one-row step would
         give, ending after one of `stop_ids`; None (nothing run) where `runs_decode` is False or the cache's pools
         are not ones the kernels read. The keys and values of the pending token and of every new token but the last are
         written, as the step-by-step forwards would have. With `draws`, each token is drawn as they say instead
-        (`RunDraws`)."""
+        (`RunDraws`); a raised `interrupt` ends the run after its current token."""
         run = self.decode_runner
         if run is None or not self.runs_decode:
             return None
@@ -425,7 +426,7 @@ class FusedDecoder:
         if needed > self._rope_positions:
             self._rope_by_position(self.dtype, needed)
         cos, signed_sin = self._rope_cache[None]
-        return run(cache, cos, signed_sin, block_table, token, position, steps, stop_ids, draws)
+        return run(cache, cos, signed_sin, block_table, token, position, steps, stop_ids, draws, interrupt)
 
     def native_chunk_keys(self, tokens: int, cache: PagedKVCache) -> int:
         """The most keys (context and chunk) of a sequence whose prefill chunk, in a step of `tokens` tokens, the

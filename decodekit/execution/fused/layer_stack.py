@@ -101,7 +101,36 @@ class RunModel(ctypes.Structure):
     _fields_ = [("embed", _p), ("embed_bf16", _i), ("vocab", _i), ("final_norm", _p), ("final_eps", _f),
                 ("head", StackMatrix), ("cos", _p), ("signed_sin", _p), ("rope_positions", _i), ("head_dim", _i),
                 ("block_table", _p), ("blocks", _i), ("stop_ids", _p), ("stop_count", _i),
-                ("draw", DrawRuleFields), ("uniforms", _p), ("probs", _p)]
+                ("draw", DrawRuleFields), ("uniforms", _p), ("probs", _p), ("interrupt", _p)]
+
+
+class RunInterrupt:
+    """A flag another thread raises to end the decode run in progress after the token it is making (`dk_decode_run`
+    reads it after each token): a front-end that hands the engine a new request or an abort raises it, so that a
+    long run does not delay them, and lowers it when the engine has taken them (`AsyncLLM`). Raising it while no
+    run is in progress ends the next run after its first token; a run always makes at least one."""
+
+    def __init__(self) -> None:
+        """A lowered flag."""
+        self._flag = ctypes.c_int32(0)
+
+    def raise_(self) -> None:
+        """End the run in progress (or the next) after its current token; safe from any thread."""
+        self._flag.value = 1
+
+    def lower(self) -> None:
+        """Let runs go their whole length again."""
+        self._flag.value = 0
+
+    @property
+    def raised(self) -> bool:
+        """Whether the flag is up."""
+        return bool(self._flag.value)
+
+    @property
+    def address(self) -> int:
+        """Where the native run reads the flag."""
+        return ctypes.addressof(self._flag)
 
 
 @dataclass
@@ -388,10 +417,11 @@ class DecodeRun:
 
     def __call__(self, cache: PagedKVCache, cos: torch.Tensor, signed_sin: torch.Tensor, block_table: list[int],
                  token: int, position: int, steps: int, stop_ids: Sequence[int],
-                 draws: RunDraws | None = None) -> list[int] | None:
+                 draws: RunDraws | None = None, interrupt: RunInterrupt | None = None) -> list[int] | None:
         """Up to `steps` greedy tokens after the pending `token` at `position` (its keys and values, and each new
-        token's but the last, written to `cache` at `block_table`'s slots), ending early after one of `stop_ids`;
-        with `draws`, each token drawn as they say instead of the argmax. `cos`/`signed_sin` are the RoPE tables by
+        token's but the last, written to `cache` at `block_table`'s slots), ending early after one of `stop_ids`
+        or once `interrupt` is raised; with `draws`, each token drawn as they say instead of the argmax.
+        `cos`/`signed_sin` are the RoPE tables by
         position (`[positions, head_dim]`, float32). None (nothing run) where the cache's pools are not ones the
         kernels read.
 
@@ -418,6 +448,7 @@ class DecodeRun:
         model.draw.set(None if draws is None else draws.rule)
         model.uniforms = None if draws is None else draws.uniforms.data_ptr()
         model.probs = None if probs is None else probs.data_ptr()
+        model.interrupt = None if interrupt is None else interrupt.address
         out = torch.empty(max(steps, 1), dtype=torch.long)
         stack = self.stack
         done = self._native.decode_run(ctypes.addressof(stack.layers), len(stack.layers), stack.hidden_dim,

@@ -167,7 +167,7 @@ class TensorParallelRunner:
         return self.forward_with_hidden(items, block_copies)[0]
 
     def decode_run(self, token: int, position: int, block_table: list[int], steps: int, stop_ids: Sequence[int],
-                   block_copies: list[tuple[int, int]], draws: Any = None) -> list[int] | None:
+                   block_copies: list[tuple[int, int]], draws: Any = None, interrupt: Any = None) -> list[int] | None:
         """None: a split model runs no native decode runs (`runs_decode`)."""
         return None
 

@@ -383,6 +383,8 @@ typedef struct {
     dk_draw_rule draw;          /* temperature 0: each token the argmax; else drawn as the rule says (draws.c) */
     const double* uniforms;     /* with a temperature: step i's draw, in [0, 1) */
     float* probs;               /* with a temperature: [steps, vocab], step i's distribution (may be NULL) */
+    const volatile int32_t* interrupt; /* non-zero: end after the token being made (another thread sets it: a
+                                        * request arrived or was aborted); may be NULL */
 } dk_run_model;
 
 /* Scratch of a run beyond the stack's: two hidden rows and the logits row. */
@@ -400,6 +402,7 @@ typedef struct {
  * dk_draw_token). The engine's one-row steps make the same calls with the same operands (the runner's plan for one
  * decode token: slot from the block table, keys 0..position, the position's RoPE row), so the logits are the ones
  * it would compute step by step, and a greedy run's tokens the ones it would pick. Stops early after a stop id.
+ * Ends early too once m->interrupt reads non-zero (checked after each token, so a run makes at least one).
  * Returns the tokens produced; -1/-2 as dk_layer_stack (-2 also where a draw's scratch could not be allocated); -3
  * when a position lies past the block table or the RoPE tables (the caller sizes both). */
 int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidden_dim, void* const* key_pools,
@@ -450,6 +453,7 @@ int64_t dk_decode_run(const dk_stack_layer* layers, int64_t count, int64_t hidde
         out_tokens[i] = token;
         for (int64_t s = 0; s < m->stop_count; ++s)
             if (m->stop_ids[s] == token) return i + 1;
+        if (m->interrupt != NULL && *m->interrupt != 0) return i + 1;
     }
     return steps;
 }
