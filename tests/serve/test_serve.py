@@ -111,22 +111,30 @@ def test_the_served_name_and_the_recipes_model_name_are_listed_and_both_answer(c
     assert httpx.get(f"{served.url}/health").json() == {"status": "ok"}
 
 
+LONG = {"ignore_eos": True}
+"""An answer of several decode runs (a tiny model's runs are 32 tokens), so that the stream comes in pieces."""
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_streamed_deltas_concatenate_to_the_non_streamed_text_and_usage_comes_last(client, chat):
     if chat:
-        whole = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=12, stop=["oou"])
-        chunks = list(client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=12, stop=["oou"],
+        whole = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=80, stop=["oou"],
+                                               extra_body=LONG)
+        chunks = list(client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=80, stop=["oou"],
+                                                     extra_body=LONG,
                                                      stream=True, stream_options={"include_usage": True}))
         texts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
         assert chunks[0].choices[0].delta.role == "assistant"
         text = whole.choices[0].message.content
     else:
-        whole = client.completions.create(model="tiny", prompt="The capital", max_tokens=12, stop=[" He"])
-        chunks = list(client.completions.create(model="tiny", prompt="The capital", max_tokens=12, stop=[" He"],
+        whole = client.completions.create(model="tiny", prompt="The capital", max_tokens=80, stop=["oou"],
+                                          extra_body=LONG)
+        chunks = list(client.completions.create(model="tiny", prompt="The capital", max_tokens=80, stop=["oou"],
+                                                extra_body=LONG,
                                                 stream=True, stream_options={"include_usage": True}))
         texts = [c.choices[0].text for c in chunks if c.choices]
         text = whole.choices[0].text
-    # in pieces (a lone greedy request streams a decode run, up to 8 tokens, per chunk)
+    # in pieces (a lone greedy request streams a decode run, up to 32 tokens or ~0.1 s of them, per chunk)
     assert "".join(texts) == text and len(texts) > 1
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
