@@ -35,7 +35,7 @@ from decodekit.core.scheduler import Scheduler, wants_hidden_states
 
 RUN_SECONDS = 0.1
 """About the longest a run lasts (`timed_run_steps`): its tokens reach a stream together, so a run of a slow model
-is kept short (a float32 token of the bundled model takes ~13 ms on a 2-core CPU: 8 steps), a fast one's long
+is kept short (a float32 token of the bundled model takes 8-13 ms on a 2-core CPU: 8-12 steps), a fast one's long
 (a token of its GGUF ~2.7 ms: 32 steps, where a run of 8 left 0.07 ms of the step's Python a token against 0.03)."""
 
 FIRST_RUN_STEPS = 8

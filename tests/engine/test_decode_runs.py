@@ -238,6 +238,7 @@ def test_a_request_handed_to_a_running_async_engine_ends_the_run_in_progress(lla
 
     try:
         last = asyncio.run(stream())
+        assert not llm.engine.run_interrupt.raised  # lowered when the engine took the abort
     finally:
         llm.shutdown()
     assert lengths[0] == 1  # not 32: the run stopped for the abort
