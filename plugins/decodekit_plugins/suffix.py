@@ -7,9 +7,10 @@ output grows) and one global to the engine, over the outputs of recent finished 
 (oldest evicted first, at most `global_cache_tokens` tokens). From the match, each draft token is the most frequent
 continuation of the path so far, while the product of those frequencies stays at least `min_token_prob`; the draft
 is at most `max_spec_factor * match_length + max_spec_offset` tokens long (a long match is evidence of a long copy,
-as the paper sets its draft length). Of the two drafts, the one with the higher score (the expected number of
-accepted tokens, the sum of the cumulative frequencies) is proposed. A seeded sampled request drafts from its own
-tokens only, so its output is the same whatever the engine served before.
+as the paper sets its draft length); where the indexes' depth leaves the longest match too little room, a shorter
+match's draft competes with it (`suffix_tree.follow`). Of the two drafts, the one with the higher score (the
+expected number of accepted tokens, the sum of the cumulative frequencies) is proposed. A seeded sampled request
+drafts from its own tokens only, so its output is the same whatever the engine served before.
 
 The drafts are deterministic (no `q`), so sampled requests stay lossless under the strategy's acceptance rule.
 

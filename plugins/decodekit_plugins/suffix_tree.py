@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -82,10 +83,11 @@ class SuffixTrie:
             del node.children[path[-1]]
             self.num_nodes -= 1
 
-    def match(self, context: Sequence[int]) -> Match | None:
-        """The longest suffix of `context` (at most `max_depth - 1` tokens, so one more fits below it) that occurs
-        in the trie with at least one continuation, or None when not even its last token does."""
-        longest = min(len(context), self.max_depth - 1)
+    def match(self, context: Sequence[int], longest: int | None = None) -> Match | None:
+        """The longest suffix of `context` (at most `max_depth - 1` tokens, so one more fits below it, and at most
+        `longest`) that occurs in the trie with at least one continuation, or None when not even its last token
+        does."""
+        longest = min(len(context), self.max_depth - 1, self.max_depth if longest is None else longest)
         for length in range(longest, 0, -1):
             node: Node | None = self.root
             for token in context[len(context) - length :]:
@@ -118,9 +120,8 @@ class SuffixTrie:
 
     def follow(self, context: Sequence[int], limit: Callable[[int], int],
                min_prob: float) -> tuple[list[int], list[float]]:
-        """`continuation` of `match(context)`, at most `limit(match length)` tokens; nothing without a match."""
-        match = self.match(context)
-        return ([], []) if match is None else self.continuation(match, limit(match.length), min_prob)
+        """The draft after `context` (`follow`)."""
+        return follow(self, context, limit, min_prob)
 
 
 class TrieCursor:
@@ -150,6 +151,51 @@ class TrieCursor:
 
 SEPARATOR = -1
 """Ends a sequence in a `SequenceIndex` of several (no token id is negative)."""
+
+
+class _Matched(Protocol):
+    """A match's length (`Match`, `IndexMatch`)."""
+
+    length: int
+
+
+_M = TypeVar("_M", bound=_Matched)
+
+
+class _Searched(Protocol[_M]):
+    """What `follow` searches: a `SuffixTrie` (its matches are `Match`es) or a `SequenceIndex` (`IndexMatch`es)."""
+
+    max_depth: int
+
+    def match(self, context: Sequence[int], longest: int | None = None) -> _M | None: ...
+
+    def continuation(self, match: _M, limit: int, min_prob: float) -> tuple[list[int], list[float]]: ...
+
+
+def follow(index: _Searched[_M], context: Sequence[int], limit: Callable[[int], int],
+           min_prob: float) -> tuple[list[int], list[float]]:
+    """The draft after `context` in `index` (a trie or a sequence's index): the most frequent continuation of
+    `context`'s longest matched suffix, at most `limit(match length)` tokens (`continuation`); nothing without a
+    match. Where the index's depth cut that continuation short (a match of `max_depth - 1` tokens leaves room for
+    one), the continuation of the longest shorter suffix with room for the whole limit is taken instead if it scores
+    more (the sum of its cumulative frequencies: its expected accepted tokens), as SuffixDecoding scores the drafts
+    of each match length: in a long copy every longest match is depth-bound, and the longest alone drafted one token
+    a step there (the bundled model's copy prompts: 16 one-token steps in a row)."""
+    match = index.match(context)
+    if match is None:
+        return [], []
+    length = match.length
+    want = limit(length)
+    tokens, probs = index.continuation(match, want, min_prob)
+    room = index.max_depth - length  # the longest continuation the depth lets this match have
+    shorter = index.max_depth - want  # the longest match with room for `want` tokens
+    if len(tokens) < want and len(tokens) == room and 1 <= shorter < length:
+        other = index.match(context, longest=shorter)
+        assert other is not None  # a suffix of a continued match is continued too
+        more, more_probs = index.continuation(other, limit(other.length), min_prob)
+        if sum(more_probs) > sum(probs):
+            return more, more_probs
+    return tokens, probs
 
 
 @dataclass
@@ -192,9 +238,9 @@ class SequenceIndex:
                 self._positions.setdefault(token, []).append(self.length)
             self.length += 1
 
-    def match(self, context: Sequence[int]) -> IndexMatch | None:
-        """The longest suffix of `context` (at most `max_depth - 1` tokens) that occurs in the sequence followed by
-        a token, or None when not even its last token does (`SuffixTrie.match`)."""
+    def match(self, context: Sequence[int], longest: int | None = None) -> IndexMatch | None:
+        """The longest suffix of `context` (at most `max_depth - 1` tokens, and at most `longest`) that occurs in the
+        sequence followed by a token, or None when not even its last token does (`SuffixTrie.match`)."""
         if not context or self.max_depth < 2:
             return None
         seen = self._positions.get(context[-1])
@@ -205,7 +251,7 @@ class SequenceIndex:
         ends = ends[self._tokens[ends + 1] != SEPARATOR]  # a token follows
         if not ends.size:
             return None
-        longest = min(len(context), self.max_depth - 1)
+        longest = min(len(context), self.max_depth - 1, self.max_depth if longest is None else longest)
         length = 1
         while length < longest:  # a longer suffix's occurrences are among the shorter one's
             starts = ends - length
@@ -243,9 +289,8 @@ class SequenceIndex:
 
     def follow(self, context: Sequence[int], limit: Callable[[int], int],
                min_prob: float) -> tuple[list[int], list[float]]:
-        """`continuation` of `match(context)`, at most `limit(match length)` tokens; nothing without a match."""
-        match = self.match(context)
-        return ([], []) if match is None else self.continuation(match, limit(match.length), min_prob)
+        """The draft after `context` (`follow`)."""
+        return follow(self, context, limit, min_prob)
 
 
 class RecentOutputs(SequenceIndex):

@@ -85,15 +85,42 @@ def test_a_draft_follows_the_most_frequent_continuation_within_its_length_bound(
     trie.add(text)
     options = SuffixParams(max_spec_factor=factor, min_token_prob=min_prob)
     draft = suffix_draft([trie], context, k, options)
-    length, after = brute_match(text, context, 8)
+    length, _ = brute_match(text, context, 8)
     assert len(draft) <= min(k, int(factor * length))
-    if draft:  # its first token is the most frequent continuation (ties to the smaller id), likely enough
+    if not draft:
+        return
+    # it follows a suffix of the context that occurs in the text with the draft after it, within the depth, and
+    # its first token is that suffix's most frequent continuation (ties to the smaller id), likely enough
+    def follows(size: int) -> bool:
+        after = Counter(text[i + size] for i in range(len(text) - size) if text[i : i + size] == context[-size:])
         best = max(after.items(), key=lambda item: (item[1], -item[0]))
-        assert draft[0] == best[0] and best[1] / sum(after.values()) >= min_prob
-        match = trie.match(context)
-        assert match is not None
-        _, probs = trie.continuation(match, len(draft), min_prob)
-        assert all(a >= b >= min_prob for a, b in itertools.pairwise(probs))
+        whole = context[-size:] + draft
+        return (best[0] == draft[0] and best[1] / sum(after.values()) >= min_prob and size + len(draft) <= 8
+                and any(text[i : i + len(whole)] == whole for i in range(len(text))))
+
+    assert any(follows(size) for size in range(1, length + 1))
+    tokens, probs = trie.follow(context, lambda size: min(k, int(factor * size)), min_prob)
+    assert tokens == draft and all(a >= b >= min_prob for a, b in itertools.pairwise(probs))
+    # never a lower score than the longest match's own continuation
+    match = trie.match(context)
+    assert match is not None
+    _, longest_probs = trie.continuation(match, min(k, int(factor * match.length)), min_prob)
+    assert sum(probs) >= sum(longest_probs)
+
+
+def test_a_long_copy_drafts_its_whole_limit_though_the_longest_match_fills_the_depth():
+    text = list(range(100, 160))  # 60 distinct tokens, then the first 40 again: the context copies the text
+    for index in (SuffixTrie(24), SequenceIndex(24)):
+        context = text + text[:40]
+        if isinstance(index, SuffixTrie):
+            index.add(context)
+        else:
+            index.extend(context)
+        match = index.match(context)
+        assert match is not None and match.length == 23  # the depth's longest: room for one token after it
+        assert index.continuation(match, 10, 0.1)[0] == text[40:41]
+        tokens, probs = index.follow(context, lambda size: min(10, size), 0.1)
+        assert tokens == text[40:50] and probs == [1.0] * 10
 
 
 
@@ -111,6 +138,8 @@ def test_a_sequences_index_matches_and_continues_as_a_trie_of_it_does(text, more
         if by_trie is not None and by_index is not None:
             assert by_index.length == by_trie.length
             assert index.continuation(by_index, limit, min_prob) == trie.continuation(by_trie, limit, min_prob)
+        assert (index.follow(ctx, lambda size: min(limit, size), min_prob)
+                == trie.follow(ctx, lambda size: min(limit, size), min_prob))
 
 
 
