@@ -230,6 +230,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32",
                         help="the target's dtype (`auto`: the bundled GGUF's blocks as stored, where the "
                         "configurations without a draft model run)")
+    parser.add_argument("--quantization", choices=["int8", "bf16", "q4_0", "q4_1", "q8_0"], default=None,
+                        help="quantize the target's weights on load (with --dtype float32; e.g. `int8`, whose rows "
+                        "cost the least beyond the first, so verifying a draft is cheapest)")
     args = parser.parse_args()
     quantization = args.draft_quantization
     known = {name.replace("int8", quantization): strategy for name, strategy in SPEC_CONFIGS.items()}
@@ -243,8 +246,10 @@ def main() -> None:
     # the quantized self-draft serves the `draft` configurations; plain, n-gram, suffix and beam never open it
     uses_draft = any(_uses_draft(strategy) for strategy in configs.values())
     llm = LLM("smollm2-135m-instruct", dtype=args.dtype,
-              **({"draft": "target", "draft_quantization": quantization} if uses_draft else {}))
-    print(machine_line(environment(), args.dtype), f"| {llm.engine.model.forward_name}", flush=True)
+              **({"draft": "target", "draft_quantization": quantization} if uses_draft else {}),
+              **({"quantization": args.quantization} if args.quantization else {}))
+    target = args.dtype + (f", {args.quantization} weights" if args.quantization else "")
+    print(machine_line(environment(), target), f"| {llm.engine.model.forward_name}", flush=True)
     if args.which in ("spec", "all"):
         bench_spec(llm, args.repeats, configs, tuple(int(b) for b in args.batches.split(",")), args.max_tokens,
                    args.keep_suffix_outputs, args.sample_n, args.seeded)
